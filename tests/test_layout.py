@@ -1,0 +1,57 @@
+"""Repository layout guarantees: import names and layering."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_operator_folder_does_not_shadow_stdlib_operator() -> None:
+    """`operator/` on the path must not replace the standard library module."""
+    env = dict(os.environ, PYTHONPATH=".")
+    out = subprocess.run(
+        [sys.executable, "-c", "import collections, operator; print(operator.__file__)"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    assert Path(out).resolve().is_relative_to(stdlib), out
+    assert not (REPO / "operator" / "__init__.py").exists()
+
+
+def test_operator_package_imports_under_its_own_name() -> None:
+    import flexkv_operator
+
+    assert Path(flexkv_operator.__file__).resolve().is_relative_to(REPO / "operator")
+
+
+def _imports(folder: Path) -> dict[Path, set[str]]:
+    pattern = re.compile(r"^\s*(?:import|from)\s+([A-Za-z_][\w]*)", re.MULTILINE)
+    return {p: set(pattern.findall(p.read_text())) for p in folder.rglob("*.py")}
+
+
+def test_operator_never_imports_data_plane_packages() -> None:
+    offenders = {
+        str(p.relative_to(REPO)): mods & {"torch", "zmq", "node_agent"}
+        for p, mods in _imports(REPO / "operator").items()
+        if mods & {"torch", "zmq", "node_agent"}
+    }
+    assert offenders == {}
+
+
+def test_node_agent_never_imports_kopf() -> None:
+    offenders = {
+        str(p.relative_to(REPO)): mods & {"kopf", "flexkv_operator"}
+        for p, mods in _imports(REPO / "node_agent").items()
+        if mods & {"kopf", "flexkv_operator"}
+    }
+    assert offenders == {}
