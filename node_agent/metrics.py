@@ -1,0 +1,95 @@
+"""The agent's Prometheus metrics, defined once and registered in an injected registry.
+
+Every component (backend, connector, fan-out, engine API) receives one
+:class:`AgentMetrics` and records into it; the HTTP app serves the same registry.
+Names and labels are the contract in ``docs/contracts.md`` section 6; the Grafana
+dashboard depends on them, so renaming one is a breaking change.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Latency buckets from 50 us to 10 s: match calls sit at the low end, SSD
+# transfers and fan-out waits at the high end.
+_LATENCY_BUCKETS = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
+    0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)
+
+
+class AgentMetrics:
+    """All agent metrics in one registry (a fresh private one when none is given)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.lookup_tokens = Counter(
+            "flexkv_agent_lookup_tokens", "Tokens asked for by engine lookups", registry=r
+        )
+        self.hit_tokens = Counter(
+            "flexkv_agent_hit_tokens", "Looked-up tokens found in a cache tier", ["tier"],
+            registry=r,
+        )
+        self.stored_tokens = Counter(
+            "flexkv_agent_stored_tokens", "Tokens whose KV was stored and became visible",
+            registry=r,
+        )
+        self.transfer_bytes = Counter(
+            "flexkv_agent_transfer_bytes", "KV bytes moved between engine buffers and tiers",
+            ["direction", "tier"], registry=r,
+        )
+        self.transfer_seconds = Histogram(
+            "flexkv_agent_transfer_seconds", "Duration of one task's transfer", ["direction"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.match_seconds = Histogram(
+            "flexkv_agent_match_seconds", "Duration of get_match / put_match", ["op"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.tier_capacity_bytes = Gauge(
+            "flexkv_agent_tier_capacity_bytes", "Configured capacity of a cache tier", ["tier"],
+            registry=r,
+        )
+        self.tier_used_bytes = Gauge(
+            "flexkv_agent_tier_used_bytes", "Bytes of a cache tier holding blocks", ["tier"],
+            registry=r,
+        )
+        self.evictions = Counter(
+            "flexkv_agent_evictions", "Blocks evicted from a tier", ["tier"], registry=r
+        )
+        self.engine_requests = Counter(
+            "flexkv_agent_engine_requests", "Engine API calls by operation and outcome",
+            ["op", "outcome"], registry=r,
+        )
+        self.engine_request_seconds = Histogram(
+            "flexkv_agent_engine_request_seconds", "Duration of engine API calls", ["op"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.fanout_lag_seconds = Histogram(
+            "flexkv_agent_fanout_lag_seconds",
+            "Leader decision sent to applied on this follower", ["group"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.fanout_dropped = Counter(
+            "flexkv_agent_fanout_dropped", "Fan-out messages dropped, by reason",
+            ["group", "reason"], registry=r,
+        )
+        self.pp_role = Gauge(
+            "flexkv_agent_pp_role", "1 for this agent's current role in a PP group",
+            ["group", "role"], registry=r,
+        )
+        self.pp_epoch = Gauge(
+            "flexkv_agent_pp_epoch", "Leader epoch this agent follows in a PP group", ["group"],
+            registry=r,
+        )
+        self.leader_changes = Counter(
+            "flexkv_agent_leader_changes", "Leader changes seen in a PP group", ["group"],
+            registry=r,
+        )
+        self.ready = Gauge("flexkv_agent_ready", "1 when /readyz answers 200", registry=r)
+
+    def set_role(self, group: str, role: str) -> None:
+        """Mark ``role`` (leader or follower) as current for ``group``, the other as 0."""
+        for r in ("leader", "follower"):
+            self.pp_role.labels(group=group, role=r).set(1 if r == role else 0)
