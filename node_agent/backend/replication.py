@@ -1,0 +1,144 @@
+"""How a PP group keeps every stage's cache identical: the leader decides, stages execute.
+
+A pipeline-parallel engine replica has one stage per node; each stage holds the KV
+of its own layers. Only the group leader owns an index and makes decisions (FlexKV's
+model: the master decides, remote transfer managers execute). Every decision is
+expressed in *physical* terms so followers never match, allocate or evict on their
+own, and every stage holds the same blocks at the same places:
+
+* a store or load is a :class:`TransferPlan`: the tier blocks of each masked block,
+  in token order, plus the slots each stage takes from its own ``kv_indices``;
+* tier movement (a CPU block spilled to SSD, a block dropped) is a :class:`TierMove`,
+  decided by the leader and applied by every stage in the same ordered stream.
+
+Two roles implement this module's interfaces:
+
+* :class:`StageStore` is a stage's storage without an index: tiers of a fixed
+  number of blocks and a transfer engine. Followers use it directly; the leader's
+  backend is built on one.
+* :class:`ReplicatedBackend` is the leader-side extension of
+  :class:`~node_agent.backend.base.KVBackend`: it exposes each task's plan, the
+  moves it decided, and holds finished stores invisible until every stage has
+  finished them (DESIGN.md invariant 2).
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from node_agent.backend.base import KVBackend, SlotArray
+
+
+class Tier(enum.Enum):
+    """A cache tier of a stage."""
+
+    CPU = "cpu"
+    SSD = "ssd"
+
+
+class Direction(enum.Enum):
+    """Which way a plan moves KV: engine slots to tiers (STORE) or back (LOAD)."""
+
+    STORE = "store"
+    LOAD = "load"
+
+
+@dataclass(frozen=True, order=True)
+class BlockLocation:
+    """One physical block of a tier: ``index`` in ``[0, num_blocks(tier))``."""
+
+    tier: Tier
+    index: int
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """What one stage copies for one task.
+
+    ``blocks[i]`` is where the i-th masked block of the task lives (LOAD) or will
+    live (STORE). The slot mapping executed with the plan holds
+    ``len(blocks) * tokens_per_block`` slots in token order.
+    """
+
+    direction: Direction
+    blocks: tuple[BlockLocation, ...]
+
+
+@dataclass(frozen=True)
+class TierMove:
+    """A leader decision to move a block between tiers, or drop it (``dst`` None).
+
+    Dropping needs no copy; moving copies the stage's own bytes of ``src`` to
+    ``dst``. Every stage applies moves in stream order, before any later plan.
+    """
+
+    src: BlockLocation
+    dst: BlockLocation | None
+
+
+class StageStore(abc.ABC):
+    """Index-free storage of one PP stage, addressed by physical block.
+
+    Thread safety: ``execute`` may run concurrently for plans whose blocks do
+    not overlap; ``apply_moves`` is called in stream order.
+    """
+
+    @abc.abstractmethod
+    def num_blocks(self, tier: Tier) -> int:
+        """Capacity of ``tier`` in blocks (0 when the tier is not configured)."""
+
+    @abc.abstractmethod
+    def execute(self, plan: TransferPlan, slot_mapping: SlotArray, timeout: float) -> None:
+        """Copy between this stage's registered engine buffers and ``plan``'s blocks.
+
+        Validates ``slot_mapping`` first (1-D integer, length
+        ``len(plan.blocks) * tokens_per_block``, in range, non-negative, no
+        duplicates) and raises ``ValueError`` naming the bad value with nothing
+        copied. Raises ``TimeoutError`` when the copy does not finish in
+        ``timeout`` seconds; the caller must then treat the blocks as not stored.
+        """
+
+    @abc.abstractmethod
+    def apply_moves(self, moves: Sequence[TierMove]) -> None:
+        """Apply leader-decided tier moves in order (copy, then the source is free)."""
+
+    @abc.abstractmethod
+    def reset(self) -> None:
+        """Forget every block's content (a flush); registered buffers stay."""
+
+
+class ReplicatedBackend(KVBackend):
+    """Leader-side backend of a PP group: a :class:`KVBackend` whose decisions can
+    be replayed on other stages.
+
+    Construct it with deferred visibility: a put task that finishes SUCCESS
+    locally keeps its blocks invisible to ``get_match`` until :meth:`publish`
+    (every stage finished) or :meth:`discard` (some stage failed).
+    """
+
+    @abc.abstractmethod
+    def plan_of(self, task_id: int) -> TransferPlan:
+        """The physical plan of a matched task (valid from match until reaped).
+
+        Raises ``TaskNotFoundError`` for an unknown id.
+        """
+
+    @abc.abstractmethod
+    def drain_moves(self) -> list[TierMove]:
+        """Tier moves decided since the last call, in decision order.
+
+        The leader sends them to the followers *before* any plan issued after
+        them, because a later plan may reuse a block a move freed.
+        """
+
+    @abc.abstractmethod
+    def publish(self, task_id: int) -> None:
+        """Make a finished put's blocks visible to lookups (all stages stored them)."""
+
+    @abc.abstractmethod
+    def discard(self, task_id: int) -> None:
+        """Drop a put whose blocks some stage failed to store: the blocks stay
+        invisible and their space is freed. Idempotent."""
