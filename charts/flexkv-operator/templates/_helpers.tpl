@@ -1,0 +1,147 @@
+{{/*
+Names, labels and derived values shared by every template. All helpers are
+prefixed "flexkv-operator." so they never collide with a parent chart's.
+*/}}
+
+{{/* The chart name, or nameOverride. */}}
+{{- define "flexkv-operator.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+The release-qualified name used as the prefix of every object, cut to 63
+characters (DNS-1123 label). A release already named like the chart is not
+repeated.
+*/}}
+{{- define "flexkv-operator.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* "<chart>-<version>" for the helm.sh/chart label. */}}
+{{- define "flexkv-operator.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels on every object. */}}
+{{- define "flexkv-operator.labels" -}}
+helm.sh/chart: {{ include "flexkv-operator.chart" . }}
+{{ include "flexkv-operator.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: flexkv
+{{- end }}
+
+{{/* Labels that select the operator's pods; never change them on upgrade. */}}
+{{- define "flexkv-operator.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "flexkv-operator.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* The operator's ServiceAccount name. */}}
+{{- define "flexkv-operator.operatorServiceAccountName" -}}
+{{- default (printf "%s-operator" (include "flexkv-operator.fullname" . | trunc 54 | trimSuffix "-")) .Values.operator.serviceAccount.name }}
+{{- end }}
+
+{{/* The agents' ServiceAccount name (the same in every agent namespace). */}}
+{{- define "flexkv-operator.agentServiceAccountName" -}}
+{{- default (printf "%s-agent" (include "flexkv-operator.fullname" . | trunc 57 | trimSuffix "-")) .Values.agent.serviceAccount.name }}
+{{- end }}
+
+{{/* The image tag: image.tag, or the chart's appVersion. */}}
+{{- define "flexkv-operator.imageTag" -}}
+{{- default .Chart.AppVersion .Values.image.tag }}
+{{- end }}
+
+{{/* The operator image reference. */}}
+{{- define "flexkv-operator.image" -}}
+{{- printf "%s:%s" .Values.image.repository (include "flexkv-operator.imageTag" .) }}
+{{- end }}
+
+{{/* The agent image reference handed to the operator (FLEXKV_AGENT_IMAGE). */}}
+{{- define "flexkv-operator.agentImage" -}}
+{{- $repo := default .Values.image.repository .Values.agent.image.repository }}
+{{- $tag := default (include "flexkv-operator.imageTag" .) .Values.agent.image.tag }}
+{{- printf "%s:%s" $repo $tag }}
+{{- end }}
+
+{{/*
+The namespaces the operator watches, as a JSON list (read it back with
+fromJsonArray). Empty in all-namespaces mode.
+*/}}
+{{- define "flexkv-operator.watchNamespaces" -}}
+{{- if .Values.operator.watch.allNamespaces }}
+{{- list | toJson }}
+{{- else if .Values.operator.watch.namespaces }}
+{{- .Values.operator.watch.namespaces | uniq | toJson }}
+{{- else }}
+{{- list .Release.Namespace | toJson }}
+{{- end }}
+{{- end }}
+
+{{/*
+The namespaces that get the agent ServiceAccount and Role, as a JSON list:
+agent.namespaces, else the watched namespaces, else the release namespace.
+*/}}
+{{- define "flexkv-operator.agentNamespaces" -}}
+{{- if .Values.agent.namespaces }}
+{{- .Values.agent.namespaces | uniq | toJson }}
+{{- else if and (not .Values.operator.watch.allNamespaces) .Values.operator.watch.namespaces }}
+{{- .Values.operator.watch.namespaces | uniq | toJson }}
+{{- else }}
+{{- list .Release.Namespace | toJson }}
+{{- end }}
+{{- end }}
+
+{{/*
+The operator's namespaced permissions, used by its Role in each watched
+namespace or by its ClusterRole in all-namespaces mode. docs/helm.md explains
+each rule; tests/chart checks this exact list.
+*/}}
+{{- define "flexkv-operator.operatorNamespacedRules" -}}
+- apiGroups: ["flexkv.io"]
+  resources: ["kvcachepools"]
+  verbs: ["get", "list", "watch", "patch", "update"]
+- apiGroups: ["flexkv.io"]
+  resources: ["kvcachepools/status"]
+  verbs: ["get", "patch", "update"]
+- apiGroups: ["flexkv.io"]
+  resources: ["kvcachegroups"]
+  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+- apiGroups: ["flexkv.io"]
+  resources: ["kvcachegroups/status"]
+  verbs: ["get", "patch", "update"]
+- apiGroups: ["apps"]
+  resources: ["daemonsets"]
+  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+- apiGroups: [""]
+  resources: ["services", "configmaps", "secrets"]
+  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+- apiGroups: ["coordination.k8s.io"]
+  resources: ["leases"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+{{- end }}
+
+{{/* The agents' permissions in their pool's namespace. */}}
+{{- define "flexkv-operator.agentRules" -}}
+- apiGroups: ["coordination.k8s.io"]
+  resources: ["leases"]
+  verbs: ["create", "get", "update", "patch"]
+- apiGroups: ["flexkv.io"]
+  resources: ["kvcachegroups"]
+  verbs: ["get", "list", "watch"]
+{{- end }}
