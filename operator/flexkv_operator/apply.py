@@ -1,0 +1,100 @@
+"""Make live children match their renderings (create or merge-patch), idempotently.
+
+A child is current when its ``flexkv.io/spec-hash`` annotation equals the hash of
+the new rendering; only then is no write made. This avoids comparing fields the
+API server defaults, and keeps a steady-state reconcile free of writes.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from flexkv_operator import keys, names
+from flexkv_operator.children import ANNOTATION_SPEC_HASH, PoolIdentity, render_curve_secret
+from flexkv_operator.kube import Conflict, KubeClient, api_path
+
+logger = logging.getLogger(__name__)
+
+_PLURALS = {
+    "ConfigMap": "configmaps",
+    "Secret": "secrets",
+    "Service": "services",
+    "DaemonSet": "daemonsets",
+    "PodDisruptionBudget": "poddisruptionbudgets",
+}
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    kind: str
+    name: str
+    action: str  # created | updated | unchanged
+    live: dict[str, Any]
+
+
+def object_path(manifest: dict[str, Any], with_name: bool = True) -> str:
+    meta = manifest["metadata"]
+    return api_path(
+        manifest["apiVersion"],
+        _PLURALS[manifest["kind"]],
+        meta["namespace"],
+        meta["name"] if with_name else None,
+    )
+
+
+async def apply_child(client: KubeClient, manifest: dict[str, Any]) -> ApplyResult:
+    """Create the child, or merge-patch it when its spec hash differs."""
+    kind, name = manifest["kind"], manifest["metadata"]["name"]
+    live = await client.get_or_none(object_path(manifest))
+    if live is None:
+        try:
+            created = await client.create(object_path(manifest, with_name=False), manifest)
+            return ApplyResult(kind, name, "created", created)
+        except Conflict:
+            # Created concurrently (another operator, or our earlier retried POST).
+            live = await client.get(object_path(manifest))
+    wanted = manifest["metadata"]["annotations"][ANNOTATION_SPEC_HASH]
+    have = ((live.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_SPEC_HASH)
+    if have == wanted:
+        return ApplyResult(kind, name, "unchanged", live)
+    patch = {key: value for key, value in manifest.items() if key not in ("apiVersion", "kind")}
+    patched = await client.patch(object_path(manifest), patch)
+    return ApplyResult(kind, name, "updated", patched)
+
+
+def _valid_curve_secret(live: dict[str, Any]) -> bool:
+    data = live.get("data") or {}
+    try:
+        public = base64.b64decode(data.get(names.CURVE_PUBLIC_KEY, ""), validate=True).decode()
+        secret = base64.b64decode(data.get(names.CURVE_SECRET_KEY, ""), validate=True).decode()
+        return len(public) == 40 and keys.public_from_secret(secret) == public
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        return False
+
+
+async def ensure_curve_secret(client: KubeClient, pool: PoolIdentity) -> ApplyResult:
+    """Create ``<pool>-curve`` once; an existing valid key pair is never replaced.
+
+    A Secret whose keys are missing or do not form a pair is rewritten with a
+    fresh pair (agents restart their fan-out with it)."""
+    public, secret = keys.curve_keypair()
+    manifest = render_curve_secret(pool, public, secret)
+    live = await client.get_or_none(object_path(manifest))
+    if live is None:
+        try:
+            created = await client.create(object_path(manifest, with_name=False), manifest)
+            return ApplyResult("Secret", manifest["metadata"]["name"], "created", created)
+        except Conflict:
+            live = await client.get(object_path(manifest))
+    if _valid_curve_secret(live):
+        return ApplyResult("Secret", manifest["metadata"]["name"], "unchanged", live)
+    logger.warning(
+        "Replacing invalid CurveZMQ secret",
+        extra={"secret": manifest["metadata"]["name"], "namespace": pool.namespace},
+    )
+    patched = await client.patch(object_path(manifest), {"data": manifest["data"]})
+    return ApplyResult("Secret", manifest["metadata"]["name"], "updated", patched)

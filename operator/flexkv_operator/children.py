@@ -1,0 +1,288 @@
+"""Pure rendering of a pool's child objects (no I/O).
+
+Each ``render_*`` returns the complete desired manifest for one child. The
+operator stamps every rendering with :data:`ANNOTATION_SPEC_HASH` so it can tell
+whether a live child is current without comparing server-defaulted fields.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from flexkv_operator import names
+from flexkv_operator.spec import PoolConfig
+
+ANNOTATION_SPEC_HASH = "flexkv.io/spec-hash"
+
+
+@dataclass(frozen=True)
+class PoolIdentity:
+    """What every child needs to know about its pool."""
+
+    name: str
+    namespace: str
+    owner: dict[str, Any]
+
+
+def digest(obj: Any) -> str:
+    """Stable short hash of a JSON-able value."""
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def agent_config(pool: PoolIdentity, config: PoolConfig) -> dict[str, Any]:
+    """The agent.yaml document of docs/contracts.md section 1."""
+    raw = config.raw
+    tiers: dict[str, Any] = {
+        "cpu": {"size": raw["tiers"]["cpu"]["size"], "pinned": raw["tiers"]["cpu"]["pinned"]}
+    }
+    if config.ssd_paths:
+        tiers["ssd"] = {"size": raw["tiers"]["ssd"]["size"], "paths": list(config.ssd_paths)}
+    eviction = raw["eviction"]
+    return {
+        "pool": pool.name,
+        "namespace": pool.namespace,
+        "backend": config.backend,
+        "tokensPerBlock": config.tokens_per_block,
+        "cacheEpoch": config.cache_epoch,
+        "tiers": tiers,
+        "eviction": {
+            "policy": eviction["policy"],
+            "highWatermark": eviction["highWatermark"],
+            "lowWatermark": eviction["lowWatermark"],
+        },
+        "ports": {"http": config.http_port, "fanout": config.fanout_port},
+        "engineSocket": f"{names.ENGINE_SOCKET_DIR}/engine.sock",
+        "timeouts": dict(raw["timeouts"]),
+        "heartbeat": {
+            "leaseDurationSeconds": config.timings.lease_duration,
+            "renewDeadlineSeconds": config.timings.renew_deadline,
+            "retryPeriodSeconds": config.timings.retry_period,
+        },
+        "curveKeyDir": names.CURVE_MOUNT,
+        "expectedRanks": config.expected_ranks,
+    }
+
+
+def config_hash(pool: PoolIdentity, config: PoolConfig) -> str:
+    """Hash of agent.yaml without cacheEpoch: a spec change rolls the agents, an epoch bump
+    does not (agents re-read the mounted file and flush in place)."""
+    doc = agent_config(pool, config)
+    doc.pop("cacheEpoch")
+    return digest(doc)
+
+
+def _meta(
+    pool: PoolIdentity, name: str, extra_labels: dict[str, str] | None = None
+) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": pool.namespace,
+        "labels": {**names.common_labels(pool.name), **(extra_labels or {})},
+        "ownerReferences": [pool.owner],
+    }
+
+
+def _stamp(manifest: dict[str, Any]) -> dict[str, Any]:
+    manifest["metadata"].setdefault("annotations", {})[ANNOTATION_SPEC_HASH] = digest(manifest)
+    return manifest
+
+
+def render_config_map(pool: PoolIdentity, config: PoolConfig) -> dict[str, Any]:
+    text = yaml.safe_dump(agent_config(pool, config), sort_keys=False)
+    return _stamp(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": _meta(pool, names.config_map_name(pool.name)),
+            "data": {names.CONFIG_KEY: text},
+        }
+    )
+
+
+def render_curve_secret(pool: PoolIdentity, public: str, secret: str) -> dict[str, Any]:
+    """The CurveZMQ Secret; keys are generated once by the caller and never re-rendered."""
+
+    def b64(text: str) -> str:
+        return base64.b64encode(text.encode()).decode()
+
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": _meta(pool, names.curve_secret_name(pool.name)),
+        "data": {names.CURVE_PUBLIC_KEY: b64(public), names.CURVE_SECRET_KEY: b64(secret)},
+    }
+
+
+def _probe(path: str, period: int, failure: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "timeoutSeconds": 2,
+        "failureThreshold": failure,
+    }
+
+
+def render_daemon_set(
+    pool: PoolIdentity, config: PoolConfig, service_account: str
+) -> dict[str, Any]:
+    raw = config.raw
+    agent = raw["agent"]
+    placement = config.placement
+    annotations = {names.ANNOTATION_CONFIG_HASH: config_hash(pool, config)}
+    if raw["monitoring"]["scrapeAnnotations"]:
+        annotations.update(
+            {
+                "prometheus.io/scrape": "true",
+                "prometheus.io/port": str(config.http_port),
+                "prometheus.io/path": "/metrics",
+            }
+        )
+    volumes: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": names.config_map_name(pool.name)}},
+        {"name": "curve", "secret": {"secretName": names.curve_secret_name(pool.name)}},
+        {
+            "name": "engine-socket",
+            "hostPath": {"path": names.ENGINE_SOCKET_DIR, "type": "DirectoryOrCreate"},
+        },
+    ]
+    # The ConfigMap is mounted as a directory (never subPath) so that a cacheEpoch
+    # bump reaches running agents without a restart.
+    mounts: list[dict[str, Any]] = [
+        {"name": "config", "mountPath": names.CONFIG_MOUNT, "readOnly": True},
+        {"name": "curve", "mountPath": names.CURVE_MOUNT, "readOnly": True},
+        {"name": "engine-socket", "mountPath": names.ENGINE_SOCKET_DIR},
+    ]
+    for i, path in enumerate(config.ssd_paths):
+        volumes.append(
+            {"name": f"ssd-{i}", "hostPath": {"path": path, "type": "DirectoryOrCreate"}}
+        )
+        mounts.append({"name": f"ssd-{i}", "mountPath": path})
+
+    def field_env(name: str, path: str) -> dict[str, Any]:
+        return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+    container = {
+        "name": "agent",
+        "image": config.image,
+        "imagePullPolicy": agent["imagePullPolicy"],
+        "command": ["flexkv-agent"],
+        "args": ["run", "--config", f"{names.CONFIG_MOUNT}/{names.CONFIG_KEY}"],
+        "ports": [
+            {"name": "http", "containerPort": config.http_port, "protocol": "TCP"},
+            {"name": "fanout", "containerPort": config.fanout_port, "protocol": "TCP"},
+        ],
+        "env": [
+            field_env("NODE_NAME", "spec.nodeName"),
+            field_env("POD_NAME", "metadata.name"),
+            field_env("POD_IP", "status.podIP"),
+            field_env("POD_NAMESPACE", "metadata.namespace"),
+        ],
+        "livenessProbe": _probe("/healthz", 10, 3),
+        "readinessProbe": _probe("/readyz", config.timings.retry_period, 3),
+        "resources": dict(agent.get("resources") or {}),
+        "volumeMounts": mounts,
+    }
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": service_account,
+        "hostIPC": True,  # CUDA IPC handles between engine pods and the agent
+        "terminationGracePeriodSeconds": 30,
+        "containers": [container],
+        "volumes": volumes,
+        "nodeSelector": placement.get("nodeSelector") or None,
+        "tolerations": placement.get("tolerations") or None,
+        "affinity": placement.get("affinity") or None,
+    }
+    return _stamp(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "DaemonSet",
+            "metadata": _meta(pool, names.agent_name(pool.name)),
+            "spec": {
+                "selector": {"matchLabels": names.selector_labels(pool.name)},
+                "updateStrategy": {
+                    "type": "RollingUpdate",
+                    "rollingUpdate": {"maxUnavailable": agent["maxUnavailable"]},
+                },
+                "template": {
+                    "metadata": {
+                        "labels": names.common_labels(pool.name),
+                        "annotations": annotations,
+                    },
+                    "spec": pod_spec,
+                },
+            },
+        }
+    )
+
+
+def render_headless_service(pool: PoolIdentity, config: PoolConfig) -> dict[str, Any]:
+    """Headless Service over all agents, for PP fan-out (not-ready agents included)."""
+    labels = dict(config.raw["monitoring"].get("serviceLabels") or {})
+    return _stamp(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": _meta(pool, names.headless_service_name(pool.name), labels),
+            "spec": {
+                "clusterIP": "None",
+                "publishNotReadyAddresses": True,
+                "selector": names.selector_labels(pool.name),
+                "ports": [
+                    {"name": "http", "port": config.http_port, "targetPort": "http"},
+                    {"name": "fanout", "port": config.fanout_port, "targetPort": "fanout"},
+                ],
+            },
+        }
+    )
+
+
+def render_local_service(pool: PoolIdentity, config: PoolConfig) -> dict[str, Any]:
+    """Service that routes only to the agent on the caller's own node."""
+    return _stamp(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": _meta(pool, names.local_service_name(pool.name)),
+            "spec": {
+                "type": "ClusterIP",
+                "internalTrafficPolicy": "Local",
+                "selector": names.selector_labels(pool.name),
+                "ports": [{"name": "http", "port": config.http_port, "targetPort": "http"}],
+            },
+        }
+    )
+
+
+def render_pdb(pool: PoolIdentity, config: PoolConfig) -> dict[str, Any]:
+    return _stamp(
+        {
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": _meta(pool, names.agent_name(pool.name)),
+            "spec": {
+                "maxUnavailable": config.raw["agent"]["maxUnavailable"],
+                "selector": {"matchLabels": names.selector_labels(pool.name)},
+            },
+        }
+    )
+
+
+def render_all(
+    pool: PoolIdentity, config: PoolConfig, service_account: str
+) -> list[dict[str, Any]]:
+    """Every hashed child, ConfigMap first so agents never start without their config."""
+    return [
+        render_config_map(pool, config),
+        render_headless_service(pool, config),
+        render_local_service(pool, config),
+        render_pdb(pool, config),
+        render_daemon_set(pool, config, service_account),
+    ]

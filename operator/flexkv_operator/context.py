@@ -1,0 +1,87 @@
+"""Process-wide state of one operator instance, shared by handlers and reconciles."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from flexkv_operator.kube import ApiError, KubeClient, api_path
+from flexkv_operator.membership import LeaseTracker
+
+logger = logging.getLogger(__name__)
+
+ENV_AGENT_IMAGE = "FLEXKV_AGENT_IMAGE"
+ENV_AGENT_SERVICE_ACCOUNT = "FLEXKV_AGENT_SERVICE_ACCOUNT"
+ENV_OPERATOR_ID = "FLEXKV_OPERATOR_ID"
+
+
+@dataclass(frozen=True)
+class OperatorSettings:
+    """Operator-wide settings, from the environment by default."""
+
+    identity: str
+    default_image: str
+    service_account: str
+    resync_seconds: float = 30.0
+    node_cache_seconds: float = 60.0
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> OperatorSettings:
+        env = dict(os.environ if env is None else env)
+        return cls(
+            identity=env.get(ENV_OPERATOR_ID) or env.get("POD_NAME") or socket.gethostname(),
+            default_image=env.get(ENV_AGENT_IMAGE, ""),
+            service_account=env.get(ENV_AGENT_SERVICE_ACCOUNT) or "flexkv-agent",
+        )
+
+
+@dataclass
+class NodeCache:
+    """Cluster nodes, re-listed at most every ``ttl`` seconds; None if unreadable (RBAC)."""
+
+    ttl: float
+    clock: Callable[[], float]
+    _nodes: list[dict[str, Any]] | None = None
+    _at: float | None = None
+
+    async def get(self, client: KubeClient) -> list[dict[str, Any]] | None:
+        now = self.clock()
+        if self._at is None or now - self._at >= self.ttl:
+            try:
+                self._nodes = await client.list(api_path("v1", "nodes"))
+            except ApiError as exc:
+                logger.info("Cannot list nodes; sizing unchecked", extra={"error": str(exc)})
+                self._nodes = None
+            self._at = now
+        return self._nodes
+
+
+@dataclass
+class OperatorContext:
+    """Everything a reconcile needs; built once at operator startup."""
+
+    client: KubeClient
+    settings: OperatorSettings
+    clock: Callable[[], float]
+    tracker: LeaseTracker
+    nodes: NodeCache
+    wall_clock: Callable[[], datetime.datetime] = field(
+        default=lambda: datetime.datetime.now(datetime.UTC)
+    )
+
+    @classmethod
+    def create(cls, client: KubeClient, settings: OperatorSettings) -> OperatorContext:
+        loop = asyncio.get_running_loop()
+        return cls(
+            client=client,
+            settings=settings,
+            clock=loop.time,
+            tracker=LeaseTracker(clock=loop.time),
+            nodes=NodeCache(ttl=settings.node_cache_seconds, clock=loop.time),
+        )

@@ -1,0 +1,267 @@
+"""Publish one KVCacheGroup per PP group of a pool (docs/contracts.md section 3).
+
+Every status write is a merge patch carrying the ``metadata.resourceVersion``
+the decision was made from, so it only lands if nobody wrote in between. A 409
+makes the publisher re-read the group and decide again (bounded attempts).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from flexkv_operator import crds, names
+from flexkv_operator.conditions import Condition, merge_conditions
+from flexkv_operator.election import Candidate, Decision, Published, decide
+from flexkv_operator.kube import Conflict, KubeClient, api_path
+from flexkv_operator.membership import AgentView
+
+logger = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 6
+
+
+@dataclass(frozen=True)
+class GroupMember:
+    candidate: Candidate
+    last_heartbeat: datetime.datetime
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """What the agents' Leases say about one replica."""
+
+    replica: str
+    pp_size: int
+    members: tuple[GroupMember, ...]
+
+
+@dataclass
+class GroupOutcome:
+    name: str
+    replica: str
+    epoch: int
+    leader: Candidate | None
+    members: list[str]
+    written: bool
+    decision: Decision | None = None
+    previous_leader: str | None = None
+    attempts: int = 0
+    conflicts: int = field(default=0)
+
+
+def plan_groups(agents: list[AgentView]) -> list[GroupPlan]:
+    """Group agents' memberships by replica; one member per (node, ppRank), fresh first."""
+    by_replica: dict[str, dict[tuple[str, int], GroupMember]] = {}
+    sizes: dict[str, int] = {}
+    for view in agents:
+        for membership in view.record.memberships:
+            key = (view.record.node, membership.pp_rank)
+            member = GroupMember(
+                Candidate(
+                    node=view.record.node,
+                    pp_rank=membership.pp_rank,
+                    fanout_endpoint=view.record.fanout_endpoint,
+                    ready=view.record.ready,
+                    fresh=view.fresh,
+                ),
+                view.last_heartbeat,
+            )
+            slot = by_replica.setdefault(membership.replica, {})
+            if key not in slot or (member.candidate.fresh and not slot[key].candidate.fresh):
+                slot[key] = member
+            sizes[membership.replica] = max(sizes.get(membership.replica, 1), membership.pp_size)
+    return [
+        GroupPlan(replica, sizes[replica], tuple(sorted(members.values(), key=_member_order)))
+        for replica, members in sorted(by_replica.items())
+    ]
+
+
+def _member_order(member: GroupMember) -> tuple[int, str]:
+    return (member.candidate.pp_rank, member.candidate.node)
+
+
+def _stamp(moment: datetime.datetime) -> str:
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _parse_stamp(text: object) -> datetime.datetime | None:
+    if not isinstance(text, str):
+        return None
+    try:
+        return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
+    except ValueError:
+        return None
+
+
+def render_status(
+    plan: GroupPlan,
+    decision: Decision,
+    live_status: dict[str, Any],
+    generation: int,
+    now: datetime.datetime,
+    identity: str,
+) -> dict[str, Any]:
+    """The full desired status of a group after ``decision``."""
+    members = [
+        {
+            "node": m.candidate.node,
+            "ppRank": m.candidate.pp_rank,
+            "fanoutEndpoint": m.candidate.fanout_endpoint,
+            "ready": m.candidate.ready and m.candidate.fresh,
+            "lastHeartbeat": _stamp(m.last_heartbeat),
+        }
+        for m in plan.members
+    ]
+    healthy_ranks = {
+        m.candidate.pp_rank for m in plan.members if m.candidate.fresh and m.candidate.ready
+    }
+    complete = healthy_ranks >= set(range(plan.pp_size))
+    leader = decision.leader
+    if leader is None:
+        phase, condition = "Pending", Condition("Ready", False, "NoLeader", "No fresh member")
+    elif complete:
+        phase = "Ready"
+        condition = Condition("Ready", True, "AllStagesReady", f"Leader {leader.node}")
+    else:
+        missing = sorted(set(range(plan.pp_size)) - healthy_ranks)
+        phase = "Degraded"
+        condition = Condition(
+            "Ready", False, "StagesMissing", f"PP ranks {missing} have no fresh, ready member"
+        )
+    status: dict[str, Any] = {
+        "epoch": decision.epoch,
+        "leader": None
+        if leader is None
+        else {
+            "node": leader.node,
+            "ppRank": leader.pp_rank,
+            "fanoutEndpoint": leader.fanout_endpoint,
+        },
+        "members": members,
+        "memberCount": len(members),
+        "phase": phase,
+        "observedGeneration": generation,
+        "electedBy": identity if decision.changed else live_status.get("electedBy", identity),
+        "conditions": merge_conditions(live_status.get("conditions"), [condition], generation, now),
+    }
+    if decision.failover:
+        status["lastFailover"] = _stamp(now)
+    elif live_status.get("lastFailover"):
+        status["lastFailover"] = live_status["lastFailover"]
+    return status
+
+
+def _comparable(status: dict[str, Any]) -> dict[str, Any]:
+    members = [
+        {k: v for k, v in m.items() if k != "lastHeartbeat"} for m in status.get("members") or []
+    ]
+    conditions = [
+        {k: v for k, v in c.items() if k != "lastTransitionTime"}
+        for c in status.get("conditions") or []
+    ]
+    rest = {k: v for k, v in status.items() if k not in ("members", "conditions", "electedBy")}
+    return {**rest, "leader": status.get("leader"), "members": members, "conditions": conditions}
+
+
+def needs_write(live: dict[str, Any], desired: dict[str, Any], heartbeat_slack: float) -> bool:
+    """True when the status changed beyond heartbeats, or a published heartbeat lags
+    the seen one by ``heartbeat_slack`` seconds or more (heartbeats at a bounded rate)."""
+    if _comparable(live) != _comparable(desired):
+        return True
+    published = {
+        (m.get("node"), m.get("ppRank")): m.get("lastHeartbeat") for m in live.get("members") or []
+    }
+    for member in desired.get("members") or []:
+        old = _parse_stamp(published.get((member["node"], member["ppRank"])))
+        new = _parse_stamp(member["lastHeartbeat"])
+        if old is None or new is None or (new - old).total_seconds() >= heartbeat_slack:
+            return True
+    return False
+
+
+async def publish_group(
+    client: KubeClient,
+    *,
+    pool_body: dict[str, Any],
+    plan: GroupPlan,
+    identity: str,
+    heartbeat_slack: float,
+    now: datetime.datetime,
+) -> GroupOutcome:
+    """Create the group if needed, decide its leader from the live status, write it back
+    conditionally; retries on 409 with a fresh read."""
+    pool_meta = pool_body["metadata"]
+    namespace, pool = pool_meta["namespace"], pool_meta["name"]
+    name = names.group_name(pool, plan.replica)
+    path = api_path(crds.API_VERSION, crds.GROUP_PLURAL, namespace, name)
+    spec = {"poolRef": pool, "replica": plan.replica, "ppSize": plan.pp_size}
+    conflicts = 0
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        live = await client.get_or_none(path)
+        if live is None:
+            body = {
+                "apiVersion": crds.API_VERSION,
+                "kind": crds.GROUP_KIND,
+                "metadata": {
+                    "name": name,
+                    "namespace": namespace,
+                    "labels": {names.LABEL_POOL: pool, names.LABEL_MANAGED_BY: names.MANAGER},
+                    "ownerReferences": [names.owner_reference(pool_body)],
+                },
+                "spec": spec,
+            }
+            try:
+                live = await client.create(
+                    api_path(crds.API_VERSION, crds.GROUP_PLURAL, namespace), body
+                )
+            except Conflict:
+                conflicts += 1
+                continue
+        elif live.get("spec") != spec:
+            live = await client.patch(path, {"spec": spec})
+        live_status = live.get("status") or {}
+        leader = live_status.get("leader") or {}
+        published = Published(
+            epoch=int(live_status.get("epoch") or 0),
+            leader_node=leader.get("node"),
+            leader_rank=leader.get("ppRank"),
+        )
+        decision = decide(published, [m.candidate for m in plan.members])
+        generation = int((live.get("metadata") or {}).get("generation") or 1)
+        status = render_status(plan, decision, live_status, generation, now, identity)
+        outcome = GroupOutcome(
+            name=name,
+            replica=plan.replica,
+            epoch=decision.epoch,
+            leader=decision.leader,
+            members=[f"{m.candidate.node}/{m.candidate.pp_rank}" for m in plan.members],
+            written=False,
+            decision=decision,
+            previous_leader=published.leader_node,
+            attempts=attempt,
+            conflicts=conflicts,
+        )
+        if not decision.changed and not needs_write(live_status, status, heartbeat_slack):
+            return outcome
+        patch = {
+            "metadata": {"resourceVersion": live["metadata"]["resourceVersion"]},
+            "status": status,
+        }
+        try:
+            await client.patch(f"{path}/status", patch)
+        except Conflict:
+            conflicts += 1
+            logger.info(
+                "Group changed while deciding; re-reading",
+                extra={"group": name, "namespace": namespace, "attempt": attempt},
+            )
+            continue
+        outcome.written = True
+        return outcome
+    raise RuntimeError(
+        f"KVCacheGroup {namespace}/{name}: {MAX_ATTEMPTS} conditional writes conflicted; "
+        "another writer keeps changing it, will retry on the next reconcile"
+    )

@@ -1,0 +1,94 @@
+"""kopf handler registration: the only module that talks to kopf's decorators.
+
+Handlers only observe and delegate: watch events go to the :class:`Controller`
+(work queue), which runs the level-based reconcile. No handler needs a finalizer:
+everything the operator creates lives in the cluster and carries an owner
+reference to its pool, so Kubernetes' garbage collector removes it; no daemon or
+timer is used, so kopf adds no finalizer of its own either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import kopf
+
+from flexkv_operator import crds, names
+from flexkv_operator.context import OperatorContext, OperatorSettings
+from flexkv_operator.controller import Controller
+from flexkv_operator.kube import Connection, KubeClient
+
+logger = logging.getLogger(__name__)
+
+AGENT_LABELS = {names.LABEL_NAME: names.AGENT_APP}
+MANAGED_LABELS = {names.LABEL_MANAGED_BY: names.MANAGER}
+
+
+async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    """Tune kopf once and start the controller loop."""
+    settings.persistence.finalizer = (
+        "flexkv.io/unused-finalizer"  # never added: no handler needs one
+    )
+    settings.posting.level = logging.WARNING
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.networking.request_timeout = 30
+    connection: Connection = memo["connection"]
+    operator_settings: OperatorSettings = memo["settings"]
+    client = KubeClient(connection)
+    await client.open()
+    ctx = OperatorContext.create(client, operator_settings)
+    controller = Controller(ctx)
+    memo["client"] = client
+    memo["controller"] = controller
+    memo["controller_task"] = asyncio.create_task(controller.run(), name="flexkv-controller")
+    logger.info("Operator started", extra={"identity": operator_settings.identity})
+
+
+async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    task: asyncio.Task[None] | None = memo.get("controller_task")
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, timeout=10)
+    client: KubeClient | None = memo.get("client")
+    if client is not None:
+        await client.close()
+
+
+def pool_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
+    memo["controller"].observe_pool(event.get("type"), dict(event["object"]))
+
+
+def lease_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
+    memo["controller"].observe_lease(event.get("type"), dict(event["object"]))
+
+
+def daemon_set_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
+    memo["controller"].observe_owned(dict(event["object"]))
+
+
+def liveness(memo: kopf.Memo, **_: Any) -> dict[str, Any]:
+    task: asyncio.Task[None] | None = memo.get("controller_task")
+    if task is None or task.done():
+        raise kopf.PermanentError("The controller loop is not running")
+    controller: Controller = memo["controller"]
+    return {"pools": len(controller.pools), "leases": len(controller.ctx.tracker)}
+
+
+def register(registry: kopf.OperatorRegistry) -> kopf.OperatorRegistry:
+    """Register every handler into ``registry`` (one registry per operator instance)."""
+    kopf.on.startup(registry=registry)(startup)
+    kopf.on.cleanup(registry=registry)(cleanup)
+    kopf.on.probe(id="controller", registry=registry)(liveness)
+    kopf.on.event(crds.GROUP, crds.VERSION, crds.POOL_PLURAL, registry=registry)(pool_event)
+    kopf.on.event("coordination.k8s.io", "v1", "leases", labels=AGENT_LABELS, registry=registry)(
+        lease_event
+    )
+    kopf.on.event("apps", "v1", "daemonsets", labels=MANAGED_LABELS, registry=registry)(
+        daemon_set_event
+    )
+    return registry

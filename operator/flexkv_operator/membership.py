@@ -1,0 +1,201 @@
+"""Agents' heartbeat Leases, judged by the operator's own clock.
+
+Leases follow docs/contracts.md section 2. Expiry is decided client-go style: a
+Lease is fresh while the operator has seen its ``renewTime`` (or its
+resourceVersion) change within the last ``leaseDurationSeconds`` of the
+operator's clock; the holder's timestamps are never compared with that clock.
+After an operator restart every Lease counts as just seen, so a dead holder is
+declared lost one lease duration later, never earlier.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from flexkv_operator import names
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Membership:
+    """One PP group a local engine rank of an agent registered into."""
+
+    replica: str
+    pp_rank: int
+    pp_size: int
+
+
+@dataclass(frozen=True)
+class AgentRecord:
+    """What an agent's Lease says, parsed; malformed annotations become empty values."""
+
+    namespace: str
+    lease: str
+    pool: str
+    node: str
+    pod: str
+    http_endpoint: str
+    fanout_endpoint: str
+    memberships: tuple[Membership, ...]
+    tiers: dict[str, dict[str, int]]
+    ready: bool
+    cache_epoch: int | None
+    lease_duration: int | None
+    renew_marker: str
+    problems: tuple[str, ...] = ()
+
+    def significant(self) -> tuple[Any, ...]:
+        """Everything except the heartbeat itself: a change here needs a reconcile."""
+        return (
+            self.node,
+            self.pod,
+            self.http_endpoint,
+            self.fanout_endpoint,
+            self.memberships,
+            self.ready,
+            self.cache_epoch,
+        )
+
+
+def _json(annotations: dict[str, str], key: str, problems: list[str]) -> Any:
+    text = annotations.get(key)
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        problems.append(f"annotation {key} is not JSON: {text[:80]!r}")
+        return None
+
+
+def parse_lease(body: dict[str, Any]) -> AgentRecord | None:
+    """Parse an agent Lease; None when it is not an agent Lease of some pool."""
+    meta = body.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    if labels.get(names.LABEL_NAME) != names.AGENT_APP or not labels.get(names.LABEL_POOL):
+        return None
+    annotations = meta.get("annotations") or {}
+    spec = body.get("spec") or {}
+    problems: list[str] = []
+    endpoints = _json(annotations, names.ANNOTATION_ENDPOINTS, problems) or {}
+    raw_members = _json(annotations, names.ANNOTATION_MEMBERSHIPS, problems) or []
+    memberships: list[Membership] = []
+    for entry in raw_members if isinstance(raw_members, list) else []:
+        try:
+            memberships.append(
+                Membership(str(entry["replica"]), int(entry["ppRank"]), int(entry["ppSize"]))
+            )
+        except (KeyError, TypeError, ValueError):
+            problems.append(f"membership entry {entry!r} needs replica, ppRank and ppSize")
+    tiers_raw = _json(annotations, names.ANNOTATION_TIERS, problems) or {}
+    tiers: dict[str, dict[str, int]] = {}
+    if isinstance(tiers_raw, dict):
+        for tier, values in tiers_raw.items():
+            if isinstance(values, dict):
+                tiers[str(tier)] = {
+                    k: int(v)
+                    for k, v in values.items()
+                    if k in ("capacityBytes", "usedBytes") and isinstance(v, int | float)
+                }
+    epoch_text = annotations.get(names.ANNOTATION_CACHE_EPOCH)
+    try:
+        cache_epoch = int(epoch_text) if epoch_text is not None else None
+    except ValueError:
+        problems.append(f"annotation {names.ANNOTATION_CACHE_EPOCH} is not an integer")
+        cache_epoch = None
+    duration = spec.get("leaseDurationSeconds")
+    return AgentRecord(
+        namespace=str(meta.get("namespace") or ""),
+        lease=str(meta.get("name") or ""),
+        pool=str(labels[names.LABEL_POOL]),
+        node=str(labels.get(names.LABEL_NODE) or meta.get("name", "")),
+        pod=str(spec.get("holderIdentity") or ""),
+        http_endpoint=str(endpoints.get("http", "")) if isinstance(endpoints, dict) else "",
+        fanout_endpoint=str(endpoints.get("fanout", "")) if isinstance(endpoints, dict) else "",
+        memberships=tuple(sorted(memberships, key=lambda m: (m.replica, m.pp_rank))),
+        tiers=tiers,
+        ready=annotations.get(names.ANNOTATION_READY) == "true",
+        cache_epoch=cache_epoch,
+        lease_duration=int(duration) if isinstance(duration, int) and duration > 0 else None,
+        renew_marker=f"{spec.get('renewTime')}|{meta.get('resourceVersion')}",
+        problems=tuple(problems),
+    )
+
+
+@dataclass
+class _Seen:
+    record: AgentRecord
+    changed_at: float
+    changed_wall: datetime.datetime
+
+
+@dataclass(frozen=True)
+class AgentView:
+    """An agent as the operator sees it now."""
+
+    record: AgentRecord
+    fresh: bool
+    expires_at: float
+    last_heartbeat: datetime.datetime
+
+
+@dataclass
+class LeaseTracker:
+    """Remembers when each agent Lease last changed, by the injected clock."""
+
+    clock: Callable[[], float]
+    wall_clock: Callable[[], datetime.datetime] = field(
+        default=lambda: datetime.datetime.now(datetime.UTC)
+    )
+    _seen: dict[tuple[str, str], _Seen] = field(default_factory=dict)
+
+    def observe(self, body: dict[str, Any]) -> bool:
+        """Record a Lease as seen now; return True if a reconcile is needed
+        (a new agent, or a change other than the heartbeat itself)."""
+        record = parse_lease(body)
+        if record is None:
+            return False
+        key = (record.namespace, record.lease)
+        previous = self._seen.get(key)
+        if previous is None:
+            self._seen[key] = _Seen(record, self.clock(), self.wall_clock())
+            return True
+        if previous.record.renew_marker != record.renew_marker:
+            previous.changed_at = self.clock()
+            previous.changed_wall = self.wall_clock()
+        significant = previous.record.significant() != record.significant()
+        revived = previous.record.pool != record.pool
+        previous.record = record
+        return significant or revived
+
+    def forget(self, namespace: str, lease: str) -> AgentRecord | None:
+        """Drop a deleted Lease; return what it was, so its pool can be reconciled."""
+        seen = self._seen.pop((namespace, lease), None)
+        return seen.record if seen else None
+
+    def forget_pool(self, namespace: str, pool: str) -> None:
+        for key in [
+            k for k, s in self._seen.items() if k[0] == namespace and s.record.pool == pool
+        ]:
+            del self._seen[key]
+
+    def agents(self, namespace: str, pool: str, default_duration: int) -> list[AgentView]:
+        """Every known agent of a pool with its freshness now, sorted by node."""
+        now = self.clock()
+        views = []
+        for (ns, _), seen in self._seen.items():
+            if ns != namespace or seen.record.pool != pool:
+                continue
+            duration = seen.record.lease_duration or default_duration
+            expires = seen.changed_at + duration
+            views.append(AgentView(seen.record, now < expires, expires, seen.changed_wall))
+        return sorted(views, key=lambda v: (v.record.node, v.record.lease))
+
+    def __len__(self) -> int:
+        return len(self._seen)

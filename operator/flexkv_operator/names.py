@@ -1,0 +1,96 @@
+"""Names and labels of everything the operator creates for a pool."""
+
+from __future__ import annotations
+
+import re
+
+from flexkv_operator import crds
+
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_POOL = "flexkv.io/pool"
+LABEL_NODE = "flexkv.io/node"
+AGENT_APP = "flexkv-agent"
+MANAGER = "flexkv-operator"
+
+ANNOTATION_CONFIG_HASH = "flexkv.io/config-hash"
+ANNOTATION_ENDPOINTS = "flexkv.io/endpoints"
+ANNOTATION_MEMBERSHIPS = "flexkv.io/memberships"
+ANNOTATION_TIERS = "flexkv.io/tiers"
+ANNOTATION_READY = "flexkv.io/ready"
+ANNOTATION_CACHE_EPOCH = "flexkv.io/cache-epoch"
+
+CONFIG_KEY = "agent.yaml"
+CONFIG_MOUNT = "/etc/flexkv"
+CURVE_MOUNT = "/etc/flexkv/curve"
+ENGINE_SOCKET_DIR = "/var/run/flexkv"
+CURVE_PUBLIC_KEY = "curve-public.key"
+CURVE_SECRET_KEY = "curve-secret.key"
+
+_INVALID = re.compile(r"[^a-z0-9-]+")
+
+
+def agent_name(pool: str) -> str:
+    """DaemonSet, PDB and ServiceAccount-facing name of a pool's agents."""
+    return f"{pool}-agent"
+
+
+def config_map_name(pool: str) -> str:
+    return f"{pool}-agent-config"
+
+
+def curve_secret_name(pool: str) -> str:
+    return f"{pool}-curve"
+
+
+def headless_service_name(pool: str) -> str:
+    """Headless Service for PP fan-out between agents."""
+    return f"{pool}-agents"
+
+
+def local_service_name(pool: str) -> str:
+    """Node-local Service (internalTrafficPolicy: Local) engines use to reach their agent."""
+    return f"{pool}-agent-local"
+
+
+def lease_name(node: str) -> str:
+    """Name of the heartbeat Lease an agent keeps (docs/contracts.md section 2)."""
+    return f"flexkv-agent-{node}"
+
+
+def group_name(pool: str, replica: str) -> str:
+    """``<pool>-<replica>`` lowercased, invalid characters replaced by ``-``, at most 253 chars."""
+    raw = _INVALID.sub("-", f"{pool}-{replica}".lower()).strip("-")
+    return raw[:253].rstrip("-") or "group"
+
+
+def selector_labels(pool: str) -> dict[str, str]:
+    """Labels that select a pool's agent pods (immutable once a DaemonSet exists)."""
+    return {LABEL_NAME: AGENT_APP, LABEL_INSTANCE: pool}
+
+
+def common_labels(pool: str) -> dict[str, str]:
+    """Labels on every child object of a pool."""
+    return {
+        **selector_labels(pool),
+        LABEL_MANAGED_BY: MANAGER,
+        LABEL_POOL: pool,
+        "app.kubernetes.io/part-of": "flexkv",
+    }
+
+
+def owner_reference(pool_body: dict[str, object]) -> dict[str, object]:
+    """Controller owner reference to the pool, for garbage collection of children."""
+    meta = pool_body.get("metadata")
+    if not isinstance(meta, dict) or not meta.get("uid") or not meta.get("name"):
+        raise ValueError("Pool body needs metadata.name and metadata.uid for owner references")
+    return {
+        "apiVersion": crds.API_VERSION,
+        "kind": crds.POOL_KIND,
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }

@@ -1,0 +1,236 @@
+"""One level-based, idempotent reconcile of a KVCachePool.
+
+Reads the pool (as last seen by the watch), the agents' Leases (as tracked), the
+DaemonSet and nodes; converges children, groups and status; returns when the
+pool should be looked at again. Running it twice changes nothing the second time
+(except heartbeat timestamps).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from flexkv_operator import crds, names
+from flexkv_operator.apply import apply_child, ensure_curve_secret
+from flexkv_operator.children import PoolIdentity, config_hash, render_all
+from flexkv_operator.conditions import condition_status
+from flexkv_operator.context import OperatorContext
+from flexkv_operator.events import NORMAL, WARNING, post_event
+from flexkv_operator.groups import GroupOutcome, plan_groups, publish_group
+from flexkv_operator.kube import KubeClient, NotFound, api_path
+from flexkv_operator.sizing import matching_nodes, sizing_condition
+from flexkv_operator.spec import ConfigInvalid, PoolConfig, parse_pool_spec
+from flexkv_operator.status import invalid_status, pool_status
+
+logger = logging.getLogger(__name__)
+
+GROUP_CONCURRENCY = 16
+
+
+@dataclass(frozen=True)
+class ReconcileResult:
+    phase: str
+    next_in: float
+    children_changed: int
+    groups_written: int
+
+
+def _pool_path(namespace: str, name: str, sub: str | None = None) -> str:
+    return api_path(crds.API_VERSION, crds.POOL_PLURAL, namespace, name, sub)
+
+
+async def _write_status(client: KubeClient, body: dict[str, Any], status: dict[str, Any]) -> None:
+    meta = body["metadata"]
+    try:
+        await client.patch(
+            _pool_path(meta["namespace"], meta["name"], "status"), {"status": status}
+        )
+    except NotFound:
+        logger.info("Pool vanished before its status was written", extra={"pool": meta["name"]})
+
+
+async def _reject(
+    ctx: OperatorContext, body: dict[str, Any], error: ConfigInvalid
+) -> ReconcileResult:
+    previous = body.get("status") or {}
+    generation = int(body["metadata"].get("generation") or 1)
+    message = str(error)
+    already = (
+        condition_status(previous.get("conditions"), "ConfigValid") == "False"
+        and previous.get("observedGeneration") == generation
+    )
+    if not already:
+        logger.warning(
+            "Pool spec is invalid; children left unchanged",
+            extra={"pool": body["metadata"]["name"], "problems": message},
+        )
+        await post_event(ctx.client, body, WARNING, "ConfigError", message, ctx.settings.identity)
+    await _write_status(
+        ctx.client, body, invalid_status(previous, generation, message, ctx.wall_clock())
+    )
+    return ReconcileResult("Invalid", ctx.settings.resync_seconds, 0, 0)
+
+
+def _rollout(ds: dict[str, Any], changed: bool) -> tuple[bool, int | None]:
+    """(rollout done, desiredNumberScheduled) from a live DaemonSet's status."""
+    status = ds.get("status") or {}
+    desired = status.get("desiredNumberScheduled")
+    if desired is None:
+        return (not changed, None)
+    generation = (ds.get("metadata") or {}).get("generation")
+    observed = status.get("observedGeneration")
+    current = observed is None or generation is None or observed >= generation
+    done = (
+        current
+        and not changed
+        and status.get("updatedNumberScheduled", desired) >= desired
+        and status.get("numberUnavailable", 0) == 0
+    )
+    return (done, int(desired))
+
+
+async def _publish_groups(
+    ctx: OperatorContext, body: dict[str, Any], config: PoolConfig, agents: list[Any]
+) -> list[GroupOutcome]:
+    plans = plan_groups(agents)
+    semaphore = asyncio.Semaphore(GROUP_CONCURRENCY)
+    now = ctx.wall_clock()
+
+    async def one(plan: Any) -> GroupOutcome:
+        async with semaphore:
+            return await publish_group(
+                ctx.client,
+                pool_body=body,
+                plan=plan,
+                identity=ctx.settings.identity,
+                heartbeat_slack=float(config.timings.renew_deadline),
+                now=now,
+            )
+
+    outcomes = list(await asyncio.gather(*(one(p) for p in plans)))
+    for outcome in outcomes:
+        decision = outcome.decision
+        if not outcome.written or decision is None or not decision.changed:
+            continue
+        group_ref = {
+            "apiVersion": crds.API_VERSION,
+            "kind": crds.GROUP_KIND,
+            "metadata": {"name": outcome.name, "namespace": body["metadata"]["namespace"]},
+        }
+        leader = decision.leader.node if decision.leader else "none"
+        if decision.failover:
+            reason, kind = "Failover", WARNING
+            message = (
+                f"Leader {outcome.previous_leader} lost its heartbeat; new leader {leader} "
+                f"at epoch {decision.epoch}"
+            )
+        else:
+            reason, kind = "LeaderElected", NORMAL
+            message = f"Leader {leader} elected at epoch {decision.epoch}"
+        logger.info(
+            "Group leader changed",
+            extra={
+                "group": outcome.name,
+                "leader": leader,
+                "epoch": decision.epoch,
+                "reason": reason,
+            },
+        )
+        await post_event(ctx.client, group_ref, kind, reason, message, ctx.settings.identity)
+        if decision.failover:
+            await post_event(
+                ctx.client, body, kind, reason, f"{outcome.name}: {message}", ctx.settings.identity
+            )
+    await _delete_stale_groups(ctx.client, body, {o.name for o in outcomes})
+    return outcomes
+
+
+async def _delete_stale_groups(client: KubeClient, body: dict[str, Any], keep: set[str]) -> None:
+    """Delete this pool's groups that no agent Lease mentions any more."""
+    meta = body["metadata"]
+    path = api_path(crds.API_VERSION, crds.GROUP_PLURAL, meta["namespace"])
+    for group in await client.list(path, {names.LABEL_POOL: meta["name"]}):
+        name = group["metadata"]["name"]
+        if name not in keep and (group.get("spec") or {}).get("poolRef") == meta["name"]:
+            logger.info("Deleting group without members", extra={"group": name})
+            await client.delete(
+                api_path(crds.API_VERSION, crds.GROUP_PLURAL, meta["namespace"], name)
+            )
+
+
+async def reconcile_pool(ctx: OperatorContext, body: dict[str, Any]) -> ReconcileResult:
+    """Converge one pool; see the module docstring."""
+    meta = body["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    generation = int(meta.get("generation") or 1)
+    try:
+        config = parse_pool_spec(body.get("spec"), ctx.settings.default_image)
+    except ConfigInvalid as error:
+        return await _reject(ctx, body, error)
+
+    pool = PoolIdentity(name, namespace, names.owner_reference(body))
+    await ensure_curve_secret(ctx.client, pool)
+    results = [
+        await apply_child(ctx.client, m)
+        for m in render_all(pool, config, ctx.settings.service_account)
+    ]
+    changed = [r for r in results if r.action != "unchanged"]
+    for result in changed:
+        logger.info(
+            "Child applied",
+            extra={
+                "pool": name,
+                "kind": result.kind,
+                "child": result.name,
+                "action": result.action,
+            },
+        )
+    ds = next(r for r in results if r.kind == "DaemonSet")
+    rollout_done, scheduled = _rollout(ds.live, ds.action != "unchanged")
+
+    nodes = await ctx.nodes.get(ctx.client)
+    agents = ctx.tracker.agents(namespace, name, config.timings.lease_duration)
+    if scheduled is not None:
+        desired = scheduled
+    elif nodes is not None:
+        desired = len(matching_nodes(nodes, config))
+    else:
+        desired = len(agents)
+
+    groups = await _publish_groups(ctx, body, config, agents)
+    previous = body.get("status") or {}
+    if previous.get("cacheEpoch") is not None and previous.get("cacheEpoch") != config.cache_epoch:
+        await post_event(
+            ctx.client,
+            body,
+            NORMAL,
+            "CacheFlush",
+            f"cacheEpoch {previous.get('cacheEpoch')} -> {config.cache_epoch} published to agents",
+            ctx.settings.identity,
+        )
+    status = pool_status(
+        previous=previous,
+        generation=generation,
+        desired_agents=desired,
+        agents=agents,
+        groups=groups,
+        children_current=True,
+        rollout_done=rollout_done,
+        cache_epoch=config.cache_epoch,
+        config_hash=config_hash(pool, config),
+        sizing=sizing_condition(nodes, config),
+        now=ctx.wall_clock(),
+    )
+    await _write_status(ctx.client, body, status)
+
+    now = ctx.clock()
+    upcoming = [v.expires_at - now for v in agents if v.fresh]
+    next_in = min([ctx.settings.resync_seconds, *upcoming])
+    if not rollout_done:
+        next_in = min(next_in, float(config.timings.retry_period))
+    return ReconcileResult(
+        status["phase"], max(next_in, 0.05), len(changed), sum(o.written for o in groups)
+    )

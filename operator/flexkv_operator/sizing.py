@@ -1,0 +1,91 @@
+"""SizingValid: do the tiers fit the nodes the agents are placed on?
+
+Compares the CPU tier (plus the agent's memory request) with each matching
+node's allocatable memory, and the SSD tier with its allocatable ephemeral
+storage, where the node reports them. Nodes are matched by the pool's
+nodeSelector only (affinity and taints are not evaluated here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from flexkv_operator.conditions import Condition
+from flexkv_operator.quantity import parse_bytes
+from flexkv_operator.spec import PoolConfig
+
+
+@dataclass(frozen=True)
+class NodeFit:
+    node: str
+    problems: tuple[str, ...]
+
+
+def matching_nodes(nodes: list[dict[str, Any]], config: PoolConfig) -> list[dict[str, Any]]:
+    selector = config.placement.get("nodeSelector") or {}
+    return [
+        n
+        for n in nodes
+        if all(
+            ((n.get("metadata") or {}).get("labels") or {}).get(k) == v for k, v in selector.items()
+        )
+    ]
+
+
+def _allocatable(node: dict[str, Any], key: str) -> int | None:
+    value = ((node.get("status") or {}).get("allocatable") or {}).get(key)
+    if value is None:
+        return None
+    try:
+        return parse_bytes(value, f"allocatable.{key}")
+    except ValueError:
+        return None
+
+
+def fit(node: dict[str, Any], config: PoolConfig) -> NodeFit:
+    name = str((node.get("metadata") or {}).get("name"))
+    requests = ((config.raw.get("agent") or {}).get("resources") or {}).get("requests") or {}
+    try:
+        extra = parse_bytes(requests["memory"], "requests.memory") if "memory" in requests else 0
+    except ValueError:
+        extra = 0
+    problems = []
+    memory = _allocatable(node, "memory")
+    if memory is not None and config.cpu_bytes + extra > memory:
+        problems.append(
+            f"cpu tier {config.cpu_bytes} B + agent request {extra} B > "
+            f"allocatable memory {memory} B"
+        )
+    storage = _allocatable(node, "ephemeral-storage")
+    if config.ssd_bytes and storage is not None and config.ssd_bytes > storage:
+        problems.append(
+            f"ssd tier {config.ssd_bytes} B > allocatable ephemeral-storage {storage} B"
+        )
+    return NodeFit(name, tuple(problems))
+
+
+def sizing_condition(nodes: list[dict[str, Any]] | None, config: PoolConfig) -> Condition:
+    """SizingValid from the node list (None when nodes cannot be read)."""
+    if nodes is None:
+        return Condition(
+            "SizingValid", None, "NodesUnknown", "Nodes cannot be read; sizes unchecked"
+        )
+    matched = matching_nodes(nodes, config)
+    if not matched:
+        return Condition(
+            "SizingValid", None, "NoMatchingNodes", "No node matches spec.placement.nodeSelector"
+        )
+    bad = [f for f in (fit(n, config) for n in matched) if f.problems]
+    if not bad:
+        return Condition(
+            "SizingValid", True, "TiersFit", f"Tiers fit all {len(matched)} matching nodes"
+        )
+    shown = "; ".join(f"{f.node}: {', '.join(f.problems)}" for f in bad[:5])
+    return Condition(
+        "SizingValid",
+        False,
+        "TiersTooLarge",
+        f"{len(bad)} of {len(matched)} nodes are too small ({shown}); "
+        "lower spec.tiers sizes or select larger nodes",
+    )

@@ -1,0 +1,192 @@
+"""A KVCachePool spec, defaulted from the CRD and checked, as a typed config.
+
+The API server enforces the CRD schema and its CEL rules; this module enforces
+the same rules again (an older server, or an emulated one, may not) plus what a
+schema cannot say (sizes as positive byte counts). Every problem names the
+field, the bad value and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from flexkv_operator import crds
+from flexkv_operator.defaults import apply_defaults
+from flexkv_operator.quantity import parse_bytes
+
+
+@dataclass(frozen=True)
+class ConfigProblem:
+    """One invalid field of a pool spec."""
+
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"spec.{self.field}: {self.message}"
+
+
+class ConfigInvalid(ValueError):
+    """A pool spec the operator cannot act on; ``problems`` lists every bad field."""
+
+    def __init__(self, problems: list[ConfigProblem]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(str(p) for p in problems))
+
+
+@dataclass(frozen=True)
+class Timings:
+    lease_duration: int
+    renew_deadline: int
+    retry_period: int
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """The checked spec. ``raw`` is the defaulted spec dict (camelCase, as in the CRD)."""
+
+    raw: dict[str, Any]
+    backend: str
+    tokens_per_block: int
+    cpu_bytes: int
+    ssd_bytes: int
+    ssd_paths: tuple[str, ...]
+    http_port: int
+    fanout_port: int
+    timings: Timings
+    cache_epoch: int
+    expected_ranks: int
+    image: str
+    placement: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_pool_spec(spec: dict[str, Any] | None, default_image: str) -> PoolConfig:
+    """Default ``spec`` from the CRD and check it; raise ConfigInvalid listing every problem."""
+    full = apply_defaults({"spec": dict(spec or {})}, crds.schema(crds.POOL_PLURAL))
+    raw: dict[str, Any] = full["spec"]
+    problems: list[ConfigProblem] = []
+
+    def bytes_of(path: str, value: object) -> int:
+        try:
+            return parse_bytes(value, f"spec.{path}")
+        except ValueError as exc:
+            problems.append(ConfigProblem(path, str(exc).split(": ", 1)[1]))
+            return 0
+
+    backend = raw.get("backend")
+    if backend not in ("flexkv", "embedded"):
+        problems.append(
+            ConfigProblem("backend", f"{backend!r} is not a backend; use flexkv or embedded")
+        )
+    tpb = raw.get("tokensPerBlock")
+    if not isinstance(tpb, int) or isinstance(tpb, bool) or not 1 <= tpb <= 4096:
+        problems.append(
+            ConfigProblem("tokensPerBlock", f"{tpb!r} must be an integer in 1..4096 (page size)")
+        )
+        tpb = 16
+    tiers = raw.get("tiers") or {}
+    cpu = tiers.get("cpu")
+    if not isinstance(cpu, dict) or "size" not in cpu:
+        problems.append(ConfigProblem("tiers.cpu.size", "is required, e.g. 8Gi"))
+        cpu_bytes = 0
+        pinned = True
+    else:
+        cpu_bytes = bytes_of("tiers.cpu.size", cpu["size"])
+        pinned = bool(cpu.get("pinned", True))
+    if backend == "flexkv" and not pinned:
+        problems.append(
+            ConfigProblem(
+                "tiers.cpu.pinned",
+                "backend flexkv needs pinned: true (FlexKV registers pinned host buffers); "
+                "set pinned: true or use backend: embedded",
+            )
+        )
+    ssd = tiers.get("ssd")
+    ssd_bytes = 0
+    ssd_paths: tuple[str, ...] = ()
+    if isinstance(ssd, dict):
+        ssd_bytes = bytes_of("tiers.ssd.size", ssd.get("size"))
+        paths = ssd.get("paths") or []
+        if not paths or not all(isinstance(p, str) and p.startswith("/") for p in paths):
+            problems.append(
+                ConfigProblem("tiers.ssd.paths", f"{paths!r} must list absolute host directories")
+            )
+        elif len(set(paths)) != len(paths):
+            problems.append(ConfigProblem("tiers.ssd.paths", f"{paths!r} lists a path twice"))
+        ssd_paths = tuple(str(p) for p in paths)
+
+    eviction = raw.get("eviction") or {}
+    low, high = eviction.get("lowWatermark", 0.85), eviction.get("highWatermark", 0.95)
+    if not (
+        isinstance(low, int | float) and isinstance(high, int | float) and 0 <= low < high <= 1
+    ):
+        problems.append(
+            ConfigProblem(
+                "eviction",
+                f"lowWatermark {low!r} must be below highWatermark {high!r}, both in [0, 1]",
+            )
+        )
+
+    ports = (raw.get("agent") or {}).get("ports") or {}
+    http, fanout = ports.get("http", 8080), ports.get("fanout", 5557)
+    for name, port in (("http", http), ("fanout", fanout)):
+        if not isinstance(port, int) or not 1 <= port <= 65535:
+            problems.append(
+                ConfigProblem(f"agent.ports.{name}", f"{port!r} is not a port 1..65535")
+            )
+    if http == fanout:
+        problems.append(
+            ConfigProblem(
+                "agent.ports", f"http and fanout are both {http}; give them different ports"
+            )
+        )
+
+    election = raw.get("leaderElection") or {}
+    lease = election.get("leaseDurationSeconds", 15)
+    renew = election.get("renewDeadlineSeconds", 10)
+    retry = election.get("retryPeriodSeconds", 2)
+    if not all(isinstance(v, int) and v >= 1 for v in (lease, renew, retry)) or not (
+        lease > renew > retry
+    ):
+        problems.append(
+            ConfigProblem(
+                "leaderElection",
+                f"needs leaseDurationSeconds ({lease}) > renewDeadlineSeconds ({renew}) > "
+                f"retryPeriodSeconds ({retry}); e.g. 15 > 10 > 2",
+            )
+        )
+
+    epoch = raw.get("cacheEpoch", 0)
+    if not isinstance(epoch, int) or epoch < 0:
+        problems.append(ConfigProblem("cacheEpoch", f"{epoch!r} must be an integer >= 0"))
+    ranks = raw.get("expectedRanks", 1)
+    if not isinstance(ranks, int) or not 0 <= ranks <= 64:
+        problems.append(ConfigProblem("expectedRanks", f"{ranks!r} must be an integer in 0..64"))
+
+    image = (raw.get("agent") or {}).get("image") or default_image
+    if not image:
+        problems.append(
+            ConfigProblem(
+                "agent.image",
+                "is empty and the operator has no FLEXKV_AGENT_IMAGE; set one of them",
+            )
+        )
+
+    if problems:
+        raise ConfigInvalid(problems)
+    return PoolConfig(
+        raw=raw,
+        backend=str(backend),
+        tokens_per_block=int(tpb),
+        cpu_bytes=cpu_bytes,
+        ssd_bytes=ssd_bytes,
+        ssd_paths=ssd_paths,
+        http_port=int(http),
+        fanout_port=int(fanout),
+        timings=Timings(int(lease), int(renew), int(retry)),
+        cache_epoch=int(epoch),
+        expected_ranks=int(ranks),
+        image=str(image),
+        placement=dict(raw.get("placement") or {}),
+    )

@@ -1,0 +1,145 @@
+"""The KVCachePool status: agents, groups, counts, phase and conditions."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from flexkv_operator.conditions import Condition, merge_conditions
+from flexkv_operator.groups import GroupOutcome
+from flexkv_operator.membership import AgentView
+
+
+def agent_entries(agents: list[AgentView]) -> list[dict[str, Any]]:
+    return [
+        {
+            "node": v.record.node,
+            "pod": v.record.pod,
+            "endpoint": v.record.http_endpoint,
+            "fanoutEndpoint": v.record.fanout_endpoint,
+            "ready": v.record.ready and v.fresh,
+            "fresh": v.fresh,
+            "cacheEpoch": v.record.cache_epoch,
+            "lastHeartbeat": v.last_heartbeat.strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "tiers": v.record.tiers,
+        }
+        for v in agents
+    ]
+
+
+def group_entries(outcomes: list[GroupOutcome]) -> list[dict[str, Any]]:
+    return [
+        {
+            "name": o.name,
+            "replica": o.replica,
+            "leader": o.leader.node if o.leader else None,
+            "epoch": o.epoch,
+            "members": o.members,
+        }
+        for o in outcomes
+    ]
+
+
+def pool_status(
+    *,
+    previous: dict[str, Any],
+    generation: int,
+    desired_agents: int,
+    agents: list[AgentView],
+    groups: list[GroupOutcome],
+    children_current: bool,
+    rollout_done: bool,
+    cache_epoch: int,
+    config_hash: str,
+    sizing: Condition,
+    now: datetime.datetime,
+) -> dict[str, Any]:
+    """Status of a valid pool. Ready: children current, rollout done, every desired agent
+    fresh, ready and on the current cacheEpoch; Degraded: a known agent lost its heartbeat
+    or a group has no leader."""
+    ready = [v for v in agents if v.fresh and v.record.ready]
+    epoch_lag = [v for v in ready if v.record.cache_epoch not in (None, cache_epoch)]
+    lost = [v for v in agents if not v.fresh]
+    leaderless = [g for g in groups if g.leader is None]
+    ready_count = len(ready) - len(epoch_lag)
+    all_ready = desired_agents > 0 and ready_count >= desired_agents
+    progressing = not children_current or not rollout_done or not all_ready
+    degraded = bool(lost or leaderless)
+    if degraded:
+        degraded_condition = Condition(
+            "Degraded",
+            True,
+            "HeartbeatLost" if lost else "GroupWithoutLeader",
+            (
+                f"Agents without fresh heartbeat: {', '.join(v.record.node for v in lost[:10])}"
+                if lost
+                else f"Groups without leader: {', '.join(g.name for g in leaderless[:10])}"
+            ),
+        )
+    else:
+        degraded_condition = Condition("Degraded", False, "AllHeartbeatsFresh", "")
+    if all_ready and not progressing:
+        ready_condition = Condition("Ready", True, "AgentsReady", f"{ready_count} agents ready")
+    else:
+        why = []
+        if desired_agents == 0:
+            why.append("no agent is scheduled yet")
+        if ready_count < desired_agents:
+            why.append(f"{ready_count}/{desired_agents} agents ready")
+        if epoch_lag:
+            why.append(f"{len(epoch_lag)} agents still on an older cacheEpoch")
+        if not rollout_done:
+            why.append("agent rollout in progress")
+        ready_condition = Condition("Ready", False, "AgentsNotReady", "; ".join(why) or "pending")
+    progressing_condition = Condition(
+        "Progressing",
+        progressing,
+        "RollingOut" if progressing else "UpToDate",
+        "Children updated or agents starting" if progressing else "",
+    )
+    conditions = merge_conditions(
+        previous.get("conditions"),
+        [
+            Condition("ConfigValid", True, "Valid", "Spec accepted"),
+            sizing,
+            ready_condition,
+            progressing_condition,
+            degraded_condition,
+        ],
+        generation,
+        now,
+    )
+    phase = (
+        "Ready" if all_ready and not progressing else ("Degraded" if degraded else "Progressing")
+    )
+    if desired_agents == 0 and not agents:
+        phase = "Pending"
+    return {
+        "observedGeneration": generation,
+        "phase": phase,
+        "desiredAgents": desired_agents,
+        "readyAgents": ready_count,
+        "groupCount": len(groups),
+        "cacheEpoch": cache_epoch,
+        "configHash": config_hash,
+        "agents": agent_entries(agents),
+        "groups": group_entries(groups),
+        "conditions": conditions,
+    }
+
+
+def invalid_status(
+    previous: dict[str, Any], generation: int, message: str, now: datetime.datetime
+) -> dict[str, Any]:
+    """Status of a pool whose spec cannot be acted on; other fields are kept as they were."""
+    conditions = merge_conditions(
+        previous.get("conditions"),
+        [
+            Condition("ConfigValid", False, "InvalidSpec", message),
+            Condition("Ready", False, "InvalidSpec", "Spec is invalid; children left unchanged"),
+            Condition("Progressing", False, "InvalidSpec", "Waiting for a valid spec"),
+        ],
+        generation,
+        now,
+    )
+    return {"observedGeneration": generation, "phase": "Invalid", "conditions": conditions}
