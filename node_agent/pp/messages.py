@@ -1,0 +1,523 @@
+"""Typed fan-out messages and their wire encoding (no pickle; strict decode).
+
+A message is a list of ZeroMQ frames:
+
+* frame 0: fixed header ``<4sBBqqd``: magic ``b"FKV1"``, op code, wire version,
+  epoch, seq, sender wall-clock time (for the lag metric);
+* frame 1: group name, UTF-8;
+* frame 2: body, a JSON object whose keys and value types are fixed per op;
+* frames 3..: binary arrays of the op (masks, plans, moves), little-endian.
+
+:func:`decode` checks every frame, key and type and raises
+:class:`MalformedMessage` naming what was wrong; the channel drops such a
+message and counts it (reason ``malformed``). Nothing is ever unpickled.
+
+Masks are contiguous spans by the backend contract, so a mask travels as
+``(length, start, stop)``; a non-contiguous mask (not expected) falls back to
+packed bits. Plans travel as runs ``(tier, first index, count)`` of consecutive
+blocks, which keeps a 2K-block plan small when the allocator hands out runs.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from node_agent.backend.replication import (
+    BlockLocation,
+    Direction,
+    Tier,
+    TierMove,
+    TransferPlan,
+)
+
+MAGIC = b"FKV1"
+WIRE_VERSION = 1
+_HEADER = struct.Struct("<4sBBqqd")
+_TIER_CODES = {Tier.CPU: 0, Tier.SSD: 1}
+_TIER_BY_CODE = {v: k for k, v in _TIER_CODES.items()}
+_NO_TIER = 255
+_MAX_GROUP_LEN = 253
+_MAX_TOKENS = 1 << 24
+
+
+class MalformedMessage(ValueError):
+    """A received message failed validation; it must be dropped, never applied."""
+
+
+class Op(enum.IntEnum):
+    """Operation tag of a message. Leader-to-follower ops below 64 are in the
+    ordered stream (they consume a seq); the others are control messages."""
+
+    PUT = 1
+    """Put decision for one ``store_kv`` call."""
+    GET = 2
+    """Get decision for one ``lookup`` call."""
+    MOVES = 3
+    """Leader-decided tier moves (spills, drops), applied before later plans."""
+    RELEASE = 4
+    """Engine released a request: drop its pending decisions."""
+    CANCEL = 5
+    """Leader gave up a task: a follower must not start (or keep) it."""
+    RESULT = 6
+    """Leader's group verdict on a task (put published / discarded; get loaded / miss)."""
+    RESET = 7
+    """Flush every tier and every pending decision (a resync point)."""
+    SYNC = 64
+    """Per-follower start point: the next stream seq is ``seq + 1``."""
+    HEARTBEAT = 65
+    """Leader liveness; ``seq`` is the last stream seq sent (lets followers see gaps)."""
+    HELLO = 96
+    """Follower to leader: my rank, epoch and last applied seq; asks for a SYNC."""
+    ACK = 97
+    """Follower to leader: a task's outcome on this stage (or stream progress)."""
+
+    @property
+    def in_stream(self) -> bool:
+        """True for ordered leader decisions that consume a seq."""
+        return self < 64
+
+
+class Kind(enum.Enum):
+    """Which engine call a decision or ack belongs to."""
+
+    PUT = "put"
+    GET = "get"
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """Fields every message carries."""
+
+    op: Op
+    group: str
+    epoch: int
+    seq: int
+    sent_at: float = field(default_factory=time.time, compare=False)
+
+
+@dataclass(frozen=True, eq=False)
+class Decision:
+    """A put or get decision (``Op.PUT`` / ``Op.GET``).
+
+    ``n`` counts the calls of this kind for ``rid`` since its last release, so a
+    follower pairs its own n-th call with the leader's n-th decision. ``mask``
+    is over the page-aligned tokens. The plan travels as ``runs``, rows
+    ``(tier code, first block index, count)`` (None when ``task_id`` is -1);
+    :attr:`plan` expands it. ``error`` is set when the leader's manager call
+    failed (task -1, nothing to do).
+    """
+
+    direction: Direction
+    rid: str
+    n: int
+    task_id: int
+    mask: npt.NDArray[np.bool_]
+    runs: npt.NDArray[np.int64] | None
+    error: str | None = None
+
+    @classmethod
+    def build(
+        cls,
+        direction: Direction,
+        rid: str,
+        n: int,
+        task_id: int,
+        mask: npt.NDArray[np.bool_],
+        plan: TransferPlan | None,
+        error: str | None = None,
+    ) -> Decision:
+        """A decision from a backend plan (checks the plan's direction)."""
+        if plan is not None and plan.direction is not direction:
+            raise ValueError(
+                f"A {direction.value} decision cannot carry a {plan.direction.value} plan"
+            )
+        runs = None if plan is None else plan_runs(plan)
+        return cls(direction, rid, n, task_id, np.asarray(mask, dtype=np.bool_), runs, error)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the plan (0 without one)."""
+        return 0 if self.runs is None else int(self.runs[:, 2].sum())
+
+    @property
+    def plan(self) -> TransferPlan | None:
+        """The physical plan, expanded from its runs."""
+        if self.runs is None:
+            return None
+        blocks: list[BlockLocation] = []
+        for code, start, count in self.runs.tolist():
+            tier = _TIER_BY_CODE[code]
+            blocks.extend(BlockLocation(tier, i) for i in range(start, start + count))
+        return TransferPlan(self.direction, tuple(blocks))
+
+    @property
+    def active(self) -> bool:
+        """True when the stage has something to copy."""
+        return self.task_id >= 0 and self.num_blocks > 0
+
+
+@dataclass(frozen=True)
+class Moves:
+    """``Op.MOVES``: tier moves in decision order."""
+
+    moves: tuple[TierMove, ...]
+
+
+@dataclass(frozen=True)
+class Release:
+    """``Op.RELEASE``: the request is finished on the engine side."""
+
+    rid: str
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """``Op.CANCEL``: the leader abandoned task ``task_id`` of ``rid``."""
+
+    rid: str
+    kind: Kind
+    n: int
+    task_id: int
+
+
+@dataclass(frozen=True)
+class Result:
+    """``Op.RESULT``: group verdict; ``ok`` means every stage finished the task."""
+
+    rid: str
+    kind: Kind
+    n: int
+    task_id: int
+    ok: bool
+
+
+@dataclass(frozen=True)
+class Reset:
+    """``Op.RESET``: flush; ``reason`` is for logs."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Sync:
+    """``Op.SYNC``: answer to a HELLO; the follower continues after envelope seq.
+
+    ``gen`` is the HELLO's ``gen`` plus one; a follower accepts only the SYNC
+    answering its latest HELLO.
+    """
+
+    rank: int
+    gen: int
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """``Op.HEARTBEAT``: no body."""
+
+
+@dataclass(frozen=True)
+class Hello:
+    """``Op.HELLO``: sent by a follower on (re)connect and after a gap.
+
+    ``envelope.seq`` is the follower's last applied seq (-1 when none) and
+    ``envelope.epoch`` the epoch it follows. ``session`` identifies the
+    follower's stream instance (new after a restart or an epoch change) and
+    ``gen`` counts the SYNCs it accepted in that session, so the leader can
+    ignore a HELLO it already answered. ``resync`` says a gap was seen.
+    """
+
+    rank: int
+    session: int
+    gen: int
+    resync: bool
+
+
+@dataclass(frozen=True)
+class Ack:
+    """``Op.ACK``: outcome of a task on the sending stage (``rank``)."""
+
+    rank: int
+    rid: str
+    kind: Kind
+    n: int
+    task_id: int
+    ok: bool
+    error: str | None = None
+
+
+Body = Decision | Moves | Release | Cancel | Result | Reset | Sync | Heartbeat | Hello | Ack
+
+
+@dataclass(frozen=True)
+class Message:
+    """A decoded message: envelope plus the body of its op."""
+
+    env: Envelope
+    body: Body
+
+
+# -- encoding ----------------------------------------------------------------------
+
+
+def _mask_fields(mask: npt.NDArray[np.bool_]) -> tuple[dict[str, Any], list[bytes]]:
+    m = np.asarray(mask, dtype=np.bool_)
+    idx = np.flatnonzero(m)
+    if idx.size == 0:
+        return {"mask_len": int(m.size), "mask_span": [0, 0]}, []
+    start, stop = int(idx[0]), int(idx[-1]) + 1
+    if stop - start == idx.size:
+        return {"mask_len": int(m.size), "mask_span": [start, stop]}, []
+    return {"mask_len": int(m.size), "mask_span": None}, [np.packbits(m).tobytes()]
+
+
+def plan_runs(plan: TransferPlan) -> npt.NDArray[np.int64]:
+    """A plan as runs of consecutive blocks: rows ``(tier code, start, count)``."""
+    if not plan.blocks:
+        return np.zeros((0, 3), dtype=np.int64)
+    codes = np.fromiter((_TIER_CODES[b.tier] for b in plan.blocks), np.int64, len(plan.blocks))
+    idx = np.fromiter((b.index for b in plan.blocks), np.int64, len(plan.blocks))
+    brk = np.flatnonzero((np.diff(idx) != 1) | (np.diff(codes) != 0)) + 1
+    starts = np.concatenate(([0], brk))
+    counts = np.diff(np.concatenate((starts, [len(idx)])))
+    return np.stack([codes[starts], idx[starts], counts], axis=1).astype(np.int64)
+
+
+def encode(env: Envelope, body: Body) -> list[bytes]:
+    """Encode a message as frames. Raises ``ValueError`` for a body that does not
+    match ``env.op`` or a group name that is empty or too long."""
+    g = env.group.encode()
+    if not g or len(g) > _MAX_GROUP_LEN:
+        raise ValueError(f"Fan-out group name {env.group!r} must be 1..{_MAX_GROUP_LEN} bytes")
+    fields: dict[str, Any]
+    arrays: list[bytes] = []
+    op = env.op
+    if op in (Op.PUT, Op.GET) and isinstance(body, Decision):
+        fields, arrays = _mask_fields(body.mask)
+        fields.update(rid=body.rid, n=body.n, task_id=body.task_id, error=body.error)
+        want = Direction.STORE if op is Op.PUT else Direction.LOAD
+        if body.direction is not want:
+            raise ValueError(f"{op.name} message cannot carry a {body.direction.value} decision")
+        if body.runs is not None:
+            fields["plan"] = body.num_blocks
+            arrays.append(np.ascontiguousarray(body.runs, dtype="<i8").tobytes())
+        else:
+            fields["plan"] = None
+    elif op is Op.MOVES and isinstance(body, Moves):
+        rows = [
+            (
+                _TIER_CODES[m.src.tier],
+                m.src.index,
+                _NO_TIER if m.dst is None else _TIER_CODES[m.dst.tier],
+                -1 if m.dst is None else m.dst.index,
+            )
+            for m in body.moves
+        ]
+        fields = {"count": len(rows)}
+        arrays.append(np.array(rows, dtype="<i8").reshape(-1, 4).tobytes())
+    elif op is Op.RELEASE and isinstance(body, Release):
+        fields = {"rid": body.rid}
+    elif op is Op.CANCEL and isinstance(body, Cancel):
+        fields = {"rid": body.rid, "kind": body.kind.value, "n": body.n, "task_id": body.task_id}
+    elif op is Op.RESULT and isinstance(body, Result):
+        fields = {
+            "rid": body.rid, "kind": body.kind.value, "n": body.n,
+            "task_id": body.task_id, "ok": body.ok,
+        }
+    elif op is Op.RESET and isinstance(body, Reset):
+        fields = {"reason": body.reason}
+    elif op is Op.SYNC and isinstance(body, Sync):
+        fields = {"rank": body.rank, "gen": body.gen}
+    elif op is Op.HEARTBEAT and isinstance(body, Heartbeat):
+        fields = {}
+    elif op is Op.HELLO and isinstance(body, Hello):
+        fields = {"rank": body.rank, "session": body.session, "gen": body.gen,
+                  "resync": body.resync}
+    elif op is Op.ACK and isinstance(body, Ack):
+        fields = {
+            "rank": body.rank, "rid": body.rid, "kind": body.kind.value, "n": body.n,
+            "task_id": body.task_id, "ok": body.ok, "error": body.error,
+        }
+    else:
+        raise ValueError(f"Body {type(body).__name__} does not match op {op.name}")
+    header = _HEADER.pack(MAGIC, int(op), WIRE_VERSION, env.epoch, env.seq, env.sent_at)
+    return [header, g, json.dumps(fields, separators=(",", ":")).encode(), *arrays]
+
+
+# -- decoding ----------------------------------------------------------------------
+
+
+def _get(fields: dict[str, Any], key: str, typ: type, optional: bool = False) -> Any:
+    if key not in fields:
+        raise MalformedMessage(f"Missing field {key!r}")
+    v = fields[key]
+    if v is None and optional:
+        return None
+    # bool is an int subclass: never accept one for the other.
+    if typ is int and (isinstance(v, bool) or not isinstance(v, int)):
+        raise MalformedMessage(f"Field {key!r} must be an integer, got {v!r}")
+    if typ is not int and not isinstance(v, typ):
+        raise MalformedMessage(f"Field {key!r} must be {typ.__name__}, got {v!r}")
+    return v
+
+
+def _nonneg(fields: dict[str, Any], key: str) -> int:
+    v: int = _get(fields, key, int)
+    if v < 0:
+        raise MalformedMessage(f"Field {key!r} must be >= 0, got {v}")
+    return v
+
+
+def _kind(fields: dict[str, Any]) -> Kind:
+    v = _get(fields, "kind", str)
+    try:
+        return Kind(v)
+    except ValueError:
+        raise MalformedMessage(f"Field 'kind' must be put or get, got {v!r}") from None
+
+
+def _expect_frames(frames: list[bytes], n: int, op: Op) -> None:
+    if len(frames) != n:
+        raise MalformedMessage(f"{op.name} needs {n} frames, got {len(frames)}")
+
+
+def _decode_mask(fields: dict[str, Any], frames: list[bytes]) -> tuple[npt.NDArray[np.bool_], int]:
+    """Returns the mask and how many array frames it used."""
+    length = _nonneg(fields, "mask_len")
+    if length > _MAX_TOKENS:
+        raise MalformedMessage(f"Mask length {length} exceeds {_MAX_TOKENS}")
+    span = fields.get("mask_span", "missing")
+    mask = np.zeros(length, dtype=np.bool_)
+    if span is None:
+        if not frames or len(frames[0]) != (length + 7) // 8:
+            raise MalformedMessage(f"Packed mask frame must hold {(length + 7) // 8} bytes")
+        mask[:] = np.unpackbits(np.frombuffer(frames[0], dtype=np.uint8), count=length)
+        return mask, 1
+    if (
+        not isinstance(span, list) or len(span) != 2
+        or any(isinstance(x, bool) or not isinstance(x, int) for x in span)
+        or not 0 <= span[0] <= span[1] <= length
+    ):
+        raise MalformedMessage(f"Field 'mask_span' must be [start, stop] within {length}: {span!r}")
+    mask[span[0]:span[1]] = True
+    return mask, 0
+
+
+def _decode_runs(count: int, frame: bytes) -> npt.NDArray[np.int64]:
+    if len(frame) % 24:
+        raise MalformedMessage(f"Plan frame length {len(frame)} is not a multiple of 24")
+    runs = np.frombuffer(frame, dtype="<i8").reshape(-1, 3).astype(np.int64)
+    if runs.size and (
+        not np.isin(runs[:, 0], list(_TIER_BY_CODE)).all()
+        or (runs[:, 1] < 0).any() or (runs[:, 2] <= 0).any()
+    ):
+        raise MalformedMessage("Plan runs hold an unknown tier, a negative index or an empty run")
+    covered = int(runs[:, 2].sum())
+    if covered != count:
+        raise MalformedMessage(f"Plan runs cover {covered} blocks, header says {count}")
+    return runs
+
+
+def _decode_body(op: Op, fields: dict[str, Any], arrays: list[bytes]) -> Body:
+    if op in (Op.PUT, Op.GET):
+        mask, used = _decode_mask(fields, arrays)
+        rid = _get(fields, "rid", str)
+        n = _nonneg(fields, "n")
+        task_id = _get(fields, "task_id", int)
+        error = _get(fields, "error", str, optional=True)
+        count = _get(fields, "plan", int, optional=True)
+        runs = None
+        if count is not None:
+            if count < 0:
+                raise MalformedMessage(f"Plan block count must be >= 0, got {count}")
+            _expect_frames(arrays, used + 1, op)
+            runs = _decode_runs(count, arrays[used])
+            total = int(mask.sum())
+            if (count == 0) != (total == 0) or (count and total % count):
+                raise MalformedMessage(f"Mask of {total} tokens cannot cover {count} plan blocks")
+        else:
+            _expect_frames(arrays, used, op)
+        direction = Direction.STORE if op is Op.PUT else Direction.LOAD
+        return Decision(direction, rid, n, task_id, mask, runs, error)
+    if op is Op.MOVES:
+        count = _nonneg(fields, "count")
+        _expect_frames(arrays, 1, op)
+        if len(arrays[0]) != count * 32:
+            raise MalformedMessage(f"Moves frame must hold {count * 32} bytes")
+        rows = np.frombuffer(arrays[0], dtype="<i8").reshape(-1, 4).tolist()
+        moves = []
+        for s_tier, s_idx, d_tier, d_idx in rows:
+            if s_tier not in _TIER_BY_CODE or s_idx < 0:
+                raise MalformedMessage(f"Move source ({s_tier}, {s_idx}) is invalid")
+            src = BlockLocation(_TIER_BY_CODE[s_tier], s_idx)
+            if d_tier == _NO_TIER:
+                moves.append(TierMove(src, None))
+            elif d_tier in _TIER_BY_CODE and d_idx >= 0:
+                moves.append(TierMove(src, BlockLocation(_TIER_BY_CODE[d_tier], d_idx)))
+            else:
+                raise MalformedMessage(f"Move destination ({d_tier}, {d_idx}) is invalid")
+        return Moves(tuple(moves))
+    _expect_frames(arrays, 0, op)
+    if op is Op.RELEASE:
+        return Release(_get(fields, "rid", str))
+    if op is Op.CANCEL:
+        return Cancel(
+            _get(fields, "rid", str), _kind(fields), _nonneg(fields, "n"),
+            _get(fields, "task_id", int),
+        )
+    if op is Op.RESULT:
+        return Result(
+            _get(fields, "rid", str), _kind(fields), _nonneg(fields, "n"),
+            _get(fields, "task_id", int), _get(fields, "ok", bool),
+        )
+    if op is Op.RESET:
+        return Reset(_get(fields, "reason", str))
+    if op is Op.SYNC:
+        return Sync(_nonneg(fields, "rank"), _nonneg(fields, "gen"))
+    if op is Op.HEARTBEAT:
+        return Heartbeat()
+    if op is Op.HELLO:
+        return Hello(
+            _nonneg(fields, "rank"), _nonneg(fields, "session"), _nonneg(fields, "gen"),
+            _get(fields, "resync", bool),
+        )
+    return Ack(
+        _nonneg(fields, "rank"), _get(fields, "rid", str), _kind(fields), _nonneg(fields, "n"),
+        _get(fields, "task_id", int), _get(fields, "ok", bool),
+        _get(fields, "error", str, optional=True),
+    )
+
+
+def decode(frames: list[bytes]) -> Message:
+    """Decode frames into a :class:`Message`; raises :class:`MalformedMessage`."""
+    if len(frames) < 3:
+        raise MalformedMessage(f"A message has at least 3 frames, got {len(frames)}")
+    if len(frames[0]) != _HEADER.size:
+        raise MalformedMessage(f"Header frame must be {_HEADER.size} bytes, got {len(frames[0])}")
+    magic, code, version, epoch, seq, sent_at = _HEADER.unpack(frames[0])
+    if magic != MAGIC or version != WIRE_VERSION:
+        raise MalformedMessage(f"Bad magic {magic!r} or wire version {version}")
+    try:
+        op = Op(code)
+    except ValueError:
+        raise MalformedMessage(f"Unknown op code {code}") from None
+    if epoch < 0 or seq < -1:
+        raise MalformedMessage(f"Epoch {epoch} and seq {seq} must not be negative")
+    try:
+        group = frames[1].decode()
+        fields = json.loads(frames[2])
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise MalformedMessage(f"Group or body is not valid UTF-8 / JSON: {exc}") from None
+    if not group or len(frames[1]) > _MAX_GROUP_LEN:
+        raise MalformedMessage(f"Group name {group!r} is empty or too long")
+    if not isinstance(fields, dict):
+        raise MalformedMessage(f"Body must be a JSON object, got {type(fields).__name__}")
+    body = _decode_body(op, fields, frames[3:])
+    return Message(Envelope(op, group, epoch, seq, sent_at), body)

@@ -1,0 +1,380 @@
+"""The ordered decision stream of one PP group, leader side and follower side.
+
+Leader (:class:`LeaderStream`): numbers every decision with ``seq`` (1, 2, ...
+within its epoch), encodes it once and sends it to every *synced* follower.
+A follower becomes synced by sending HELLO and receiving SYNC (``seq`` = the
+last stream seq, so the follower continues at ``seq + 1``). When the group
+cache may already hold blocks the new follower lacks (the leader is
+``dirty``), the leader first flushes the group (``flush`` callback: reset its
+backend and broadcast RESET), so every stage again holds the same blocks.
+Heartbeats carry the last seq so a follower notices a lost tail.
+
+Follower (:class:`FollowerStream`): accepts stream messages only of its
+epoch, strictly at ``last + 1``; older epochs are dropped (``stale_epoch``),
+repeats dropped (``duplicate``), and a jump makes it unsynced (``gap``): it
+drops everything until the leader's SYNC answers its HELLO, never guessing.
+Leader silence for ``leader_timeout`` also makes it unsynced.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from node_agent.metrics import AgentMetrics
+from node_agent.pp.auth import CurveKeys
+from node_agent.pp.channel import Sender
+from node_agent.pp.messages import (
+    Ack,
+    Body,
+    Envelope,
+    Heartbeat,
+    Hello,
+    Message,
+    Op,
+    Sync,
+    encode,
+)
+
+log = logging.getLogger(__name__)
+
+
+class StreamMetrics:
+    """Records fan-out drops and lag into :class:`AgentMetrics` when given one,
+    and keeps local counters for ``status()`` either way."""
+
+    def __init__(self, group: str, metrics: AgentMetrics | None) -> None:
+        self.group = group
+        self.metrics = metrics
+        self.dropped: dict[str, int] = {}
+
+    def drop(self, reason: str) -> None:
+        """Count one dropped message."""
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+        if self.metrics is not None:
+            self.metrics.fanout_dropped.labels(group=self.group, reason=reason).inc()
+
+    def lag(self, seconds: float) -> None:
+        """Observe decision-sent to applied latency."""
+        if self.metrics is not None:
+            self.metrics.fanout_lag_seconds.labels(group=self.group).observe(max(seconds, 0.0))
+
+
+@dataclass
+class _Peer:
+    rank: int
+    sender: Sender
+    synced: bool = False
+    session: int = -1
+    gen: int = 0
+
+
+class LeaderStream:
+    """Leader side of a group's stream for one epoch (see module docstring).
+
+    ``flush(reason)`` must reset the leader's backend and call
+    :meth:`broadcast` with a RESET; it is called (from the server thread) when a
+    follower must be brought in while the group cache is ``dirty``.
+    ``on_ack`` receives follower acks of this epoch.
+    """
+
+    def __init__(
+        self,
+        group: str,
+        epoch: int,
+        keys: CurveKeys | None,
+        stats: StreamMetrics,
+        flush: Callable[[str], None],
+        on_ack: Callable[[Ack], None],
+        heartbeat_interval: float = 0.1,
+    ) -> None:
+        self.group = group
+        self.epoch = epoch
+        self._keys = keys
+        self._stats = stats
+        self._flush = flush
+        self._on_ack = on_ack
+        self._lock = threading.RLock()
+        self._peers: dict[int, _Peer] = {}
+        self.seq = 0
+        self.dirty = False
+        self._hb_interval = heartbeat_interval
+        self._stop = threading.Event()
+        self._hb = threading.Thread(target=self._heartbeats, name=f"hb-{group}", daemon=True)
+        self._hb.start()
+
+    # -- membership -------------------------------------------------------------------
+
+    def set_followers(self, endpoints: dict[int, str]) -> None:
+        """Connect to exactly these followers (rank -> fan-out endpoint)."""
+        with self._lock:
+            for rank in list(self._peers):
+                p = self._peers[rank]
+                if endpoints.get(rank) != p.sender.endpoint:
+                    p.sender.close()
+                    del self._peers[rank]
+            for rank, ep in endpoints.items():
+                if rank not in self._peers:
+                    self._peers[rank] = _Peer(rank, Sender(ep, self._keys))
+
+    def peer(self, rank: int) -> Sender | None:
+        """The sender to ``rank`` (tests use it to inject faults)."""
+        with self._lock:
+            p = self._peers.get(rank)
+            return None if p is None else p.sender
+
+    @property
+    def follower_ranks(self) -> list[int]:
+        """Ranks this leader fans out to."""
+        with self._lock:
+            return sorted(self._peers)
+
+    def all_synced(self) -> bool:
+        """True when every follower is synced (decisions can reach all stages)."""
+        with self._lock:
+            return all(p.synced for p in self._peers.values())
+
+    def synced_count(self) -> int:
+        """Followers currently synced."""
+        with self._lock:
+            return sum(p.synced for p in self._peers.values())
+
+    # -- sending -------------------------------------------------------------------------
+
+    def broadcast(self, op: Op, body: Body) -> int:
+        """Send one stream message to every synced follower; returns its seq.
+
+        A follower whose queue is full is marked unsynced (it will see the gap
+        through heartbeats and resync). The group becomes ``dirty`` after a PUT.
+        """
+        with self._lock:
+            self.seq += 1
+            if op is Op.PUT:
+                self.dirty = True
+            elif op is Op.RESET:
+                self.dirty = False
+            frames = encode(Envelope(op, self.group, self.epoch, self.seq), body)
+            for p in self._peers.values():
+                if p.synced and not p.sender.send(frames):
+                    p.synced = False
+                    log.warning("Fan-out queue full, follower must resync",
+                                extra={"group": self.group, "rank": p.rank})
+            return self.seq
+
+    def _heartbeats(self) -> None:
+        while not self._stop.wait(self._hb_interval):
+            with self._lock:
+                frames = encode(Envelope(Op.HEARTBEAT, self.group, self.epoch, self.seq),
+                                Heartbeat())
+                for p in self._peers.values():
+                    p.sender.send(frames)
+
+    # -- receiving -----------------------------------------------------------------------
+
+    def handle(self, msg: Message) -> None:
+        """A HELLO or ACK from a follower (server thread)."""
+        if msg.env.epoch != self.epoch:
+            self._stats.drop("stale_epoch" if msg.env.epoch < self.epoch else "future_epoch")
+            return
+        body = msg.body
+        if isinstance(body, Ack):
+            self._on_ack(body)
+        elif isinstance(body, Hello):
+            self._hello(body)
+        else:
+            self._stats.drop("malformed")
+
+    def _hello(self, h: Hello) -> None:
+        with self._lock:
+            p = self._peers.get(h.rank)
+            if p is None:
+                log.warning("HELLO from a rank that is not a follower of this group",
+                            extra={"group": self.group, "rank": h.rank})
+                return
+            if p.session == h.session and h.gen < p.gen:
+                return  # already answered
+            p.synced = False
+            dirty = self.dirty
+        if dirty:
+            # The follower cannot hold what the group cached: flush everyone. Called
+            # without the stream lock: flush takes the connector's decision lock,
+            # which is always taken before the stream lock.
+            self._flush(f"follower rank {h.rank} (re)joined")
+        with self._lock:
+            p = self._peers.get(h.rank)
+            if p is None:
+                return
+            p.session, p.gen = h.session, h.gen + 1
+            frames = encode(Envelope(Op.SYNC, self.group, self.epoch, self.seq),
+                            Sync(h.rank, p.gen))
+            p.synced = p.sender.send(frames)
+            log.info("Follower synced", extra={"group": self.group, "rank": h.rank,
+                                               "seq": self.seq, "epoch": self.epoch})
+
+    def close(self) -> None:
+        """Stop heartbeats and close every sender."""
+        self._stop.set()
+        if self._hb.is_alive() and self._hb is not threading.current_thread():
+            self._hb.join(timeout=2.0)
+        with self._lock:
+            for p in self._peers.values():
+                p.sender.close()
+            self._peers.clear()
+
+
+class FollowerStream:
+    """Follower side of a group's stream (see module docstring).
+
+    ``apply(msg)`` is called on the server thread for each in-order stream
+    message; ``on_unsynced(reason)`` when the stream breaks (pending waits must
+    end); ``on_dropped(msg)`` for stream messages dropped while unsynced (so a
+    PUT can be answered with a failure ack at once).
+    """
+
+    def __init__(
+        self,
+        group: str,
+        rank: int,
+        keys: CurveKeys | None,
+        stats: StreamMetrics,
+        apply: Callable[[Message], None],
+        on_unsynced: Callable[[str], None],
+        on_dropped: Callable[[Message], None],
+        hello_interval: float = 0.25,
+        leader_timeout: float = 3.0,
+    ) -> None:
+        self.group = group
+        self.rank = rank
+        self._keys = keys
+        self._stats = stats
+        self._apply = apply
+        self._on_unsynced = on_unsynced
+        self._on_dropped = on_dropped
+        self._hello_interval = hello_interval
+        self._leader_timeout = leader_timeout
+        self._lock = threading.RLock()
+        self.epoch = -1
+        self.last_seq = -1
+        self.synced = False
+        self._session = secrets.randbits(62)
+        self._gen = 0
+        self._sender: Sender | None = None
+        self._last_heard = time.monotonic()
+        self._last_hello = 0.0
+        self._stop = threading.Event()
+        self._timer = threading.Thread(target=self._tick_loop, name=f"hello-{group}", daemon=True)
+        self._timer.start()
+
+    def follow(self, epoch: int, leader_endpoint: str | None) -> None:
+        """Follow the leader at ``leader_endpoint`` under ``epoch`` (view change)."""
+        with self._lock:
+            changed = epoch != self.epoch or (
+                self._sender is None or self._sender.endpoint != leader_endpoint
+            )
+            if not changed:
+                return
+            if self._sender is not None:
+                self._sender.close()
+                self._sender = None
+            self.epoch = epoch
+            self._session = secrets.randbits(62)
+            self._gen = 0
+            self._unsync("leader or epoch changed", resync=False)
+            if leader_endpoint is not None:
+                self._sender = Sender(leader_endpoint, self._keys)
+            self._last_heard = time.monotonic()
+            self._send_hello()
+
+    def send_ack(self, ack: Ack) -> bool:
+        """Report a task outcome to the leader (False when not connected)."""
+        with self._lock:
+            if self._sender is None:
+                return False
+            frames = encode(Envelope(Op.ACK, self.group, self.epoch, self.last_seq), ack)
+            return self._sender.send(frames)
+
+    def _send_hello(self, resync: bool = False) -> None:
+        if self._sender is None or self.epoch < 0:
+            return
+        self._last_hello = time.monotonic()
+        frames = encode(
+            Envelope(Op.HELLO, self.group, self.epoch, self.last_seq),
+            Hello(self.rank, self._session, self._gen, resync),
+        )
+        self._sender.send(frames)
+
+    def _unsync(self, reason: str, resync: bool) -> None:
+        was = self.synced
+        self.synced = False
+        if was:
+            log.warning("Fan-out stream unsynced", extra={"group": self.group, "rank": self.rank,
+                                                          "reason": reason, "seq": self.last_seq})
+        self._on_unsynced(reason)
+        if resync:
+            self._send_hello(resync=True)
+
+    def handle(self, msg: Message) -> None:
+        """A message from the leader (server thread)."""
+        env = msg.env
+        with self._lock:
+            if env.epoch != self.epoch:
+                self._stats.drop("stale_epoch" if env.epoch < self.epoch else "future_epoch")
+                if env.op is Op.PUT:
+                    self._on_dropped(msg)
+                return
+            self._last_heard = time.monotonic()
+            if env.op is Op.SYNC:
+                assert isinstance(msg.body, Sync)
+                if not self.synced and msg.body.gen == self._gen + 1:
+                    self._gen = msg.body.gen
+                    self.last_seq = env.seq
+                    self.synced = True
+                    log.info("Fan-out stream synced", extra={"group": self.group,
+                                                            "rank": self.rank, "seq": env.seq})
+                return
+            if env.op is Op.HEARTBEAT:
+                if self.synced and env.seq > self.last_seq:
+                    self._stats.drop("gap")
+                    self._unsync(f"heartbeat seq {env.seq} after {self.last_seq}", resync=True)
+                return
+            if not env.op.in_stream:
+                self._stats.drop("malformed")
+                return
+            if not self.synced:
+                self._stats.drop("gap")
+                self._on_dropped(msg)
+                return
+            if env.seq <= self.last_seq:
+                self._stats.drop("duplicate")
+                return
+            if env.seq != self.last_seq + 1:
+                self._stats.drop("gap")
+                self._on_dropped(msg)
+                self._unsync(f"seq {env.seq} after {self.last_seq}", resync=True)
+                return
+            self.last_seq = env.seq
+            self._apply(msg)
+            self._stats.lag(time.time() - env.sent_at)
+
+    def _tick_loop(self) -> None:
+        while not self._stop.wait(self._hello_interval / 2):
+            with self._lock:
+                now = time.monotonic()
+                if self.synced and now - self._last_heard > self._leader_timeout:
+                    self._unsync("leader silent", resync=False)
+                if not self.synced and now - self._last_hello >= self._hello_interval:
+                    self._send_hello()
+
+    def close(self) -> None:
+        """Stop the timer and close the sender."""
+        self._stop.set()
+        if self._timer.is_alive():
+            self._timer.join(timeout=2.0)
+        with self._lock:
+            if self._sender is not None:
+                self._sender.close()
+                self._sender = None

@@ -1,0 +1,170 @@
+"""The ordered stream over real Curve-authenticated pyzmq sockets on loopback:
+in-order application, epochs, gaps, duplicates, reordering and resync."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from node_agent.metrics import AgentMetrics
+from node_agent.pp.auth import CurveKeys
+from node_agent.pp.channel import FanoutServer, FaultPlan, Sender
+from node_agent.pp.messages import Ack, Envelope, Kind, Op, Release, Reset, encode
+from node_agent.pp.stream import FollowerStream, LeaderStream, StreamMetrics
+
+GROUP = "g0"
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        time.sleep(0.005)
+
+
+@dataclass
+class Pair:
+    leader: LeaderStream
+    follower: FollowerStream
+    applied: list[tuple[int, str]] = field(default_factory=list)
+    unsynced: list[str] = field(default_factory=list)
+    flushes: list[str] = field(default_factory=list)
+    acks: list[Ack] = field(default_factory=list)
+    f_metrics: AgentMetrics = field(default_factory=AgentMetrics)
+    lead_ep: str = ""
+    keys: CurveKeys | None = None
+
+    def dropped(self, reason: str) -> float:
+        v = self.f_metrics.registry.get_sample_value(
+            "flexkv_agent_fanout_dropped_total", {"group": GROUP, "reason": reason})
+        return v or 0.0
+
+
+@pytest.fixture
+def pair() -> Iterator[Pair]:
+    keys = CurveKeys.generate()
+    lead_srv = FanoutServer("tcp://127.0.0.1:0", keys).start()
+    fol_srv = FanoutServer("tcp://127.0.0.1:0", keys).start()
+    f_metrics = AgentMetrics()
+    holder: dict[str, Pair] = {}
+
+    def flush(reason: str) -> None:
+        holder["p"].flushes.append(reason)
+        holder["p"].leader.broadcast(Op.RESET, Reset(reason))
+
+    leader = LeaderStream(GROUP, 5, keys, StreamMetrics(GROUP, None), flush,
+                          on_ack=lambda a: holder["p"].acks.append(a))
+    follower = FollowerStream(
+        GROUP, 1, keys, StreamMetrics(GROUP, f_metrics),
+        apply=lambda m: holder["p"].applied.append((m.env.seq, m.env.op.name)),
+        on_unsynced=lambda r: holder["p"].unsynced.append(r),
+        on_dropped=lambda m: None,
+        hello_interval=0.05,
+    )
+    p = Pair(leader, follower, f_metrics=f_metrics, lead_ep=lead_srv.endpoint, keys=keys)
+    holder["p"] = p
+    lead_srv.register(GROUP, leader.handle)
+    fol_srv.register(GROUP, follower.handle)
+    leader.set_followers({1: fol_srv.endpoint})
+    follower.follow(5, lead_srv.endpoint)
+    wait_for(lambda: leader.all_synced() and follower.synced)
+    try:
+        yield p
+    finally:
+        follower.close()
+        leader.close()
+        lead_srv.close()
+        fol_srv.close()
+
+
+def _send(p: Pair, n: int) -> list[int]:
+    return [p.leader.broadcast(Op.RELEASE, Release(f"r{i}")) for i in range(n)]
+
+
+def _seqs(p: Pair) -> list[int]:
+    return [s for s, _ in p.applied]
+
+
+def _faults(p: Pair) -> FaultPlan:
+    sender = p.leader.peer(1)
+    assert sender is not None
+    sender.faults = FaultPlan()
+    return sender.faults
+
+
+def test_messages_apply_in_order_and_acks_flow_back(pair: Pair) -> None:
+    sent = _send(pair, 50)
+    wait_for(lambda: len(pair.applied) == 50)
+    assert _seqs(pair) == sent == list(range(1, 51))
+    assert pair.follower.send_ack(Ack(1, "r0", Kind.PUT, 0, 3, True))
+    wait_for(lambda: len(pair.acks) == 1)
+    assert pair.acks[0] == Ack(1, "r0", Kind.PUT, 0, 3, True)
+
+
+def test_duplicates_are_dropped_and_counted(pair: Pair) -> None:
+    _faults(pair).duplicate(3)
+    _send(pair, 5)
+    wait_for(lambda: len(pair.applied) == 5 and pair.dropped("duplicate") == 3)
+    assert _seqs(pair) == [1, 2, 3, 4, 5]
+    assert pair.follower.synced
+
+
+def test_dropped_message_makes_follower_resync_never_skip(pair: Pair) -> None:
+    _send(pair, 2)
+    wait_for(lambda: len(pair.applied) == 2)
+    pair.leader.dirty = True  # the group holds blocks: a resync must flush it
+    _faults(pair).drop(1)
+    _send(pair, 3)  # seq 3 is lost; 4 and 5 arrive after a gap
+    wait_for(lambda: pair.flushes != [] and pair.follower.synced)
+    applied = _seqs(pair)
+    assert 3 not in applied and 4 not in applied and 5 not in applied
+    assert applied == sorted(applied) and pair.dropped("gap") >= 1
+    # After the resync the stream continues in order.
+    more = _send(pair, 3)
+    wait_for(lambda: _seqs(pair)[-1] == more[-1])
+    assert _seqs(pair)[-3:] == more
+
+
+def test_lost_tail_is_seen_through_heartbeats(pair: Pair) -> None:
+    _faults(pair).drop(1)
+    _send(pair, 1)  # the only message is lost; only a heartbeat reveals it
+    wait_for(lambda: pair.dropped("gap") >= 1)
+    assert 1 not in _seqs(pair)
+    wait_for(lambda: pair.follower.synced)
+
+
+def test_reordered_messages_are_never_applied_out_of_order(pair: Pair) -> None:
+    _faults(pair).reorder()
+    _send(pair, 4)  # arrives as 2, 1, 3, 4
+    wait_for(lambda: pair.dropped("gap") >= 1 and pair.follower.synced)
+    applied = _seqs(pair)
+    assert applied == sorted(applied) and 2 not in applied
+    assert len(applied) == len(set(applied))
+
+
+def test_older_epoch_messages_are_dropped(pair: Pair) -> None:
+    target = pair.leader.peer(1)
+    assert target is not None
+    rogue_leader = Sender(target.endpoint, pair.keys)
+    try:
+        frames = encode(Envelope(Op.RELEASE, GROUP, 4, pair.follower.last_seq + 1), Release("x"))
+        rogue_leader.send(frames)
+        wait_for(lambda: pair.dropped("stale_epoch") == 1)
+        assert pair.applied == []
+    finally:
+        rogue_leader.close()
+
+
+def test_new_epoch_resyncs_and_fences_the_old_leader(pair: Pair) -> None:
+    _send(pair, 2)
+    wait_for(lambda: len(pair.applied) == 2)
+    # The follower moves to epoch 6 (a new leader); the old leader keeps sending.
+    pair.follower.follow(6, pair.lead_ep)
+    assert not pair.follower.synced and pair.unsynced
+    _send(pair, 3)
+    wait_for(lambda: pair.dropped("stale_epoch") >= 3)
+    assert len(pair.applied) == 2
