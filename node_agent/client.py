@@ -1,0 +1,288 @@
+"""The library an engine rank imports to use its node's agent.
+
+:class:`EngineClient` has the connector's signatures and contract
+(``lookup`` / ``retrieve`` / ``store_kv`` / ``release`` / ``poll_completed``) and
+forwards them over the agent's ``ipc://`` engine socket. Every call is bounded by
+``timeout`` seconds. Errors:
+
+* :class:`AgentUnavailableError` when no agent listens on the socket (the message
+  names the path and how to start one);
+* :class:`AgentTimeoutError` when the agent did not answer in time;
+* ``ValueError`` for a rejected argument, carrying the agent's message (for
+  example ``store_kv: token_ids has 3 entries but kv_indices has 2 entries``);
+* :class:`EngineAPIError` for anything else the agent reports.
+
+A client is thread-safe (one call in flight at a time). After an engine restart,
+create a client and call :meth:`EngineClient.register_kv_buffers` again: the
+agent swaps in the new buffers and keeps its cached blocks.
+
+:class:`SharedKVBuffers` allocates KV buffers in POSIX shared memory so that CPU
+engines (tests, the demo) can share them with the agent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import os
+import secrets
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+import zmq
+
+from node_agent.engine_api import protocol
+from node_agent.engine_api.buffers import cuda_handle, dtype_name
+
+
+class EngineAPIError(RuntimeError):
+    """The agent answered with an error that is not a bad argument."""
+
+    def __init__(self, error_type: str, message: str) -> None:
+        super().__init__(f"{error_type}: {message}")
+        self.error_type = error_type
+
+
+class AgentUnavailableError(ConnectionError):
+    """No agent is listening on the engine socket."""
+
+
+class AgentTimeoutError(TimeoutError):
+    """The agent did not answer within the client's timeout."""
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Who the calling engine rank is: its PP group (``replica``) and position."""
+
+    replica: str
+    pp_rank: int = 0
+    pp_size: int = 1
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def to_wire(self) -> dict[str, Any]:
+        """The rank as the engine API sends it."""
+        return {"replica": self.replica, "ppRank": self.pp_rank, "ppSize": self.pp_size,
+                "tpRank": self.tp_rank, "tpSize": self.tp_size}
+
+
+def _ints(values: object) -> npt.NDArray[np.int64]:
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    return np.asarray(values).reshape(-1)
+
+
+class EngineClient:
+    """One engine rank's connection to its node agent."""
+
+    def __init__(self, socket_path: str | os.PathLike[str], rank: RankInfo,
+                 timeout: float = 10.0) -> None:
+        if timeout <= 0:
+            raise ValueError(f"timeout {timeout} must be > 0 seconds")
+        self.socket_path = Path(socket_path)
+        self.rank = rank
+        self.timeout = timeout
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._sock: zmq.Socket[bytes] | None = None
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    # -- transport -----------------------------------------------------------
+
+    def _socket(self) -> zmq.Socket[bytes]:
+        if self._sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"ipc://{self.socket_path}")
+            self._sock = sock
+        return self._sock
+
+    def _reset_socket(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def _call(self, op: str, args: Mapping[str, Any] | None = None,
+              arrays: Mapping[str, Any] | None = None, timeout: float | None = None) -> Any:
+        if not self.socket_path.exists():
+            raise AgentUnavailableError(
+                f"no flexkv agent at ipc://{self.socket_path}: the socket does not exist. "
+                "Start the agent (flexkv-agent run --config agent.yaml) or point the client at "
+                "the agent's engineSocket"
+            )
+        budget = self.timeout if timeout is None else timeout
+        with self._lock:
+            req_id = next(self._ids)
+            frames = protocol.encode_request(req_id, op, args, arrays)
+            sock = self._socket()
+            deadline = time.monotonic() + budget
+            try:
+                sock.send_multipart(frames, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                self._reset_socket()
+                raise AgentUnavailableError(
+                    f"agent at ipc://{self.socket_path} does not accept messages; "
+                    "check that the agent process is running"
+                ) from None
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                    # A late reply would be matched to a later call: start afresh.
+                    self._reset_socket()
+                    raise AgentTimeoutError(
+                        f"{op}: no answer from the agent at ipc://{self.socket_path} within "
+                        f"{budget}s; check the agent's /healthz or raise the client timeout"
+                    )
+                reply = protocol.decode_reply(sock.recv_multipart())
+                if reply.id == req_id or reply.id is None:
+                    break
+        if reply.ok:
+            return reply.result
+        etype, msg = reply.error_type or "InternalError", reply.error_message or ""
+        if etype == "ValueError":
+            raise ValueError(msg)
+        if etype == "TimeoutError":
+            raise AgentTimeoutError(msg)
+        raise EngineAPIError(etype, msg)
+
+    # -- the engine API ------------------------------------------------------
+
+    def ping(self, timeout: float | None = None) -> dict[str, Any]:
+        """Round trip to the agent; returns its version and ready flag."""
+        result: dict[str, Any] = self._call("ping", timeout=timeout)
+        return result
+
+    def register_kv_buffers(self, layout: Mapping[str, Any],
+                            buffers: Sequence[torch.Tensor | Mapping[str, Any]]) -> dict[str, Any]:
+        """Register this rank's KV buffers (tensors or ready-made handles).
+
+        CUDA tensors are exported as CUDA IPC handles; CPU tensors must come from
+        :class:`SharedKVBuffers` (pass ``its.handles``). Re-registering (after an
+        engine restart) replaces the rank's buffers; cached blocks stay.
+        """
+        handles: list[Mapping[str, Any]] = []
+        for b in buffers:
+            if isinstance(b, torch.Tensor):
+                if not b.is_cuda:
+                    raise ValueError(
+                        "CPU tensors cannot be shared by reference; allocate them with "
+                        "SharedKVBuffers and pass its handles"
+                    )
+                handles.append(cuda_handle(b))
+            else:
+                handles.append(dict(b))
+        result: dict[str, Any] = self._call(
+            "register", {"rank": self.rank.to_wire(), "layout": dict(layout),
+                         "buffers": handles})
+        return result
+
+    def lookup(self, rid: str, token_ids: Sequence[int] | npt.ArrayLike,
+               token_mask: npt.ArrayLike | None = None) -> int:
+        """Hit tokens: how many leading tokens of ``token_ids`` the cache can load."""
+        arrays: dict[str, Any] = {"token_ids": _ints(token_ids)}
+        if token_mask is not None:
+            arrays["token_mask"] = np.asarray(token_mask, dtype=bool).reshape(-1)
+        return int(self._call("lookup", {"rid": rid, "rank": self.rank.to_wire()}, arrays))
+
+    def retrieve(self, rid: str, slot_mapping: Sequence[int] | npt.ArrayLike) -> int:
+        """Load the tokens the last ``lookup`` of ``rid`` hit into ``slot_mapping``;
+        returns the number of tokens loaded."""
+        return int(self._call("retrieve", {"rid": rid, "rank": self.rank.to_wire()},
+                              {"slot_mapping": _ints(slot_mapping)}))
+
+    def store_kv(self, rid: str, token_ids: Sequence[int] | npt.ArrayLike,
+                 kv_indices: Sequence[int] | npt.ArrayLike) -> int:
+        """Store the KV of ``token_ids`` held in slots ``kv_indices`` (parallel arrays).
+
+        Raises ``ValueError`` naming both counts when the lengths differ; nothing
+        is written. Returns the connector's result (task id, or -1 when nothing
+        needed writing).
+        """
+        ids, idx = _ints(token_ids), _ints(kv_indices)
+        if len(ids) != len(idx):
+            raise ValueError(
+                f"store_kv: token_ids has {len(ids)} entries but kv_indices has "
+                f"{len(idx)} entries"
+            )
+        return int(self._call("store_kv", {"rid": rid, "rank": self.rank.to_wire()},
+                              {"token_ids": ids, "kv_indices": idx}))
+
+    def poll_completed(self) -> list[str]:
+        """Request ids whose stores finished since the last poll (their slots are free)."""
+        result = self._call("poll_completed", {"rank": self.rank.to_wire()})
+        return [str(r) for r in result]
+
+    def release(self, rid: str) -> None:
+        """Forget ``rid``'s pending lookup (cancels an un-launched load)."""
+        self._call("release", {"rid": rid, "rank": self.rank.to_wire()})
+
+    def status(self) -> dict[str, Any]:
+        """The agent's status (the same document as HTTP ``/status``)."""
+        result: dict[str, Any] = self._call("status")
+        return result
+
+    def close(self) -> None:
+        """Close the socket; the client may not be used afterwards."""
+        with self._lock:
+            self._reset_socket()
+
+    def __enter__(self) -> EngineClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SharedKVBuffers:
+    """KV buffer tensors in POSIX shared memory, with the handles the agent opens.
+
+    The creating process owns the segments: :meth:`close` unmaps and unlinks them.
+    """
+
+    def __init__(self, shapes: Sequence[Sequence[int]], dtype: torch.dtype,
+                 prefix: str = "flexkv") -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.handles: list[dict[str, Any]] = []
+        self._segments: list[shared_memory.SharedMemory] = []
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        try:
+            for shape in shapes:
+                nbytes = math.prod(shape) * itemsize
+                name = f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
+                seg = shared_memory.SharedMemory(name=name, create=True, size=max(nbytes, 1))
+                self._segments.append(seg)
+                t = torch.frombuffer(seg.buf, dtype=torch.uint8, count=nbytes)
+                t = t.view(dtype).view(tuple(shape))
+                t.zero_()
+                self.tensors.append(t)
+                self.handles.append({"kind": "shm", "name": seg.name, "dtype": dtype_name(dtype),
+                                     "shape": list(shape), "offset": 0})
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Unmap and unlink every segment (idempotent)."""
+        self.tensors = []
+        segments, self._segments = self._segments, []
+        for seg in segments:
+            with contextlib.suppress(BufferError):  # a live view keeps the mapping
+                seg.close()
+            with contextlib.suppress(FileNotFoundError):
+                seg.unlink()
+
+    def __enter__(self) -> SharedKVBuffers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

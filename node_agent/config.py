@@ -1,0 +1,374 @@
+"""The agent's configuration: ``agent.yaml`` (docs/contracts.md section 1) plus
+environment overrides, parsed into frozen dataclasses and validated.
+
+Contract:
+
+* Keys are camelCase as in the CRD; an unknown key anywhere is an error.
+* ``FLEXKV_<UPPER_SNAKE_PATH>`` overrides one leaf (``FLEXKV_PORTS_HTTP=9090``,
+  ``FLEXKV_TIMEOUTS_ENGINE_CALL_SECONDS=3``). Values are read as YAML scalars, so
+  numbers, booleans and ``[a, b]`` lists work. ``FLEXKV_*`` variables that name no
+  leaf (``FLEXKV_CURVE_PUBLIC_KEY``) are not configuration and are left alone.
+* Byte sizes accept integers or Kubernetes quantities (``8Gi``, ``500M``, ``1e9``).
+* Every error is a :class:`ConfigError` whose message names the key, the bad value
+  and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+ENV_PREFIX = "FLEXKV_"
+# Unix domain socket paths are limited to sizeof(sun_path) - 1 bytes on Linux.
+_MAX_SOCKET_PATH = 107
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the key, the value and the fix."""
+
+
+_BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_DECIMAL = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
+_QUANTITY = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_quantity(value: object, key: str = "size") -> int:
+    """Parse a byte size: a non-negative integer or a Kubernetes quantity string.
+
+    Fractions are allowed when the result is a whole number of bytes
+    (``1.5Gi``); milli-units and unknown suffixes are rejected.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: {value!r} is not a byte size; use bytes or a quantity like 8Gi")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{key}: {value} is negative; use a size >= 0 such as 8Gi")
+        return value
+    if not isinstance(value, str):
+        raise ConfigError(
+            f"{key}: {value!r} is not a byte size; use bytes or a quantity like 8Gi"
+        )
+    m = _QUANTITY.match(value)
+    if m is None:
+        raise ConfigError(f"{key}: {value!r} is not a quantity; write it like 8Gi, 512Mi or 1e9")
+    number, suffix = m.groups()
+    mult = _BINARY.get(suffix, _DECIMAL.get(suffix))
+    if mult is None:
+        raise ConfigError(
+            f"{key}: {value!r} has unknown suffix {suffix!r}; "
+            f"use one of {', '.join(list(_BINARY) + [s for s in _DECIMAL if s])}"
+        )
+    total = float(number) * mult
+    if not math.isfinite(total) or total != int(total):
+        raise ConfigError(f"{key}: {value!r} is not a whole number of bytes; round it")
+    return int(total)
+
+
+# ---------------------------------------------------------------------------
+# Schema: frozen dataclasses; field metadata carries the camelCase key and a
+# converter. A dataclass-typed field is a nested section.
+
+T = TypeVar("T")
+Converter = Callable[[object, str], Any]
+
+
+def _key(name: str, conv: Converter | None = None, **kw: Any) -> Any:
+    return field(metadata={"key": name, "conv": conv}, **kw)
+
+
+def _int(lo: int, hi: int | None = None) -> Converter:
+    def conv(v: object, key: str) -> int:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ConfigError(f"{key}: {v!r} is not an integer; write a whole number >= {lo}")
+        if v < lo or (hi is not None and v > hi):
+            rng = f"between {lo} and {hi}" if hi is not None else f">= {lo}"
+            raise ConfigError(f"{key}: {v} is out of range; use a value {rng}")
+        return v
+
+    return conv
+
+
+def _float(lo: float, hi: float | None = None, strict_lo: bool = False) -> Converter:
+    def conv(v: object, key: str) -> float:
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise ConfigError(f"{key}: {v!r} is not a number; write a number like 2 or 0.5")
+        f = float(v)
+        bad_lo = f <= lo if strict_lo else f < lo
+        if bad_lo or (hi is not None and f > hi) or not math.isfinite(f):
+            op = ">" if strict_lo else ">="
+            rng = f"{op} {lo}" + (f" and <= {hi}" if hi is not None else "")
+            raise ConfigError(f"{key}: {v} is out of range; use a value {rng}")
+        return f
+
+    return conv
+
+
+def _str(nonempty: bool = True) -> Converter:
+    def conv(v: object, key: str) -> str:
+        if not isinstance(v, str) or (nonempty and not v.strip()):
+            raise ConfigError(f"{key}: {v!r} is not a non-empty string; set it to a name or path")
+        return v
+
+    return conv
+
+
+def _opt_str(v: object, key: str) -> str | None:
+    return None if v is None or v == "" else _str()(v, key)
+
+
+def _choice(*allowed: str) -> Converter:
+    def conv(v: object, key: str) -> str:
+        if v not in allowed:
+            raise ConfigError(f"{key}: {v!r} is not allowed; use one of {', '.join(allowed)}")
+        return str(v)
+
+    return conv
+
+
+def _bool(v: object, key: str) -> bool:
+    if not isinstance(v, bool):
+        raise ConfigError(f"{key}: {v!r} is not a boolean; write true or false")
+    return v
+
+
+def _paths(v: object, key: str) -> tuple[str, ...]:
+    if not isinstance(v, list | tuple) or not v or not all(isinstance(p, str) and p for p in v):
+        raise ConfigError(f"{key}: {v!r} is not a list of paths; write e.g. [/var/lib/flexkv/ssd]")
+    return tuple(v)
+
+
+def _quantity(v: object, key: str) -> int:
+    return parse_quantity(v, key)
+
+
+@dataclass(frozen=True)
+class CpuTier:
+    size: int = _key("size", _quantity, default=8 * 2**30)
+    pinned: bool = _key("pinned", _bool, default=True)
+
+
+@dataclass(frozen=True)
+class SsdTier:
+    size: int = _key("size", _quantity, default=0)
+    paths: tuple[str, ...] = _key("paths", _paths, default=("/var/lib/flexkv/ssd",))
+
+
+@dataclass(frozen=True)
+class Tiers:
+    cpu: CpuTier = field(default_factory=CpuTier, metadata={"key": "cpu"})
+    ssd: SsdTier | None = field(default=None, metadata={"key": "ssd"})
+
+
+@dataclass(frozen=True)
+class Eviction:
+    policy: str = _key("policy", _choice("lru"), default="lru")
+    high_watermark: float = _key("highWatermark", _float(0.0, 1.0, strict_lo=True), default=0.95)
+    low_watermark: float = _key("lowWatermark", _float(0.0, 1.0), default=0.85)
+
+
+@dataclass(frozen=True)
+class Ports:
+    http: int = _key("http", _int(0, 65535), default=8080)
+    fanout: int = _key("fanout", _int(0, 65535), default=5557)
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    engine_call_seconds: float = _key("engineCallSeconds", _float(0, strict_lo=True), default=10.0)
+    fanout_wait_seconds: float = _key("fanoutWaitSeconds", _float(0, strict_lo=True), default=5.0)
+    unlaunched_match_seconds: float = _key(
+        "unlaunchedMatchSeconds", _float(0, strict_lo=True), default=30.0
+    )
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    lease_duration_seconds: float = _key(
+        "leaseDurationSeconds", _float(0, strict_lo=True), default=15.0
+    )
+    renew_deadline_seconds: float = _key(
+        "renewDeadlineSeconds", _float(0, strict_lo=True), default=10.0
+    )
+    retry_period_seconds: float = _key("retryPeriodSeconds", _float(0, strict_lo=True), default=2.0)
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """One agent's configuration (docs/contracts.md section 1 plus the agent-local keys
+    ``nodeName``, ``podName``, ``advertiseAddress``, ``bindAddress``, ``kubernetes`` and
+    ``groupViewFile`` documented in docs/agent.md)."""
+
+    pool: str = _key("pool", _str(), default="default")
+    namespace: str = _key("namespace", _str(), default="default")
+    backend: str = _key("backend", _choice("embedded", "flexkv"), default="embedded")
+    tokens_per_block: int = _key("tokensPerBlock", _int(1, 1 << 16), default=16)
+    cache_epoch: int = _key("cacheEpoch", _int(0), default=0)
+    tiers: Tiers = field(default_factory=Tiers, metadata={"key": "tiers"})
+    eviction: Eviction = field(default_factory=Eviction, metadata={"key": "eviction"})
+    ports: Ports = field(default_factory=Ports, metadata={"key": "ports"})
+    engine_socket: str = _key("engineSocket", _str(), default="/var/run/flexkv/engine.sock")
+    timeouts: Timeouts = field(default_factory=Timeouts, metadata={"key": "timeouts"})
+    heartbeat: Heartbeat = field(default_factory=Heartbeat, metadata={"key": "heartbeat"})
+    curve_key_dir: str = _key("curveKeyDir", _str(), default="/etc/flexkv/curve")
+    expected_ranks: int = _key("expectedRanks", _int(0, 1024), default=1)
+    # Agent-local keys (not rendered by the operator; usually set from the environment).
+    node_name: str = _key("nodeName", _str(), default="local")
+    pod_name: str | None = _key("podName", _opt_str, default=None)
+    advertise_address: str = _key("advertiseAddress", _str(), default="127.0.0.1")
+    bind_address: str = _key("bindAddress", _str(), default="0.0.0.0")
+    kubernetes: str = _key("kubernetes", _choice("auto", "on", "off"), default="auto")
+    group_view_file: str | None = _key("groupViewFile", _opt_str, default=None)
+
+    @property
+    def engine_endpoint(self) -> str:
+        """The ``ipc://`` endpoint engines connect to."""
+        return f"ipc://{self.engine_socket}"
+
+    @property
+    def holder_identity(self) -> str:
+        """The Lease holder: the pod name, or the node name outside Kubernetes."""
+        return self.pod_name or self.node_name
+
+
+def _camel_to_snake_upper(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).upper()
+
+
+def _section_type(f: Any) -> type | None:
+    """The dataclass type of a nested section field, or None for a leaf."""
+    hint = f.type if not isinstance(f.type, str) else f.type.split("|")[0].strip()
+    resolved = _SECTIONS.get(hint) if isinstance(hint, str) else hint
+    return resolved if resolved is not None and is_dataclass(resolved) else None
+
+
+_SECTIONS: dict[str, type] = {
+    c.__name__: c for c in (CpuTier, SsdTier, Tiers, Eviction, Ports, Timeouts, Heartbeat)
+}
+
+
+def _build(cls: type[T], data: object, path: str) -> T:
+    where = path or "the top level"
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where}: {data!r} is not a mapping; write it as key: value lines")
+    by_key = {f.metadata["key"]: f for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - set(by_key))
+    if unknown:
+        bad = f"{path}.{unknown[0]}" if path else str(unknown[0])
+        raise ConfigError(
+            f"{bad}: unknown key; allowed keys under {where} are {', '.join(sorted(by_key))}"
+        )
+    kwargs: dict[str, Any] = {}
+    for key, f in by_key.items():
+        if key not in data:
+            continue
+        full = f"{path}.{key}" if path else key
+        section = _section_type(f)
+        if section is not None:
+            kwargs[f.name] = _build(section, data[key], full)
+        else:
+            kwargs[f.name] = f.metadata["conv"](data[key], full)
+    return cls(**kwargs)
+
+
+def _env_leaves(cls: type, prefix: tuple[str, ...] = ()) -> dict[str, tuple[str, ...]]:
+    """Map ``FLEXKV_...`` variable names to the camelCase key path of each leaf."""
+    out: dict[str, tuple[str, ...]] = {}
+    for f in fields(cls):
+        path = (*prefix, f.metadata["key"])
+        section = _section_type(f)
+        if section is not None:
+            out.update(_env_leaves(section, path))
+        else:
+            out[ENV_PREFIX + "_".join(_camel_to_snake_upper(p) for p in path)] = path
+    return out
+
+
+def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
+    for var, path in _env_leaves(AgentConfig).items():
+        if var not in env:
+            continue
+        try:
+            value = yaml.safe_load(env[var]) if env[var] != "" else None
+        except yaml.YAMLError as exc:
+            raise ConfigError(
+                f"{var}: {env[var]!r} is not a YAML scalar ({exc}); quote it"
+            ) from exc
+        node = raw
+        for part in path[:-1]:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = {}
+                node[part] = child
+            node = child
+        node[path[-1]] = value
+
+
+def _check(cfg: AgentConfig) -> None:
+    hb = cfg.heartbeat
+    if not hb.lease_duration_seconds > hb.renew_deadline_seconds > hb.retry_period_seconds:
+        raise ConfigError(
+            "heartbeat: leaseDurationSeconds > renewDeadlineSeconds > retryPeriodSeconds must "
+            f"hold, got {hb.lease_duration_seconds} / {hb.renew_deadline_seconds} / "
+            f"{hb.retry_period_seconds}; for example use 15 / 10 / 2"
+        )
+    ev = cfg.eviction
+    if not ev.low_watermark < ev.high_watermark:
+        raise ConfigError(
+            f"eviction.lowWatermark: {ev.low_watermark} is not below highWatermark "
+            f"{ev.high_watermark}; use e.g. 0.85 and 0.95"
+        )
+    if len(cfg.engine_socket.encode()) > _MAX_SOCKET_PATH:
+        raise ConfigError(
+            f"engineSocket: {cfg.engine_socket!r} is {len(cfg.engine_socket.encode())} bytes; "
+            f"Unix socket paths are limited to {_MAX_SOCKET_PATH}: use a shorter path"
+        )
+    if cfg.tiers.ssd is not None and cfg.tiers.ssd.size == 0:
+        raise ConfigError("tiers.ssd.size: 0 with an ssd section; set a size like 100Gi or "
+                          "remove the ssd section")
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> AgentConfig:
+    """Read ``path`` (YAML; optional), apply ``FLEXKV_*`` overrides from ``env``
+    (default ``os.environ``) and validate. Raises :class:`ConfigError`."""
+    raw: Any = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as exc:
+            raise ConfigError(
+                f"config file {str(p)!r} cannot be read ({exc.strerror}); "
+                "pass --config with the path of agent.yaml"
+            ) from exc
+        try:
+            raw = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ConfigError(
+                f"config file {str(p)!r}: top level is {type(raw).__name__}, not a mapping; "
+                "write it as key: value lines"
+            )
+    _apply_env(raw, os.environ if env is None else env)
+    cfg = _build(AgentConfig, raw, "")
+    _check(cfg)
+    return cfg
+
+
+def config_from_mapping(data: Mapping[str, Any]) -> AgentConfig:
+    """Validate an in-memory ``agent.yaml`` mapping (no environment overrides)."""
+    cfg = _build(AgentConfig, dict(data), "")
+    _check(cfg)
+    return cfg

@@ -1,0 +1,282 @@
+"""The engine API wire format: versioned, typed, size-limited; no pickle.
+
+A message is a ZeroMQ multipart message: frame 0 is a UTF-8 JSON header, the
+following frames are raw little-endian arrays the header refers to.
+
+Request header::
+
+    {"v": 1, "id": 7, "op": "store_kv",
+     "args": {"rid": "r1"},
+     "arrays": {"token_ids": {"frame": 1, "dtype": "int64", "len": 32},
+                "kv_indices": {"frame": 2, "dtype": "int64", "len": 32}}}
+
+Reply header::
+
+    {"v": 1, "id": 7, "ok": true, "result": 32}
+    {"v": 1, "id": 7, "ok": false,
+     "error": {"type": "ValueError", "message": "store_kv: token_ids has ..."}}
+
+Every operation has a fixed argument schema (:data:`OPS`); a request with an
+unknown op, a missing, extra or mistyped argument, an array of a dtype that is
+not allowed, a length that disagrees with its frame, or a size over the limits is
+rejected with :class:`ProtocolError` before any handler runs. Replies to requests
+whose id could not be read carry ``"id": null``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+
+VERSION: Final = 1
+MAX_HEADER_BYTES: Final = 256 * 1024
+MAX_FRAMES: Final = 8
+MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
+MAX_STRING: Final = 1024
+MAX_ARRAY_LEN: Final = 4 * 1024 * 1024
+
+_DTYPES: Final = {"int64": np.dtype("<i8"), "bool": np.dtype("?")}
+
+#: Error types a reply may carry; the client re-raises the matching Python type.
+ERROR_TYPES: Final = frozenset(
+    {"ValueError", "TimeoutError", "ProtocolError", "NotReady", "KeyError", "InternalError"}
+)
+
+
+class ProtocolError(ValueError):
+    """A message does not follow the wire format; the message says what and how to fix it."""
+
+
+# Argument kinds: "str", "int", "bool", "json" (a JSON object), "str?" (optional
+# string); arrays are declared separately with their dtype and whether optional.
+@dataclass(frozen=True)
+class OpSchema:
+    args: Mapping[str, str] = field(default_factory=dict)
+    arrays: Mapping[str, tuple[str, bool]] = field(default_factory=dict)
+    """name -> (dtype, required)"""
+
+
+OPS: Final[Mapping[str, OpSchema]] = {
+    "ping": OpSchema(),
+    "register": OpSchema(args={"rank": "json", "layout": "json", "buffers": "list"}),
+    "lookup": OpSchema(
+        args={"rid": "str", "rank": "json"},
+        arrays={"token_ids": ("int64", True), "token_mask": ("bool", False)},
+    ),
+    "retrieve": OpSchema(
+        args={"rid": "str", "rank": "json"}, arrays={"slot_mapping": ("int64", True)}
+    ),
+    "store_kv": OpSchema(
+        args={"rid": "str", "rank": "json"},
+        arrays={"token_ids": ("int64", True), "kv_indices": ("int64", True)},
+    ),
+    "poll_completed": OpSchema(args={"rank": "json"}),
+    "release": OpSchema(args={"rid": "str", "rank": "json"}),
+    "status": OpSchema(),
+}
+
+
+@dataclass(frozen=True)
+class Request:
+    """A decoded, schema-checked request."""
+
+    id: int
+    op: str
+    args: dict[str, Any]
+    arrays: dict[str, npt.NDArray[Any]]
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A decoded reply: ``ok`` with ``result``, or an error type and message."""
+
+    id: int | None
+    ok: bool
+    result: Any = None
+    error_type: str | None = None
+    error_message: str | None = None
+
+
+def _check_arg(op: str, name: str, kind: str, value: object) -> None:
+    ok = {
+        "str": isinstance(value, str) and 0 < len(value) <= MAX_STRING,
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "bool": isinstance(value, bool),
+        "json": isinstance(value, dict),
+        "list": isinstance(value, list),
+    }[kind]
+    if not ok:
+        shown = repr(value)[:80]
+        raise ProtocolError(
+            f"{op}: argument {name!r} must be {kind}"
+            + (f" of 1..{MAX_STRING} chars" if kind == "str" else "")
+            + f", got {shown}"
+        )
+
+
+def encode_request(
+    req_id: int,
+    op: str,
+    args: Mapping[str, Any] | None = None,
+    arrays: Mapping[str, npt.ArrayLike | None] | None = None,
+) -> list[bytes]:
+    """Build the frames of a request. Arrays are converted to the op's dtype."""
+    schema = OPS.get(op)
+    if schema is None:
+        raise ProtocolError(f"unknown op {op!r}; known ops are {', '.join(sorted(OPS))}")
+    header: dict[str, Any] = {"v": VERSION, "id": req_id, "op": op, "args": dict(args or {})}
+    frames: list[bytes] = []
+    descs: dict[str, Any] = {}
+    for name, value in (arrays or {}).items():
+        if value is None:
+            continue
+        dtype_name = schema.arrays[name][0]
+        arr = np.ascontiguousarray(np.asarray(value).reshape(-1), dtype=_DTYPES[dtype_name])
+        descs[name] = {"frame": len(frames) + 1, "dtype": dtype_name, "len": int(arr.shape[0])}
+        frames.append(arr.tobytes())
+    header["arrays"] = descs
+    return [json.dumps(header, separators=(",", ":")).encode(), *frames]
+
+
+def decode_request(frames: Sequence[bytes]) -> Request:
+    """Parse and check a request; raises :class:`ProtocolError` naming the defect."""
+    header = _decode_header(frames)
+    req_id = header.get("id")
+    if not isinstance(req_id, int) or isinstance(req_id, bool):
+        raise ProtocolError(f"header 'id' must be an integer, got {req_id!r}")
+    op = header.get("op")
+    schema = OPS.get(op) if isinstance(op, str) else None
+    if schema is None or not isinstance(op, str):
+        raise ProtocolError(f"unknown op {op!r}; known ops are {', '.join(sorted(OPS))}")
+    args = header.get("args", {})
+    if not isinstance(args, dict):
+        raise ProtocolError(f"{op}: 'args' must be an object, got {type(args).__name__}")
+    extra = sorted(set(args) - set(schema.args))
+    if extra:
+        raise ProtocolError(
+            f"{op}: unexpected argument {extra[0]!r}; allowed {sorted(schema.args)}"
+        )
+    for name, kind in schema.args.items():
+        if name not in args:
+            raise ProtocolError(f"{op}: missing argument {name!r}")
+        _check_arg(op, name, kind, args[name])
+    arrays = _decode_arrays(op, schema, header.get("arrays", {}), frames)
+    return Request(id=req_id, op=op, args=args, arrays=arrays)
+
+
+def _decode_header(frames: Sequence[bytes]) -> dict[str, Any]:
+    if not frames:
+        raise ProtocolError("empty message; send a JSON header frame")
+    if len(frames) > MAX_FRAMES:
+        raise ProtocolError(f"{len(frames)} frames exceed the limit of {MAX_FRAMES}")
+    total = sum(len(f) for f in frames)
+    if total > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {total} bytes exceeds the limit of {MAX_MESSAGE_BYTES}")
+    if len(frames[0]) > MAX_HEADER_BYTES:
+        raise ProtocolError(
+            f"header of {len(frames[0])} bytes exceeds the limit of {MAX_HEADER_BYTES}"
+        )
+    try:
+        header = json.loads(bytes(frames[0]).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProtocolError(f"header is not UTF-8 JSON ({exc}); send a JSON object") from exc
+    if not isinstance(header, dict):
+        raise ProtocolError(f"header must be a JSON object, got {type(header).__name__}")
+    if header.get("v") != VERSION:
+        raise ProtocolError(
+            f"protocol version {header.get('v')!r} is not supported; this agent speaks "
+            f"v{VERSION}: upgrade the client library to the agent's version"
+        )
+    return header
+
+
+def _decode_arrays(
+    op: str, schema: OpSchema, descs: object, frames: Sequence[bytes]
+) -> dict[str, npt.NDArray[Any]]:
+    if not isinstance(descs, dict):
+        raise ProtocolError(f"{op}: 'arrays' must be an object")
+    extra = sorted(set(descs) - set(schema.arrays))
+    if extra:
+        raise ProtocolError(f"{op}: unexpected array {extra[0]!r}; allowed {sorted(schema.arrays)}")
+    out: dict[str, npt.NDArray[Any]] = {}
+    used: set[int] = set()
+    for name, (dtype_name, required) in schema.arrays.items():
+        desc = descs.get(name)
+        if desc is None:
+            if required:
+                raise ProtocolError(f"{op}: missing array {name!r}")
+            continue
+        if not isinstance(desc, dict):
+            raise ProtocolError(f"{op}: array {name!r} descriptor must be an object")
+        idx, dt, n = desc.get("frame"), desc.get("dtype"), desc.get("len")
+        if dt != dtype_name:
+            raise ProtocolError(f"{op}: array {name!r} must have dtype {dtype_name}, got {dt!r}")
+        if (
+            not isinstance(idx, int) or isinstance(idx, bool)
+            or not 1 <= idx < len(frames) or idx in used
+        ):
+            raise ProtocolError(f"{op}: array {name!r} names frame {idx!r}, which is not there")
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_ARRAY_LEN:
+            raise ProtocolError(
+                f"{op}: array {name!r} length {n!r} is not in 0..{MAX_ARRAY_LEN}"
+            )
+        dtype = _DTYPES[dtype_name]
+        if len(frames[idx]) != n * dtype.itemsize:
+            raise ProtocolError(
+                f"{op}: array {name!r} declares {n} x {dtype_name} but its frame holds "
+                f"{len(frames[idx])} bytes"
+            )
+        used.add(idx)
+        out[name] = np.frombuffer(bytes(frames[idx]), dtype=dtype).copy()
+    return out
+
+
+def encode_reply(req_id: int | None, result: Any) -> list[bytes]:
+    """Frames of a successful reply; ``result`` must be JSON-serialisable."""
+    body = {"v": VERSION, "id": req_id, "ok": True, "result": result}
+    return [json.dumps(body, separators=(",", ":")).encode()]
+
+
+def encode_error(req_id: int | None, error_type: str, message: str) -> list[bytes]:
+    """Frames of an error reply; unknown types are sent as ``InternalError``."""
+    etype = error_type if error_type in ERROR_TYPES else "InternalError"
+    body = {"v": VERSION, "id": req_id, "ok": False,
+            "error": {"type": etype, "message": message[:4096]}}
+    return [json.dumps(body, separators=(",", ":")).encode()]
+
+
+def decode_reply(frames: Sequence[bytes]) -> Reply:
+    """Parse a reply; raises :class:`ProtocolError` when it is malformed."""
+    header = _decode_header(frames)
+    rid = header.get("id")
+    if rid is not None and (not isinstance(rid, int) or isinstance(rid, bool)):
+        raise ProtocolError(f"reply 'id' must be an integer or null, got {rid!r}")
+    if header.get("ok") is True:
+        return Reply(id=rid, ok=True, result=header.get("result"))
+    err = header.get("error")
+    if not isinstance(err, dict):
+        raise ProtocolError("error reply without an 'error' object")
+    return Reply(
+        id=rid,
+        ok=False,
+        error_type=str(err.get("type", "InternalError")),
+        error_message=str(err.get("message", "")),
+    )
+
+
+def peek_id(frames: Sequence[bytes]) -> int | None:
+    """Best-effort request id of a message that failed to decode (for the error reply)."""
+    try:
+        if frames and len(frames[0]) <= MAX_HEADER_BYTES:
+            header = json.loads(bytes(frames[0]).decode("utf-8"))
+            rid = header.get("id") if isinstance(header, dict) else None
+            if isinstance(rid, int) and not isinstance(rid, bool):
+                return rid
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        pass
+    return None

@@ -1,0 +1,203 @@
+"""The engine API server: a pyzmq ROUTER on the agent's ``ipc://`` engine socket.
+
+Every request is decoded and schema-checked (:mod:`.protocol`) on the event loop,
+then handed to the service callable in a bounded thread pool, because connector
+calls block (transfers, fan-out waits). Each call is bounded by
+``call_timeout``; when it runs out the engine gets a ``TimeoutError`` reply. A
+malformed message of any kind gets an error reply (with the request id when it
+could be read) and the server keeps serving. Frames over the size limit make
+ZeroMQ drop that peer's connection instead of buffering them.
+
+Shutdown (:meth:`EngineServer.stop`) stops taking requests, lets in-flight calls
+finish within a grace period, answers the rest with an error, and closes the
+socket and removes its path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from node_agent.engine_api import protocol
+from node_agent.engine_api.buffers import HandleError
+from node_agent.metrics import AgentMetrics
+
+log = logging.getLogger(__name__)
+
+Service = Callable[[protocol.Request], Any]
+
+
+class NotReadyError(RuntimeError):
+    """The agent cannot serve this call yet (e.g. the rank has not registered)."""
+
+
+class ErrorSink:
+    """Where the server reports request failures (the agent's recent-error log)."""
+
+    def record(self, component: str, message: str) -> None:  # pragma: no cover - interface
+        """Remember one error for /status."""
+
+
+def _error_type(exc: BaseException) -> str:
+    if isinstance(exc, protocol.ProtocolError):
+        return "ProtocolError"
+    if isinstance(exc, ValueError | HandleError):
+        return "ValueError"
+    if isinstance(exc, TimeoutError):
+        return "TimeoutError"
+    if isinstance(exc, NotReadyError):
+        return "NotReady"
+    if isinstance(exc, KeyError):
+        return "KeyError"
+    return "InternalError"
+
+
+class EngineServer:
+    """Serves engine requests on ``endpoint`` (``ipc://<path>``) with ``service``."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        service: Service,
+        metrics: AgentMetrics,
+        call_timeout: float,
+        errors: ErrorSink | None = None,
+        max_workers: int = 8,
+    ) -> None:
+        if not endpoint.startswith("ipc://"):
+            raise ValueError(f"engine endpoint {endpoint!r} must be ipc://<path>")
+        self.endpoint = endpoint
+        self.path = Path(endpoint[len("ipc://"):])
+        self._service = service
+        self._metrics = metrics
+        self._timeout = call_timeout
+        self._errors = errors
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="engine-call")
+        self._ctx = zmq.asyncio.Context()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._recv_task: asyncio.Task[None] | None = None
+        self._inflight: set[asyncio.Task[None]] = set()
+        self._closing = False
+        self.served = 0
+
+    @property
+    def alive(self) -> bool:
+        """True while the receive loop runs."""
+        return self._recv_task is not None and not self._recv_task.done()
+
+    @property
+    def inflight(self) -> int:
+        """Requests being served now."""
+        return len(self._inflight)
+
+    async def start(self) -> None:
+        """Bind the socket (creating its directory) and start the receive loop."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        sock.bind(self.endpoint)
+        with contextlib.suppress(OSError):
+            os.chmod(self.path, 0o660)
+        self._sock = sock
+        self._recv_task = asyncio.create_task(self._recv_loop(), name="engine-api-recv")
+        log.info("Engine API listening", extra={"endpoint": self.endpoint})
+
+    async def _recv_loop(self) -> None:
+        assert self._sock is not None
+        while not self._closing:
+            try:
+                msg = await self._sock.recv_multipart(copy=True)
+            except (zmq.ZMQError, asyncio.CancelledError):
+                if self._closing:
+                    return
+                raise
+            if len(msg) < 2:
+                continue  # ROUTER always prepends the identity; nothing to answer to
+            ident, frames = msg[0], msg[1:]
+            task = asyncio.create_task(self._serve(ident, frames))
+            self._inflight.add(task)
+            task.add_done_callback(self._inflight.discard)
+
+    async def _serve(self, ident: bytes, frames: list[bytes]) -> None:
+        start = time.perf_counter()
+        op = "invalid"
+        req_id: int | None = None
+        try:
+            req = protocol.decode_request(frames)
+            op, req_id = req.op, req.id
+            loop = asyncio.get_running_loop()
+            result = await asyncio.wait_for(
+                loop.run_in_executor(self._pool, self._service, req), self._timeout
+            )
+            reply = protocol.encode_reply(req_id, result)
+            outcome = "ok"
+        except asyncio.CancelledError:
+            # Shutdown cut this call short: still tell the engine, then stop.
+            if self._sock is not None and not self._sock.closed:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._sock.send_multipart(
+                        [ident, *protocol.encode_error(
+                            req_id, "NotReady", "agent is shutting down; retry after restart"
+                        )],
+                        flags=zmq.NOBLOCK,
+                    )
+            raise
+        except TimeoutError as exc:
+            msg = str(exc) or f"{op} did not finish within {self._timeout}s (engineCallSeconds)"
+            reply = protocol.encode_error(req_id, "TimeoutError", msg)
+            outcome = "timeout"
+            self._record(op, "TimeoutError", msg)
+        except Exception as exc:
+            if req_id is None:
+                req_id = protocol.peek_id(frames)
+            etype = _error_type(exc)
+            reply = protocol.encode_error(req_id, etype, str(exc) or repr(exc))
+            outcome = "error"
+            self._record(op, etype, str(exc))
+            if etype == "InternalError":
+                log.exception("Engine call failed", extra={"op": op, "request_id": req_id})
+        self._metrics.engine_requests.labels(op=op, outcome=outcome).inc()
+        self._metrics.engine_request_seconds.labels(op=op).observe(time.perf_counter() - start)
+        self.served += 1
+        if self._sock is not None and not self._sock.closed:
+            try:
+                await self._sock.send_multipart([ident, *reply])
+            except zmq.ZMQError as exc:
+                log.warning("Engine reply not sent", extra={"op": op, "error": str(exc)})
+
+    def _record(self, op: str, etype: str, message: str) -> None:
+        if self._errors is not None:
+            self._errors.record("engine_api", f"{op}: {etype}: {message}")
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Stop receiving, let in-flight calls finish within ``grace`` seconds, close."""
+        self._closing = True
+        if self._recv_task is not None:
+            self._recv_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, zmq.ZMQError):
+                await self._recv_task
+        if self._inflight:
+            _, pending = await asyncio.wait(set(self._inflight), timeout=grace)
+            for task in pending:
+                task.cancel()
+            if pending:
+                log.warning("Engine calls cut short by shutdown", extra={"count": len(pending)})
+        if self._sock is not None:
+            self._sock.close(linger=0)
+        self._ctx.term()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        log.info("Engine API closed", extra={"endpoint": self.endpoint})

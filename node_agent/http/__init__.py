@@ -1,0 +1,1 @@
+"""The agent's HTTP surface: /healthz, /readyz, /status and /metrics on FastAPI."""

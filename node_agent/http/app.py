@@ -1,0 +1,79 @@
+"""The FastAPI app: ``create_app`` builds it around an :class:`AgentProbe`, the
+metrics registry and the background services its lifespan owns.
+
+Endpoints (docs/agent.md shows example outputs):
+
+* ``GET /healthz`` - 200 ``{"alive": true, "components": {...}}`` while every
+  component's loop runs, else 503 naming the dead ones (liveness: restart me).
+* ``GET /readyz`` - 200 when every readiness component is ready, else 503; the body
+  is the per-component breakdown. Also sets ``flexkv_agent_ready``.
+* ``GET /status`` - the agent's status document.
+* ``GET /metrics`` - Prometheus text exposition of the injected registry.
+
+The lifespan starts the services in order and stops them in reverse order on
+shutdown (SIGTERM via uvicorn), so an engine socket stops before the connector.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Sequence
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from node_agent.http.state import AgentProbe, Service
+from node_agent.metrics import AgentMetrics
+
+log = logging.getLogger(__name__)
+
+
+def create_app(probe: AgentProbe, metrics: AgentMetrics,
+               services: Sequence[Service] = ()) -> FastAPI:
+    """Build the agent's HTTP app; ``services`` run for the app's lifetime."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        started: list[Service] = []
+        try:
+            for svc in services:
+                await svc.start()
+                started.append(svc)
+                log.info("Service started", extra={"service": svc.name})
+            yield
+        finally:
+            for svc in reversed(started):
+                try:
+                    await svc.stop()
+                    log.info("Service stopped", extra={"service": svc.name})
+                except Exception:
+                    log.exception("Service did not stop cleanly", extra={"service": svc.name})
+
+    app = FastAPI(title="flexkv-agent", lifespan=lifespan, docs_url=None, redoc_url=None)
+
+    @app.get("/healthz")
+    def healthz() -> JSONResponse:
+        comps = probe.liveness()
+        alive = all(comps.values())
+        return JSONResponse({"alive": alive, "components": comps},
+                            status_code=200 if alive else 503)
+
+    @app.get("/readyz")
+    def readyz() -> JSONResponse:
+        comps = probe.readiness()
+        ready = all(bool(c.get("ready")) for c in comps.values())
+        metrics.ready.set(1 if ready else 0)
+        return JSONResponse({"ready": ready, "components": comps},
+                            status_code=200 if ready else 503)
+
+    @app.get("/status")
+    def status() -> JSONResponse:
+        return JSONResponse(probe.status())
+
+    @app.get("/metrics")
+    def prom() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

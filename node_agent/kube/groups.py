@@ -1,0 +1,248 @@
+"""Group views: which PP groups exist, who leads them at which epoch, who the members
+are (docs/contracts.md section 3), read from ``KVCacheGroup`` status or from a file.
+
+:func:`parse_group` turns one KVCacheGroup-shaped mapping into a
+:class:`GroupView`; objects without a usable status (no epoch yet) are skipped.
+Two sources deliver the views of this agent's pool to a callback, only when they
+changed:
+
+* :class:`KubeGroupSource` lists ``kvcachegroups.flexkv.io`` through the
+  ``kubernetes`` client every ``retryPeriodSeconds`` (filtering on
+  ``spec.poolRef`` itself, since label selectors are an optimisation);
+* :class:`FileGroupSource` reads a YAML/JSON file holding a list of such objects
+  (or ``{"items": [...]}``) whenever its modification time changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from kubernetes.client import CustomObjectsApi
+
+from node_agent.http.state import RecentErrors
+
+log = logging.getLogger(__name__)
+
+GROUP, VERSION, PLURAL = "flexkv.io", "v1alpha1", "kvcachegroups"
+
+
+class GroupViewError(ValueError):
+    """A KVCacheGroup object does not have the contract's shape."""
+
+
+@dataclass(frozen=True)
+class GroupMember:
+    """One stage of a PP group."""
+
+    node: str
+    pp_rank: int
+    fanout_endpoint: str
+    ready: bool = True
+
+
+@dataclass(frozen=True)
+class GroupView:
+    """The operator's current decision for one PP group."""
+
+    name: str
+    replica: str
+    pp_size: int
+    epoch: int
+    leader: GroupMember | None
+    members: tuple[GroupMember, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        """The view as /status shows it."""
+        def m(x: GroupMember) -> dict[str, Any]:
+            return {"node": x.node, "ppRank": x.pp_rank, "fanoutEndpoint": x.fanout_endpoint,
+                    "ready": x.ready}
+        return {"name": self.name, "replica": self.replica, "ppSize": self.pp_size,
+                "epoch": self.epoch, "leader": m(self.leader) if self.leader else None,
+                "members": [m(x) for x in self.members]}
+
+
+def _member(obj: object, where: str) -> GroupMember:
+    if not isinstance(obj, Mapping):
+        raise GroupViewError(f"{where}: {obj!r} is not an object with node, ppRank, "
+                             "fanoutEndpoint")
+    node, rank, ep = obj.get("node"), obj.get("ppRank"), obj.get("fanoutEndpoint")
+    if not isinstance(node, str) or not isinstance(rank, int) or not isinstance(ep, str):
+        raise GroupViewError(f"{where}: needs node (string), ppRank (int), fanoutEndpoint "
+                             f"(string), got {dict(obj)!r}")
+    return GroupMember(node=node, pp_rank=rank, fanout_endpoint=ep,
+                       ready=bool(obj.get("ready", True)))
+
+
+def parse_group(obj: Mapping[str, Any]) -> GroupView | None:
+    """Parse one KVCacheGroup; None when it has no status epoch yet."""
+    meta, spec, status = obj.get("metadata") or {}, obj.get("spec") or {}, obj.get("status")
+    name = meta.get("name", "?")
+    if not isinstance(status, Mapping) or status.get("epoch") is None:
+        return None
+    epoch = status.get("epoch")
+    if not isinstance(epoch, int) or epoch < 0:
+        raise GroupViewError(f"KVCacheGroup {name}: status.epoch {epoch!r} must be an int >= 0")
+    replica, pp_size = spec.get("replica"), spec.get("ppSize")
+    if not isinstance(replica, str) or not isinstance(pp_size, int) or pp_size < 1:
+        raise GroupViewError(f"KVCacheGroup {name}: spec needs replica (string) and ppSize "
+                             f"(int >= 1), got {replica!r} / {pp_size!r}")
+    leader_raw = status.get("leader")
+    leader = _member(leader_raw, f"KVCacheGroup {name} status.leader") if leader_raw else None
+    members = tuple(_member(m, f"KVCacheGroup {name} status.members[{i}]")
+                    for i, m in enumerate(status.get("members") or []))
+    return GroupView(name=name, replica=replica, pp_size=pp_size, epoch=epoch,
+                     leader=leader, members=members)
+
+
+def parse_groups(objs: Sequence[Mapping[str, Any]], pool: str,
+                 errors: RecentErrors | None = None) -> dict[str, GroupView]:
+    """Views of ``pool``'s groups keyed by replica; malformed objects are reported and
+    skipped so that one bad object does not hide the others."""
+    out: dict[str, GroupView] = {}
+    for obj in objs:
+        spec = obj.get("spec") or {}
+        if spec.get("poolRef") not in (None, pool):
+            continue
+        try:
+            view = parse_group(obj)
+        except GroupViewError as exc:
+            log.warning("KVCacheGroup skipped", extra={"error": str(exc)})
+            if errors is not None:
+                errors.record("group_view", str(exc))
+            continue
+        if view is not None:
+            out[view.replica] = view
+    return out
+
+
+ViewsCallback = Callable[[dict[str, GroupView]], None]
+
+
+class _PollingSource:
+    """Polls ``_fetch`` every ``period`` seconds; calls ``on_views`` on change."""
+
+    name = "group_view"
+
+    def __init__(self, pool: str, on_views: ViewsCallback, period: float,
+                 errors: RecentErrors | None) -> None:
+        self._pool = pool
+        self._on_views = on_views
+        self._period = period
+        self._errors = errors
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
+        self.views: dict[str, GroupView] | None = None
+        self.source = "?"
+
+    @property
+    def alive(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    @property
+    def known(self) -> bool:
+        """True once a view (possibly empty) was read successfully."""
+        return self.views is not None
+
+    def _fetch(self) -> list[dict[str, Any]] | None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def poll_once(self) -> bool:
+        """Fetch and deliver (blocking); True when the views changed."""
+        objs = self._fetch()
+        if objs is None:
+            return False
+        views = parse_groups(objs, self._pool, self._errors)
+        if views == self.views:
+            return False
+        self.views = views
+        self._on_views(views)
+        log.info("Group views updated", extra={"source": self.source,
+                                               "groups": sorted(views)})
+        return True
+
+    async def start(self) -> None:
+        try:
+            await asyncio.to_thread(self.poll_once)
+        except Exception as exc:
+            self._report(exc)
+        self._task = asyncio.create_task(self._loop(), name=f"group-view-{self.source}")
+
+    def _report(self, exc: BaseException) -> None:
+        log.warning("Group view read failed", extra={"source": self.source, "error": str(exc)})
+        if self._errors is not None:
+            self._errors.record(self.name, f"{self.source}: {exc}")
+
+    async def _loop(self) -> None:
+        while not self._stopping.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self._period)
+            if self._stopping.is_set():
+                return
+            try:
+                await asyncio.wait_for(asyncio.to_thread(self.poll_once), self._period * 5)
+            except Exception as exc:
+                self._report(exc)
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        if self._task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._task, self._period * 5)
+
+
+class KubeGroupSource(_PollingSource):
+    """KVCacheGroups of ``pool`` in ``namespace`` through the Kubernetes API."""
+
+    def __init__(self, api: CustomObjectsApi, namespace: str, pool: str,
+                 on_views: ViewsCallback, period: float,
+                 errors: RecentErrors | None = None) -> None:
+        super().__init__(pool, on_views, period, errors)
+        self._api = api
+        self._namespace = namespace
+        self.source = f"kubernetes:{namespace}"
+
+    def _fetch(self) -> list[dict[str, Any]]:
+        result = self._api.list_namespaced_custom_object(
+            GROUP, VERSION, self._namespace, PLURAL,
+            label_selector=f"flexkv.io/pool={self._pool}",
+            _request_timeout=self._period * 4,
+        )
+        items = result.get("items", []) if isinstance(result, Mapping) else []
+        return [dict(i) for i in items if isinstance(i, Mapping)]
+
+
+class FileGroupSource(_PollingSource):
+    """KVCacheGroup-shaped objects from a YAML/JSON file (no Kubernetes)."""
+
+    def __init__(self, path: str | os.PathLike[str], pool: str, on_views: ViewsCallback,
+                 period: float, errors: RecentErrors | None = None) -> None:
+        super().__init__(pool, on_views, period, errors)
+        self.path = Path(path)
+        self._mtime: int | None = None
+        self.source = f"file:{self.path}"
+
+    def _fetch(self) -> list[dict[str, Any]] | None:
+        try:
+            mtime = self.path.stat().st_mtime_ns
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"group view file {self.path} does not exist; write the KVCacheGroup list "
+                "there or unset groupViewFile") from None
+        if mtime == self._mtime:
+            return None
+        data = yaml.safe_load(self.path.read_text()) or []
+        if isinstance(data, Mapping):
+            data = data.get("items", [])
+        if not isinstance(data, list):
+            raise GroupViewError(f"group view file {self.path}: expected a list of "
+                                 f"KVCacheGroup objects, got {type(data).__name__}")
+        self._mtime = mtime
+        return [dict(d) for d in data if isinstance(d, Mapping)]

@@ -1,0 +1,114 @@
+"""agent.yaml parsing, environment overrides and validation errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from node_agent.config import ConfigError, config_from_mapping, load_config, parse_quantity
+
+CONTRACT_EXAMPLE = """
+pool: my-pool
+namespace: default
+backend: embedded
+tokensPerBlock: 16
+cacheEpoch: 0
+tiers:
+  cpu:
+    size: 8Gi
+    pinned: true
+  ssd:
+    size: 100Gi
+    paths: [/var/lib/flexkv/ssd]
+eviction:
+  policy: lru
+  highWatermark: 0.95
+  lowWatermark: 0.85
+ports:
+  http: 8080
+  fanout: 5557
+engineSocket: /var/run/flexkv/engine.sock
+timeouts:
+  engineCallSeconds: 10
+  fanoutWaitSeconds: 5
+  unlaunchedMatchSeconds: 30
+heartbeat:
+  leaseDurationSeconds: 15
+  renewDeadlineSeconds: 10
+  retryPeriodSeconds: 2
+curveKeyDir: /etc/flexkv/curve
+expectedRanks: 1
+"""
+
+
+def test_contract_example_parses(tmp_path: Path) -> None:
+    path = tmp_path / "agent.yaml"
+    path.write_text(CONTRACT_EXAMPLE)
+    cfg = load_config(path, env={})
+    assert cfg.pool == "my-pool"
+    assert cfg.tiers.cpu.size == 8 * 2**30
+    assert cfg.tiers.ssd is not None and cfg.tiers.ssd.size == 100 * 2**30
+    assert cfg.tiers.ssd.paths == ("/var/lib/flexkv/ssd",)
+    assert cfg.heartbeat.retry_period_seconds == 2.0
+    assert cfg.engine_endpoint == "ipc:///var/run/flexkv/engine.sock"
+
+
+def test_environment_overrides_leaves(tmp_path: Path) -> None:
+    path = tmp_path / "agent.yaml"
+    path.write_text(CONTRACT_EXAMPLE)
+    env = {"FLEXKV_PORTS_HTTP": "9090", "FLEXKV_TIERS_CPU_SIZE": "1.5Gi",
+           "FLEXKV_TIMEOUTS_ENGINE_CALL_SECONDS": "3", "FLEXKV_NODE_NAME": "node-b",
+           "FLEXKV_CURVE_PUBLIC_KEY": "not configuration", "FLEXKV_TIERS_SSD_PATHS": "[/a, /b]"}
+    cfg = load_config(path, env=env)
+    assert cfg.ports.http == 9090
+    assert cfg.tiers.cpu.size == 3 * 2**29
+    assert cfg.timeouts.engine_call_seconds == 3.0
+    assert cfg.node_name == "node-b"
+    assert cfg.tiers.ssd is not None and cfg.tiers.ssd.paths == ("/a", "/b")
+
+
+@pytest.mark.parametrize(("text", "value"), [
+    ("8Gi", 8 * 2**30), ("512Mi", 512 * 2**20), ("1G", 10**9), ("1e9", 10**9),
+    ("100", 100), (4096, 4096), ("1.5Ki", 1536),
+])
+def test_quantities(text: object, value: int) -> None:
+    assert parse_quantity(text) == value
+
+
+@pytest.mark.parametrize(("data", "fragment"), [
+    ({"tiers": {"cpu": {"size": "8Gx"}}}, "tiers.cpu.size: '8Gx' has unknown suffix 'Gx'"),
+    ({"tiers": {"cpu": {"size": "0.5"}}}, "tiers.cpu.size: '0.5' is not a whole number"),
+    ({"tiers": {"cpu": {"size": -1}}}, "tiers.cpu.size: -1 is negative"),
+    ({"tiers": {"cpu": {"sizes": 1}}}, "tiers.cpu.sizes: unknown key; allowed keys under "
+                                       "tiers.cpu are pinned, size"),
+    ({"pools": "x"}, "pools: unknown key"),
+    ({"backend": "redis"}, "backend: 'redis' is not allowed; use one of embedded, flexkv"),
+    ({"ports": {"http": "eighty"}}, "ports.http: 'eighty' is not an integer"),
+    ({"ports": {"http": 70000}}, "ports.http: 70000 is out of range; use a value between 0 and"),
+    ({"heartbeat": {"retryPeriodSeconds": 20}}, "leaseDurationSeconds > renewDeadlineSeconds"),
+    ({"eviction": {"lowWatermark": 0.99}}, "eviction.lowWatermark: 0.99 is not below"),
+    ({"engineSocket": "/x" * 60}, "Unix socket paths are limited to 107"),
+    ({"tiers": {"ssd": {"paths": "/one"}}}, "tiers.ssd.paths: '/one' is not a list of paths"),
+    ({"tiers": []}, "tiers: [] is not a mapping"),
+    ({"timeouts": {"engineCallSeconds": 0}}, "timeouts.engineCallSeconds: 0 is out of range"),
+])
+def test_invalid_values_name_key_value_and_fix(data: dict[str, object], fragment: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        config_from_mapping(data)
+    assert fragment in str(err.value)
+
+
+def test_bad_environment_value_is_rejected_with_the_key() -> None:
+    with pytest.raises(ConfigError, match="tokensPerBlock: 'sixteen' is not an integer"):
+        load_config(None, env={"FLEXKV_TOKENS_PER_BLOCK": "sixteen"})
+
+
+def test_unreadable_and_non_mapping_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot be read"):
+        load_config(tmp_path / "missing.yaml", env={})
+    path = tmp_path / "list.yaml"
+    path.write_text(yaml.safe_dump([1, 2]))
+    with pytest.raises(ConfigError, match="top level is list, not a mapping"):
+        load_config(path, env={})
