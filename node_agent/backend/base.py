@@ -18,6 +18,10 @@ The contract, in FlexKV's terms:
 * **Slot mappings.** The slot mapping handed to ``launch`` holds one engine KV
   slot index per True entry of the task's mask, in token order.
 * **Token ids** are int64 numpy arrays on the CPU.
+* **Engine buffers.** Before anything moves, every engine rank of the stage
+  registers its KV buffers with :meth:`KVBackend.register_kv_buffers` (layout
+  and validation in :mod:`node_agent.backend.layout`); ``is_ready`` turns true
+  once the backend started and every expected rank registered.
 """
 
 from __future__ import annotations
@@ -26,9 +30,13 @@ import abc
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
+
+if TYPE_CHECKING:
+    import torch
 
 TokenArray = npt.NDArray[np.int64]
 BoolMask = npt.NDArray[np.bool_]
@@ -72,6 +80,34 @@ class KVResponse:
     error: str | None = field(default=None, compare=False)
 
 
+@dataclass(frozen=True)
+class TierStats:
+    """Capacity and use of one cache tier."""
+
+    capacity_bytes: int
+    used_bytes: int
+    capacity_blocks: int
+    used_blocks: int
+    evictions: int = 0
+    """Blocks that left this tier (spilled to a lower tier or dropped)."""
+    hit_blocks: int = 0
+    """Blocks matched by ``get_match`` while resident in this tier."""
+
+
+@dataclass(frozen=True)
+class BackendStats:
+    """A snapshot of a backend for ``/status``, the heartbeat Lease and metrics.
+
+    ``tiers`` is keyed by tier name (``cpu``, ``ssd``); ``tasks`` counts live
+    tasks by state (``matched``, ``launched``, ``finished``, ``unpublished``).
+    """
+
+    tiers: dict[str, TierStats] = field(default_factory=dict)
+    tasks: dict[str, int] = field(default_factory=dict)
+    registered_ranks: tuple[int, ...] = ()
+    expected_ranks: int = 0
+
+
 class KVBackendError(RuntimeError):
     """A backend operation could not be carried out (the message says why and the fix)."""
 
@@ -108,6 +144,25 @@ class KVBackend(abc.ABC):
     def reset(self) -> None:
         """Drop every cached block and every task (a cache flush). Registered
         buffers stay registered. Outstanding tasks end CANCELLED."""
+
+    @abc.abstractmethod
+    def register_kv_buffers(
+        self, rank: int, buffers: Sequence[Sequence[torch.Tensor]]
+    ) -> None:
+        """Register engine rank ``rank``'s KV buffers (CUDA or CPU tensors).
+
+        ``buffers`` is arranged as the backend's layout names it (see
+        :mod:`node_agent.backend.layout`: for SGLang MHA ``(k_buffer, v_buffer)``,
+        for MLA ``(kv_buffer,)``). The backend keeps views of the engine's memory,
+        never copies. Raises ``ValueError`` naming the bad rank, list, shape,
+        dtype or device with nothing registered. Registering a rank again
+        replaces its buffers (an engine restart); it must not happen while
+        that rank has launched tasks (``KVBackendError``).
+        """
+
+    def stats(self) -> BackendStats:
+        """Tier capacity/use, evictions, hits and task counts (empty by default)."""
+        return BackendStats()
 
     # -- matching -----------------------------------------------------------
 

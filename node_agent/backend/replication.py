@@ -28,8 +28,12 @@ import abc
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from node_agent.backend.base import KVBackend, SlotArray
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Tier(enum.Enum):
@@ -85,6 +89,13 @@ class StageStore(abc.ABC):
     Thread safety: ``execute`` may run concurrently for plans whose blocks do
     not overlap; ``apply_moves`` is called in stream order.
     """
+
+    @abc.abstractmethod
+    def register_kv_buffers(
+        self, rank: int, buffers: Sequence[Sequence[torch.Tensor]]
+    ) -> None:
+        """Register this stage's engine rank buffers; same contract as
+        :meth:`KVBackend.register_kv_buffers`."""
 
     @abc.abstractmethod
     def num_blocks(self, tier: Tier) -> int:

@@ -1,0 +1,643 @@
+"""The embedded KV cache backend: FlexKV's manager contract over this project's own tiers.
+
+:class:`EmbeddedBackend` implements :class:`~.base.KVBackend` and, for PP leaders,
+:class:`~.replication.ReplicatedBackend`. It combines
+
+* a :class:`~.hashing.BlockHasher` (block identity),
+* a :class:`~.index.BlockIndex` (hash -> tier block, LRU leaf-first eviction),
+* a :class:`~.stage_store.TierStore` (CPU pool, SSD files, engine buffers, copies),
+* a bounded task table and a pool of worker threads running the copies.
+
+One lock guards the index and the task table; copies run outside it on the
+workers. Tier moves (spills to SSD) are executed synchronously inside the
+``put_match`` that decides them, before the freed block can be handed to any
+plan, and on a leader are also queued for :meth:`drain_moves`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from node_agent.backend.base import (
+    BackendStats,
+    BoolMask,
+    KVBackendError,
+    KVResponse,
+    KVResponseStatus,
+    SlotArray,
+    TaskNotFoundError,
+    TierStats,
+    TokenArray,
+)
+from node_agent.backend.config import EmbeddedBackendConfig
+from node_agent.backend.hashing import BlockHasher
+from node_agent.backend.index import BlockIndex, Node
+from node_agent.backend.inputs import as_token_ids, mask_span, span_mask
+from node_agent.backend.layout import RegisteredBuffers, register_buffers
+from node_agent.backend.replication import (
+    Direction,
+    ReplicatedBackend,
+    Tier,
+    TierMove,
+    TransferPlan,
+)
+from node_agent.backend.slots import validate_slot_mapping
+from node_agent.backend.stage_store import TierStore
+from node_agent.backend.tasks import Task, TaskState
+from node_agent.metrics import AgentMetrics
+
+log = logging.getLogger(__name__)
+
+#: How long ``reset`` / ``shutdown`` wait for copies already running.
+DRAIN_SECONDS = 60.0
+
+
+class EmbeddedBackend(ReplicatedBackend):
+    """A complete KV cache manager for one PP stage, without FlexKV.
+
+    With ``config.deferred_visibility`` (PP leaders) a put that finishes SUCCESS
+    stays invisible until :meth:`publish`, and every tier move is queued for
+    :meth:`drain_moves`; without it (single stage) a SUCCESS put is visible at
+    once and moves are not queued.
+    """
+
+    def __init__(
+        self,
+        config: EmbeddedBackendConfig,
+        metrics: AgentMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.tokens_per_block = config.tokens_per_block
+        self._metrics = metrics
+        self._clock = clock
+        self._hasher = BlockHasher(config.tokens_per_block, config.hash_algorithm)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._ids = itertools.count(1)
+        self._tasks: dict[int, Task] = {}
+        self._members: dict[int, Task] = {}
+        self._unpublished: dict[int, list[Node]] = {}
+        self._unlaunched: deque[Task] = deque()
+        self._moves: list[TierMove] = []
+        self._pending_buffers: dict[int, RegisteredBuffers] = {}
+        self._hits = {Tier.CPU: 0, Tier.SSD: 0}
+        self._store: TierStore | None = None
+        self._index: BlockIndex | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._reaper: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._closed = False
+
+    # -- lifecycle -----------------------------------------------------------
+
+    def start(self) -> None:
+        with self._lock:
+            if self._closed:
+                raise KVBackendError("the backend was shut down; create a new one to start again")
+            if self._store is not None:
+                return
+            store = TierStore(self.config)
+            for reg in self._pending_buffers.values():
+                store.add_registered(reg)
+            self._pending_buffers.clear()
+            self._store = store
+            self._index = BlockIndex(
+                store.num_blocks(Tier.CPU), store.num_blocks(Tier.SSD),
+                self.config.high_watermark, self.config.low_watermark,
+            )
+            self._pool = ThreadPoolExecutor(self.config.worker_threads,
+                                            thread_name_prefix="flexkv-transfer")
+            self._reaper = threading.Thread(target=self._reap_loop, name="flexkv-expiry",
+                                            daemon=True)
+            self._reaper.start()
+            self._update_gauges()
+        log.info("Embedded backend started", extra={
+            "cpu_blocks": store.num_blocks(Tier.CPU), "ssd_blocks": store.num_blocks(Tier.SSD),
+            "bytes_per_block": self.config.layout.bytes_per_block,
+        })
+
+    def is_ready(self) -> bool:
+        store = self._store
+        return store is not None and not self._closed and store.is_complete()
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._stopping.set()
+            self._cancel_unlaunched_locked()
+            pool, store = self._pool, self._store
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        with self._cond:
+            for t in self._tasks.values():
+                if t.status is None:
+                    self._finish_locked(t, KVResponseStatus.CANCELLED, "backend shut down")
+            self._cond.notify_all()
+        if store is not None:
+            store.close()
+        log.info("Embedded backend shut down")
+
+    def reset(self) -> None:
+        with self._lock:
+            self._require_started()
+            self._cancel_unlaunched_locked()
+            running = [t.future for t in [*self._tasks.values(), *self._members.values()]
+                       if t.future is not None and t.status is None]
+        deadline = time.monotonic() + DRAIN_SECONDS
+        for f in running:
+            try:
+                f.result(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:
+                log.exception("A copy still running at reset did not finish cleanly")
+        with self._cond:
+            for t in self._tasks.values():
+                if t.status is None:
+                    self._finish_locked(t, KVResponseStatus.CANCELLED, "cache reset")
+            index = self._require_started()
+            index.clear()
+            self._unpublished.clear()
+            self._members.clear()
+            self._moves.clear()
+            assert self._store is not None
+            self._store.reset()
+            self._update_gauges()
+            self._cond.notify_all()
+        log.info("Embedded backend reset: every cached block dropped")
+
+    # -- registration ----------------------------------------------------------
+
+    def register_kv_buffers(self, rank: int, buffers: Sequence[Sequence[torch.Tensor]]) -> None:
+        reg = register_buffers(self.config.layout, rank, buffers)
+        with self._lock:
+            busy = [t.id for t in self._tasks.values() if t.state is TaskState.LAUNCHED
+                    and t.status is None]
+            if busy:
+                raise KVBackendError(
+                    f"rank {rank} re-registered while tasks {busy[:5]} are copying; wait for "
+                    "them before re-registering"
+                )
+            if self._store is None:
+                self._pending_buffers[rank] = reg
+            else:
+                self._store.add_registered(reg)
+        log.info("Engine rank registered KV buffers",
+                 extra={"rank": rank, "slots": reg.num_slots, "device": str(reg.device)})
+
+    # -- matching ------------------------------------------------------------
+
+    def get_match(
+        self,
+        token_ids: TokenArray,
+        token_mask: BoolMask | None = None,
+        namespace: str | None = None,
+    ) -> tuple[int, BoolMask]:
+        t0 = time.perf_counter()
+        tokens = as_token_ids(token_ids)
+        start, end = mask_span(token_mask, len(tokens), self.tokens_per_block)
+        tpb = self.tokens_per_block
+        hashes = self._hasher.hashes(tokens, namespace, limit=end // tpb)
+        with self._lock:
+            index = self._require_started()
+            self._expire_locked()
+            nodes = index.match(hashes)
+            first, last = start // tpb, min(len(nodes), end // tpb)
+            if self._metrics is not None:
+                self._metrics.lookup_tokens.inc(max(0, end - start))
+            if last <= first:
+                self._observe_match("get", t0)
+                return -1, span_mask(len(tokens), 0, 0)
+            self._check_capacity_locked()
+            span = nodes[first:last]
+            index.touch(nodes[:last])
+            index.lock(span)
+            locs = []
+            for n in span:
+                assert n.loc is not None
+                locs.append(n.loc)
+                self._hits[n.loc.tier] += 1
+            if self._metrics is not None:
+                for tier in (Tier.CPU, Tier.SSD):
+                    k = sum(1 for loc in locs if loc.tier is tier)
+                    if k:
+                        self._metrics.hit_tokens.labels(tier=tier.value).inc(k * tpb)
+            task = self._new_task_locked(
+                Direction.LOAD, span_mask(len(tokens), first * tpb, last * tpb), span,
+                TransferPlan(Direction.LOAD, tuple(locs)),
+            )
+        self._observe_match("get", t0)
+        assert task.mask is not None
+        return task.id, task.mask
+
+    def put_match(
+        self,
+        token_ids: TokenArray,
+        token_mask: BoolMask | None = None,
+        namespace: str | None = None,
+    ) -> tuple[int, BoolMask]:
+        t0 = time.perf_counter()
+        tokens = as_token_ids(token_ids)
+        start, end = mask_span(token_mask, len(tokens), self.tokens_per_block)
+        tpb = self.tokens_per_block
+        hashes = self._hasher.hashes(tokens, namespace, limit=end // tpb)
+        nothing = (-1, span_mask(len(tokens), 0, 0))
+        with self._lock:
+            index = self._require_started()
+            self._expire_locked()
+            prefix = index.match(hashes)
+            first, last = max(len(prefix), start // tpb), end // tpb
+            index.touch(prefix[:first])
+            if first >= last or len(prefix) < start // tpb or hashes[first] in index.nodes:
+                # Nothing new; or the prefix before the caller's span is not cached
+                # (a block without its parent would be unreachable); or another
+                # put is storing the next block right now.
+                self._observe_match("put", t0)
+                return nothing
+            self._check_capacity_locked()
+            moves: list[TierMove] = []
+            parent = prefix[first - 1] if first else None
+            created = index.add_pending(parent, hashes[first:last], moves)
+            index.enforce_watermarks(moves)
+            self._apply_moves_locked(moves)
+            if not created:
+                log.warning("CPU tier has no evictable block; put skipped",
+                            extra={"cpu_blocks": index.capacity[Tier.CPU],
+                                   "blocks_wanted": last - first})
+                self._observe_match("put", t0)
+                return nothing
+            task = self._new_task_locked(
+                Direction.STORE,
+                span_mask(len(tokens), first * tpb, (first + len(created)) * tpb),
+                created,
+                TransferPlan(Direction.STORE, tuple(n.loc for n in created if n.loc)),
+            )
+        self._observe_match("put", t0)
+        assert task.mask is not None
+        return task.id, task.mask
+
+    # -- execution -----------------------------------------------------------
+
+    def launch(
+        self,
+        task_ids: Sequence[int],
+        slot_mappings: Sequence[SlotArray],
+        as_batch: bool = False,
+    ) -> list[int]:
+        ids = [int(t) for t in task_ids]
+        if len(ids) != len(slot_mappings):
+            raise ValueError(
+                f"launch got {len(ids)} task ids but {len(slot_mappings)} slot mappings; pass "
+                "one mapping per task"
+            )
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"launch got task ids {ids} with duplicates; launch each task once")
+        with self._lock:
+            self._require_started()
+            self._expire_locked()
+            store = self._store
+            assert store is not None
+            if not store.is_complete():
+                raise KVBackendError(
+                    f"engine ranks {self._missing_ranks()} have not registered KV buffers; "
+                    "launch after every expected rank registered (is_ready())"
+                )
+            tasks = []
+            for tid in ids:
+                t = self._tasks.get(tid)
+                if t is None or t.state is not TaskState.MATCHED or t.members:
+                    raise TaskNotFoundError(
+                        f"task {tid} is not a live, un-launched match (unknown, expired, "
+                        "cancelled or already launched); match again"
+                    )
+                tasks.append(t)
+            num_slots = store.num_slots()
+            slots = []
+            for t, mapping in zip(tasks, slot_mappings, strict=True):
+                assert t.mask is not None
+                slots.append(validate_slot_mapping(
+                    mapping, int(t.mask.sum()), num_slots, f"slot mapping of task {t.id}"
+                ))
+            if len(slots) > 1:
+                allslots = torch.cat(slots).numpy()
+                uniq, counts = np.unique(allslots, return_counts=True)
+                if len(uniq) != len(allslots):
+                    raise ValueError(
+                        f"slot {int(uniq[counts > 1][0])} appears in several slot mappings "
+                        f"of one launch (tasks {ids}); each token needs its own slot"
+                    )
+            # Validated: nothing can fail from here on, so every task launches.
+            out = ids
+            if as_batch and len(tasks) > 1:
+                batch = Task(next(self._ids), None, None, [], None, deadline=0.0,
+                             state=TaskState.LAUNCHED, members=tasks)
+                for t in tasks:
+                    del self._tasks[t.id]
+                    self._members[t.id] = t
+                    t.batch = batch
+                self._tasks[batch.id] = batch
+                out = [batch.id]
+            pool = self._pool
+            assert pool is not None
+            for t, s in zip(tasks, slots, strict=True):
+                t.state = TaskState.LAUNCHED
+                t.future = pool.submit(self._run, t, s)
+        return out
+
+    def wait(
+        self,
+        task_ids: Sequence[int],
+        timeout: float = 20.0,
+        completely: bool = False,
+    ) -> dict[int, KVResponse]:
+        deadline = time.monotonic() + max(0.0, timeout)
+        ids = [int(t) for t in task_ids]
+        with self._cond:
+            while True:
+                self._expire_locked()
+                live = [self._tasks[i] for i in ids if i in self._tasks]
+                done = [t for t in live if t.status is not None]
+                remaining = deadline - time.monotonic()
+                if len(done) == len(live) or (done and not completely) or remaining <= 0:
+                    break
+                self._cond.wait(min(remaining, self._tick_seconds()))
+            timed_out = time.monotonic() >= deadline
+            out: dict[int, KVResponse] = {}
+            for i in ids:
+                t = self._tasks.get(i)
+                if t is None:
+                    out[i] = KVResponse(KVResponseStatus.NOTFOUND, i)
+                elif t.status is None:
+                    st = KVResponseStatus.TIMEOUT if timed_out else KVResponseStatus.UNREADY
+                    out[i] = KVResponse(st, i, None)
+                else:
+                    out[i] = self._reap_locked(t)
+            return out
+
+    def try_wait(self, task_ids: Sequence[int]) -> dict[int, KVResponse]:
+        out: dict[int, KVResponse] = {}
+        with self._lock:
+            self._expire_locked()
+            for i in (int(t) for t in task_ids):
+                t = self._tasks.get(i)
+                if t is None:
+                    out[i] = KVResponse(KVResponseStatus.NOTFOUND, i)
+                elif t.status is not None:
+                    out[i] = self._reap_locked(t)
+        return out
+
+    def cancel(self, task_ids: Sequence[int]) -> None:
+        with self._cond:
+            for i in (int(t) for t in task_ids):
+                t = self._tasks.get(i)
+                if t is not None and t.state is TaskState.MATCHED and not t.members:
+                    self._finish_locked(t, KVResponseStatus.CANCELLED, "cancelled")
+                    del self._tasks[i]
+            self._cond.notify_all()
+
+    # -- replication (PP leader) -------------------------------------------------
+
+    def plan_of(self, task_id: int) -> TransferPlan:
+        with self._lock:
+            t = self._tasks.get(task_id) or self._members.get(task_id)
+            if t is None:
+                raise TaskNotFoundError(f"task {task_id} is unknown or reaped; it has no plan")
+            if t.plan is None:
+                raise KVBackendError(
+                    f"task {task_id} is a batch of {[m.id for m in t.members]}; take the plans "
+                    "of its members (plan_of each id before launching as_batch)"
+                )
+            return t.plan
+
+    def drain_moves(self) -> list[TierMove]:
+        with self._lock:
+            moves, self._moves = self._moves, []
+            return moves
+
+    def publish(self, task_id: int) -> None:
+        with self._lock:
+            nodes = self._unpublished.pop(task_id, None)
+            if nodes is None:
+                t = self._tasks.get(task_id) or self._members.get(task_id)
+                if t is not None and t.status is None:
+                    raise KVBackendError(
+                        f"task {task_id} has not finished; publish it after wait() answered "
+                        "SUCCESS on every stage"
+                    )
+                raise TaskNotFoundError(
+                    f"task {task_id} has no finished, unpublished put (unknown, a get, failed, "
+                    "already published or discarded)"
+                )
+            index = self._require_started()
+            index.publish(nodes)
+            if self._metrics is not None:
+                self._metrics.stored_tokens.inc(len(nodes) * self.tokens_per_block)
+
+    def discard(self, task_id: int) -> None:
+        with self._lock:
+            nodes = self._unpublished.pop(task_id, None)
+            if nodes and self._index is not None:
+                self._index.remove_pending(nodes)
+                self._update_gauges()
+
+    # -- stats ---------------------------------------------------------------
+
+    def stats(self) -> BackendStats:
+        with self._lock:
+            index, store = self._index, self._store
+            bpb = self.config.layout.bytes_per_block
+            tiers = {}
+            if index is not None:
+                for tier in (Tier.CPU, Tier.SSD):
+                    cap = index.capacity[tier]
+                    if tier is Tier.SSD and not cap:
+                        continue
+                    used = index.used(tier)
+                    tiers[tier.value] = TierStats(
+                        capacity_bytes=cap * bpb, used_bytes=used * bpb, capacity_blocks=cap,
+                        used_blocks=used, evictions=index.evictions[tier],
+                        hit_blocks=self._hits[tier],
+                    )
+            counts = {s.value: 0 for s in TaskState}
+            for t in self._tasks.values():
+                key = TaskState.DONE if t.status is not None else t.state
+                counts[key.value] += 1
+            counts["unpublished"] = len(self._unpublished)
+            ranks = store.registered_ranks if store else tuple(sorted(self._pending_buffers))
+            return BackendStats(tiers=tiers, tasks=counts, registered_ranks=ranks,
+                                expected_ranks=self.config.expected_ranks)
+
+    @property
+    def store(self) -> TierStore:
+        """The stage store underneath (tiers and engine buffers); after ``start``."""
+        if self._store is None:
+            raise KVBackendError("the backend has not started; call start() first")
+        return self._store
+
+    # -- internals -------------------------------------------------------------
+
+    def _require_started(self) -> BlockIndex:
+        if self._closed:
+            raise KVBackendError("the backend was shut down")
+        if self._index is None:
+            raise KVBackendError("the backend has not started; call start() first")
+        return self._index
+
+    def _missing_ranks(self) -> list[int]:
+        store = self._store
+        have = set(store.registered_ranks) if store else set(self._pending_buffers)
+        return sorted(set(range(self.config.expected_ranks)) - have)
+
+    def _check_capacity_locked(self) -> None:
+        live = len(self._tasks) + len(self._unpublished)
+        if live >= self.config.max_tasks:
+            raise KVBackendError(
+                f"task table full: {live} live tasks and unpublished puts (max_tasks="
+                f"{self.config.max_tasks}); wait for, cancel, publish or discard tasks, or "
+                "raise max_tasks"
+            )
+
+    def _new_task_locked(
+        self, direction: Direction, mask: BoolMask, nodes: list[Node], plan: TransferPlan
+    ) -> Task:
+        task = Task(next(self._ids), direction, mask, nodes, plan,
+                    deadline=self._clock() + self.config.unlaunched_match_seconds)
+        self._tasks[task.id] = task
+        self._unlaunched.append(task)
+        self._update_gauges()
+        return task
+
+    def _apply_moves_locked(self, moves: list[TierMove]) -> None:
+        if not moves:
+            return
+        assert self._store is not None
+        self._store.apply_moves(moves)
+        if self.config.deferred_visibility:
+            self._moves.extend(moves)
+        if self._metrics is not None:
+            for m in moves:
+                self._metrics.evictions.labels(tier=m.src.tier.value).inc()
+
+    def _run(self, task: Task, slots: torch.Tensor) -> None:
+        """Worker: run one task's copy, then record its outcome."""
+        t0 = time.perf_counter()
+        status, error = KVResponseStatus.SUCCESS, None
+        try:
+            assert self._store is not None and task.plan is not None
+            self._store.copy(task.plan, slots)
+        except Exception as e:
+            status, error = KVResponseStatus.FAILED, f"{type(e).__name__}: {e}"
+            log.exception("KV transfer failed", extra={"task_id": task.id})
+        if self._metrics is not None and task.plan is not None:
+            d = task.plan.direction.value
+            self._metrics.transfer_seconds.labels(direction=d).observe(time.perf_counter() - t0)
+            if status is KVResponseStatus.SUCCESS:
+                bpb = self.config.layout.bytes_per_block
+                for tier in (Tier.CPU, Tier.SSD):
+                    k = sum(1 for b in task.plan.blocks if b.tier is tier)
+                    if k:
+                        self._metrics.transfer_bytes.labels(direction=d, tier=tier.value).inc(
+                            k * bpb)
+        with self._cond:
+            if task.status is None:
+                self._finish_locked(task, status, error)
+            self._cond.notify_all()
+
+    def _finish_locked(self, task: Task, status: KVResponseStatus, error: str | None) -> None:
+        """Record a terminal status and release or publish the task's blocks."""
+        task.status, task.error = status, error
+        task.finished_at = self._clock()
+        task.state = TaskState.DONE
+        index = self._index
+        if index is not None and task.nodes:
+            if not task.is_put:
+                index.unlock(task.nodes)
+            elif status is not KVResponseStatus.SUCCESS:
+                index.remove_pending(task.nodes)
+            elif self.config.deferred_visibility:
+                key = task.batch.id if task.batch is not None else task.id
+                self._unpublished.setdefault(key, []).extend(task.nodes)
+            else:
+                index.publish(task.nodes)
+                if self._metrics is not None:
+                    self._metrics.stored_tokens.inc(len(task.nodes) * self.tokens_per_block)
+        batch = task.batch
+        if batch is not None and batch.status is None and all(
+            m.status is not None for m in batch.members
+        ):
+            failed = [m for m in batch.members if m.status is not KVResponseStatus.SUCCESS]
+            batch.status = failed[0].status if failed else KVResponseStatus.SUCCESS
+            batch.error = failed[0].error if failed else None
+            batch.finished_at = task.finished_at
+            batch.state = TaskState.DONE
+        self._update_gauges()
+
+    def _reap_locked(self, task: Task) -> KVResponse:
+        self._tasks.pop(task.id, None)
+        for m in task.members:
+            self._members.pop(m.id, None)
+        return task.response()
+
+    def _cancel_unlaunched_locked(self) -> None:
+        for t in list(self._tasks.values()):
+            if t.state is TaskState.MATCHED and not t.members:
+                self._finish_locked(t, KVResponseStatus.CANCELLED, "cancelled by reset/shutdown")
+        self._unlaunched.clear()
+
+    def _expire_locked(self) -> None:
+        """Cancel matches left un-launched past their deadline (they unlock)."""
+        now = self._clock()
+        q = self._unlaunched
+        expired = False
+        while q and (q[0].state is not TaskState.MATCHED or q[0].deadline <= now):
+            t = q.popleft()
+            if t.state is TaskState.MATCHED and t.status is None and t.batch is None:
+                self._finish_locked(t, KVResponseStatus.CANCELLED,
+                                    f"match not launched within "
+                                    f"{self.config.unlaunched_match_seconds} s")
+                expired = True
+                log.warning("Un-launched match expired", extra={"task_id": t.id})
+        if expired:
+            self._cond.notify_all()
+
+    def _purge_unreaped_locked(self) -> None:
+        """Drop tasks finished longer ago than the match expiry and never reaped (their
+        callers are gone); keeps the bounded table from filling with orphans."""
+        horizon = self._clock() - self.config.unlaunched_match_seconds
+        stale = [t for t in self._tasks.values()
+                 if t.status is not None and t.finished_at < horizon]
+        for t in stale:
+            self._reap_locked(t)
+
+    def _tick_seconds(self) -> float:
+        return min(0.5, self.config.unlaunched_match_seconds / 4)
+
+    def _reap_loop(self) -> None:
+        while not self._stopping.wait(self._tick_seconds()):
+            with self._cond:
+                if self._index is not None and not self._closed:
+                    self._expire_locked()
+                    self._purge_unreaped_locked()
+
+    def _observe_match(self, op: str, t0: float) -> None:
+        if self._metrics is not None:
+            self._metrics.match_seconds.labels(op=op).observe(time.perf_counter() - t0)
+
+    def _update_gauges(self) -> None:
+        m, index = self._metrics, self._index
+        if m is None or index is None:
+            return
+        bpb = self.config.layout.bytes_per_block
+        for tier in (Tier.CPU, Tier.SSD):
+            m.tier_capacity_bytes.labels(tier=tier.value).set(index.capacity[tier] * bpb)
+            m.tier_used_bytes.labels(tier=tier.value).set(index.used(tier) * bpb)

@@ -1,0 +1,51 @@
+"""Validation of engine slot mappings, before any byte moves."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def validate_slot_mapping(
+    value: object, expected_len: int, num_slots: int, what: str = "slot_mapping"
+) -> torch.Tensor:
+    """Return ``value`` as a CPU int64 tensor, or raise ``ValueError`` naming the bad value.
+
+    Rules: a 1-D integer array (numpy or torch; bool and floating types are
+    refused), ``expected_len`` entries, each in ``[0, num_slots)``, no duplicates.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise ValueError(f"{what} has dtype {value.dtype}; it must hold integer slot indices")
+        arr = value.detach().to("cpu", torch.int64).numpy()
+        ndim = value.dim()
+    else:
+        raw = np.asarray(value)
+        if raw.dtype == np.bool_ or not np.issubdtype(raw.dtype, np.integer):
+            raise ValueError(f"{what} has dtype {raw.dtype}; it must hold integer slot indices")
+        arr = raw.astype(np.int64, copy=False)
+        ndim = raw.ndim
+    if ndim != 1:
+        raise ValueError(f"{what} has {ndim} dimensions (shape {tuple(arr.shape)}); it must be 1-D")
+    if len(arr) != expected_len:
+        raise ValueError(
+            f"{what} has {len(arr)} entries but the task's mask selects {expected_len} tokens; "
+            "pass one slot per masked token"
+        )
+    if expected_len:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0:
+            raise ValueError(f"{what} holds negative slot {lo} at index {int(arr.argmin())}")
+        if hi >= num_slots:
+            raise ValueError(
+                f"{what} holds slot {hi} at index {int(arr.argmax())}, outside the registered "
+                f"buffers' {num_slots} slots"
+            )
+        uniq, counts = np.unique(arr, return_counts=True)
+        if len(uniq) != len(arr):
+            dup = int(uniq[counts > 1][0])
+            raise ValueError(
+                f"{what} holds slot {dup} {int(counts[counts > 1][0])} times; each token "
+                "needs its own slot"
+            )
+    return torch.from_numpy(np.ascontiguousarray(arr))

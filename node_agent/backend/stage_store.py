@@ -1,0 +1,171 @@
+"""A stage's tiers without an index: the :class:`~.replication.StageStore` of this project.
+
+PP followers use :class:`TierStore` directly, executing the leader's plans and
+moves; the leader's :class:`~.embedded.EmbeddedBackend` is built on one, so
+leader and followers run the same copy code over identically sized tiers.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from node_agent.backend.config import EmbeddedBackendConfig
+from node_agent.backend.cpu_tier import CpuTier
+from node_agent.backend.layout import KVLayout, RegisteredBuffers, register_buffers
+from node_agent.backend.replication import (
+    BlockLocation,
+    Direction,
+    StageStore,
+    Tier,
+    TierMove,
+    TransferPlan,
+)
+from node_agent.backend.slots import validate_slot_mapping
+from node_agent.backend.ssd_tier import SsdTier
+from node_agent.backend.transfer import BlockCopier
+
+log = logging.getLogger(__name__)
+
+
+class TierStore(StageStore):
+    """CPU (and optional SSD) tiers of one stage plus its registered engine buffers.
+
+    Sized from an :class:`EmbeddedBackendConfig` so that every stage of a group,
+    given the same config, has the same number of blocks per tier.
+    """
+
+    def __init__(self, config: EmbeddedBackendConfig) -> None:
+        self.config = config
+        self.layout: KVLayout = config.layout
+        self.cpu = CpuTier(config.layout, config.cpu_blocks, config.pinned)
+        self.ssd = (
+            SsdTier(config.layout.bytes_per_block, config.ssd_blocks, config.ssd_paths)
+            if config.ssd_blocks
+            else None
+        )
+        self.copier = BlockCopier(config.layout, self.cpu, self.ssd)
+        self._buffers: dict[int, RegisteredBuffers] = {}
+        self._lock = threading.Lock()
+
+    # -- registration -------------------------------------------------------
+
+    def register_kv_buffers(
+        self, rank: int, buffers: Sequence[Sequence[torch.Tensor]]
+    ) -> None:
+        """Validate and keep rank ``rank``'s buffers (see ``KVBackend.register_kv_buffers``)."""
+        reg = register_buffers(self.layout, rank, buffers)
+        self.add_registered(reg)
+        log.info("Engine rank registered KV buffers",
+                 extra={"rank": rank, "slots": reg.num_slots, "device": str(reg.device)})
+
+    def add_registered(self, reg: RegisteredBuffers) -> None:
+        """Keep already validated buffers (replacing the rank's previous ones)."""
+        if reg.planes and len(reg.planes) != self.layout.num_planes:
+            raise ValueError(
+                f"rank {reg.rank} buffers have {len(reg.planes)} planes, expected "
+                f"{self.layout.num_planes}; validate them with this store's layout"
+            )
+        with self._lock:
+            self._buffers = {**self._buffers, reg.rank: reg}
+
+    @property
+    def registered_ranks(self) -> tuple[int, ...]:
+        """Ranks whose buffers are registered, sorted."""
+        return tuple(sorted(self._buffers))
+
+    def is_complete(self) -> bool:
+        """True when every expected rank registered."""
+        return len(self._buffers) == self.config.expected_ranks
+
+    def buffers(self) -> dict[int, RegisteredBuffers]:
+        """The registered buffers (a snapshot); raises when a rank is missing."""
+        bufs = self._buffers
+        if len(bufs) != self.config.expected_ranks:
+            missing = sorted(set(range(self.config.expected_ranks)) - set(bufs))
+            raise RuntimeError(
+                f"engine ranks {missing} have not registered KV buffers; register every rank "
+                "before launching transfers"
+            )
+        return bufs
+
+    def num_slots(self) -> int:
+        """Slots valid in every registered rank (the smallest buffer)."""
+        bufs = self.buffers()
+        return min(b.num_slots for b in bufs.values())
+
+    # -- StageStore ---------------------------------------------------------
+
+    def num_blocks(self, tier: Tier) -> int:
+        if tier is Tier.CPU:
+            return self.cpu.num_blocks
+        return self.ssd.num_blocks if self.ssd is not None else 0
+
+    def check_plan(self, plan: TransferPlan) -> None:
+        """Raise ``ValueError`` when a plan names a block outside this stage's tiers."""
+        for loc in plan.blocks:
+            if not 0 <= loc.index < self.num_blocks(loc.tier):
+                raise ValueError(
+                    f"plan names {loc.tier.value} block {loc.index} but this stage has "
+                    f"{self.num_blocks(loc.tier)}; every stage of a group needs the same tier sizes"
+                )
+            if plan.direction is Direction.STORE and loc.tier is not Tier.CPU:
+                raise ValueError(f"a store plan names {loc}; stores only target the CPU tier")
+
+    def copy(self, plan: TransferPlan, slots: torch.Tensor) -> None:
+        """Run ``plan`` with already validated ``slots`` in the calling thread."""
+        bufs = self.buffers()
+        if plan.direction is Direction.STORE:
+            self.copier.store(bufs, [b.index for b in plan.blocks], slots)
+        else:
+            self.copier.load(bufs, plan.blocks, slots)
+
+    def execute(self, plan: TransferPlan, slot_mapping: object, timeout: float) -> None:
+        self.check_plan(plan)
+        slots = validate_slot_mapping(
+            slot_mapping, len(plan.blocks) * self.layout.tokens_per_block, self.num_slots()
+        )
+        outcome: list[BaseException | None] = []
+
+        def run() -> None:
+            try:
+                self.copy(plan, slots)
+                outcome.append(None)
+            except BaseException as e:  # handed to the waiting caller
+                outcome.append(e)
+
+        worker = threading.Thread(target=run, name="flexkv-stage-copy", daemon=True)
+        worker.start()
+        worker.join(timeout)
+        if worker.is_alive():
+            raise TimeoutError(
+                f"{plan.direction.value} of {len(plan.blocks)} blocks did not finish in "
+                f"{timeout} s; treat the blocks as not stored"
+            )
+        if outcome and outcome[0] is not None:
+            raise outcome[0]
+
+    def apply_moves(self, moves: Sequence[TierMove]) -> None:
+        for m in moves:
+            if m.dst is not None:
+                self.copier.move(m.src, m.dst)
+
+    def reset(self) -> None:
+        """Nothing to forget: the store keeps no index, and every later plan overwrites
+        the blocks it names before any load reads them."""
+
+    def read_block(self, location: BlockLocation) -> bytes:
+        """The raw bytes of one block (region order), for checks and debugging."""
+        if location.tier is Tier.CPU:
+            return self.cpu.read_block(location.index)
+        if self.ssd is None:
+            raise ValueError(f"{location} names the SSD tier but this stage has none")
+        return self.ssd.read_block(location.index)
+
+    def close(self) -> None:
+        """Release the SSD files."""
+        if self.ssd is not None:
+            self.ssd.close()

@@ -1,0 +1,56 @@
+"""Tasks of the embedded backend: a matched span, its plan, and where it stands."""
+
+from __future__ import annotations
+
+import enum
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from node_agent.backend.base import BoolMask, KVResponse, KVResponseStatus
+from node_agent.backend.index import Node
+from node_agent.backend.replication import Direction, TransferPlan
+
+
+class TaskState(enum.Enum):
+    """Lifecycle: MATCHED -> LAUNCHED -> DONE, or MATCHED -> DONE (cancelled, expired)."""
+
+    MATCHED = "matched"
+    LAUNCHED = "launched"
+    DONE = "done"
+
+
+@dataclass(eq=False)
+class Task:
+    """One get, put, or batch of them.
+
+    ``nodes`` are the index nodes the task pins (loaded blocks for a get,
+    pending blocks for a put). A batch has ``members`` and no plan of its own.
+    """
+
+    id: int
+    direction: Direction | None
+    mask: BoolMask | None
+    nodes: list[Node]
+    plan: TransferPlan | None
+    deadline: float
+    state: TaskState = TaskState.MATCHED
+    status: KVResponseStatus | None = None
+    error: str | None = None
+    finished_at: float = 0.0
+    members: list[Task] = field(default_factory=list)
+    batch: Task | None = None
+    future: Future[None] | None = None
+
+    @property
+    def is_put(self) -> bool:
+        """True for a store task."""
+        return self.direction is Direction.STORE
+
+    def response(self) -> KVResponse:
+        """The terminal response of this task."""
+        assert self.status is not None
+        ok = self.status is KVResponseStatus.SUCCESS
+        ret = None
+        if self.mask is not None:
+            ret = self.mask.copy() if ok else self.mask & False
+        return KVResponse(self.status, self.id, ret, self.error)

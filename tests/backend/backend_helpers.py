@@ -1,0 +1,115 @@
+"""Shared builders for backend tests: layouts, engine buffers, round-trip helpers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from node_agent.backend.config import EmbeddedBackendConfig
+from node_agent.backend.embedded import EmbeddedBackend
+from node_agent.backend.layout import KVDtype, KVLayout, LayoutName
+
+TPB = 4
+
+
+def small_layout(
+    kv_dim: int = 2,
+    dtype: KVDtype = KVDtype.BFLOAT16,
+    tp_size: int = 1,
+    name: LayoutName = LayoutName.LAYER_SLOT_HEAD,
+    tokens_per_block: int = TPB,
+) -> KVLayout:
+    """A tiny stage: 3 layers, 2 heads (per rank) of 8, or a 1x16 MLA latent."""
+    if kv_dim == 1:
+        return KVLayout(num_layers=3, num_kv_heads=1, head_size=16, kv_dim=1, dtype=dtype,
+                        tokens_per_block=tokens_per_block, tp_size=tp_size, name=name)
+    return KVLayout(num_layers=3, num_kv_heads=2 * tp_size, head_size=8, kv_dim=2, dtype=dtype,
+                    tokens_per_block=tokens_per_block, tp_size=tp_size, name=name)
+
+
+def make_buffers(layout: KVLayout, num_slots: int, seed: int) -> list[list[torch.Tensor]]:
+    """Random engine buffers of ``layout.name`` for one rank."""
+    g = torch.Generator().manual_seed(seed)
+    dt = layout.dtype.torch_dtype
+    shape: tuple[int, ...]
+    if layout.name is LayoutName.LAYER_SLOT_HEAD:
+        shape = (num_slots, layout.heads_per_rank, layout.head_size)
+        return [[torch.randn(shape, generator=g).to(dt) for _ in range(layout.num_layers)]
+                for _ in range(layout.kv_dim)]
+    shape = (layout.kv_dim, num_slots, layout.heads_per_rank, layout.head_size)
+    return [[torch.randn(shape, generator=g).to(dt) for _ in range(layout.num_layers)]]
+
+
+def zero_buffers(buffers: Sequence[Sequence[torch.Tensor]]) -> None:
+    """Overwrite every tensor with zeros in place."""
+    for group in buffers:
+        for t in group:
+            t.zero_()
+
+
+def token_rows(layout: KVLayout, buffers: Sequence[Sequence[torch.Tensor]],
+               slots: Sequence[int] | np.ndarray) -> list[torch.Tensor]:
+    """The KV of ``slots`` in every plane (as raw bytes, to compare bit-exactly)."""
+    idx = torch.as_tensor(np.asarray(slots), dtype=torch.int64)
+    out = []
+    for group in buffers:
+        for t in group:
+            sel = t.index_select(0, idx) if layout.name is LayoutName.LAYER_SLOT_HEAD \
+                else t.index_select(1, idx)
+            out.append(sel.contiguous().view(torch.uint8))
+    return out
+
+
+def config(layout: KVLayout, cpu_blocks: int, ssd_blocks: int = 0, ssd_dir: Path | None = None,
+           **kw: object) -> EmbeddedBackendConfig:
+    """A config with tier sizes given in blocks."""
+    bpb = layout.bytes_per_block
+    return EmbeddedBackendConfig(
+        layout=layout, cpu_bytes=cpu_blocks * bpb, ssd_bytes=ssd_blocks * bpb,
+        ssd_paths=(str(ssd_dir),) if ssd_dir is not None else (), pinned=False, **kw,  # type: ignore[arg-type]
+    )
+
+
+def started(cfg: EmbeddedBackendConfig, num_slots: int = 256, seed: int = 1,
+            ) -> tuple[EmbeddedBackend, list[list[list[torch.Tensor]]]]:
+    """A started backend with every rank registered; returns it and each rank's buffers."""
+    b = EmbeddedBackend(cfg)
+    b.start()
+    bufs = []
+    for r in range(cfg.layout.tp_size):
+        buf = make_buffers(cfg.layout, num_slots, seed + r)
+        b.register_kv_buffers(r, buf)
+        bufs.append(buf)
+    return b, bufs
+
+
+def tokens(n: int, seed: int = 0) -> np.ndarray:
+    """Random int64 token ids."""
+    return np.random.default_rng(seed).integers(0, 50_000, n, dtype=np.int64)
+
+
+def store(b: EmbeddedBackend, toks: np.ndarray, slots: np.ndarray,
+          namespace: str | None = None) -> np.ndarray:
+    """put_match + launch + wait; returns the put mask (asserts SUCCESS when anything stored)."""
+    tid, mask = b.put_match(toks, namespace=namespace)
+    if tid < 0:
+        return mask
+    [wid] = b.launch([tid], [slots[mask]])
+    res = b.wait([wid], timeout=10)[wid]
+    assert res.status.value == "success", res
+    return mask
+
+
+def load(b: EmbeddedBackend, toks: np.ndarray, slots: np.ndarray,
+         namespace: str | None = None) -> np.ndarray:
+    """get_match + launch + wait; returns the get mask."""
+    tid, mask = b.get_match(toks, namespace=namespace)
+    if tid < 0:
+        return mask
+    [wid] = b.launch([tid], [slots[mask]])
+    res = b.wait([wid], timeout=10)[wid]
+    assert res.status.value == "success", res
+    return mask
