@@ -103,34 +103,38 @@ agent.namespaces, else the watched namespaces, else the release namespace.
 
 {{/*
 The operator's namespaced permissions, used by its Role in each watched
-namespace or by its ClusterRole in all-namespaces mode. docs/helm.md explains
-each rule; tests/chart checks this exact list.
+namespace or by its ClusterRole in all-namespaces mode. Each verb is one the
+operator uses (docs/helm.md, "RBAC"): kopf watches pools, agent Leases and the
+agents' DaemonSets; the operator writes pool and group status through the
+status subresource, creates and merge-patches groups and pool children (never
+PUT, so no "update"), deletes groups whose replica is gone (children go by
+owner reference), and posts Events. tests/chart checks this exact list.
 */}}
 {{- define "flexkv-operator.operatorNamespacedRules" -}}
 - apiGroups: ["flexkv.io"]
   resources: ["kvcachepools"]
-  verbs: ["get", "list", "watch", "patch", "update"]
+  verbs: ["list", "watch"]
 - apiGroups: ["flexkv.io"]
   resources: ["kvcachepools/status"]
-  verbs: ["get", "patch", "update"]
+  verbs: ["patch"]
 - apiGroups: ["flexkv.io"]
   resources: ["kvcachegroups"]
-  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+  verbs: ["get", "list", "create", "patch", "delete"]
 - apiGroups: ["flexkv.io"]
   resources: ["kvcachegroups/status"]
-  verbs: ["get", "patch", "update"]
+  verbs: ["patch"]
 - apiGroups: ["apps"]
   resources: ["daemonsets"]
-  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: [""]
   resources: ["services", "configmaps", "secrets"]
-  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+  verbs: ["get", "create", "patch"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+  verbs: ["get", "create", "patch"]
 - apiGroups: ["coordination.k8s.io"]
   resources: ["leases"]
-  verbs: ["get", "list", "watch"]
+  verbs: ["list", "watch"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]

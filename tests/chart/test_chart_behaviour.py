@@ -1,0 +1,329 @@
+"""What the rendered chart does: one Recreate operator replica, hardened pod,
+least-privilege RBAC with exactly the expected rules, image tags, namespace
+modes, opt-in monitoring and example pool, and a NOTES.txt with real commands."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from conftest import CHART, NAMESPACE, RELEASE, VALUES_CASES, Render, run_helm
+
+FULLNAME = f"{RELEASE}-flexkv-operator"
+OPERATOR_SA = f"{FULLNAME}-operator"
+AGENT_SA = f"{FULLNAME}-agent"
+
+# The operator's permissions in each namespace it watches, each verb one that
+# flexkv_operator uses: kopf watches pools, agent Leases and DaemonSets (event
+# handlers only, no finalizers, so kopf never patches pools); status goes
+# through the status subresource; groups and children are created and
+# merge-patched (never PUT: no "update"); stale groups are deleted; Events
+# are posted.
+OPERATOR_RULES = [
+    {"apiGroups": ["flexkv.io"], "resources": ["kvcachepools"], "verbs": ["list", "watch"]},
+    {"apiGroups": ["flexkv.io"], "resources": ["kvcachepools/status"], "verbs": ["patch"]},
+    {"apiGroups": ["flexkv.io"], "resources": ["kvcachegroups"],
+     "verbs": ["get", "list", "create", "patch", "delete"]},
+    {"apiGroups": ["flexkv.io"], "resources": ["kvcachegroups/status"], "verbs": ["patch"]},
+    {"apiGroups": ["apps"], "resources": ["daemonsets"],
+     "verbs": ["get", "list", "watch", "create", "patch"]},
+    {"apiGroups": [""], "resources": ["services", "configmaps", "secrets"],
+     "verbs": ["get", "create", "patch"]},
+    {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"],
+     "verbs": ["get", "create", "patch"]},
+    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["list", "watch"]},
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+]
+# Cluster-wide: listing nodes for sizing. kopf's CRD/namespace scanning is off.
+OPERATOR_CLUSTER_RULES = [
+    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["list"]},
+]
+AGENT_RULES = [
+    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+     "verbs": ["create", "get", "update", "patch"]},
+    {"apiGroups": ["flexkv.io"], "resources": ["kvcachegroups"],
+     "verbs": ["get", "list", "watch"]},
+]
+
+
+def _operator(render: Render) -> dict[str, Any]:
+    return render.one("Deployment", FULLNAME)
+
+
+def _container(render: Render) -> dict[str, Any]:
+    containers = _operator(render)["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    return containers[0]
+
+
+def _env(render: Render) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in _container(render)["env"]}
+
+
+# ---------------------------------------------------------------- operator pod
+
+
+def test_one_operator_replica_with_recreate_strategy(default_render: Render) -> None:
+    spec = _operator(default_render)["spec"]
+    assert spec["replicas"] == 1
+    assert spec["strategy"] == {"type": "Recreate"}
+    assert spec["selector"]["matchLabels"].items() <= (
+        spec["template"]["metadata"]["labels"].items()
+    )
+
+
+@pytest.mark.parametrize("case", VALUES_CASES)
+def test_operator_runs_non_root_read_only_without_capabilities(
+    renders: dict[str, Render], case: str
+) -> None:
+    pod = _operator(renders[case])["spec"]["template"]["spec"]
+    container = _container(renders[case])
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] > 0
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    sc = container["securityContext"]
+    assert sc["runAsNonRoot"] is True and sc["runAsUser"] > 0
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["privileged"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    for host in ("hostIPC", "hostPID", "hostNetwork"):
+        assert not pod.get(host), host
+    assert all("hostPath" not in v for v in pod["volumes"])
+    assert {m["mountPath"] for m in container["volumeMounts"]} == {"/tmp"}
+
+
+def test_operator_probes_its_liveness_endpoint(default_render: Render) -> None:
+    container = _container(default_render)
+    assert "--liveness-port=8081" in container["args"]
+    assert container["ports"] == [{"name": "liveness", "containerPort": 8081, "protocol": "TCP"}]
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "liveness"}
+        assert container[probe]["timeoutSeconds"] > 0
+
+
+def test_operator_environment_names_agent_image_and_account(default_render: Render) -> None:
+    env = _env(default_render)
+    assert env["FLEXKV_AGENT_SERVICE_ACCOUNT"] == AGENT_SA
+    assert env["FLEXKV_OPERATOR_ID"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert _container(default_render)["command"] == ["flexkv-operator"]
+
+
+# ---------------------------------------------------------------------- images
+
+
+def test_image_tag_defaults_to_app_version(
+    default_render: Render, chart_meta: dict[str, Any]
+) -> None:
+    expected = f"flexkv-operator:{chart_meta['appVersion']}"
+    assert _container(default_render)["image"] == expected
+    assert _env(default_render)["FLEXKV_AGENT_IMAGE"] == expected
+
+
+def test_image_overrides_reach_operator_and_agents(render_with: Any) -> None:
+    render = render_with("--set", "image.repository=reg.example/fkv", "--set", "image.tag=1.2.3")
+    assert _container(render)["image"] == "reg.example/fkv:1.2.3"
+    assert _env(render)["FLEXKV_AGENT_IMAGE"] == "reg.example/fkv:1.2.3"
+    split = render_with("--set", "agent.image.repository=reg.example/gpu",
+                        "--set", "agent.image.tag=1.2.3-cuda")
+    assert _env(split)["FLEXKV_AGENT_IMAGE"] == "reg.example/gpu:1.2.3-cuda"
+    assert _container(split)["image"].startswith("flexkv-operator:")
+
+
+# ------------------------------------------------------------------- namespaces
+
+
+def test_default_watches_the_release_namespace_only(default_render: Render) -> None:
+    args = _container(default_render)["args"]
+    assert [a for a in args if a.startswith("--namespace")] == [f"--namespace={NAMESPACE}"]
+    assert "--all-namespaces" not in args
+
+
+def test_multi_namespace_mode(renders: dict[str, Render]) -> None:
+    render = renders["multi-namespace-values.yaml"]
+    args = _container(render)["args"]
+    assert [a for a in args if a.startswith("--namespace")] == [
+        "--namespace=llm-prod", "--namespace=llm-staging"
+    ]
+    for ns in ("llm-prod", "llm-staging"):
+        assert render.one("Role", f"{FULLNAME}-operator", ns)["rules"] == OPERATOR_RULES
+        assert render.one("ServiceAccount", AGENT_SA, ns)["imagePullSecrets"] == [
+            {"name": "registry-credentials"}
+        ]
+        assert render.one("Role", f"{FULLNAME}-agent", ns)["rules"] == AGENT_RULES
+    assert render.of_kind("ClusterRole") == [
+        render.one("ClusterRole", f"{FULLNAME}-operator-cluster")
+    ]
+    assert render.one("KVCachePool")["metadata"]["namespace"] == "llm-staging"
+
+
+def test_all_namespaces_mode(renders: dict[str, Render]) -> None:
+    render = renders["all-namespaces-values.yaml"]
+    args = _container(render)["args"]
+    assert "--all-namespaces" in args and "--verbose" in args
+    assert not [a for a in args if a.startswith("--namespace")]
+    assert render.one("ClusterRole", f"{FULLNAME}-operator")["rules"] == OPERATOR_RULES
+    binding = render.one("ClusterRoleBinding", f"{FULLNAME}-operator")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": OPERATOR_SA, "namespace": NAMESPACE}
+    ]
+    role_names = {r["metadata"]["name"] for r in render.of_kind("Role")}
+    assert role_names == {f"{FULLNAME}-agent"}
+    agent_namespaces = {r["metadata"]["namespace"] for r in render.of_kind("Role")}
+    assert agent_namespaces == {"inference-a", "inference-b"}
+    monitor = render.one("PodMonitor")
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["inference-a", "inference-b"]}
+
+
+# ------------------------------------------------------------------------- RBAC
+
+
+@pytest.mark.parametrize("case", VALUES_CASES)
+def test_rbac_has_no_wildcards(renders: dict[str, Render], case: str) -> None:
+    for obj in renders[case].objects:
+        if obj["kind"] in ("Role", "ClusterRole"):
+            for rule in obj["rules"]:
+                for key in ("apiGroups", "resources", "verbs", "resourceNames"):
+                    assert "*" not in rule.get(key, []), (obj["metadata"]["name"], rule)
+                assert "nonResourceURLs" not in rule
+
+
+def test_rbac_rules_are_exactly_the_expected_ones(default_render: Render) -> None:
+    render = default_render
+    assert render.one("Role", f"{FULLNAME}-operator", NAMESPACE)["rules"] == OPERATOR_RULES
+    assert render.one("ClusterRole", f"{FULLNAME}-operator-cluster")["rules"] == (
+        OPERATOR_CLUSTER_RULES
+    )
+    assert render.one("Role", f"{FULLNAME}-agent", NAMESPACE)["rules"] == AGENT_RULES
+    assert len(render.of_kind("Role")) == 2
+    assert len(render.of_kind("ClusterRole")) == 1
+
+
+def test_bindings_tie_each_role_to_its_own_account(default_render: Render) -> None:
+    render = default_render
+    expected = {
+        ("RoleBinding", f"{FULLNAME}-operator"): ("Role", OPERATOR_SA, NAMESPACE),
+        ("RoleBinding", f"{FULLNAME}-agent"): ("Role", AGENT_SA, NAMESPACE),
+        ("ClusterRoleBinding", f"{FULLNAME}-operator-cluster"): (
+            "ClusterRole", OPERATOR_SA, NAMESPACE
+        ),
+    }
+    bindings = render.of_kind("RoleBinding") + render.of_kind("ClusterRoleBinding")
+    assert len(bindings) == len(expected)
+    for binding in bindings:
+        role_kind, account, namespace = expected[(binding["kind"], binding["metadata"]["name"])]
+        assert binding["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": role_kind,
+            "name": binding["metadata"]["name"],
+        }
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": account, "namespace": namespace}
+        ]
+    deployment_sa = _operator(render)["spec"]["template"]["spec"]["serviceAccountName"]
+    assert deployment_sa == OPERATOR_SA
+    assert {sa["metadata"]["name"] for sa in render.of_kind("ServiceAccount")} == {
+        OPERATOR_SA, AGENT_SA
+    }
+
+
+def test_rbac_off_renders_no_rbac(render_with: Any) -> None:
+    render = render_with("--set", "rbac.create=false")
+    kinds = {o["kind"] for o in render.objects}
+    assert kinds.isdisjoint({"Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding"})
+
+
+def test_existing_service_accounts_are_used_by_name(render_with: Any) -> None:
+    render = render_with(
+        "--set", "operator.serviceAccount.create=false",
+        "--set", "operator.serviceAccount.name=platform-op",
+        "--set", "agent.serviceAccount.create=false",
+        "--set", "agent.serviceAccount.name=platform-agent",
+    )
+    assert render.of_kind("ServiceAccount") == []
+    assert _operator(render)["spec"]["template"]["spec"]["serviceAccountName"] == "platform-op"
+    assert _env(render)["FLEXKV_AGENT_SERVICE_ACCOUNT"] == "platform-agent"
+    subjects = render.one("RoleBinding", f"{FULLNAME}-operator")["subjects"]
+    assert subjects[0]["name"] == "platform-op"
+
+
+# ------------------------------------------------------------------- opt-ins
+
+
+def test_monitoring_and_example_pool_are_off_by_default(default_render: Render) -> None:
+    kinds = {o["kind"] for o in default_render.objects}
+    assert "PodMonitor" not in kinds and "KVCachePool" not in kinds
+    assert default_render.of_kind("ConfigMap") == []
+
+
+def test_pod_monitor_scrapes_agent_http_port(renders: dict[str, Render]) -> None:
+    monitor = renders["monitoring-values.yaml"].one("PodMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert monitor["spec"]["selector"] == {
+        "matchLabels": {"app.kubernetes.io/name": "flexkv-agent"}
+    }
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] == "http" and endpoint["path"] == "/metrics"
+    assert endpoint["interval"] == "30s" and endpoint["scrapeTimeout"] == "10s"
+    targets = {r["targetLabel"]: r["sourceLabels"] for r in endpoint["relabelings"]}
+    assert targets["pool"] == ["__meta_kubernetes_pod_label_flexkv_io_pool"]
+
+
+def test_example_pool_uses_the_release_namespace(renders: dict[str, Render]) -> None:
+    pool = renders["example-pool-values.yaml"].one("KVCachePool", "demo")
+    assert pool["metadata"]["namespace"] == NAMESPACE
+    assert pool["spec"]["backend"] == "embedded"
+    assert pool["spec"]["tiers"]["cpu"]["size"] == "4Gi"
+
+
+# ------------------------------------------------------------------------ NOTES
+
+
+@pytest.fixture(scope="module")
+def notes(helm: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """NOTES.txt rendered (helm template never prints it, so a copy of the chart
+    wraps it in a ConfigMap)."""
+    copy = tmp_path_factory.mktemp("chart") / "flexkv-operator"
+    shutil.copytree(CHART, copy)
+    text = (copy / "templates" / "NOTES.txt").read_text()
+    (copy / "templates" / "_notes_check.tpl").write_text(
+        '{{- define "notes.check" -}}\n' + text + "\n{{- end }}\n"
+    )
+    (copy / "templates" / "notes-check.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes-check\ndata:\n"
+        '  notes: |-\n{{ include "notes.check" . | indent 4 }}\n'
+    )
+    out = run_helm(helm, "template", RELEASE, str(copy), "--namespace", NAMESPACE,
+                   "--set", "examplePool.enabled=true").stdout
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    rendered: str = next(d for d in docs if d["metadata"]["name"] == "notes-check")["data"]["notes"]
+    return rendered
+
+
+def test_notes_give_real_commands(notes: str) -> None:
+    assert "kubectl get kvcachepools -A" in notes
+    assert f"rollout status deployment/{FULLNAME}" in notes
+    assert "-l app.kubernetes.io/name=flexkv-agent" in notes
+    assert 'port-forward "pod/$POD" 8080:8080' in notes
+    assert "curl -s http://127.0.0.1:8080/status" in notes
+    assert "describe kvcachepool example" in notes
+    assert "{{" not in notes and "<no value>" not in notes
+
+
+def test_chart_files_are_all_templated(helm: str) -> None:
+    """No template file renders to nothing by accident in the fullest configuration."""
+    templates = {p.name for p in (CHART / "templates").glob("*.yaml")}
+    out = run_helm(
+        helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE,
+        "--set", "monitoring.podMonitor.enabled=true", "--set", "monitoring.dashboard.enabled=true",
+        "--set", "examplePool.enabled=true",
+    ).stdout
+    sources = {Path(line.split(": ", 1)[1]).name for line in out.splitlines()
+               if line.startswith("# Source: ")}
+    assert sources == templates

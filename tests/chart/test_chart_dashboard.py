@@ -1,0 +1,132 @@
+"""The Grafana dashboard queries only metrics of the contract (docs/contracts.md
+section 6) that the agent really exports (node_agent.metrics.AgentMetrics), and
+covers the views operators need."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import pytest
+from conftest import CHART, REPO, Render
+
+DASHBOARD_PATH = CHART / "dashboards" / "flexkv-agent.json"
+DASHBOARD: dict[str, Any] = json.loads(DASHBOARD_PATH.read_text())
+METRIC = re.compile(r"\bflexkv_agent_[a-z0-9_]+\b")
+HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+
+
+def _contract_metrics() -> dict[str, str]:
+    """name -> type from the table in section 6 of docs/contracts.md."""
+    text = (REPO / "docs" / "contracts.md").read_text()
+    section = text.split("## 6.", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\|\s*`(flexkv_agent_[a-z0-9_]+)`\s*\|\s*([a-z]+)", section, re.MULTILINE)
+    assert rows, "docs/contracts.md section 6 lists no metric"
+    return dict(rows)
+
+
+def _panels(node: dict[str, Any]) -> list[dict[str, Any]]:
+    found = []
+    for panel in node.get("panels", []):
+        found.append(panel)
+        found += _panels(panel)
+    return found
+
+
+def _exprs() -> list[str]:
+    exprs = [t["expr"] for p in _panels(DASHBOARD) for t in p.get("targets", [])]
+    exprs += [v["query"]["query"] for v in DASHBOARD["templating"]["list"]
+              if isinstance(v.get("query"), dict)]
+    return exprs
+
+
+def _queried() -> set[str]:
+    return {m for e in _exprs() for m in METRIC.findall(e)}
+
+
+def _family(sample: str, types: dict[str, str]) -> str | None:
+    """The contract metric a queried series name belongs to, or None."""
+    if sample in types:
+        return sample
+    for suffix in HISTOGRAM_SUFFIXES:
+        base = sample.removesuffix(suffix)
+        if base != sample and types.get(base) == "histogram":
+            return base
+    return None
+
+
+def test_every_queried_metric_is_in_the_contract() -> None:
+    types = _contract_metrics()
+    unknown = sorted(m for m in _queried() if _family(m, types) is None)
+    assert unknown == [], f"dashboard queries metrics outside contracts section 6: {unknown}"
+
+
+def test_histograms_are_read_through_buckets_with_quantiles() -> None:
+    types = _contract_metrics()
+    for expr in _exprs():
+        for name in METRIC.findall(expr):
+            if types.get(name) == "histogram":
+                raise AssertionError(f"histogram {name} queried without a suffix in {expr}")
+            if name.endswith("_bucket"):
+                assert "histogram_quantile(" in expr and "le" in expr, expr
+
+
+def test_dashboard_covers_the_required_views() -> None:
+    queried = _queried()
+    required = {
+        "flexkv_agent_hit_tokens_total",        # hit rate by tier
+        "flexkv_agent_lookup_tokens_total",
+        "flexkv_agent_transfer_bytes_total",    # bytes by direction
+        "flexkv_agent_transfer_seconds_bucket",  # latencies from histograms
+        "flexkv_agent_match_seconds_bucket",
+        "flexkv_agent_engine_request_seconds_bucket",
+        "flexkv_agent_tier_capacity_bytes",     # tier capacity / used
+        "flexkv_agent_tier_used_bytes",
+        "flexkv_agent_fanout_lag_seconds_bucket",  # fan-out lag
+        "flexkv_agent_fanout_dropped_total",    # stale-epoch / gap drops
+        "flexkv_agent_leader_changes_total",    # leader changes
+    }
+    assert required - queried == set()
+    exprs = " ".join(_exprs())
+    assert "by (tier)" in exprs and "by (direction" in exprs and "reason" in exprs
+
+
+def test_every_queried_metric_is_exported_by_the_agent() -> None:
+    metrics = pytest.importorskip("node_agent.metrics", reason="node_agent.metrics not importable")
+    registry = metrics.AgentMetrics().registry
+    exported: set[str] = set()
+    for family in registry.collect():
+        if family.type == "counter":
+            exported.add(family.name + "_total")
+        elif family.type == "histogram":
+            exported |= {family.name + s for s in HISTOGRAM_SUFFIXES}
+        else:
+            exported.add(family.name)
+    missing = sorted(_queried() - exported)
+    assert missing == [], f"dashboard queries metrics AgentMetrics does not export: {missing}"
+
+
+def test_dashboard_is_portable() -> None:
+    """The data source is a variable, every panel uses it, and ids are unique."""
+    variables = {v["name"]: v for v in DASHBOARD["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    panels = _panels(DASHBOARD)
+    assert len({p["id"] for p in panels}) == len(panels)
+    for panel in panels:
+        if panel["type"] != "row":
+            assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+            assert panel["targets"], panel["title"]
+    assert DASHBOARD["uid"] and DASHBOARD["title"]
+
+
+def test_dashboard_configmap_is_opt_in_and_discoverable(renders: dict[str, Render]) -> None:
+    assert not [
+        c for c in renders["default"].of_kind("ConfigMap") if "grafana_dashboard" in
+        c["metadata"].get("labels", {})
+    ]
+    config_map = renders["monitoring-values.yaml"].one("ConfigMap", namespace="monitoring")
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert config_map["metadata"]["annotations"] == {"grafana_folder": "KV cache"}
+    assert json.loads(config_map["data"]["flexkv-agent.json"]) == DASHBOARD
