@@ -116,8 +116,12 @@ def test_crds_are_served_structural_v1alpha1() -> None:
 
 def test_validator_rejects_what_the_api_server_would() -> None:
     """The strict CRD validator is real: bad and unknown fields are errors."""
-    good = {"apiVersion": "flexkv.io/v1alpha1", "kind": "KVCachePool",
-            "metadata": {"name": "p"}, "spec": {"tiers": {"cpu": {"size": "1Gi"}}}}
+    good: dict[str, Any] = {
+        "apiVersion": "flexkv.io/v1alpha1",
+        "kind": "KVCachePool",
+        "metadata": {"name": "p"},
+        "spec": {"tiers": {"cpu": {"size": "1Gi"}}},
+    }
     assert validate_custom_resource(good) == []
     bad_backend = copy.deepcopy(good)
     bad_backend["spec"]["backend"] = "redis"
