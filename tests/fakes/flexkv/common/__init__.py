@@ -1,0 +1,1 @@
+"""Fake of ``flexkv.common``: configuration, requests and storage layouts."""

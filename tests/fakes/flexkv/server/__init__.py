@@ -1,0 +1,1 @@
+"""Fake of ``flexkv.server``: the per-rank GPU registration client."""
