@@ -286,9 +286,9 @@ def test_example_pool_uses_the_release_namespace(renders: dict[str, Render]) -> 
 
 
 @pytest.fixture(scope="module")
-def notes(helm: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """NOTES.txt rendered (helm template never prints it, so a copy of the chart
-    wraps it in a ConfigMap)."""
+def notes_chart(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the chart whose NOTES.txt is also rendered into a ConfigMap
+    (helm template never prints NOTES.txt)."""
     copy = tmp_path_factory.mktemp("chart") / "flexkv-operator"
     shutil.copytree(CHART, copy)
     text = (copy / "templates" / "NOTES.txt").read_text()
@@ -299,21 +299,38 @@ def notes(helm: str, tmp_path_factory: pytest.TempPathFactory) -> str:
         "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes-check\ndata:\n"
         '  notes: |-\n{{ include "notes.check" . | indent 4 }}\n'
     )
-    out = run_helm(helm, "template", RELEASE, str(copy), "--namespace", NAMESPACE,
-                   "--set", "examplePool.enabled=true").stdout
-    docs = [d for d in yaml.safe_load_all(out) if d]
-    rendered: str = next(d for d in docs if d["metadata"]["name"] == "notes-check")["data"]["notes"]
+    return copy
+
+
+def _notes(helm: str, chart: Path, *args: str) -> str:
+    out = run_helm(helm, "template", RELEASE, str(chart), "--namespace", NAMESPACE,
+                   "--show-only", "templates/notes-check.yaml", *args).stdout
+    rendered: str = yaml.safe_load(out)["data"]["notes"]
+    assert "{{" not in rendered and "<no value>" not in rendered, rendered
     return rendered
 
 
-def test_notes_give_real_commands(notes: str) -> None:
+def test_notes_give_real_commands(helm: str, notes_chart: Path) -> None:
+    notes = _notes(helm, notes_chart, "--set", "examplePool.enabled=true")
     assert "kubectl get kvcachepools -A" in notes
     assert f"rollout status deployment/{FULLNAME}" in notes
+    assert "describe kvcachepool example" in notes
     assert "-l app.kubernetes.io/name=flexkv-agent" in notes
+    assert f"NS={NAMESPACE}" in notes
     assert 'port-forward "pod/$POD" 8080:8080' in notes
     assert "curl -s http://127.0.0.1:8080/status" in notes
-    assert "describe kvcachepool example" in notes
-    assert "{{" not in notes and "<no value>" not in notes
+
+
+def test_notes_point_at_a_pool_namespace(helm: str, notes_chart: Path) -> None:
+    values = CHART / "ci" / "multi-namespace-values.yaml"
+    with_pool = _notes(helm, notes_chart, "--values", str(values))
+    assert "NS=llm-staging" in with_pool
+    assert "The operator watches: llm-prod, llm-staging." in with_pool
+    without_pool = _notes(helm, notes_chart, "--values", str(values),
+                          "--set", "examplePool.enabled=false")
+    assert "NS=llm-prod" in without_pool
+    everywhere = _notes(helm, notes_chart, "--set", "operator.watch.allNamespaces=true")
+    assert "The operator watches every namespace." in everywhere
 
 
 def test_chart_files_are_all_templated(helm: str) -> None:
