@@ -586,16 +586,19 @@ class FlexKVBackend(KVBackend):
             return returned
 
     def _slot_limit(self) -> int | None:
-        """Slots every adapter-registered rank holds (None: ranks registered outside)."""
-        if self._registered:
-            return min(self._registered.values())
+        """Slots every adapter-registered rank holds (None: ranks registered outside).
+
+        Raises ``KVBackendError`` until FlexKV reports ready (every rank's buffers
+        received): a transfer launched earlier would have no GPU to copy from.
+        """
         assert self._manager is not None
         if not self._manager.is_ready():
             raise KVBackendError(
-                "launch: no engine rank has registered its KV buffers with FlexKV yet; "
-                "register every rank before launching transfers"
+                f"launch: FlexKV is not ready; {len(self._registered)} of "
+                f"{self.layout.tp_size} engine ranks registered through this agent. Register "
+                "every rank's KV buffers before launching transfers"
             )
-        return None
+        return min(self._registered.values()) if self._registered else None
 
     def _check_slots(self, tid: int, mapping: Any, want: int, limit: int | None) -> np.ndarray:
         """One task's slot mapping as int64, or ``ValueError`` naming the bad value."""

@@ -583,3 +583,17 @@ def test_settings_from_agent_config() -> None:
     assert s.unlaunched_match_seconds == 12
     no_ssd = FlexKVSettings.from_agent_config(config_from_mapping({}))
     assert (no_ssd.ssd_bytes, no_ssd.ssd_paths) == (0, ())
+
+
+def test_launch_before_every_rank_registered_is_refused(fake_flexkv: ModuleType) -> None:
+    layout = make_layout(num_kv_heads=4, tp_size=2)
+    b = FlexKVBackend(layout, FlexKVSettings(cpu_bytes=1 << 20))
+    b.start()
+    b.register_kv_buffers(0, make_buffers(layout))
+    tid, _ = b.put_match(tokens(8))
+    with pytest.raises(KVBackendError, match="1 of 2 engine ranks registered"):
+        b.launch([tid], [pages(0, 1)])
+    b.register_kv_buffers(1, make_buffers(layout))
+    [tid] = b.launch([tid], [pages(0, 1)])  # the match survived the refusal
+    assert b.wait([tid], timeout=5)[tid].status is KVResponseStatus.SUCCESS
+    b.shutdown()
