@@ -7,6 +7,7 @@ with ``--include-crds``); tests read the parsed objects from the session cache.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -23,6 +24,12 @@ CI_VALUES = sorted((CHART / "ci").glob("*.yaml"))
 RELEASE = "kv"
 NAMESPACE = "flexkv-system"
 HELM_TIMEOUT_S = 60
+
+HELM_DOC = REPO / "docs" / "helm.md"
+# The oldest Kubernetes release the chart supports (Chart.yaml kubeVersion)
+# and a pinned current release; both must be bundled by kubernetes-validate.
+OLDEST_KUBE = "1.29.0"
+CURRENT_KUBE = "1.37.0"
 
 # Values files rendered by the `renders` fixture: the chart defaults (None)
 # and every file of the chart's ci/ folder.
@@ -125,3 +132,16 @@ def render_with(helm: str) -> Iterator[Any]:
         return Render("custom " + " ".join(extra), template(helm, *extra))
 
     yield _render
+
+
+def doc_examples() -> list[dict[str, Any]]:
+    """The flexkv.io objects shown in docs/helm.md's YAML blocks."""
+    if not HELM_DOC.is_file():
+        return []
+    blocks = re.findall(r"```yaml\n(.*?)```", HELM_DOC.read_text(), flags=re.DOTALL)
+    found = []
+    for block in blocks:
+        for doc in yaml.safe_load_all(block):
+            if isinstance(doc, dict) and str(doc.get("apiVersion", "")).startswith("flexkv.io/"):
+                found.append(doc)
+    return found

@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 from typing import Any
 
 import jsonschema
 import pytest
 import yaml
-from conftest import CHART, REPO, Render
+from conftest import CHART, HELM_DOC, REPO, Render, doc_examples
 
 SOURCE = REPO / "operator" / "flexkv_operator" / "crds"
 CHART_CRDS = CHART / "crds"
-HELM_DOC = REPO / "docs" / "helm.md"
 
 
 def _source_files() -> list[str]:
@@ -155,20 +153,8 @@ def test_values_schema_of_example_pool_is_the_crd_spec_schema() -> None:
     )
 
 
-def _doc_examples() -> list[dict[str, Any]]:
-    if not HELM_DOC.is_file():
-        return []
-    blocks = re.findall(r"```yaml\n(.*?)```", HELM_DOC.read_text(), flags=re.DOTALL)
-    found = []
-    for block in blocks:
-        for doc in yaml.safe_load_all(block):
-            if isinstance(doc, dict) and doc.get("apiVersion", "").startswith("flexkv.io/"):
-                found.append(doc)
-    return found
-
-
 def test_docs_examples_are_valid_custom_resources() -> None:
-    examples = _doc_examples()
+    examples = doc_examples()
     assert examples, f"{HELM_DOC.relative_to(REPO)} shows no flexkv.io example to check"
     for example in examples:
         assert validate_custom_resource(example) == [], example["metadata"]["name"]

@@ -12,12 +12,16 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
-from conftest import CHART, VALUES_CASES, Render, run_helm, values_args
+from conftest import (
+    CHART,
+    CURRENT_KUBE,
+    OLDEST_KUBE,
+    VALUES_CASES,
+    Render,
+    run_helm,
+    values_args,
+)
 
-# The oldest Kubernetes release the chart supports (Chart.yaml kubeVersion)
-# and a pinned current release; both must be bundled by kubernetes-validate.
-OLDEST_KUBE = "1.29.0"
-CURRENT_KUBE = "1.37.0"
 CUSTOM_GROUPS = ("flexkv.io/", "monitoring.coreos.com/")
 
 

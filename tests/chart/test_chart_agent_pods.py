@@ -1,0 +1,128 @@
+"""The chart and the operator meet in the agent pods: the operator renders them from a
+KVCachePool with the image and ServiceAccount the chart hands it. This check runs
+the operator's own rendering on the chart's and the docs' example pools and holds
+the result to what the chart promises: valid Kubernetes objects, the chart's agent
+ServiceAccount and image, the labels and port the PodMonitor and NOTES select,
+and exactly the host access docs/helm.md documents."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kubernetes_validate
+import pytest
+from conftest import CURRENT_KUBE, OLDEST_KUBE, Render, doc_examples
+
+children = pytest.importorskip("flexkv_operator.children", reason="operator not importable")
+names = pytest.importorskip("flexkv_operator.names", reason="operator not importable")
+spec_module = pytest.importorskip("flexkv_operator.spec", reason="operator not importable")
+
+ENGINE_SOCKET_DIR = "/var/run/flexkv"
+
+
+def _without_nulls(value: Any) -> Any:
+    """Drop null fields, as the API server does with a JSON null in a create."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
+def _operator_env(render: Render) -> dict[str, str]:
+    deployment = render.one("Deployment")
+    env = deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+    return {e["name"]: e["value"] for e in env if "value" in e}
+
+
+def _agent_children(render: Render, pool: dict[str, Any]) -> list[dict[str, Any]]:
+    """What the operator creates for ``pool`` under the chart's settings."""
+    env = _operator_env(render)
+    body = {**pool, "metadata": {**pool["metadata"], "uid": "00000000-0000-0000-0000-000000000001"}}
+    identity = children.PoolIdentity(
+        name=pool["metadata"]["name"],
+        namespace=pool["metadata"]["namespace"],
+        owner=names.owner_reference(body),
+    )
+    config = spec_module.parse_pool_spec(pool["spec"], default_image=env["FLEXKV_AGENT_IMAGE"])
+    rendered = children.render_all(identity, config, env["FLEXKV_AGENT_SERVICE_ACCOUNT"])
+    return [_without_nulls(obj) for obj in rendered]
+
+
+def _pools(renders: dict[str, Render]) -> list[tuple[Render, dict[str, Any]]]:
+    render = renders["example-pool-values.yaml"]
+    pools = [(render, render.one("KVCachePool"))]
+    multi = renders["multi-namespace-values.yaml"]
+    pools.append((multi, multi.one("KVCachePool")))
+    for example in doc_examples():
+        if example["kind"] == "KVCachePool":
+            # docs/helm.md installs with operator.watch.namespaces=[<pool namespace>].
+            pools.append((multi, {**example, "metadata": {
+                **example["metadata"], "namespace": "llm-staging"}}))
+    return pools
+
+
+def test_operator_renders_valid_kubernetes_for_the_example_pools(
+    renders: dict[str, Render],
+) -> None:
+    errors = []
+    for render, pool in _pools(renders):
+        for obj in _agent_children(render, pool):
+            for kube in (OLDEST_KUBE, CURRENT_KUBE):
+                try:
+                    kubernetes_validate.validate(obj, kube, strict=True)
+                except kubernetes_validate.ValidationError as e:
+                    errors.append(f"{pool['metadata']['name']} {obj['kind']} {kube}: {e.message}")
+    assert errors == []
+
+
+def test_agent_pods_use_the_charts_account_image_labels_and_port(
+    renders: dict[str, Render],
+) -> None:
+    for render, pool in _pools(renders):
+        namespace = pool["metadata"]["namespace"]
+        (daemon_set,) = [o for o in _agent_children(render, pool) if o["kind"] == "DaemonSet"]
+        template = daemon_set["spec"]["template"]
+        pod = template["spec"]
+        account = pod["serviceAccountName"]
+        # The account exists in the pool's namespace and is bound to the agent Role.
+        render.one("ServiceAccount", account, namespace)
+        bound = [
+            b["roleRef"]["name"]
+            for b in render.of_kind("RoleBinding")
+            if b["metadata"]["namespace"] == namespace
+            and {"kind": "ServiceAccount", "name": account, "namespace": namespace}
+            in b["subjects"]
+        ]
+        assert len(bound) == 1, bound
+        role = render.one("Role", bound[0], namespace)
+        assert {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                "verbs": ["create", "get", "update", "patch"]} in role["rules"]
+        (container,) = pod["containers"]
+        wanted_image = pool["spec"].get("agent", {}).get("image") or (
+            _operator_env(render)["FLEXKV_AGENT_IMAGE"]
+        )
+        assert container["image"] == wanted_image
+        assert container["command"] == ["flexkv-agent"]
+        assert container["args"] == ["run", "--config", "/etc/flexkv/agent.yaml"]
+        # PodMonitor: pods labelled flexkv-agent with the pool, metrics on port "http".
+        labels = template["metadata"]["labels"]
+        assert labels["app.kubernetes.io/name"] == "flexkv-agent"
+        assert labels["flexkv.io/pool"] == pool["metadata"]["name"]
+        assert "http" in {p["name"] for p in container["ports"]}
+
+
+def test_agent_host_access_is_exactly_what_the_docs_explain(renders: dict[str, Render]) -> None:
+    for render, pool in _pools(renders):
+        (daemon_set,) = [o for o in _agent_children(render, pool) if o["kind"] == "DaemonSet"]
+        pod = daemon_set["spec"]["template"]["spec"]
+        assert pod["hostIPC"] is True
+        assert not pod.get("hostNetwork") and not pod.get("hostPID")
+        host_paths = {v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+        ssd = set(pool["spec"]["tiers"].get("ssd", {}).get("paths", []))
+        assert host_paths == {ENGINE_SOCKET_DIR} | ssd
+        for container in pod["containers"]:
+            context = container.get("securityContext", {})
+            assert not context.get("privileged")
+            assert not context.get("capabilities", {}).get("add")
+            assert context.get("runAsUser", 10001) != 0
