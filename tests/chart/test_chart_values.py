@@ -125,3 +125,15 @@ def test_helm_rejects_values_that_break_the_schema(
     assert proc.returncode != 0, f"helm accepted {args}"
     assert "values don't meet the specifications of the schema" in proc.stderr
     assert complaint in proc.stderr, proc.stderr
+
+
+def test_helm_rejects_a_values_file_that_breaks_the_schema(helm: str, tmp_path: Any) -> None:
+    bad = tmp_path / "bad-values.yaml"
+    bad.write_text(
+        "operator:\n  watch:\n    namespaces: default\n"  # a string, not a list
+        "monitoring:\n  podMonitor:\n    enabled: true\n    scrapeInterval: 5s\n"  # unknown key
+    )
+    proc = run_helm(helm, "template", "x", str(CHART), "--values", str(bad), check=False)
+    assert proc.returncode != 0, "helm accepted a values file that breaks the schema"
+    assert "operator.watch.namespaces" in proc.stderr, proc.stderr
+    assert "scrapeInterval" in proc.stderr, proc.stderr
