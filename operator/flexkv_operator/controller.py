@@ -27,6 +27,19 @@ PoolKey = tuple[str, str]
 Reconciler = Callable[[OperatorContext, dict[str, Any]], Awaitable[ReconcileResult]]
 
 
+def _intent(body: dict[str, Any]) -> tuple[Any, ...]:
+    """What a pool asks for; a change of status or resourceVersion alone (our own
+    status writes) does not need a reconcile."""
+    meta = body.get("metadata") or {}
+    return (
+        body.get("spec"),
+        meta.get("generation"),
+        meta.get("uid"),
+        meta.get("labels"),
+        meta.get("deletionTimestamp"),
+    )
+
+
 @dataclass
 class Controller:
     ctx: OperatorContext
@@ -53,8 +66,10 @@ class Controller:
         if event_type == "DELETED" or meta.get("deletionTimestamp"):
             self.forget_pool(key)
             return
+        previous = self.pools.get(key)
         self.pools[key] = body
-        self._mark(key)
+        if previous is None or _intent(previous) != _intent(body):
+            self._mark(key)
 
     def forget_pool(self, key: PoolKey) -> None:
         """Stop reconciling a deleted pool; its children go with it through owner references."""
@@ -121,10 +136,15 @@ class Controller:
                 pending_due = [at for key, at in self.due.items() if key not in tasks]
                 timeout = max(0.0, min(pending_due) - now) if pending_due else None
                 self._wake.clear()
-                waiters: list[asyncio.Future[Any]] = [asyncio.ensure_future(self._wake.wait())]
-                waiters.extend(tasks.values())
-                await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-                waiters[0].cancel()
+                wake = asyncio.ensure_future(self._wake.wait())
+                try:
+                    await asyncio.wait(
+                        [wake, *tasks.values()],
+                        timeout=timeout,
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
+                finally:
+                    wake.cancel()
                 for key in [k for k, t in tasks.items() if t.done()]:
                     tasks.pop(key)
         finally:

@@ -33,6 +33,9 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         "flexkv.io/unused-finalizer"  # never added: no handler needs one
     )
     settings.posting.level = logging.WARNING
+    # CRDs come with the chart before the operator starts and namespaces are named
+    # exactly, so kopf need not scan (and poll) for new CRDs or namespaces.
+    settings.scanning.disabled = True
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.networking.request_timeout = 30

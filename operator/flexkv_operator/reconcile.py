@@ -224,7 +224,8 @@ async def reconcile_pool(ctx: OperatorContext, body: dict[str, Any]) -> Reconcil
         sizing=sizing_condition(nodes, config),
         now=ctx.wall_clock(),
     )
-    await _write_status(ctx.client, body, status)
+    if status != previous:
+        await _write_status(ctx.client, body, status)
 
     now = ctx.clock()
     upcoming = [v.expires_at - now for v in agents if v.fresh]

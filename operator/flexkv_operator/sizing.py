@@ -71,6 +71,8 @@ def sizing_condition(nodes: list[dict[str, Any]] | None, config: PoolConfig) -> 
         return Condition(
             "SizingValid", None, "NodesUnknown", "Nodes cannot be read; sizes unchecked"
         )
+    if not nodes:
+        return Condition("SizingValid", None, "NoNodes", "The cluster lists no nodes yet")
     matched = matching_nodes(nodes, config)
     if not matched:
         return Condition(

@@ -1,0 +1,169 @@
+"""An emulated Kubernetes API server for the operator's tests and benchmark.
+
+kmock's :class:`KubernetesEmulator` stores objects and streams watch events but
+has no resourceVersion, uid, generation, optimistic concurrency or status
+subresource semantics. This subclass adds exactly those, as the real API server
+behaves, plus fault injection:
+
+* create: ``metadata.uid``, ``creationTimestamp``, ``generation: 1`` and a fresh
+  ``resourceVersion``; ``status`` is dropped for resources with a status
+  subresource (flexkv.io kinds);
+* patch: a ``metadata.resourceVersion`` in the body is a precondition (409
+  ``Conflict`` when stale); every accepted patch gets a new resourceVersion; a
+  patch of ``/status`` changes only ``status``; a patch of the main resource
+  ignores ``status`` for flexkv.io kinds and bumps ``generation`` when ``spec``
+  changes;
+* :meth:`fail` makes the next N matching requests answer an error status before
+  touching any state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import datetime
+import itertools
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import kmock
+from kmock._internal.k8s import KubernetesError
+
+STATUS_SUBRESOURCE_GROUPS = frozenset({"flexkv.io"})
+
+
+def merge_patch(value: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result = dict(value) if isinstance(value, dict) else {}
+    for key, item in patch.items():
+        if item is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patch(result.get(key), item)
+    return result
+
+
+@dataclass
+class Fault:
+    action: str | None
+    plural: str | None
+    status: int
+    remaining: int
+    hits: int = 0
+
+
+class ApiServer(kmock.KubernetesEmulator):
+    """kmock's emulator with resourceVersion, generation, preconditions and faults."""
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self.resources.load_bundled()
+        for plural, kind in (("kvcachepools", "KVCachePool"), ("kvcachegroups", "KVCacheGroup")):
+            self.resources[f"flexkv.io/v1alpha1/{plural}"] = kmock.ResourceInfo(
+                kind=kind,
+                namespaced=True,
+                verbs={"get", "list", "watch", "create", "patch", "delete"},
+                subresources={"status"},
+            )
+        self._versions = itertools.count(1)
+        self._write_lock = asyncio.Lock()
+        self.faults: list[Fault] = []
+        self.conflicts = 0
+
+    def fail(
+        self, status: int, *, action: str | None = None, plural: str | None = None, times: int = 1
+    ) -> Fault:
+        """Answer ``status`` to the next ``times`` requests of ``action`` (list, watch,
+        fetch, create, update, delete; None for any) on ``plural`` (None for any)."""
+        fault = Fault(action, plural, status, times)
+        self.faults.append(fault)
+        return fault
+
+    def get(self, plural_path: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+        """The stored object or None (``plural_path`` like ``apps/v1/daemonsets``)."""
+        key = (kmock.resource(plural_path), namespace, name)
+        if key not in self.objects or self.objects[key].deleted:
+            return None
+        raw: dict[str, Any] = copy.deepcopy(self.objects[key].raw)
+        return raw
+
+    def names(self, plural_path: str, namespace: str | None = None) -> list[str]:
+        result = []
+        for (resource, ns, name), obj in self.objects.items():
+            wanted = kmock.resource(plural_path) == resource and not obj.deleted
+            if wanted and (namespace is None or ns == namespace):
+                result.append(name)
+        return sorted(result)
+
+    def _check_faults(self, request: kmock.Request) -> None:
+        action = str(request.action.value).lower() if request.action is not None else None
+        plural = request.resource.plural if request.resource is not None else None
+        for fault in self.faults:
+            if fault.remaining <= 0:
+                continue
+            if fault.action not in (None, action) or fault.plural not in (None, plural):
+                continue
+            fault.remaining -= 1
+            fault.hits += 1
+            raise KubernetesError(
+                status=fault.status, reason="InjectedFault", message=f"injected {fault.status}"
+            )
+
+    def _stamp_create(self, request: kmock.Request) -> None:
+        data = request.data
+        meta = data.setdefault("metadata", {})
+        if request.namespace and not meta.get("namespace"):
+            meta["namespace"] = request.namespace
+        meta["uid"] = str(uuid.uuid4())
+        meta["resourceVersion"] = str(next(self._versions))
+        meta["generation"] = 1
+        meta["creationTimestamp"] = datetime.datetime.now(datetime.UTC).strftime(
+            "%Y-%m-%dT%H:%M:%SZ"
+        )
+        if request.resource is not None and request.resource.group in STATUS_SUBRESOURCE_GROUPS:
+            data.pop("status", None)
+
+    def _stamp_update(self, request: kmock.Request) -> None:
+        key = (request.resource, request.namespace, request.name)
+        if key not in self.objects or self.objects[key].deleted:
+            return  # kmock answers 404
+        current = self.objects[key].raw
+        data = request.data
+        meta = data.setdefault("metadata", {}) if isinstance(data, dict) else {}
+        wanted = meta.get("resourceVersion")
+        have = current.get("metadata", {}).get("resourceVersion")
+        if wanted is not None and wanted != have:
+            self.conflicts += 1
+            raise KubernetesError(
+                status=409,
+                reason="Conflict",
+                message=f"the object has been modified: resourceVersion {wanted} != {have}",
+            )
+        group = request.resource.group if request.resource is not None else ""
+        if request.subresource == "status":
+            for field in list(data):
+                if field not in ("metadata", "status"):
+                    data.pop(field)
+            data["metadata"] = {}
+        elif group in STATUS_SUBRESOURCE_GROUPS:
+            data.pop("status", None)
+        if "spec" in data and merge_patch(current.get("spec"), data["spec"]) != current.get("spec"):
+            data["metadata"]["generation"] = int(current["metadata"].get("generation", 1)) + 1
+        data["metadata"]["resourceVersion"] = str(next(self._versions))
+
+    async def _handle(self, request: kmock.Request) -> Any:
+        if request.resource is None:
+            return await super()._handle(request)
+        self._check_faults(request)
+        action = request.action
+        if action in (kmock.action.CREATE, kmock.action.UPDATE) and isinstance(request.data, dict):
+            async with self._write_lock:
+                if action == kmock.action.CREATE:
+                    self._stamp_create(request)
+                else:
+                    self._stamp_update(request)
+                return await super()._handle(request)
+        return await super()._handle(request)

@@ -1,0 +1,228 @@
+"""Running the real operator (kopf in an asyncio task) against the emulated API,
+and agents' heartbeat Leases written over HTTP the way agents write them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import kmock
+import kopf
+from flexkv_apiserver import ApiServer
+from flexkv_operator import names
+from flexkv_operator.app import run_operator
+from flexkv_operator.context import OperatorSettings
+from flexkv_operator.kube import Connection
+
+T = TypeVar("T")
+NS = "ns1"
+POOLS = "flexkv.io/v1alpha1/kvcachepools"
+GROUPS = "flexkv.io/v1alpha1/kvcachegroups"
+DAEMONSETS = "apps/v1/daemonsets"
+
+
+@contextlib.asynccontextmanager
+async def api_server() -> AsyncIterator[ApiServer]:
+    async with ApiServer() as server, kmock.Server(server):
+        yield server
+
+
+@contextlib.asynccontextmanager
+async def running_operator(
+    api: ApiServer,
+    identity: str = "operator-a",
+    *,
+    image: str = "registry.example/flexkv:1.0",
+    resync: float = 30.0,
+    startup_timeout: float = 15.0,
+) -> AsyncIterator[None]:
+    """Run one operator instance in its own thread and event loop, as a separate
+    process would be; stop it (bounded) on exit, even on failure.
+
+    A thread of its own also keeps kopf's shutdown fast: kopf waits for every task
+    created in its loop after startup, which would include the API server's."""
+    stop = threading.Event()
+    ready = threading.Event()
+    errors: list[BaseException] = []
+    settings = OperatorSettings(
+        identity=identity,
+        default_image=image,
+        service_account="flexkv-agent",
+        resync_seconds=resync,
+    )
+
+    def target() -> None:
+        try:
+            asyncio.run(
+                run_operator(
+                    connection=Connection(server=str(api.url)),
+                    login=kopf.ConnectionInfo(server=str(api.url)),
+                    settings=settings,
+                    namespaces=[NS],
+                    stop_flag=stop,
+                    ready_flag=ready,
+                )
+            )
+        except BaseException as exc:  # reported to the test below
+            errors.append(exc)
+
+    before = watches_open(api)
+    thread = threading.Thread(target=target, name=f"operator-{identity}", daemon=True)
+    thread.start()
+    try:
+        await wait_for(lambda: ready.is_set() or errors, startup_timeout, f"{identity} ready")
+        if errors:
+            raise RuntimeError(f"operator {identity} failed to start") from errors[0]
+        # kopf is "ready" before its watches are open; tests that time failovers
+        # want the three watches (pools, leases, daemonsets) established.
+        await wait_for(lambda: watches_open(api) >= before + 3, startup_timeout, "three watches")
+        yield
+    finally:
+        stop.set()
+        await asyncio.to_thread(thread.join, 15)
+        if thread.is_alive():
+            raise RuntimeError(f"operator {identity} did not stop within 15s")
+    if errors:
+        raise RuntimeError(f"operator {identity} failed") from errors[0]
+
+
+def watches_open(api: ApiServer) -> int:
+    return len(api[kmock.action.WATCH])
+
+
+async def wait_for(
+    probe: Callable[[], T | None], timeout: float, what: str, interval: float = 0.05
+) -> T:
+    """Poll ``probe`` until it returns a truthy value; fail naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(interval)
+
+
+def pool_manifest(name: str = "pool", **spec: Any) -> dict[str, Any]:
+    body_spec: dict[str, Any] = {"tiers": {"cpu": {"size": "1Gi"}}}
+    body_spec.update(spec)
+    return {
+        "apiVersion": "flexkv.io/v1alpha1",
+        "kind": "KVCachePool",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": body_spec,
+    }
+
+
+async def create(api: ApiServer, plural_path: str, body: dict[str, Any]) -> dict[str, Any]:
+    group_version, plural = plural_path.rsplit("/", 1)
+    base = f"/api/{group_version}" if "/" not in group_version else f"/apis/{group_version}"
+    response = await api.post(f"{base}/namespaces/{NS}/{plural}", json=body)
+    assert response.status < 300, await response.text()
+    result: dict[str, Any] = await response.json()
+    return result
+
+
+async def patch(
+    api: ApiServer, plural_path: str, name: str, body: dict[str, Any]
+) -> dict[str, Any]:
+    group_version, plural = plural_path.rsplit("/", 1)
+    base = f"/api/{group_version}" if "/" not in group_version else f"/apis/{group_version}"
+    response = await api.patch(f"{base}/namespaces/{NS}/{plural}/{name}", json=body)
+    assert response.status < 300, await response.text()
+    result: dict[str, Any] = await response.json()
+    return result
+
+
+async def delete(api: ApiServer, plural_path: str, name: str) -> None:
+    group_version, plural = plural_path.rsplit("/", 1)
+    base = f"/api/{group_version}" if "/" not in group_version else f"/apis/{group_version}"
+    response = await api.delete(f"{base}/namespaces/{NS}/{plural}/{name}")
+    assert response.status < 300, await response.text()
+
+
+@dataclass
+class FakeAgent:
+    """Writes one agent's heartbeat Lease exactly as docs/contracts.md section 2 says."""
+
+    api: ApiServer
+    pool: str
+    node: str
+    memberships: list[dict[str, Any]] = field(default_factory=list)
+    ready: bool = True
+    cache_epoch: int = 0
+    lease_duration: int = 3
+    beats: int = 0
+
+    def body(self) -> dict[str, Any]:
+        ip = f"10.0.0.{abs(hash(self.node)) % 250 + 1}"
+        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        return {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {
+                "name": names.lease_name(self.node),
+                "namespace": NS,
+                "labels": {
+                    names.LABEL_NAME: names.AGENT_APP,
+                    names.LABEL_POOL: self.pool,
+                    names.LABEL_NODE: self.node,
+                },
+                "annotations": {
+                    names.ANNOTATION_ENDPOINTS: json.dumps(
+                        {"http": f"{ip}:8080", "fanout": f"tcp://{ip}:5557"}
+                    ),
+                    names.ANNOTATION_MEMBERSHIPS: json.dumps(self.memberships),
+                    names.ANNOTATION_TIERS: json.dumps(
+                        {"cpu": {"capacityBytes": 1 << 30, "usedBytes": self.beats}}
+                    ),
+                    names.ANNOTATION_READY: "true" if self.ready else "false",
+                    names.ANNOTATION_CACHE_EPOCH: str(self.cache_epoch),
+                },
+            },
+            "spec": {
+                "holderIdentity": f"{self.pool}-agent-{self.node}",
+                "leaseDurationSeconds": self.lease_duration,
+                "renewTime": now,
+            },
+        }
+
+    async def start(self) -> None:
+        await create(self.api, "coordination.k8s.io/v1/leases", self.body())
+
+    async def beat(self) -> None:
+        self.beats += 1
+        await patch(
+            self.api, "coordination.k8s.io/v1/leases", names.lease_name(self.node), self.body()
+        )
+
+
+@contextlib.asynccontextmanager
+async def heartbeating(agents: list[FakeAgent], period: float) -> AsyncIterator[dict[str, bool]]:
+    """Renew every agent's Lease each ``period`` while ``alive[node]`` is True."""
+    alive = {a.node: True for a in agents}
+
+    async def loop() -> None:
+        while True:
+            await asyncio.gather(*(a.beat() for a in agents if alive[a.node]))
+            await asyncio.sleep(period)
+
+    task = asyncio.create_task(loop())
+    try:
+        yield alive
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def gather_bounded(*aws: Awaitable[Any]) -> list[Any]:
+    return list(await asyncio.wait_for(asyncio.gather(*aws), timeout=30))

@@ -1,0 +1,139 @@
+"""The work queue's timing under a fake loop clock (looptime): reconciles happen at
+lease expiry and on significant lease changes, failures back off."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from flexkv_operator.context import NodeCache, OperatorContext, OperatorSettings
+from flexkv_operator.controller import Controller
+from flexkv_operator.kube import Connection, KubeClient
+from flexkv_operator.membership import LeaseTracker
+from flexkv_operator.reconcile import ReconcileResult
+
+
+def pool(name: str = "p", spec: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "namespace": "ns", "uid": "u", "generation": 1},
+        "spec": spec or {"x": 1},
+    }
+
+
+def lease(node: str, renew: str, ready: bool = True) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": f"flexkv-agent-{node}",
+            "namespace": "ns",
+            "resourceVersion": renew,
+            "labels": {
+                "app.kubernetes.io/name": "flexkv-agent",
+                "flexkv.io/pool": "p",
+                "flexkv.io/node": node,
+            },
+            "annotations": {
+                "flexkv.io/ready": "true" if ready else "false",
+                "flexkv.io/memberships": json.dumps([]),
+            },
+        },
+        "spec": {"renewTime": renew, "leaseDurationSeconds": 10},
+    }
+
+
+@contextlib.asynccontextmanager
+async def controller(reconciler: Any) -> AsyncIterator[Controller]:
+    loop = asyncio.get_running_loop()
+    ctx = OperatorContext(
+        client=KubeClient(Connection(server="http://127.0.0.1:9")),
+        settings=OperatorSettings(identity="t", default_image="i", service_account="s"),
+        clock=loop.time,
+        tracker=LeaseTracker(clock=loop.time),
+        nodes=NodeCache(ttl=60, clock=loop.time),
+    )
+    ctl = Controller(ctx, reconciler=reconciler)
+    task = asyncio.create_task(ctl.run())
+    try:
+        yield ctl
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+@pytest.mark.looptime
+async def test_reconciles_at_lease_expiry_not_before() -> None:
+    loop = asyncio.get_running_loop()
+    seen: list[tuple[float, int]] = []
+
+    async def reconcile(ctx: OperatorContext, body: dict[str, Any]) -> ReconcileResult:
+        agents = ctx.tracker.agents("ns", "p", 10)
+        seen.append((round(loop.time() - start, 3), sum(a.fresh for a in agents)))
+        upcoming = [a.expires_at - ctx.clock() for a in agents if a.fresh]
+        return ReconcileResult("Ready", min([30.0, *upcoming]), 0, 0)
+
+    start = loop.time()
+    async with controller(reconcile) as ctl:
+        ctl.observe_lease("ADDED", lease("n1", "r1"))
+        ctl.observe_pool("ADDED", pool())
+        await asyncio.sleep(4)
+        ctl.observe_lease("MODIFIED", lease("n1", "r2"))  # a heartbeat: no reconcile now
+        await asyncio.sleep(20)
+    assert seen[0] == (0.0, 1)
+    # Renewed at t=4 (no reconcile for a mere heartbeat), so it expires at t=14: the
+    # first reconcile that sees it stale runs exactly then, none earlier saw it stale.
+    assert all(t != 4.0 for t, _ in seen)
+    first_stale = next(t for t, fresh in seen if fresh == 0)
+    assert first_stale == 14.0
+    assert all(fresh == 1 for t, fresh in seen if t < 14.0)
+
+
+@pytest.mark.looptime
+async def test_significant_lease_change_and_spec_change_trigger_reconciles() -> None:
+    loop = asyncio.get_running_loop()
+    times: list[float] = []
+
+    async def reconcile(ctx: OperatorContext, body: dict[str, Any]) -> ReconcileResult:
+        times.append(round(loop.time() - start, 3))
+        return ReconcileResult("Ready", 30.0, 0, 0)
+
+    start = loop.time()
+    async with controller(reconcile) as ctl:
+        ctl.observe_pool("ADDED", pool())
+        await asyncio.sleep(1)
+        ctl.observe_lease("ADDED", lease("n1", "r1"))  # new agent
+        await asyncio.sleep(1)
+        status_only = pool()
+        status_only["status"] = {"phase": "Ready"}
+        ctl.observe_pool("MODIFIED", status_only)  # our own status write: nothing to do
+        await asyncio.sleep(1)
+        ctl.observe_pool("MODIFIED", pool(spec={"x": 2}))
+        await asyncio.sleep(1)
+        ctl.observe_lease("MODIFIED", lease("n1", "r2", ready=False))
+        await asyncio.sleep(1)
+        ctl.observe_pool("DELETED", pool())
+        await asyncio.sleep(60)
+    assert times == [0.0, 1.0, 3.0, 4.0]
+    assert ctl.pools == {} and len(ctl.ctx.tracker) == 0
+
+
+@pytest.mark.looptime
+async def test_failed_reconciles_back_off_exponentially() -> None:
+    loop = asyncio.get_running_loop()
+    times: list[float] = []
+
+    async def reconcile(ctx: OperatorContext, body: dict[str, Any]) -> ReconcileResult:
+        times.append(round(loop.time() - start, 3))
+        if len(times) < 4:
+            raise RuntimeError("API unavailable")
+        return ReconcileResult("Ready", 100.0, 0, 0)
+
+    start = loop.time()
+    async with controller(reconcile) as ctl:
+        ctl.observe_pool("ADDED", pool())
+        await asyncio.sleep(10)
+    assert times == [0.0, 0.5, 1.5, 3.5]
+    assert ctl.failures == {}
