@@ -107,6 +107,48 @@ def test_every_queried_metric_is_exported_by_the_agent() -> None:
     assert missing == [], f"dashboard queries metrics AgentMetrics does not export: {missing}"
 
 
+# Values Grafana substitutes for the dashboard's variables before querying.
+GRAFANA_VARIABLES = {
+    "$__rate_interval": "1m",
+    "$namespace": ".*",
+    "$pool": ".*",
+}
+
+
+def _as_prometheus_sees_it(expr: str) -> str:
+    for variable, value in GRAFANA_VARIABLES.items():
+        expr = expr.replace(variable, value)
+    assert "$" not in expr, f"unknown Grafana variable in {expr}"
+    return expr
+
+
+def test_every_query_is_valid_promql_over_contract_metrics() -> None:
+    """Each panel query parses as PromQL, and the metric names its selectors read
+    (from the parsed tree, not a text search) are contract metrics."""
+    promql = pytest.importorskip("promql_parser", reason="promql-parser (dev extra) missing")
+    types = _contract_metrics()
+    exprs = [t["expr"] for p in _panels(DASHBOARD) for t in p.get("targets", [])]
+    assert exprs
+    selected: set[str] = set()
+    for expr in exprs:
+        try:
+            tree = promql.parse(_as_prometheus_sees_it(expr))
+        except ValueError as e:
+            raise AssertionError(f"invalid PromQL ({e}): {expr}") from None
+        names: list[str] = []
+
+        def visit(node: Any, names: list[str] = names) -> bool:
+            if isinstance(node, promql.VectorSelector):
+                names.append(node.name)
+            return True
+
+        promql.walk(tree, visit)
+        assert names, f"query reads no metric: {expr}"
+        selected.update(names)
+    unknown = sorted(n for n in selected if _family(n, types) is None)
+    assert unknown == [], f"queries select metrics outside the contract: {unknown}"
+
+
 def test_dashboard_is_portable() -> None:
     """The data source is a variable, every panel uses it, and ids are unique."""
     variables = {v["name"]: v for v in DASHBOARD["templating"]["list"]}
