@@ -22,6 +22,9 @@ FlexKV facts, with the FlexKV source files they come from):
   buffers, no duplicates, whole aligned GPU pages: FlexKV reads only
   ``slot_mapping[::tokens_per_block] // tokens_per_block``), so a bad mapping
   raises ``ValueError`` and nothing is launched.
+* **Put spans.** FlexKV's put needs its mask to start in block 0; a put span
+  starting at a later block is matched from block 0 and accepted only when the
+  blocks before it are cached (the embedded backend's rule).
 * **Task hygiene.** A match with nothing to move returns task id -1 (FlexKV
   allocates an already-finished task; it is reaped at once). Un-launched matches
   expire after ``unlaunched_match_seconds`` and are cancelled, which unlocks
@@ -475,14 +478,20 @@ class FlexKVBackend(KVBackend):
         ns = _namespace(namespace)
         aligned = n // self.tokens_per_block * self.tokens_per_block
         wanted = mask[:aligned] if mask is not None else np.ones(aligned, dtype=np.bool_)
+        # FlexKV's put needs its mask to start in block 0 (cache_engine.put asserts it).
+        # A put span starting at block k > 0 is asked for as [0, end) and accepted only
+        # if FlexKV already holds blocks 0..k-1, the embedded backend's rule.
+        span_start, fk_mask = 0, mask
         if op == "put" and mask is not None and wanted.any():
-            first = int(np.argmax(wanted))
-            if first >= self.tokens_per_block:
+            span_start = int(np.argmax(wanted))
+            if span_start % self.tokens_per_block:
                 raise ValueError(
-                    f"put_match: token_mask starts at token {first}, but FlexKV stores a prefix "
-                    f"and needs the mask True from the first block (token < "
-                    f"{self.tokens_per_block}); pass token_mask=None to store the whole prefix"
+                    f"put_match: token_mask starts at token {span_start}, not a multiple of "
+                    f"tokens_per_block={self.tokens_per_block}; start the span at a block "
+                    "boundary"
                 )
+            fk_mask = np.zeros(n, dtype=np.bool_)
+            fk_mask[: int(np.flatnonzero(wanted)[-1]) + 1] = True
         empty = np.zeros(n, dtype=np.bool_)
         if not wanted.any():
             return -1, empty
@@ -496,12 +505,18 @@ class FlexKVBackend(KVBackend):
                 )
             started = time.perf_counter()
             call = manager.get_match if op == "get" else manager.put_match
-            tid, raw = call(ids, token_mask=None if mask is None else mask.copy(), namespace=ns)
+            tid, raw = call(ids, token_mask=None if fk_mask is None else fk_mask.copy(),
+                            namespace=ns)
             if self._metrics is not None:
                 self._metrics.match_seconds.labels(op=op).observe(time.perf_counter() - started)
             result = self._check_result_mask(op, int(tid), raw, n)
             if not result.any():
                 self._reap_empty(int(tid))
+                return -1, empty
+            if int(np.argmax(result)) < span_start:
+                # Blocks before the caller's span are not cached: a block without its
+                # parent would be unreachable, so nothing is stored.
+                self._manager.cancel([int(tid)])
                 return -1, empty
             self._tasks[int(tid)] = _Entry(op, result, self._clock())
             return int(tid), result.copy()
@@ -848,3 +863,22 @@ def _convert_status(answer: Any) -> KVResponseStatus:
 
 def _zeros(entry: _Entry | None) -> BoolMask | None:
     return None if entry is None else np.zeros(len(entry.mask), dtype=np.bool_)
+
+
+def start_flexkv_backend(
+    config: AgentConfig, layout: KVLayout, metrics: AgentMetrics | None = None
+) -> FlexKVBackend:
+    """A started FlexKV backend for one stage of an agent (``backend: flexkv``).
+
+    For the agent's stage builder. Raises :class:`FlexKVUnavailableError` when
+    FlexKV is not installed and ``ValueError`` when ``tokensPerBlock`` and the
+    layout disagree or a tier holds no block.
+    """
+    if layout.tokens_per_block != config.tokens_per_block:
+        raise ValueError(
+            f"layout.tokens_per_block={layout.tokens_per_block} differs from tokensPerBlock="
+            f"{config.tokens_per_block}; FlexKV's blocks and the engine's pages must match"
+        )
+    backend = FlexKVBackend(layout, FlexKVSettings.from_agent_config(config), metrics=metrics)
+    backend.start()
+    return backend

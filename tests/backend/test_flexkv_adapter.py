@@ -312,6 +312,21 @@ def test_nothing_to_move_returns_minus_one_and_leaves_no_flexkv_task(
     assert not manager.live_task_ids()
 
 
+def test_put_span_after_the_first_block_needs_its_prefix_cached(
+        ready: tuple[FlexKVBackend, Any, Any]) -> None:
+    b, _, manager = ready
+    ids = tokens(12)
+    later = np.array([False] * 4 + [True] * 8)
+    assert b.put_match(ids, token_mask=later)[0] == -1  # block 0 is not cached
+    assert not manager.live_task_ids() and manager.locked_blocks() == 0
+    store(b, ids[:4], (0,))
+    tid, mask = b.put_match(ids, token_mask=later)
+    assert mask.tolist() == later.tolist()
+    (_, args), = [c for c in manager.calls if c[0] == "put_match"][-1:]
+    assert args["token_mask"].all()  # FlexKV is asked from block 0
+    b.cancel([tid])
+
+
 def test_get_mask_starts_at_first_wanted_block(ready: tuple[FlexKVBackend, Any, Any]) -> None:
     b, _, _ = ready
     ids = tokens(12)
@@ -353,8 +368,8 @@ def test_conversions_of_token_ids_and_namespace(ready: tuple[FlexKVBackend, Any,
      (lambda b: b.get_match(tokens(8), token_mask=np.ones(7, dtype=bool)), r"shape \(8,\)"),
      (lambda b: b.get_match(tokens(8), token_mask=np.array([1, 0, 1, 1, 1, 1, 1, 1], bool)),
       "one contiguous span"),
-     (lambda b: b.put_match(tokens(8), token_mask=np.array([0] * 4 + [1] * 4, bool)),
-      "needs the mask True from the first block"),
+     (lambda b: b.put_match(tokens(8), token_mask=np.array([0] * 2 + [1] * 6, bool)),
+      "starts at token 2, not a multiple of tokens_per_block=4"),
      (lambda b: b.get_match(tokens(8), namespace=3), "namespace must be a string")],
 )
 def test_bad_match_inputs_raise_before_flexkv(
@@ -597,3 +612,16 @@ def test_launch_before_every_rank_registered_is_refused(fake_flexkv: ModuleType)
     [tid] = b.launch([tid], [pages(0, 1)])  # the match survived the refusal
     assert b.wait([tid], timeout=5)[tid].status is KVResponseStatus.SUCCESS
     b.shutdown()
+
+
+def test_start_flexkv_backend_for_an_agent_stage(fake_flexkv: ModuleType) -> None:
+    from node_agent.backend.flexkv_adapter import start_flexkv_backend
+    from node_agent.config import config_from_mapping
+
+    cfg = config_from_mapping({"backend": "flexkv", "tokensPerBlock": TPB,
+                               "tiers": {"cpu": {"size": "1Mi"}}})
+    b = start_flexkv_backend(cfg, make_layout())
+    assert fake_flexkv.MANAGERS[-1].started and b.sizing.num_cpu_blocks > 0
+    b.shutdown()
+    with pytest.raises(ValueError, match="differs from tokensPerBlock=4"):
+        start_flexkv_backend(cfg, make_layout(tokens_per_block=16))

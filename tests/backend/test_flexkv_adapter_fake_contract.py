@@ -185,6 +185,8 @@ def test_registration_rules(fk: SimpleNamespace) -> None:
      (dict(token_ids=list(range(8))), TypeError, "numpy array"),
      (dict(token_ids=ids(), token_mask=np.ones(8, dtype=np.int64)), AssertionError, "bool array"),
      (dict(token_ids=ids(), token_mask=np.ones(7, dtype=bool)), AssertionError, "shape"),
+     (dict(token_ids=ids(), token_mask=np.array([1, 1, 0, 1, 1, 1, 1, 1], dtype=bool)),
+      AssertionError, "one contiguous span"),
      (dict(token_ids=ids(), namespace="tenant"), TypeError, "list of str")],
 )
 def test_match_arguments_are_checked(fk: SimpleNamespace, args: dict[str, Any],

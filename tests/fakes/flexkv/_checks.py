@@ -68,6 +68,13 @@ def check_token_mask(value: Any, n: int) -> np.ndarray | None:
         raise AssertionError(
             f"fake flexkv: token_mask must have shape ({n},) like token_ids, got {arr.shape}"
         )
+    idx = np.flatnonzero(arr)
+    if len(idx) and idx[-1] - idx[0] + 1 != len(idx):
+        raise AssertionError(
+            "fake flexkv: token_mask must be True over one contiguous span; FlexKV uses only "
+            f"its first and last True and would move the {idx[-1] - idx[0] + 1 - len(idx)} "
+            "tokens in the holes too"
+        )
     return arr
 
 
