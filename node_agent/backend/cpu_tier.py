@@ -25,6 +25,7 @@ class CpuTier:
         self.pinned = pin
         self.pool = torch.empty(num_blocks * layout.bytes_per_block, dtype=torch.uint8,
                                 pin_memory=pin)
+        self.pool.zero_()  # fault every page in now, not on the first transfer
         self._region_bytes = num_blocks * layout.segment_bytes
         self._rows = num_blocks * layout.tokens_per_block
         self.num_regions = layout.stored_ranks * layout.num_planes

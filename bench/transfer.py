@@ -1,0 +1,201 @@
+"""Store / load bandwidth through the embedded backend versus plain copies of the same bytes.
+
+A Llama-3-8B-shaped stage (32 layers, 8 KV heads of 128, bf16, 16 tokens per
+block: 128 KiB per token) on CPU tensors. Rows (one JSON object each):
+
+* ``cpu_store`` / ``cpu_load``: ``put_match``+``launch``+``wait`` (resp. get)
+  of ``--tokens`` tokens against the CPU tier, versus ``dst.copy_(src)`` of the
+  same number of bytes. Goal: ratio >= 0.8.
+* ``ssd_spill``: the ``put_match`` that spills ``--tokens`` tokens of CPU
+  blocks to the SSD tier, versus one ``os.pwrite`` of the same bytes to a file
+  in the same directory.
+* ``ssd_load``: loading SSD-resident blocks into engine slots, versus
+  ``os.preadv`` of the same bytes from a file in the same directory.
+
+The SSD rows run in whatever the directory is backed by (page cache included),
+and so do their baselines. Run: ``python bench/transfer.py [--tokens N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from node_agent.backend.config import EmbeddedBackendConfig
+from node_agent.backend.embedded import EmbeddedBackend
+from node_agent.backend.layout import KVDtype, KVLayout
+
+GIB = 1024**3
+
+
+def _best(fn: Callable[[], float], repeat: int) -> float:
+    """Fastest of ``repeat`` runs of ``fn`` (which returns its own duration), after one
+    warm-up run; the same rule for the backend and the baselines keeps noise out."""
+    fn()
+    return min(fn() for _ in range(repeat))
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _row(name: str, nbytes: int, seconds: float, base_seconds: float, goal: float | None,
+         **extra: object) -> None:
+    gbps = nbytes / seconds / 1e9
+    base = nbytes / base_seconds / 1e9
+    row: dict[str, object] = {
+        "bench": "transfer", "row": name, "bytes": nbytes, "gb_per_s": round(gbps, 3),
+        "baseline_gb_per_s": round(base, 3), "ratio": round(gbps / base, 3),
+    }
+    if goal is not None:
+        row["goal_ratio"] = goal
+        row["goal_met"] = gbps / base >= goal
+    row.update(extra)
+    print(json.dumps(row), flush=True)
+
+
+def layout_for(args: argparse.Namespace) -> KVLayout:
+    """The benchmarked stage shape."""
+    return KVLayout(num_layers=args.layers, num_kv_heads=args.heads, head_size=args.head_size,
+                    kv_dim=2, dtype=KVDtype.BFLOAT16, tokens_per_block=args.tokens_per_block)
+
+
+def engine_buffers(layout: KVLayout, num_slots: int) -> list[list[torch.Tensor]]:
+    """SGLang-style k_buffer / v_buffer lists filled with random bf16."""
+    shape = (num_slots, layout.heads_per_rank, layout.head_size)
+    return [[torch.randn(shape).to(torch.bfloat16) for _ in range(layout.num_layers)]
+            for _ in range(2)]
+
+
+def bench_cpu(args: argparse.Namespace, layout: KVLayout) -> None:
+    """CPU tier store and load versus a flat torch copy."""
+    n = args.tokens
+    nbytes = n * layout.bytes_per_token
+    cfg = EmbeddedBackendConfig(layout=layout, cpu_bytes=nbytes * 2, pinned=True,
+                                worker_threads=args.workers)
+    backend = EmbeddedBackend(cfg)
+    backend.start()
+    bufs = engine_buffers(layout, 2 * n)
+    backend.register_kv_buffers(0, bufs)
+    src_slots = np.arange(n, dtype=np.int64)
+    dst_slots = np.arange(n, 2 * n, dtype=np.int64)
+    a = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    b = torch.empty(nbytes, dtype=torch.uint8).fill_(2)
+    base = _best(lambda: _timed(lambda: b.copy_(a)), args.repeat)
+    rng = np.random.default_rng(0)
+
+    def store_once() -> float:
+        backend.reset()
+        toks = rng.integers(0, 100_000, n, dtype=np.int64)
+        tid, mask = backend.put_match(toks)
+        t0 = time.perf_counter()
+        [w] = backend.launch([tid], [src_slots[mask]])
+        assert backend.wait([w], timeout=120)[w].status.value == "success"
+        return time.perf_counter() - t0
+
+    store = _best(store_once, args.repeat)
+    _row("cpu_store", nbytes, store, base, 0.8, tokens=n)
+    toks = rng.integers(0, 100_000, n, dtype=np.int64)
+    backend.reset()
+    tid, mask = backend.put_match(toks)
+    [w] = backend.launch([tid], [src_slots[mask]])
+    backend.wait([w], timeout=120)
+
+    def load_once() -> float:
+        tid, mask = backend.get_match(toks)
+        t0 = time.perf_counter()
+        [w] = backend.launch([tid], [dst_slots[mask]])
+        assert backend.wait([w], timeout=120)[w].status.value == "success"
+        return time.perf_counter() - t0
+
+    load = _best(load_once, args.repeat)
+    _row("cpu_load", nbytes, load, base, 0.8, tokens=n)
+    backend.shutdown()
+
+
+def bench_ssd(args: argparse.Namespace, layout: KVLayout, directory: Path) -> None:
+    """Spill to and load from the SSD tier versus plain file write/read of the same bytes."""
+    n = args.ssd_tokens
+    nbytes = n * layout.bytes_per_token
+    cfg = EmbeddedBackendConfig(layout=layout, cpu_bytes=nbytes, pinned=True,
+                                ssd_bytes=nbytes * 2, ssd_paths=(str(directory / "tier"),),
+                                high_watermark=1.0, low_watermark=1.0,
+                                worker_threads=args.workers)
+    backend = EmbeddedBackend(cfg)
+    backend.start()
+    bufs = engine_buffers(layout, 2 * n)
+    backend.register_kv_buffers(0, bufs)
+    rng = np.random.default_rng(1)
+    first = rng.integers(0, 100_000, n, dtype=np.int64)
+    second = rng.integers(0, 100_000, n, dtype=np.int64)
+    slots = np.arange(n, dtype=np.int64)
+    for toks in (first,):
+        tid, mask = backend.put_match(toks)
+        [w] = backend.launch([tid], [slots[mask]])
+        backend.wait([w], timeout=120)
+    t0 = time.perf_counter()
+    tid, mask = backend.put_match(second)  # the CPU tier is full: every block of `first` spills
+    spill = time.perf_counter() - t0
+    backend.cancel([tid])
+    stats = backend.stats().tiers
+    spilled = stats["ssd"].used_blocks * layout.bytes_per_block
+    plain = directory / "plain.bin"
+    data = torch.empty(spilled, dtype=torch.uint8).fill_(3).numpy()
+    fd = os.open(plain, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, spilled)  # preallocated, as the tier's files are
+        write = _timed(lambda: os.pwrite(fd, data.data, 0))
+        _row("ssd_spill", spilled, spill, write, None, tokens=n)
+        out = np.empty_like(data)
+        read = _best(lambda: _timed(lambda: os.preadv(fd, [out.data], 0)), args.repeat)
+    finally:
+        os.close(fd)
+        plain.unlink()
+    dst = np.arange(n, 2 * n, dtype=np.int64)
+
+    def load_once() -> float:
+        tid, mask = backend.get_match(first)
+        t0 = time.perf_counter()
+        [w] = backend.launch([tid], [dst[mask]])
+        assert backend.wait([w], timeout=120)[w].status.value == "success"
+        return time.perf_counter() - t0
+
+    load = _best(load_once, args.repeat)
+    _row("ssd_load", spilled, load, read, None, tokens=n)
+    backend.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse flags and print one JSON object per row."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per CPU transfer")
+    p.add_argument("--ssd-tokens", type=int, default=2048, help="tokens spilled and loaded")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-size", type=int, default=128)
+    p.add_argument("--tokens-per-block", type=int, default=16)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--ssd-dir", default=None,
+                   help="directory for the SSD tier (default: a temp dir)")
+    p.add_argument("--skip-ssd", action="store_true")
+    args = p.parse_args(argv)
+    layout = layout_for(args)
+    bench_cpu(args, layout)
+    if not args.skip_ssd:
+        with tempfile.TemporaryDirectory(dir=args.ssd_dir, prefix="flexkv-bench-") as d:
+            bench_ssd(args, layout, Path(d))
+
+
+if __name__ == "__main__":
+    main()
