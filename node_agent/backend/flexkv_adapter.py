@@ -38,6 +38,7 @@ FlexKV facts, with the FlexKV source files they come from):
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import math
@@ -84,6 +85,8 @@ INSTALL_HINT = (
 
 _EVICTION_POLICIES = ("lru", "lfu", "slru", "fifo", "mru", "filo")
 _CANCELLED_MEMO = 4096
+# The longest socket FlexKV derives from the IPC directory (KVTPClient adds "_control").
+_LONGEST_SOCKET = "/gpu_register_control"
 
 
 class FlexKVUnavailableError(KVBackendError):
@@ -150,6 +153,12 @@ class FlexKVSettings:
             raise ValueError(
                 f"FlexKVSettings watermarks low={self.low_watermark}, high={self.high_watermark} "
                 "are invalid; use 0 < low <= high <= 1"
+            )
+        if self.ipc_dir is not None and len(self.ipc_dir) + len(_LONGEST_SOCKET) > 107:
+            raise ValueError(
+                f"FlexKVSettings.ipc_dir={self.ipc_dir!r} is too long: FlexKV binds "
+                f"<ipc_dir>{_LONGEST_SOCKET}, and a Unix socket path holds at most 107 bytes; "
+                "use a shorter directory"
             )
         for key in ("unlaunched_match_seconds", "poll_seconds"):
             value = getattr(self, key)
@@ -317,6 +326,7 @@ class FlexKVBackend(KVBackend):
             env.eviction_policy = self.settings.eviction_policy
             env.evict_start_threshold = self.settings.high_watermark
             env.evict_ratio = self.settings.high_watermark - self.settings.low_watermark
+            manager = None
             try:
                 manager = self._fk.KVManager(
                     model_config=self.model_config,
@@ -326,6 +336,11 @@ class FlexKVBackend(KVBackend):
                 )
                 manager.start()
             except Exception as exc:
+                if manager is not None:
+                    # Stop whatever the half-started manager spawned; its own error
+                    # is secondary to the one being raised.
+                    with contextlib.suppress(Exception):
+                        manager.shutdown()
                 self._drop_ipc_dir()
                 raise KVBackendError(
                     f"FlexKV's KVManager failed to start ({exc}); check the FlexKV build "

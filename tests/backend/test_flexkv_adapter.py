@@ -625,3 +625,52 @@ def test_start_flexkv_backend_for_an_agent_stage(fake_flexkv: ModuleType) -> Non
     b.shutdown()
     with pytest.raises(ValueError, match="differs from tokensPerBlock=4"):
         start_flexkv_backend(cfg, make_layout(tokens_per_block=16))
+
+
+def test_failed_start_is_reported_and_cleaned_up(fake_flexkv: ModuleType, tmp_path: Path) -> None:
+    settings = FlexKVSettings(cpu_bytes=1 << 20, ipc_dir=str(tmp_path))
+    first = FlexKVBackend(make_layout(), settings)
+    first.start()
+    second = FlexKVBackend(make_layout(), settings)  # same sockets: FlexKV cannot bind them
+    with pytest.raises(KVBackendError, match=r"KVManager failed to start .*already bound"):
+        second.start()
+    with pytest.raises(KVBackendError, match="not started"):
+        second.get_match(tokens(8))
+    first.register_kv_buffers(0, make_buffers(first.layout))
+    assert first.is_ready()
+    first.shutdown()
+    with pytest.raises(ValueError, match=r"ipc_dir=.* is too long"):
+        FlexKVSettings(cpu_bytes=1 << 20, ipc_dir="/" + "d" * 100)
+
+
+def test_concurrent_round_trips_are_serialised_safely(
+        ready: tuple[FlexKVBackend, Any, Any]) -> None:
+    """Threads share one backend; the fake (not thread-safe, like FlexKV's task engine)
+    would corrupt its tables if the adapter let calls overlap."""
+    b, _, manager = ready
+    errors: list[BaseException] = []
+
+    def worker(w: int) -> None:
+        try:
+            for i in range(10):
+                ids = tokens(8, seed=1000 * w + i)
+                tid, mask = b.put_match(ids)
+                if tid < 0:
+                    continue
+                [tid] = b.launch([tid], [pages(2 * w, 2 * w + 1)])
+                assert b.wait([tid], timeout=10)[tid].status is KVResponseStatus.SUCCESS
+                gid, gmask = b.get_match(ids)
+                assert gid >= 0 and gmask.tolist() == mask.tolist()
+                [gid] = b.launch([gid], [pages(2 * w + 8, 2 * w + 9)])
+                assert b.wait([gid], timeout=10)[gid].status is KVResponseStatus.SUCCESS
+        except BaseException as exc:  # reported below, with the thread's context
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    assert not errors, errors
+    assert manager.locked_blocks() == 0 and not manager.live_task_ids()
