@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -475,6 +476,13 @@ def test_wait_does_not_block_other_callers(ready: tuple[FlexKVBackend, Any, Any]
     waiter = threading.Thread(target=lambda: result.update(b.wait([tid], timeout=10)))
     waiter.start()
     try:
+        polled = threading.Event()
+        for _ in range(10_000):  # until the waiter has polled FlexKV at least once
+            if "wait" in manager.call_names():
+                polled.set()
+                break
+            time.sleep(0.001)
+        assert polled.is_set()
         other, _ = b.put_match(tokens(8, seed=2))  # runs while the waiter is blocked
         assert other >= 0 and waiter.is_alive()
     finally:
