@@ -1,0 +1,416 @@
+"""The real operator (kopf) against the emulated API server: lifecycle, rollout,
+deletion, failover, racing operators, restarts, API faults and bad specs."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from typing import Any
+
+import kmock
+import yaml
+from flexkv_apiserver import ApiServer
+from flexkv_harness import (
+    DAEMONSETS,
+    GROUPS,
+    NS,
+    POOLS,
+    FakeAgent,
+    create,
+    delete,
+    heartbeating,
+    patch,
+    pool_manifest,
+    running_operator,
+    wait_for,
+)
+from flexkv_operator.names import ANNOTATION_CONFIG_HASH
+
+FAST = {
+    "leaderElection": {
+        "leaseDurationSeconds": 3,
+        "renewDeadlineSeconds": 2,
+        "retryPeriodSeconds": 1,
+    }
+}
+LEASE, RETRY = 3.0, 1.0
+CHILDREN = {
+    "v1/configmaps": ["pool-agent-config"],
+    "v1/secrets": ["pool-curve"],
+    "v1/services": ["pool-agent-local", "pool-agents"],
+    "policy/v1/poddisruptionbudgets": ["pool-agent"],
+    DAEMONSETS: ["pool-agent"],
+}
+
+
+def pool(api: ApiServer, name: str = "pool") -> dict[str, Any]:
+    return api.get(POOLS, NS, name) or {}
+
+
+def status(api: ApiServer, name: str = "pool") -> dict[str, Any]:
+    result: dict[str, Any] = pool(api, name).get("status") or {}
+    return result
+
+
+def condition(api: ApiServer, type_: str, name: str = "pool") -> dict[str, Any]:
+    for entry in status(api, name).get("conditions") or []:
+        if entry["type"] == type_:
+            return dict(entry)
+    return {}
+
+
+def group(api: ApiServer, name: str = "pool-r0") -> dict[str, Any]:
+    return (api.get(GROUPS, NS, name) or {}).get("status") or {}
+
+
+def event_reasons(api: ApiServer) -> list[str]:
+    return [
+        (api.get("v1/events", NS, n) or {}).get("reason", "") for n in api.names("v1/events", NS)
+    ]
+
+
+async def mark_rolled_out(api: ApiServer, desired: int) -> None:
+    ds = api.get(DAEMONSETS, NS, "pool-agent")
+    assert ds is not None
+    await patch(
+        api,
+        DAEMONSETS,
+        "pool-agent",
+        {
+            "status": {
+                "observedGeneration": ds["metadata"]["generation"],
+                "desiredNumberScheduled": desired,
+                "updatedNumberScheduled": desired,
+                "numberAvailable": desired,
+                "numberUnavailable": 0,
+            }
+        },
+    )
+
+
+def group_agents(api: ApiServer, nodes: list[str], replica: str = "r0") -> list[FakeAgent]:
+    size = len(nodes)
+    return [
+        FakeAgent(
+            api,
+            "pool",
+            node,
+            [{"replica": replica, "ppRank": rank, "ppSize": size}],
+            lease_duration=3,
+        )
+        for rank, node in enumerate(nodes)
+    ]
+
+
+async def test_pool_creates_children_and_becomes_ready(api: ApiServer) -> None:
+    async with running_operator(api):
+        created = await create(api, POOLS, pool_manifest(**FAST))
+        uid = created["metadata"]["uid"]
+        await wait_for(
+            lambda: all(api.names(k, NS) == v for k, v in CHILDREN.items()), 10, "children"
+        )
+        for plural, names in CHILDREN.items():
+            for name in names:
+                child = api.get(plural, NS, name)
+                assert child is not None
+                assert [o["uid"] for o in child["metadata"]["ownerReferences"]] == [uid], plural
+        agent_yaml = yaml.safe_load(
+            api.get("v1/configmaps", NS, "pool-agent-config")["data"]["agent.yaml"]
+        )  # type: ignore[index]
+        assert agent_yaml["pool"] == "pool" and agent_yaml["heartbeat"]["leaseDurationSeconds"] == 3
+        await wait_for(lambda: status(api).get("phase") == "Pending", 10, "Pending without agents")
+
+        agents = group_agents(api, ["node-a", "node-b"])
+        for agent in agents:
+            await agent.start()
+        await mark_rolled_out(api, 2)
+        async with heartbeating(agents, 0.5):
+            await wait_for(lambda: status(api).get("phase") == "Ready", 10, "pool Ready")
+            st = status(api)
+            assert st["readyAgents"] == 2 and st["desiredAgents"] == 2 and st["groupCount"] == 1
+            assert st["observedGeneration"] == 1
+            assert {a["node"] for a in st["agents"]} == {"node-a", "node-b"}
+            assert st["agents"][0]["tiers"]["cpu"]["capacityBytes"] == 1 << 30
+            assert st["groups"] == [
+                {
+                    "name": "pool-r0",
+                    "replica": "r0",
+                    "leader": "node-a",
+                    "epoch": 1,
+                    "members": ["node-a/0", "node-b/1"],
+                }
+            ]
+            types = {c["type"]: c["status"] for c in st["conditions"]}
+            assert types == {
+                "Ready": "True",
+                "Progressing": "False",
+                "Degraded": "False",
+                "ConfigValid": "True",
+                "SizingValid": "Unknown",
+            }
+            assert all(c["observedGeneration"] == 1 and c["reason"] for c in st["conditions"])
+            grp = group(api)
+            assert grp["leader"] == {
+                "node": "node-a",
+                "ppRank": 0,
+                "fanoutEndpoint": grp["members"][0]["fanoutEndpoint"],
+            }
+            assert grp["epoch"] == 1 and grp["phase"] == "Ready" and grp["memberCount"] == 2
+            assert api.get(GROUPS, NS, "pool-r0")["metadata"]["ownerReferences"][0]["uid"] == uid  # type: ignore[index]
+            assert "LeaderElected" in event_reasons(api)
+
+
+async def test_spec_update_rolls_agents_and_cache_epoch_does_not(api: ApiServer) -> None:
+    async with running_operator(api):
+        await create(api, POOLS, pool_manifest(**FAST))
+        await wait_for(lambda: api.get(DAEMONSETS, NS, "pool-agent"), 10, "DaemonSet")
+
+        def template_hash() -> str:
+            ds = api.get(DAEMONSETS, NS, "pool-agent") or {}
+            return str(ds["spec"]["template"]["metadata"]["annotations"][ANNOTATION_CONFIG_HASH])
+
+        def agent_yaml() -> dict[str, Any]:
+            cm = api.get("v1/configmaps", NS, "pool-agent-config") or {}
+            return dict(yaml.safe_load(cm["data"]["agent.yaml"]))
+
+        first = template_hash()
+        await patch(api, POOLS, "pool", {"spec": {"cacheEpoch": 5}})
+        await wait_for(lambda: agent_yaml()["cacheEpoch"] == 5, 10, "cacheEpoch in the ConfigMap")
+        assert template_hash() == first  # agents re-read the file; no restart
+        await wait_for(lambda: status(api).get("cacheEpoch") == 5, 10, "status.cacheEpoch")
+
+        await patch(
+            api, POOLS, "pool", {"spec": {"tokensPerBlock": 32, "agent": {"image": "img:2"}}}
+        )
+        await wait_for(lambda: template_hash() != first, 10, "DaemonSet template change")
+        ds = api.get(DAEMONSETS, NS, "pool-agent") or {}
+        assert ds["spec"]["template"]["spec"]["containers"][0]["image"] == "img:2"
+        assert agent_yaml()["tokensPerBlock"] == 32
+        await wait_for(
+            lambda: status(api).get("observedGeneration") == 3, 10, "observedGeneration 3"
+        )
+        assert condition(api, "Progressing")["status"] == "True"
+        assert "CacheFlush" in event_reasons(api)
+
+
+async def test_deleted_pool_is_forgotten_and_children_are_not_recreated(api: ApiServer) -> None:
+    async with running_operator(api):
+        await create(api, POOLS, pool_manifest(**FAST))
+        await wait_for(lambda: api.names(DAEMONSETS, NS) == ["pool-agent"], 10, "DaemonSet")
+        await delete(api, POOLS, "pool")
+        # kmock has no garbage collector: remove the owned children as it would.
+        for plural, names in CHILDREN.items():
+            for name in names:
+                await delete(api, plural, name)
+        agent = FakeAgent(api, "pool", "node-a", [{"replica": "r0", "ppRank": 0, "ppSize": 1}])
+        await agent.start()  # a lease of the deleted pool must not revive it
+        await asyncio.sleep(1.5)
+        assert all(api.names(plural, NS) == [] for plural in CHILDREN)
+        assert api.names(GROUPS, NS) == []
+
+
+async def test_lost_leader_is_replaced_with_a_higher_epoch_in_time(api: ApiServer) -> None:
+    agents = group_agents(api, ["node-a", "node-b", "node-c"])
+    for agent in agents:
+        await agent.start()
+    async with running_operator(api), heartbeating(agents, 0.25) as alive:
+        await create(api, POOLS, pool_manifest(**FAST))
+        await wait_for(
+            lambda: group(api).get("leader", {}).get("node") == "node-a", 10, "first leader"
+        )
+        epoch = group(api)["epoch"]
+        alive["node-a"] = False
+        new = await wait_for(
+            lambda: (
+                group(api)
+                if (group(api).get("leader") or {}).get("node", "node-a") != "node-a"
+                else None
+            ),
+            LEASE + RETRY + 5,
+            "new leader",
+        )
+        assert new["leader"]["node"] == "node-b" and new["leader"]["ppRank"] == 1
+        assert new["epoch"] == epoch + 1 and new["lastFailover"]
+        assert {m["node"]: m["ready"] for m in new["members"]} == {
+            "node-a": False,
+            "node-b": True,
+            "node-c": True,
+        }
+        assert new["phase"] == "Degraded"
+        # No timed assertion here (a shared CI box is noisy): the wait above is bounded,
+        # test_operator_controller proves on a fake clock that the reconcile runs exactly
+        # at lease expiry, and bench/operator.py measures the failover time.
+        await wait_for(lambda: "Failover" in event_reasons(api), 5, "Failover event")
+        await wait_for(
+            lambda: condition(api, "Degraded").get("status") == "True", 5, "pool Degraded"
+        )
+
+
+def leaders_by_epoch(api: ApiServer, name: str = "pool-r0") -> dict[int, set[str]]:
+    history = api.objects[kmock.resource(GROUPS), NS, name].history
+    seen: dict[int, set[str]] = {}
+    for version in history:
+        if version is None:
+            continue
+        st = version.raw.get("status") or {}
+        if "epoch" in st:
+            seen.setdefault(st["epoch"], set()).add((st.get("leader") or {}).get("node", "-"))
+    return seen
+
+
+async def test_two_racing_operators_never_publish_two_leaders_for_one_epoch(api: ApiServer) -> None:
+    agents = group_agents(api, ["node-a", "node-b", "node-c", "node-d"])
+    for agent in agents:
+        await agent.start()
+    async with (
+        running_operator(api, "op-a"),
+        running_operator(api, "op-b"),
+        heartbeating(agents, 0.25) as alive,
+    ):
+        await create(api, POOLS, pool_manifest(**FAST))
+        await wait_for(
+            lambda: group(api).get("leader", {}).get("node") == "node-a", 10, "first leader"
+        )
+        for lost in ("node-a", "node-b"):
+            alive[lost] = False
+
+            def replaced(lost: str = lost) -> bool:
+                return (group(api).get("leader") or {}).get("node") not in (lost, None)
+
+            await wait_for(
+                replaced,
+                LEASE + RETRY + 8,
+                f"leader after losing {lost}",
+            )
+    by_epoch = leaders_by_epoch(api)
+    assert all(len(leaders) == 1 for leaders in by_epoch.values()), by_epoch
+    epochs = sorted(by_epoch)
+    assert epochs == list(range(1, epochs[-1] + 1))  # never skips back, never decreases
+    assert by_epoch[epochs[-1]] == {"node-c"}
+    electors = {
+        (v.raw.get("status") or {}).get("electedBy")
+        for v in api.objects[kmock.resource(GROUPS), NS, "pool-r0"].history
+        if v is not None
+    }
+    assert electors - {None} <= {"op-a", "op-b"}
+
+
+async def test_restart_resumes_without_duplicates_or_new_epochs(api: ApiServer) -> None:
+    agents = group_agents(api, ["node-a", "node-b"])
+    for agent in agents:
+        await agent.start()
+    async with heartbeating(agents, 0.25):
+        async with running_operator(api, "first"):
+            await create(api, POOLS, pool_manifest(**FAST))
+            await wait_for(lambda: group(api).get("epoch") == 1, 10, "first election")
+        secret = api.get("v1/secrets", NS, "pool-curve")
+        ds_version = api.get(DAEMONSETS, NS, "pool-agent")["metadata"]["resourceVersion"]  # type: ignore[index]
+        creates_before = len(api[kmock.action.CREATE])
+        async with running_operator(api, "second"):
+            await wait_for(
+                lambda: status(api).get("agents") and len(api[kmock.action.FETCH]) > 0, 10, "resync"
+            )
+            await asyncio.sleep(LEASE + RETRY)  # past one lease duration: nothing expires
+            assert group(api)["epoch"] == 1 and group(api)["leader"]["node"] == "node-a"
+        assert api.get("v1/secrets", NS, "pool-curve") == secret
+        assert api.get(DAEMONSETS, NS, "pool-agent")["metadata"]["resourceVersion"] == ds_version  # type: ignore[index]
+        new_creates = [r for r in api[kmock.action.CREATE]][creates_before:]
+        assert all(r.resource.plural == "events" for r in new_creates), [
+            r.resource for r in new_creates
+        ]
+        for plural, names in CHILDREN.items():
+            assert api.names(plural, NS) == names
+
+
+async def test_api_errors_409_and_500_are_retried(api: ApiServer) -> None:
+    faults = [
+        api.fail(500, action="create", plural="daemonsets", times=2),
+        api.fail(503, action="fetch", plural="configmaps", times=2),
+        api.fail(409, action="update", plural="kvcachegroups", times=2),
+        api.fail(500, action="update", plural="kvcachepools", times=1),
+    ]
+    agents = group_agents(api, ["node-a"])
+    await agents[0].start()
+    async with running_operator(api), heartbeating(agents, 0.25):
+        await create(api, POOLS, pool_manifest(**FAST))
+        await mark_rolled_out_when_present(api, 1)
+        await wait_for(lambda: status(api).get("phase") == "Ready", 15, "Ready despite faults")
+        assert group(api)["leader"]["node"] == "node-a" and group(api)["epoch"] == 1
+    assert [f.hits for f in faults] == [2, 2, 2, 1]
+    assert api.names(DAEMONSETS, NS) == ["pool-agent"]
+
+
+async def mark_rolled_out_when_present(api: ApiServer, desired: int) -> None:
+    await wait_for(lambda: api.get(DAEMONSETS, NS, "pool-agent"), 15, "DaemonSet")
+    await mark_rolled_out(api, desired)
+
+
+async def test_bad_spec_is_reported_and_isolated(api: ApiServer) -> None:
+    bad_timing = {
+        "leaderElection": {
+            "leaseDurationSeconds": 5,
+            "renewDeadlineSeconds": 5,
+            "retryPeriodSeconds": 2,
+        }
+    }
+    async with running_operator(api):
+        await create(api, POOLS, pool_manifest("bad", **bad_timing))
+        await create(api, POOLS, pool_manifest("good", **FAST))
+        await wait_for(
+            lambda: condition(api, "ConfigValid", "bad").get("status") == "False",
+            10,
+            "ConfigValid=False",
+        )
+        message = condition(api, "ConfigValid", "bad")["message"]
+        assert (
+            "spec.leaderElection" in message
+            and "leaseDurationSeconds (5) > renewDeadlineSeconds (5)" in message
+        )
+        assert status(api, "bad")["phase"] == "Invalid"
+        await wait_for(
+            lambda: api.get(DAEMONSETS, NS, "good-agent"), 10, "the good pool's children"
+        )
+        assert not any(
+            n.startswith("bad-") for n in api.names("v1/configmaps", NS) + api.names(DAEMONSETS, NS)
+        )
+        assert "ConfigError" in event_reasons(api)
+
+        # A bad update of a working pool leaves its children as they were.
+        ds_before = api.get(DAEMONSETS, NS, "good-agent")
+        await patch(api, POOLS, "good", {"spec": {"tiers": {"cpu": {"size": "lots"}}}})
+        await wait_for(
+            lambda: condition(api, "ConfigValid", "good").get("status") == "False",
+            10,
+            "good turns invalid",
+        )
+        assert "spec.tiers.cpu.size" in condition(api, "ConfigValid", "good")["message"]
+        assert api.get(DAEMONSETS, NS, "good-agent") == ds_before
+
+        # Fixing the spec creates the children.
+        await patch(api, POOLS, "bad", {"spec": FAST})
+        await wait_for(lambda: api.get(DAEMONSETS, NS, "bad-agent"), 10, "children after the fix")
+        await wait_for(
+            lambda: condition(api, "ConfigValid", "bad").get("status") == "True", 10, "valid again"
+        )
+
+
+async def test_curve_secret_is_generated_once_and_repaired_if_broken(api: ApiServer) -> None:
+    async with running_operator(api):
+        await create(api, POOLS, pool_manifest(**FAST))
+        await wait_for(lambda: api.get("v1/secrets", NS, "pool-curve"), 10, "Secret")
+        original = api.get("v1/secrets", NS, "pool-curve")
+        public = base64.b64decode(original["data"]["curve-public.key"]).decode()  # type: ignore[index]
+        assert len(public) == 40
+        await patch(api, POOLS, "pool", {"spec": {"cacheEpoch": 1}})  # a reconcile
+        await wait_for(lambda: status(api).get("cacheEpoch") == 1, 10, "reconciled")
+        assert api.get("v1/secrets", NS, "pool-curve") == original
+        await patch(api, "v1/secrets", "pool-curve", {"data": {"curve-secret.key": "AAAA"}})
+        await patch(api, POOLS, "pool", {"spec": {"cacheEpoch": 2}})
+        await wait_for(
+            lambda: (
+                (api.get("v1/secrets", NS, "pool-curve") or {})["data"]["curve-secret.key"]
+                != "AAAA"
+            ),
+            10,
+            "repaired Secret",
+        )
