@@ -107,13 +107,13 @@ class TierStore(StageStore):
     def check_plan(self, plan: TransferPlan) -> None:
         """Raise ``ValueError`` when a plan names a block outside this stage's tiers."""
         for loc in plan.blocks:
+            if plan.direction is Direction.STORE and loc.tier is not Tier.CPU:
+                raise ValueError(f"a store plan names {loc}; stores only target the CPU tier")
             if not 0 <= loc.index < self.num_blocks(loc.tier):
                 raise ValueError(
                     f"plan names {loc.tier.value} block {loc.index} but this stage has "
                     f"{self.num_blocks(loc.tier)}; every stage of a group needs the same tier sizes"
                 )
-            if plan.direction is Direction.STORE and loc.tier is not Tier.CPU:
-                raise ValueError(f"a store plan names {loc}; stores only target the CPU tier")
 
     def copy(self, plan: TransferPlan, slots: torch.Tensor) -> None:
         """Run ``plan`` with already validated ``slots`` in the calling thread."""

@@ -97,7 +97,7 @@ def store(b: EmbeddedBackend, toks: np.ndarray, slots: np.ndarray,
     tid, mask = b.put_match(toks, namespace=namespace)
     if tid < 0:
         return mask
-    [wid] = b.launch([tid], [slots[mask]])
+    [wid] = b.launch([tid], [slots[: len(mask)][mask]])
     res = b.wait([wid], timeout=10)[wid]
     assert res.status.value == "success", res
     return mask
@@ -109,7 +109,7 @@ def load(b: EmbeddedBackend, toks: np.ndarray, slots: np.ndarray,
     tid, mask = b.get_match(toks, namespace=namespace)
     if tid < 0:
         return mask
-    [wid] = b.launch([tid], [slots[mask]])
+    [wid] = b.launch([tid], [slots[: len(mask)][mask]])
     res = b.wait([wid], timeout=10)[wid]
     assert res.status.value == "success", res
     return mask

@@ -1,0 +1,141 @@
+"""CPU and SSD tiers: spill and load back bit-exact, restart behaviour, watermarks, leaf-first."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from backend_helpers import TPB, config, load, small_layout, started, store, token_rows, tokens
+
+from node_agent.backend.embedded import EmbeddedBackend
+from node_agent.backend.replication import BlockLocation, Tier
+from node_agent.backend.ssd_tier import FILE_NAME
+
+
+def _no_orphans(b: EmbeddedBackend) -> None:
+    index = b._index
+    assert index is not None
+    for n in index.nodes.values():
+        assert n.parent is None or index.nodes.get(n.parent.hash) is n.parent
+        assert n.loc is not None
+    locs = [n.loc for n in index.nodes.values()]
+    assert len(set(locs)) == len(locs)  # no block holds two nodes
+
+
+def test_evicted_blocks_spill_to_ssd_and_load_back_bit_exact(tmp_path: Path) -> None:
+    layout = small_layout()
+    b, [bufs] = started(config(layout, cpu_blocks=4, ssd_blocks=8, ssd_dir=tmp_path,
+                               high_watermark=1.0, low_watermark=1.0), num_slots=128)
+    try:
+        a, c = tokens(4 * TPB, seed=1), tokens(4 * TPB, seed=2)
+        src_a = np.arange(4 * TPB, dtype=np.int64)
+        store(b, a, src_a)
+        store(b, c, src_a + 4 * TPB)  # CPU full: every block of `a` spills to SSD
+        st = b.stats().tiers
+        assert st["cpu"].used_blocks == 4 and st["ssd"].used_blocks == 4
+        assert st["cpu"].evictions == 4
+        dst = np.arange(64, 64 + 4 * TPB, dtype=np.int64)[::-1].copy()
+        assert load(b, a, dst).all()
+        assert b.stats().tiers["ssd"].hit_blocks == 4
+        for x, y in zip(token_rows(layout, bufs, src_a), token_rows(layout, bufs, dst),
+                        strict=True):
+            assert x.equal(y)
+        _no_orphans(b)
+    finally:
+        b.shutdown()
+
+
+def test_full_ssd_drops_leaf_first_and_keeps_chains_reachable(tmp_path: Path) -> None:
+    layout = small_layout()
+    b, [bufs] = started(config(layout, cpu_blocks=2, ssd_blocks=2, ssd_dir=tmp_path,
+                               high_watermark=1.0, low_watermark=1.0), num_slots=64)
+    try:
+        a, c, d = (tokens(2 * TPB, seed=s) for s in (1, 2, 3))
+        for i, t in enumerate((a, c, d)):
+            store(b, t, np.arange(i * 2 * TPB, (i + 1) * 2 * TPB, dtype=np.int64))
+        assert b.get_match(a)[0] == -1  # dropped whole, deepest block first
+        assert b.stats().tiers["ssd"].evictions == 2
+        dst = np.arange(48, 48 + 2 * TPB, dtype=np.int64)
+        assert load(b, c, dst).all()  # from SSD
+        src = np.arange(2 * TPB, 4 * TPB, dtype=np.int64)
+        for x, y in zip(token_rows(layout, bufs, src), token_rows(layout, bufs, dst), strict=True):
+            assert x.equal(y)
+        _no_orphans(b)
+    finally:
+        b.shutdown()
+
+
+def test_ssd_index_does_not_survive_a_restart(tmp_path: Path) -> None:
+    """The documented claim: SSD files are recreated on start, nothing cached survives."""
+    layout = small_layout()
+    cfg = config(layout, cpu_blocks=2, ssd_blocks=4, ssd_dir=tmp_path,
+                 high_watermark=1.0, low_watermark=1.0)
+    b, _ = started(cfg)
+    a = tokens(2 * TPB, seed=1)
+    store(b, a, np.arange(2 * TPB, dtype=np.int64))
+    store(b, tokens(2 * TPB, seed=2), np.arange(2 * TPB, 4 * TPB, dtype=np.int64))
+    spilled = b.store.read_block(BlockLocation(Tier.SSD, 0))
+    assert any(spilled)
+    b.shutdown()
+    f = tmp_path / FILE_NAME.format(index=0)
+    assert f.stat().st_size == 4 * layout.bytes_per_block
+    again, _ = started(cfg)
+    try:
+        assert again.get_match(a)[0] == -1
+        assert not any(again.store.read_block(BlockLocation(Tier.SSD, 0)))  # truncated
+        assert f.stat().st_size == 4 * layout.bytes_per_block  # preallocated again
+    finally:
+        again.shutdown()
+
+
+def test_watermarks_evict_from_high_down_to_low() -> None:
+    b, _ = started(config(small_layout(), cpu_blocks=10, high_watermark=0.8, low_watermark=0.5))
+    try:
+        prompts = [tokens(TPB, seed=s) for s in range(9)]
+        for i, p in enumerate(prompts[:8]):
+            store(b, p, np.arange(i * TPB, (i + 1) * TPB, dtype=np.int64))
+        assert b.stats().tiers["cpu"].used_blocks == 8  # at, not above, 80 %
+        store(b, prompts[8], np.arange(8 * TPB, 9 * TPB, dtype=np.int64))
+        st = b.stats().tiers["cpu"]
+        assert st.used_blocks == 5 and st.evictions == 4
+        hits = [b.get_match(p)[0] > 0 for p in prompts]
+        assert hits == [False] * 4 + [True] * 5  # least recently used went first
+    finally:
+        b.shutdown()
+
+
+def test_eviction_is_leaf_first_not_plain_lru() -> None:
+    b, _ = started(config(small_layout(), cpu_blocks=5, high_watermark=1.0, low_watermark=1.0))
+    try:
+        chain, other = tokens(4 * TPB, seed=1), tokens(TPB, seed=2)
+        store(b, chain, np.arange(4 * TPB, dtype=np.int64))
+        store(b, other, np.arange(4 * TPB, 5 * TPB, dtype=np.int64))
+        gid, _ = b.get_match(other)  # `other` is now the most recent
+        b.cancel([gid])
+        tid, mask = b.put_match(tokens(TPB, seed=3))  # needs one block
+        assert mask.all()
+        b.cancel([tid])
+        gid, mask = b.get_match(chain)
+        assert mask.sum() == 3 * TPB  # the chain lost its last block, not its head
+        b.cancel([gid])
+        _no_orphans(b)
+    finally:
+        b.shutdown()
+
+
+def test_locked_blocks_are_never_evicted() -> None:
+    layout = small_layout()
+    b, [bufs] = started(config(layout, cpu_blocks=4, high_watermark=1.0, low_watermark=1.0))
+    try:
+        a = tokens(4 * TPB, seed=1)
+        src = np.arange(4 * TPB, dtype=np.int64)
+        store(b, a, src)
+        gid, _ = b.get_match(a)
+        assert b.put_match(tokens(2 * TPB, seed=2))[0] == -1  # tier full of locked blocks
+        dst = src + 100
+        [w] = b.launch([gid], [dst])
+        assert b.wait([w])[w].status.value == "success"
+        for x, y in zip(token_rows(layout, bufs, src), token_rows(layout, bufs, dst), strict=True):
+            assert x.equal(y)
+    finally:
+        b.shutdown()
