@@ -208,7 +208,7 @@ def test_stage_store_times_out_a_stuck_copy() -> None:
     st.register_kv_buffers(0, make_buffers(layout, 32, 0))
     plan = TransferPlan(Direction.STORE, (BlockLocation(Tier.CPU, 0),))
     try:
-        with pytest.raises(TimeoutError, match="did not finish in 0.2 s"):
+        with pytest.raises(TimeoutError, match=r"did not finish in 0\.2 s"):
             st.execute(plan, np.arange(4), timeout=0.2)
     finally:
         release.set()

@@ -107,10 +107,11 @@ def test_wait_reaps_and_statuses(backend: EmbeddedBackend) -> None:
 
 def test_as_batch_returns_one_new_id(backend: EmbeddedBackend) -> None:
     a, b = tokens(2 * TPB, seed=1), tokens(3 * TPB, seed=2)
-    ta, ma = backend.put_match(a)
-    tb, mb = backend.put_match(b)
-    ids = backend.launch([ta, tb], [np.arange(8, dtype=np.int64), np.arange(8, 20, dtype=np.int64)],
-                         as_batch=True)
+    ta, _ = backend.put_match(a)
+    tb, _ = backend.put_match(b)
+    ids = backend.launch(
+        [ta, tb], [np.arange(8, dtype=np.int64), np.arange(8, 20, dtype=np.int64)], as_batch=True
+    )
     assert len(ids) == 1 and ids[0] not in (ta, tb)
     assert backend.wait(ids)[ids[0]].status is S.SUCCESS
     assert backend.get_match(a)[1].all() and backend.get_match(b)[1].all()

@@ -70,7 +70,8 @@ def test_one_bad_mapping_leaves_every_task_of_the_call_unlaunched() -> None:
             b.launch([t1, t1], [GOOD, GOOD + 20])
         assert _same(before, _snapshot(b, bufs))
         ids = b.launch([t1, t2], [GOOD, GOOD + 20])
-        assert all(r.status is KVResponseStatus.SUCCESS for r in b.wait(ids, completely=True).values())
+        done = b.wait(ids, completely=True)
+        assert all(r.status is KVResponseStatus.SUCCESS for r in done.values())
     finally:
         b.shutdown()
 
