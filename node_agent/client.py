@@ -40,8 +40,10 @@ import numpy.typing as npt
 import torch
 import zmq
 
+from node_agent.backend.layout import KVLayout, LayoutName
 from node_agent.engine_api import protocol
 from node_agent.engine_api.buffers import cuda_handle, dtype_name
+from node_agent.engine_api.protocol import layout_to_wire
 
 
 class EngineAPIError(RuntimeError):
@@ -96,6 +98,7 @@ class EngineClient:
         self._sock: zmq.Socket[bytes] | None = None
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._registration: dict[str, Any] | None = None
 
     # -- transport -----------------------------------------------------------
 
@@ -114,6 +117,18 @@ class EngineClient:
 
     def _call(self, op: str, args: Mapping[str, Any] | None = None,
               arrays: Mapping[str, Any] | None = None, timeout: float | None = None) -> Any:
+        try:
+            return self._call_once(op, args, arrays, timeout)
+        except EngineAPIError as exc:
+            # A restarted agent has forgotten this rank: register again, retry once.
+            if (exc.error_type != "NotReady" or self._registration is None
+                    or op == "register" or "has not registered" not in str(exc)):
+                raise
+            self._call_once("register", self._registration, None, timeout)
+            return self._call_once(op, args, arrays, timeout)
+
+    def _call_once(self, op: str, args: Mapping[str, Any] | None,
+                   arrays: Mapping[str, Any] | None, timeout: float | None) -> Any:
         if not self.socket_path.exists():
             raise AgentUnavailableError(
                 f"no flexkv agent at ipc://{self.socket_path}: the socket does not exist. "
@@ -162,28 +177,36 @@ class EngineClient:
         result: dict[str, Any] = self._call("ping", timeout=timeout)
         return result
 
-    def register_kv_buffers(self, layout: Mapping[str, Any],
-                            buffers: Sequence[torch.Tensor | Mapping[str, Any]]) -> dict[str, Any]:
-        """Register this rank's KV buffers (tensors or ready-made handles).
+    def register_kv_buffers(
+        self, layout: KVLayout | Mapping[str, Any],
+        buffers: Sequence[Sequence[torch.Tensor | Mapping[str, Any]]],
+    ) -> dict[str, Any]:
+        """Register this rank's KV buffers, arranged as ``layout`` names them.
 
-        CUDA tensors are exported as CUDA IPC handles; CPU tensors must come from
-        :class:`SharedKVBuffers` (pass ``its.handles``). Re-registering (after an
-        engine restart) replaces the rank's buffers; cached blocks stay.
+        Entries are CUDA tensors (exported as CUDA IPC handles) or ready-made
+        handles; CPU buffers must come from :class:`SharedKVBuffers` (pass its
+        ``handles``). Re-registering (after an engine restart) replaces the rank's
+        buffers; cached blocks stay. The client remembers the registration and
+        repeats it once, transparently, if a restarted agent no longer knows it.
         """
-        handles: list[Mapping[str, Any]] = []
-        for b in buffers:
-            if isinstance(b, torch.Tensor):
-                if not b.is_cuda:
-                    raise ValueError(
-                        "CPU tensors cannot be shared by reference; allocate them with "
-                        "SharedKVBuffers and pass its handles"
-                    )
-                handles.append(cuda_handle(b))
-            else:
-                handles.append(dict(b))
-        result: dict[str, Any] = self._call(
-            "register", {"rank": self.rank.to_wire(), "layout": dict(layout),
-                         "buffers": handles})
+        wire_layout = layout_to_wire(layout) if isinstance(layout, KVLayout) else dict(layout)
+        handles: list[list[dict[str, Any]]] = []
+        for group in buffers:
+            row: list[dict[str, Any]] = []
+            for b in group:
+                if isinstance(b, torch.Tensor):
+                    if not b.is_cuda:
+                        raise ValueError(
+                            "CPU tensors cannot be shared by reference; allocate them with "
+                            "SharedKVBuffers and pass its handles"
+                        )
+                    row.append(cuda_handle(b))
+                else:
+                    row.append(dict(b))
+            handles.append(row)
+        args = {"rank": self.rank.to_wire(), "layout": wire_layout, "buffers": handles}
+        result: dict[str, Any] = self._call("register", args)
+        self._registration = args
         return result
 
     def lookup(self, rid: str, token_ids: Sequence[int] | npt.ArrayLike,
@@ -246,30 +269,49 @@ class EngineClient:
 class SharedKVBuffers:
     """KV buffer tensors in POSIX shared memory, with the handles the agent opens.
 
-    The creating process owns the segments: :meth:`close` unmaps and unlinks them.
+    ``shapes`` is a list of lists of tensor shapes, arranged as the layout names
+    the buffers (``[k_buffers, v_buffers]`` for SGLang MHA); ``tensors`` and
+    ``handles`` have the same nesting. The creating process owns the segments:
+    :meth:`close` unmaps and unlinks them.
     """
 
-    def __init__(self, shapes: Sequence[Sequence[int]], dtype: torch.dtype,
+    def __init__(self, shapes: Sequence[Sequence[Sequence[int]]], dtype: torch.dtype,
                  prefix: str = "flexkv") -> None:
-        self.tensors: list[torch.Tensor] = []
-        self.handles: list[dict[str, Any]] = []
+        self.tensors: list[list[torch.Tensor]] = []
+        self.handles: list[list[dict[str, Any]]] = []
         self._segments: list[shared_memory.SharedMemory] = []
         itemsize = torch.empty(0, dtype=dtype).element_size()
         try:
-            for shape in shapes:
-                nbytes = math.prod(shape) * itemsize
-                name = f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
-                seg = shared_memory.SharedMemory(name=name, create=True, size=max(nbytes, 1))
-                self._segments.append(seg)
-                t = torch.frombuffer(seg.buf, dtype=torch.uint8, count=nbytes)
-                t = t.view(dtype).view(tuple(shape))
-                t.zero_()
-                self.tensors.append(t)
-                self.handles.append({"kind": "shm", "name": seg.name, "dtype": dtype_name(dtype),
-                                     "shape": list(shape), "offset": 0})
+            for group in shapes:
+                trow: list[torch.Tensor] = []
+                hrow: list[dict[str, Any]] = []
+                for shape in group:
+                    nbytes = math.prod(shape) * itemsize
+                    name = f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
+                    seg = shared_memory.SharedMemory(name=name, create=True, size=max(nbytes, 1))
+                    self._segments.append(seg)
+                    t = torch.frombuffer(seg.buf, dtype=torch.uint8, count=nbytes)
+                    t = t.view(dtype).view(tuple(shape))
+                    t.zero_()
+                    trow.append(t)
+                    hrow.append({"kind": "shm", "name": seg.name, "dtype": dtype_name(dtype),
+                                 "shape": list(shape), "offset": 0})
+                self.tensors.append(trow)
+                self.handles.append(hrow)
         except BaseException:
             self.close()
             raise
+
+    @classmethod
+    def for_layout(cls, layout: KVLayout, num_slots: int) -> SharedKVBuffers:
+        """Buffers of one TP rank for ``layout`` holding ``num_slots`` token slots."""
+        tail = (layout.heads_per_rank, layout.head_size)
+        shapes: list[list[tuple[int, ...]]]
+        if layout.name is LayoutName.LAYER_SLOT_HEAD:
+            shapes = [[(num_slots, *tail)] * layout.num_layers for _ in range(layout.kv_dim)]
+        else:
+            shapes = [[(layout.kv_dim, num_slots, *tail)] * layout.num_layers]
+        return cls(shapes, layout.dtype.torch_dtype)
 
     def close(self) -> None:
         """Unmap and unlink every segment (idempotent)."""

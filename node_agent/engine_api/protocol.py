@@ -33,6 +33,8 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
+from node_agent.backend.layout import KVLayout
+
 VERSION: Final = 1
 MAX_HEADER_BYTES: Final = 256 * 1024
 MAX_FRAMES: Final = 8
@@ -280,3 +282,24 @@ def peek_id(frames: Sequence[bytes]) -> int | None:
     except (UnicodeDecodeError, json.JSONDecodeError):
         pass
     return None
+
+
+_LAYOUT_KEYS = {"numLayers": "num_layers", "numKvHeads": "num_kv_heads",
+                "headSize": "head_size", "kvDim": "kv_dim", "dtype": "dtype",
+                "tokensPerBlock": "tokens_per_block", "tpSize": "tp_size", "name": "name"}
+
+
+def parse_layout(raw: Mapping[str, Any]) -> KVLayout:
+    """A :class:`KVLayout` from its wire form (camelCase keys)."""
+    unknown = sorted(set(raw) - set(_LAYOUT_KEYS))
+    if unknown:
+        raise ValueError(f"layout key {unknown[0]!r} is unknown; allowed {sorted(_LAYOUT_KEYS)}")
+    return KVLayout(**{_LAYOUT_KEYS[k]: v for k, v in raw.items()})
+
+
+def layout_to_wire(layout: KVLayout) -> dict[str, Any]:
+    """The wire form of a layout (what :func:`parse_layout` reads)."""
+    return {"numLayers": layout.num_layers, "numKvHeads": layout.num_kv_heads,
+            "headSize": layout.head_size, "kvDim": layout.kv_dim, "dtype": layout.dtype.value,
+            "tokensPerBlock": layout.tokens_per_block, "tpSize": layout.tp_size,
+            "name": layout.name.value}

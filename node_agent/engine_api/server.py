@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 import zmq.asyncio
@@ -41,10 +41,10 @@ class NotReadyError(RuntimeError):
     """The agent cannot serve this call yet (e.g. the rank has not registered)."""
 
 
-class ErrorSink:
+class ErrorSink(Protocol):
     """Where the server reports request failures (the agent's recent-error log)."""
 
-    def record(self, component: str, message: str) -> None:  # pragma: no cover - interface
+    def record(self, component: str, message: str) -> None:
         """Remember one error for /status."""
 
 
@@ -64,6 +64,8 @@ def _error_type(exc: BaseException) -> str:
 
 class EngineServer:
     """Serves engine requests on ``endpoint`` (``ipc://<path>``) with ``service``."""
+
+    name = "engine_api"
 
     def __init__(
         self,

@@ -159,7 +159,7 @@ def test_parse_group_reads_contract_shape_and_rejects_garbage() -> None:
     assert parse_group(_group("p1-llama-0", "p1", None)) is None
     bad = _group("p1-llama-0", "p1", 3)
     bad["status"]["leader"] = {"node": "n"}
-    with pytest.raises(GroupViewError, match="status.leader"):
+    with pytest.raises(GroupViewError, match=r"status\.leader"):
         parse_group(bad)
 
 

@@ -1,0 +1,315 @@
+"""Assembly of the agent process: config -> engine API, stages, group views,
+heartbeat, HTTP; one asyncio loop runs uvicorn and the lifespan owns the rest.
+
+Start order (the HTTP lifespan): stages holder, group-view source, engine API
+server, cache-epoch watcher, heartbeat. Stop order is the reverse: the Lease is
+marked not ready, the engine socket stops taking calls and drains in-flight ones
+(bounded by ``engineCallSeconds``), then connectors and backends close. uvicorn
+turns SIGTERM / SIGINT into that shutdown.
+
+What survives what (docs/agent.md): an engine restart keeps everything cached
+(the engine re-registers its buffers); an agent restart loses the cache, because
+the block index lives in the agent's memory (the SSD tier's files are reused,
+their content is not), and engines re-register transparently on their next call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+
+from node_agent import __version__
+from node_agent.backend.layout import KVLayout
+from node_agent.config import AgentConfig, ConfigError, load_config
+from node_agent.engine_api.server import EngineServer
+from node_agent.engine_api.service import EngineService, RankRef, Stage
+from node_agent.http.app import create_app
+from node_agent.http.state import RecentErrors, Service
+from node_agent.kube.groups import FileGroupSource, GroupView, KubeGroupSource
+from node_agent.kube.heartbeat import LeaseHeartbeat
+from node_agent.metrics import AgentMetrics
+
+log = logging.getLogger(__name__)
+
+StageBuilder = Callable[["Agent", RankRef, KVLayout], Stage]
+
+
+def group_name(pool: str, replica: str) -> str:
+    """The KVCacheGroup name of a replica: ``<pool>-<replica>``, lowercased, with
+    characters other than ``[a-z0-9-.]`` replaced by ``-`` (docs/contracts.md section 3)."""
+    raw = f"{pool}-{replica}".lower()
+    return "".join(c if c.isalnum() or c in "-." else "-" for c in raw).strip("-.")
+
+
+class _Stages:
+    """Closes every stage last on shutdown (first in start order)."""
+
+    name = "stages"
+
+    def __init__(self, service: EngineService) -> None:
+        self._service = service
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        await asyncio.to_thread(self._service.close)
+
+
+class _EpochWatcher:
+    """Re-reads ``cacheEpoch`` from the config file; a change flushes every stage."""
+
+    name = "cache_epoch"
+
+    def __init__(self, agent: Agent, path: Path | None, period: float) -> None:
+        self._agent = agent
+        self._path = path
+        self._period = period
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        if self._path is not None:
+            self._task = asyncio.create_task(self._loop(), name="cache-epoch")
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._period)
+            try:
+                cfg = await asyncio.to_thread(load_config, self._path)
+            except ConfigError as exc:
+                self._agent.errors.record(self.name, f"config re-read failed: {exc}")
+                continue
+            if cfg.cache_epoch != self._agent.cache_epoch:
+                await asyncio.to_thread(self._agent.flush, cfg.cache_epoch)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+
+class Agent:
+    """One node agent. ``stage_builder`` makes a started backend and connector for a
+    newly registered stage; ``kube_api`` (a ``kubernetes.client.ApiClient``)
+    enables the Lease heartbeat and KVCacheGroup views."""
+
+    def __init__(self, cfg: AgentConfig, stage_builder: StageBuilder,
+                 metrics: AgentMetrics | None = None, kube_api: Any = None,
+                 config_path: str | os.PathLike[str] | None = None) -> None:
+        self.cfg = cfg
+        self.metrics = metrics or AgentMetrics()
+        self.errors = RecentErrors()
+        self.cache_epoch = cfg.cache_epoch
+        self.started_at = time.time()
+        self.group_views: dict[str, GroupView] = {}
+        self._builder = stage_builder
+        self._group_listeners: list[Callable[[dict[str, GroupView]], None]] = []
+        self.service = EngineService(self._build_stage, cfg.tokens_per_block, status=self.status)
+        self.engine = EngineServer(cfg.engine_endpoint, self.service, self.metrics,
+                                   cfg.timeouts.engine_call_seconds, errors=self.errors)
+        period = cfg.heartbeat.retry_period_seconds
+        self.groups: FileGroupSource | KubeGroupSource | None = None
+        self.heartbeat: LeaseHeartbeat | None = None
+        if cfg.group_view_file:
+            self.groups = FileGroupSource(cfg.group_view_file, cfg.pool, self._on_views,
+                                          period, self.errors)
+        if kube_api is not None:
+            from kubernetes.client import CoordinationV1Api, CustomObjectsApi
+
+            if self.groups is None:
+                self.groups = KubeGroupSource(CustomObjectsApi(kube_api), cfg.namespace,
+                                              cfg.pool, self._on_views, period, self.errors)
+            self.heartbeat = LeaseHeartbeat(CoordinationV1Api(kube_api), cfg,
+                                            self._heartbeat_info, self.errors)
+        self._epoch_watcher = _EpochWatcher(
+            self, Path(config_path) if config_path else None, period)
+
+    # -- wiring ----------------------------------------------------------------
+
+    def _build_stage(self, rank: RankRef, layout: KVLayout) -> Stage:
+        return self._builder(self, rank, layout)
+
+    def attach_stage(self, stage: Stage) -> None:
+        """Feed a new multi-stage group the view already known for its replica."""
+        view = self.group_views.get(stage.key.replica)
+        if view is not None:
+            self._push_view(stage, view)
+
+    def _push_view(self, stage: Stage, view: GroupView) -> None:
+        if stage.pp_size == 1 or stage.views is None:
+            return
+        from node_agent.pp.group import GroupView as PPView
+        from node_agent.pp.group import GroupViewError, Member
+
+        def member(m: Any) -> Member:
+            return Member(node=m.node, pp_rank=m.pp_rank, fanout_endpoint=m.fanout_endpoint,
+                          ready=m.ready)
+
+        pp_view = PPView(group=stage.group, epoch=view.epoch,
+                         leader=member(view.leader) if view.leader else None,
+                         members=tuple(member(m) for m in view.members))
+        try:
+            stage.views.update(pp_view)
+        except GroupViewError as exc:
+            log.warning("Group view refused", extra={"group": stage.group, "error": str(exc)})
+            self.errors.record("group_view", f"{stage.group}: {exc}")
+
+    def subscribe_groups(self, listener: Callable[[dict[str, GroupView]], None]) -> None:
+        """Call ``listener`` with every new set of group views (and the current one)."""
+        self._group_listeners.append(listener)
+        if self.group_views:
+            listener(self.group_views)
+
+    def _on_views(self, views: dict[str, GroupView]) -> None:
+        self.group_views = views
+        for stage in list(self.service.stages.values()):
+            view = views.get(stage.key.replica)
+            if view is not None:
+                self._push_view(stage, view)
+        for listener in list(self._group_listeners):
+            try:
+                listener(views)
+            except Exception as exc:
+                log.exception("Group view listener failed")
+                self.errors.record("group_view", f"listener failed: {exc}")
+
+    def flush(self, epoch: int) -> None:
+        """Apply a new ``cacheEpoch``: reset every stage's connector (drops all tiers)."""
+        for stage in list(self.service.stages.values()):
+            stage.connector.reset()
+        log.info("Cache flushed for new epoch", extra={"old": self.cache_epoch, "new": epoch})
+        self.cache_epoch = epoch
+
+    def _heartbeat_info(self) -> dict[str, Any]:
+        return {"memberships": self.service.memberships(), "tiers": self._tiers(),
+                "ready": self._ready_overall(), "cacheEpoch": self.cache_epoch}
+
+    def services(self) -> list[Service]:
+        """Background services in start order."""
+        out: list[Service] = [_Stages(self.service)]
+        if self.groups is not None:
+            out.append(self.groups)
+        out.append(self.engine)
+        out.append(self._epoch_watcher)
+        if self.heartbeat is not None:
+            out.append(self.heartbeat)
+        return out
+
+    def app(self) -> FastAPI:
+        """The HTTP app whose lifespan runs every service."""
+        return create_app(self, self.metrics, self.services())
+
+    # -- probe -----------------------------------------------------------------
+
+    def liveness(self) -> dict[str, bool]:
+        comps = {"engine_api": self.engine.alive}
+        if self.groups is not None:
+            comps["group_view"] = self.groups.alive
+        if self.heartbeat is not None:
+            comps["heartbeat"] = self.heartbeat.alive
+        return comps
+
+    def _tiers(self) -> dict[str, dict[str, int]]:
+        """Tier capacity and use as the backend last published them in the metrics
+        (configured sizes before any stage exists)."""
+        reg = self.metrics.registry
+        out: dict[str, dict[str, int]] = {}
+        for tier in ("cpu", "ssd"):
+            cap = reg.get_sample_value("flexkv_agent_tier_capacity_bytes", {"tier": tier})
+            used = reg.get_sample_value("flexkv_agent_tier_used_bytes", {"tier": tier})
+            if cap is None:
+                conf = self.cfg.tiers.cpu if tier == "cpu" else self.cfg.tiers.ssd
+                if conf is None:
+                    continue
+                cap, used = float(conf.size), 0.0
+            out[tier] = {"capacityBytes": int(cap), "usedBytes": int(used or 0)}
+        return out
+
+    def readiness(self) -> dict[str, dict[str, Any]]:
+        stages = list(self.service.stages.values())
+        statuses = {}
+        for st in stages:
+            name = f"{st.key.replica}/pp{st.key.pp_rank}"
+            try:
+                statuses[name] = (st, st.connector.status())
+            except Exception as exc:
+                statuses[name] = (st, {"role": None, "degraded": True, "error": str(exc)})
+                self.errors.record("connector", f"{name}: status() failed: {exc}")
+        registered = self.service.ranks_registered()
+        comps: dict[str, dict[str, Any]] = {
+            "engine_api": {"ready": self.engine.alive},
+            "ranks": {"ready": registered >= self.cfg.expected_ranks,
+                      "registered": registered, "expected": self.cfg.expected_ranks},
+            "backend": {
+                "ready": all(s["role"] is not None for _, s in statuses.values())
+                and (bool(stages) or self.cfg.expected_ranks == 0),
+                "stages": {n: s["role"] for n, (_, s) in statuses.items()}},
+        }
+        multi = [st for st in stages if st.pp_size > 1]
+        missing = [st.key.replica for st in multi if st.key.replica not in self.group_views
+                   or self.group_views[st.key.replica].leader is None]
+        comps["group_view"] = {
+            "ready": not missing,
+            "source": self.groups.source if self.groups is not None else None,
+            "known": sorted(self.group_views), "missing": missing,
+        }
+        fanout: dict[str, Any] = {}
+        for n, (st, s) in statuses.items():
+            fanout[n] = {"ready": bool(st.connector.ready()) and not s.get("degraded", True),
+                         "peersConnected": s.get("peersConnected", 0),
+                         "peersExpected": s.get("peersExpected", 0), "role": s.get("role")}
+        comps["fanout"] = {"ready": all(f["ready"] for f in fanout.values()), "stages": fanout}
+        return comps
+
+    def _ready_overall(self) -> bool:
+        return all(c["ready"] for c in self.readiness().values())
+
+    def status(self) -> dict[str, Any]:
+        stages = []
+        for s in list(self.service.stages.values()):
+            try:
+                conn = s.connector.status()
+            except Exception as exc:
+                conn = {"error": str(exc)}
+            view = self.group_views.get(s.key.replica)
+            stages.append({
+                "replica": s.key.replica, "ppRank": s.key.pp_rank, "ppSize": s.pp_size,
+                "group": s.group,
+                "registeredRanks": sorted(s.buffers), "registrations": s.registrations,
+                "connector": conn, "view": view.to_json() if view else None,
+            })
+        return {
+            "version": __version__, "pool": self.cfg.pool, "node": self.cfg.node_name,
+            "backend": self.cfg.backend, "cacheEpoch": self.cache_epoch,
+            "uptimeSeconds": round(time.time() - self.started_at, 3),
+            "engineSocket": self.cfg.engine_endpoint,
+            "tiers": self._tiers(), "stages": stages,
+            "groups": {k: v.to_json() for k, v in self.group_views.items()},
+            "engineApi": {"served": self.engine.served, "inflight": self.engine.inflight},
+            "heartbeat": None if self.heartbeat is None else {
+                "lease": self.heartbeat.lease_name, "healthy": self.heartbeat.healthy,
+                "renewals": self.heartbeat.renewals},
+            "recentErrors": self.errors.snapshot()[-20:],
+        }
+
+    # -- running ---------------------------------------------------------------
+
+    def uvicorn_server(self, port: int | None = None, host: str | None = None) -> uvicorn.Server:
+        """A uvicorn server for the app (its SIGTERM handling drives shutdown)."""
+        config = uvicorn.Config(
+            self.app(), host=host or self.cfg.bind_address,
+            port=self.cfg.ports.http if port is None else port,
+            log_config=None, access_log=False, lifespan="on",
+            timeout_graceful_shutdown=int(self.cfg.timeouts.engine_call_seconds) + 1,
+        )
+        return uvicorn.Server(config)

@@ -1,0 +1,284 @@
+"""``flexkv-agent demo``: a PP group of agents on this machine, driven by synthetic
+engine ranks, ending with a results table.
+
+What it starts (all real processes, loopback sockets only):
+
+* one agent per PP stage (``python -m node_agent run``), embedded backend,
+  Kubernetes off, group view from a shared file naming stage 0 the leader;
+* one engine rank per stage (:mod:`node_agent.demo.engine`), each registering
+  shared-memory KV buffers with its agent and replaying the same workload.
+
+While it runs it prints the agents' /status and /metrics URLs and a progress bar;
+at the end it reads the leader's /metrics for hit rate and transfer bandwidth and
+prints the table. Every agent and engine is stopped (SIGTERM, then SIGKILL after
+a bound) whatever happens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+import httpx
+import yaml
+
+if TYPE_CHECKING:
+    from node_agent.backend.layout import KVLayout
+    from node_agent.demo.workload import WorkloadSpec
+
+
+def add_demo_arguments(p: argparse.ArgumentParser) -> None:
+    """The demo's options (defaults finish in well under a minute on 2 cores)."""
+    p.add_argument("--stages", type=int, default=2, help="PP stages (agents), default 2")
+    p.add_argument("--conversations", type=int, default=16)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--shared-prefixes", type=int, default=2)
+    p.add_argument("--system-tokens", type=int, default=512)
+    p.add_argument("--user-tokens", type=int, default=96)
+    p.add_argument("--reply-tokens", type=int, default=64)
+    p.add_argument("--layers", type=int, default=8, help="layers per PP stage")
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-size", type=int, default=64)
+    p.add_argument("--tokens-per-block", type=int, default=16)
+    p.add_argument("--cpu-size", default="128Mi", help="CPU tier size per agent")
+    p.add_argument("--timeout", type=float, default=60.0, help="bound on the whole run, seconds")
+    p.add_argument("--keep", action="store_true", help="keep the work directory")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _bar(done: int, total: int, width: int = 32) -> str:
+    filled = int(width * done / max(total, 1))
+    return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total}"
+
+
+class _Procs:
+    """Started processes, stopped in reverse order with bounded waits."""
+
+    def __init__(self) -> None:
+        self.procs: list[tuple[str, subprocess.Popen[str]]] = []
+
+    def start(self, name: str, args: list[str], log: IO[str] | None,
+              stdout: Any = None) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(args, stdout=stdout if stdout is not None else log,
+                                stderr=log, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        self.procs.append((name, proc))
+        return proc
+
+    def stop(self, grace: float = 10.0) -> dict[str, int | None]:
+        codes: dict[str, int | None] = {}
+        for _, proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for name, proc in reversed(self.procs):
+            try:
+                codes[name] = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                codes[name] = proc.wait(timeout=5)
+        return codes
+
+
+def _metric(text: str, name: str, labels: dict[str, str] | None = None) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name):
+            continue
+        m = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)", line)
+        if m is None or m.group(1) != name:
+            continue
+        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        if all(got.get(k) == v for k, v in (labels or {}).items()):
+            total += float(m.group(3))
+    return total
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[str], deadline: float) -> None:
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"agent behind {url} exited with code {proc.returncode}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/healthz", timeout=1.0).status_code == 200:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"agent at {url} did not answer /healthz in time")
+
+
+def _write_group_file(path: Path, pool: str, replica: str, fanout_ports: list[int]) -> None:
+    members = [{"node": f"node-{r}", "ppRank": r, "fanoutEndpoint": f"tcp://127.0.0.1:{port}",
+                "ready": True} for r, port in enumerate(fanout_ports)]
+    group = {"apiVersion": "flexkv.io/v1alpha1", "kind": "KVCacheGroup",
+             "metadata": {"name": f"{pool}-{replica}"},
+             "spec": {"poolRef": pool, "replica": replica, "ppSize": len(fanout_ports)},
+             "status": {"epoch": 1, "leader": members[0], "members": members,
+                        "phase": "Ready"}}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump({"items": [group]}))
+    tmp.replace(path)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """Run the demo; 0 when every request was served and every loaded token matched."""
+    from node_agent.backend.layout import KVDtype, KVLayout
+    from node_agent.demo.workload import WorkloadSpec
+    from node_agent.engine_api.protocol import layout_to_wire
+    from node_agent.pp.auth import CurveKeys
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+    spec = WorkloadSpec(conversations=args.conversations, turns=args.turns,
+                        shared_prefixes=args.shared_prefixes, system_tokens=args.system_tokens,
+                        user_tokens=args.user_tokens, reply_tokens=args.reply_tokens)
+    layout = KVLayout(num_layers=args.layers, num_kv_heads=args.kv_heads,
+                      head_size=args.head_size, dtype=KVDtype.FLOAT16,
+                      tokens_per_block=args.tokens_per_block)
+    work = Path(tempfile.mkdtemp(prefix="fkv-demo-"))
+    deadline = time.monotonic() + args.timeout
+    procs = _Procs()
+    pool, replica = "demo", "demo-0"
+    log = (work / "agents.log").open("w")
+    try:
+        CurveKeys.generate().write(work / "curve")
+        http_ports = [_free_port() for _ in range(args.stages)]
+        fanout_ports = [_free_port() for _ in range(args.stages)]
+        _write_group_file(work / "groups.yaml", pool, replica, fanout_ports)
+        urls = []
+        for r in range(args.stages):
+            cfg = {"pool": pool, "namespace": "default", "backend": "embedded",
+                   "tokensPerBlock": args.tokens_per_block,
+                   "tiers": {"cpu": {"size": args.cpu_size, "pinned": False}},
+                   "ports": {"http": http_ports[r], "fanout": fanout_ports[r]},
+                   "engineSocket": str(work / f"engine-{r}.sock"),
+                   "timeouts": {"engineCallSeconds": 10, "fanoutWaitSeconds": 5},
+                   "curveKeyDir": str(work / "curve"), "expectedRanks": 1,
+                   "nodeName": f"node-{r}", "advertiseAddress": "127.0.0.1",
+                   "bindAddress": "127.0.0.1", "kubernetes": "off",
+                   "groupViewFile": str(work / "groups.yaml")}
+            path = work / f"agent-{r}.yaml"
+            path.write_text(yaml.safe_dump(cfg))
+            procs.start(f"agent-{r}", [sys.executable, "-m", "node_agent", "run",
+                                       "--config", str(path)], log)
+            urls.append(f"http://127.0.0.1:{http_ports[r]}")
+        for (_, proc), url in zip(procs.procs, urls, strict=True):
+            _wait_healthy(url, proc, deadline)
+        print(f"flexkv demo: {args.stages} agents (one PP group of {args.stages} stages), "
+              f"{spec.requests} requests, work dir {work}")
+        for r, url in enumerate(urls):
+            role = "leader" if r == 0 else "follower"
+            print(f"  stage {r} ({role}): {url}/status  {url}/metrics")
+        engines = []
+        num_slots = spec.max_tokens * 2
+        for r in range(args.stages):
+            cmd = [sys.executable, "-m", "node_agent.demo.engine",
+                   "--socket", str(work / f"engine-{r}.sock"), "--replica", replica,
+                   "--pp-rank", str(r), "--pp-size", str(args.stages),
+                   "--layout", json.dumps(layout_to_wire(layout)),
+                   "--num-slots", str(num_slots), "--workload", json.dumps(asdict(spec)),
+                   "--timeout", "20"]
+            engines.append(procs.start(f"engine-{r}", cmd, log, stdout=subprocess.PIPE))
+        results = _follow(engines, spec.requests, deadline)
+        metrics = httpx.get(f"{urls[0]}/metrics", timeout=5).text
+        _print_table(results, metrics, layout, spec)
+        ok = (len(results) == args.stages
+              and all(r["requests"] == spec.requests and r["mismatched_tokens"] == 0
+                      for r in results))
+        return 0 if ok else 1
+    finally:
+        codes = procs.stop()
+        log.close()
+        bad = {k: v for k, v in codes.items() if k.startswith("agent") and v not in (0, None)}
+        if bad:
+            print(f"agents exited with {bad}; log: {work / 'agents.log'}")
+        if not args.keep and not bad:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _follow(engines: list[subprocess.Popen[str]], total: int,
+            deadline: float) -> list[dict[str, Any]]:
+    """Show engine 0's progress; collect every engine's result line."""
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    for i, e in enumerate(engines):
+        assert e.stdout is not None
+        sel.register(e.stdout, selectors.EVENT_READ, i)
+    results: dict[int, dict[str, Any]] = {}
+    tty = sys.stdout.isatty()
+    open_streams = len(engines)
+    while open_streams and time.monotonic() < deadline:
+        for key, _ in sel.select(timeout=0.5):
+            line = key.fileobj.readline()  # type: ignore[union-attr]
+            if not line:
+                sel.unregister(key.fileobj)
+                open_streams -= 1
+                continue
+            msg = json.loads(line)
+            if "progress" in msg and key.data == 0:
+                done = msg["progress"]
+                if tty:
+                    print("\r  " + _bar(done, total), end="", flush=True)
+                elif done == total or done % max(1, total // 4) == 0:
+                    print("  " + _bar(done, total), flush=True)
+            elif "result" in msg:
+                results[key.data] = msg["result"]
+            elif "error" in msg:
+                print(f"\n  engine {key.data} failed: {msg['error']}")
+    if tty:
+        print()
+    if open_streams:
+        print("  demo timed out; raise --timeout or shrink the workload")
+    return [results[i] for i in sorted(results)]
+
+
+def _print_table(results: list[dict[str, Any]], metrics: str, layout: KVLayout,
+                 spec: WorkloadSpec) -> None:
+    if not results:
+        print("no engine finished; see the agents' log")
+        return
+    lead = results[0]
+    hit_rate = lead["hit_tokens"] / max(lead["prompt_tokens"], 1)
+    store_b = _metric(metrics, "flexkv_agent_transfer_bytes_total", {"direction": "store"})
+    load_b = _metric(metrics, "flexkv_agent_transfer_bytes_total", {"direction": "load"})
+    store_s = _metric(metrics, "flexkv_agent_transfer_seconds_sum", {"direction": "store"})
+    load_s = _metric(metrics, "flexkv_agent_transfer_seconds_sum", {"direction": "load"})
+    rows = [
+        ("requests", f"{lead['requests']} on each of {len(results)} stages"),
+        ("hit rate (prompt tokens)", f"{hit_rate:.1%}"),
+        ("prefill tokens saved", f"{lead['loaded_tokens']} of {lead['prompt_tokens']}"),
+        ("loaded tokens verified", "all bit-exact" if all(
+            r["mismatched_tokens"] == 0 for r in results) else
+         f"{sum(r['mismatched_tokens'] for r in results)} MISMATCHED"),
+        ("store bandwidth (leader)", f"{store_b / store_s / 1e9:.2f} GB/s" if store_s else "n/a"),
+        ("load bandwidth (leader)", f"{load_b / load_s / 1e9:.2f} GB/s" if load_s else "n/a"),
+        ("KV bytes per token per stage", f"{layout.bytes_per_token}"),
+        ("wall time (stage 0)", f"{lead['wall_seconds']:.2f} s"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print("\nResults")
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v}")
+    print(f"\n  {'call':<12}{'stage':>6}{'p50 ms':>10}{'p99 ms':>10}{'count':>8}")
+    for r in results:
+        for op, lat in r["latency"].items():
+            print(f"  {op:<12}{r['rank']:>6}{lat['p50_ms']:>10.3f}{lat['p99_ms']:>10.3f}"
+                  f"{lat['count']:>8}")

@@ -1,0 +1,262 @@
+"""Maps engine API requests onto this agent's PP stages.
+
+A *stage* is one member of one PP group on this node: ``(replica, ppRank)``. It
+is created when the first engine rank of that stage registers (the layout comes
+from the engine, as in FlexKV, and sizes the tiers) and owns the stage's
+connector, which owns the backend (:class:`StageFactory` builds it, started).
+Every TP rank of the stage registers its own buffers into the same stage.
+
+Contract of the operations (``rank`` identifies the calling engine rank):
+
+* ``register`` opens the buffer handles (:func:`.buffers.open_buffer`) and hands
+  the tensors to the connector. Re-registering a rank (engine restart) swaps its
+  buffers; cached blocks stay. A layout that disagrees with the stage's, or a
+  ``tokensPerBlock`` other than the pool's, is refused with ``ValueError``.
+* ``lookup`` / ``retrieve`` / ``store_kv`` / ``release`` / ``poll_completed`` go to
+  the stage's connector unchanged. A rank that has not registered gets
+  ``NotReady`` (the client re-registers and retries once).
+* ``ping`` and ``status`` answer without touching a stage.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from node_agent.backend.layout import KVLayout
+from node_agent.engine_api import protocol
+from node_agent.engine_api.buffers import HandleError, OpenedBuffer, open_buffer
+from node_agent.engine_api.protocol import layout_to_wire, parse_layout
+from node_agent.engine_api.server import NotReadyError
+
+log = logging.getLogger(__name__)
+
+class Connector(Protocol):
+    """The connector API the agent drives (one per stage)."""
+
+    def register_kv_buffers(self, rank: int, buffers: Sequence[Sequence[Any]]) -> None: ...
+    def store_kv(self, rid: str, token_ids: Any, kv_indices: Any) -> int: ...
+    def lookup(self, rid: str, token_ids: Any, token_mask: Any = None) -> int: ...
+    def retrieve(self, rid: str, slot_mapping: Any) -> int: ...
+    def release(self, rid: str) -> None: ...
+    def poll_completed(self) -> list[str]: ...
+    def reset(self) -> None: ...
+    def close(self) -> None: ...
+    def status(self) -> dict[str, Any]: ...
+    def ready(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class StageKey:
+    """A PP stage on this node."""
+
+    replica: str
+    pp_rank: int
+
+
+@dataclass(frozen=True)
+class RankRef:
+    """An engine rank as the wire names it."""
+
+    replica: str
+    pp_rank: int
+    pp_size: int
+    tp_rank: int
+    tp_size: int
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> RankRef:
+        """Validate the wire ``rank`` object; ``ValueError`` names the bad field."""
+        replica = raw.get("replica")
+        if not isinstance(replica, str) or not replica or len(replica) > 253:
+            raise ValueError(f"rank.replica {replica!r} must be a non-empty string "
+                             "(the engine replica's name)")
+        vals: dict[str, int] = {}
+        for key, lo in (("ppRank", 0), ("ppSize", 1), ("tpRank", 0), ("tpSize", 1)):
+            v = raw.get(key, 0 if key.endswith("Rank") else 1)
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo or v > 4096:
+                raise ValueError(f"rank.{key} {v!r} must be an int >= {lo}")
+            vals[key] = v
+        if vals["ppRank"] >= vals["ppSize"] or vals["tpRank"] >= vals["tpSize"]:
+            raise ValueError(f"rank {dict(raw)!r}: ppRank < ppSize and tpRank < tpSize must hold")
+        return cls(replica, vals["ppRank"], vals["ppSize"], vals["tpRank"], vals["tpSize"])
+
+    @property
+    def stage(self) -> StageKey:
+        return StageKey(self.replica, self.pp_rank)
+
+
+@dataclass
+class Stage:
+    """One PP stage's connector, its group-view handle and the engine buffers it maps."""
+
+    key: StageKey
+    pp_size: int
+    group: str
+    layout: KVLayout
+    connector: Connector
+    views: Any = None
+    """The stage's group-view source (``node_agent.pp.group.GroupViewSource``)."""
+    buffers: dict[int, list[OpenedBuffer]] = field(default_factory=dict)
+    """tp rank -> the opened handles (kept open while registered)."""
+    registrations: int = 0
+
+    def close(self) -> None:
+        """Close the connector (and with it the backend), then unmap the buffers."""
+        try:
+            self.connector.close()
+        finally:
+            for opened in self.buffers.values():
+                for b in opened:
+                    b.close()
+            self.buffers.clear()
+
+
+class StageFactory(Protocol):
+    """Builds the started connector of a new stage (raises ``ValueError`` naming
+    what is missing, e.g. the Curve keys of a multi-stage group)."""
+
+    def __call__(self, rank: RankRef, layout: KVLayout) -> Stage: ...
+
+
+class EngineService:
+    """The engine API's request handler (thread-safe; called from the server's pool)."""
+
+    def __init__(self, factory: StageFactory, tokens_per_block: int,
+                 status: Callable[[], dict[str, Any]] | None = None,
+                 max_stages: int = 1) -> None:
+        self._factory = factory
+        self._tpb = tokens_per_block
+        self._status = status
+        self._max_stages = max_stages
+        self._lock = threading.Lock()
+        self.stages: dict[StageKey, Stage] = {}
+
+    def __call__(self, req: protocol.Request) -> Any:
+        if req.op == "ping":
+            return {"version": protocol.VERSION, "ready": self.ranks_registered() > 0}
+        if req.op == "status":
+            return self._status() if self._status else {}
+        rank = RankRef.parse(req.args["rank"])
+        if req.op == "register":
+            return self.register(rank, req.args["layout"], req.args["buffers"])
+        conn = self._connector(rank)
+        a = req.arrays
+        if req.op == "lookup":
+            return int(conn.lookup(req.args["rid"], a["token_ids"], a.get("token_mask")))
+        if req.op == "retrieve":
+            return int(conn.retrieve(req.args["rid"], a["slot_mapping"]))
+        if req.op == "store_kv":
+            return int(conn.store_kv(req.args["rid"], a["token_ids"], a["kv_indices"]))
+        if req.op == "poll_completed":
+            return [str(r) for r in conn.poll_completed()]
+        if req.op == "release":
+            conn.release(req.args["rid"])
+            return None
+        raise protocol.ProtocolError(f"op {req.op!r} has no handler")  # schema and code disagree
+
+    def _connector(self, rank: RankRef) -> Connector:
+        stage = self.stages.get(rank.stage)
+        if stage is None or rank.tp_rank not in stage.buffers:
+            raise NotReadyError(
+                f"rank {rank.replica}/pp{rank.pp_rank}/tp{rank.tp_rank} has not registered its "
+                "KV buffers with this agent; call register_kv_buffers first"
+            )
+        return stage.connector
+
+    def register(self, rank: RankRef, layout_raw: Mapping[str, Any],
+                 handles: Sequence[Any]) -> dict[str, Any]:
+        """Open ``handles`` (a list of lists, as the layout names) and register them."""
+        layout = parse_layout(layout_raw)
+        if layout.tokens_per_block != self._tpb:
+            raise ValueError(
+                f"layout tokensPerBlock {layout.tokens_per_block} differs from the pool's "
+                f"tokensPerBlock {self._tpb}; set the engine's page size to {self._tpb} or "
+                "change the pool"
+            )
+        if layout.tp_size != rank.tp_size:
+            raise ValueError(f"layout tpSize {layout.tp_size} differs from rank.tpSize "
+                             f"{rank.tp_size}; send the same TP size in both")
+        if not isinstance(handles, list) or not all(isinstance(g, list) for g in handles):
+            raise ValueError("buffers must be a list of lists of handles, arranged as the "
+                             "layout names them (e.g. [k_buffers, v_buffers])")
+        opened: list[OpenedBuffer] = []
+        try:
+            nested = []
+            for group in handles:
+                row = []
+                for h in group:
+                    b = open_buffer(h)
+                    opened.append(b)
+                    row.append(b.tensor)
+                nested.append(row)
+            with self._lock:
+                stage = self._stage_for(rank, layout)
+                stage.connector.register_kv_buffers(rank.tp_rank, nested)
+                old = stage.buffers.get(rank.tp_rank, [])
+                stage.buffers[rank.tp_rank] = opened
+                stage.registrations += 1
+        except (HandleError, ValueError):
+            for b in opened:
+                b.close()
+            raise
+        for b in old:
+            b.close()
+        log.info("Engine rank registered", extra={
+            "replica": rank.replica, "pp_rank": rank.pp_rank, "tp_rank": rank.tp_rank,
+            "buffers": len(opened), "again": stage.registrations > 1})
+        return {"stage": f"{rank.replica}/pp{rank.pp_rank}",
+                "registrations": stage.registrations,
+                "tokensPerBlock": layout.tokens_per_block}
+
+    def _stage_for(self, rank: RankRef, layout: KVLayout) -> Stage:
+        stage = self.stages.get(rank.stage)
+        if stage is not None and not stage.buffers and (
+                stage.layout != layout or stage.pp_size != rank.pp_size):
+            # Nothing registered into it yet: a corrected first registration rebuilds it.
+            del self.stages[rank.stage]
+            stage.close()
+            stage = None
+        if stage is not None:
+            if stage.layout != layout or stage.pp_size != rank.pp_size:
+                raise ValueError(
+                    f"stage {rank.replica}/pp{rank.pp_rank} was registered with layout "
+                    f"{layout_to_wire(stage.layout)} and ppSize {stage.pp_size}; this rank sent "
+                    f"{layout_to_wire(layout)} and ppSize {rank.pp_size}: every rank of a stage "
+                    "must send the same layout"
+                )
+            return stage
+        if len(self.stages) >= self._max_stages:
+            raise ValueError(
+                f"this agent already serves {len(self.stages)} stage(s) "
+                f"({', '.join(f'{k.replica}/pp{k.pp_rank}' for k in self.stages)}); one agent "
+                "serves one PP stage per node: run the other replica's ranks on another node"
+            )
+        stage = self._factory(rank, layout)
+        self.stages[rank.stage] = stage
+        return stage
+
+    # -- views for readiness, status and the heartbeat ------------------------
+
+    def ranks_registered(self) -> int:
+        """Engine ranks with buffers registered, over all stages."""
+        return sum(len(s.buffers) for s in list(self.stages.values()))
+
+    def memberships(self) -> list[dict[str, Any]]:
+        """The Lease's ``flexkv.io/memberships`` entries."""
+        return [{"replica": k.replica, "ppRank": k.pp_rank, "ppSize": s.pp_size}
+                for k, s in sorted(self.stages.items(), key=lambda kv: (kv[0].replica,
+                                                                        kv[0].pp_rank))]
+
+    def close(self) -> None:
+        """Close every stage (connectors first, then backends, then buffer mappings)."""
+        with self._lock:
+            stages, self.stages = list(self.stages.values()), {}
+        for s in stages:
+            try:
+                s.close()
+            except Exception:
+                log.exception("Stage did not close cleanly", extra={"stage": str(s.key)})

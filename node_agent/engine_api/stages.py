@@ -1,0 +1,85 @@
+"""Building a stage: the connector of one PP group member, on the embedded backend.
+
+:func:`default_stage_builder` is the agent's :class:`~.service.StageFactory`:
+
+* the group is ``<pool>-<replica>`` (the KVCacheGroup name);
+* a single-stage group (``ppSize`` 1) gets a fixed view naming itself leader at
+  epoch 0 and no fan-out endpoint;
+* a multi-stage group starts with an empty view (no leader: calls answer "not
+  stored" / miss) that the agent's group-view source fills in, binds the fan-out
+  server on ``bindAddress:ports.fanout`` and needs the pool's Curve keys;
+* the leader's backend is an :class:`EmbeddedBackend` with deferred visibility,
+  sized by ``tiers``; a follower keeps a :class:`TierStore` of the same size.
+
+``backend: flexkv`` is refused here: the PP connector needs a backend that can
+replay its decisions on followers, which the FlexKV adapter does not offer.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from node_agent.backend.config import EmbeddedBackendConfig
+from node_agent.backend.embedded import EmbeddedBackend
+from node_agent.backend.layout import KVLayout
+from node_agent.backend.stage_store import TierStore
+from node_agent.connector import Connector, ConnectorConfig
+from node_agent.engine_api.service import RankRef, Stage
+from node_agent.pp.auth import CurveKeys
+from node_agent.pp.group import GroupView, GroupViewSource, Member
+
+if TYPE_CHECKING:
+    from node_agent.agent import Agent
+
+
+def backend_config(agent: Agent, layout: KVLayout) -> EmbeddedBackendConfig:
+    """The embedded backend's config from agent.yaml ``tiers``/``eviction``/``timeouts``."""
+    cfg = agent.cfg
+    ssd = cfg.tiers.ssd
+    return EmbeddedBackendConfig(
+        layout=layout, cpu_bytes=cfg.tiers.cpu.size, pinned=cfg.tiers.cpu.pinned,
+        ssd_bytes=ssd.size if ssd else 0, ssd_paths=ssd.paths if ssd else (),
+        high_watermark=cfg.eviction.high_watermark, low_watermark=cfg.eviction.low_watermark,
+        unlaunched_match_seconds=cfg.timeouts.unlaunched_match_seconds,
+        deferred_visibility=True,
+    )
+
+
+def default_stage_builder(agent: Agent, rank: RankRef, layout: KVLayout) -> Stage:
+    """Build and start the connector of ``rank``'s stage (see module docstring)."""
+    from node_agent.agent import group_name
+
+    cfg = agent.cfg
+    if cfg.backend != "embedded":
+        raise ValueError(
+            f"backend {cfg.backend!r} cannot serve the PP connector (it needs a backend that "
+            "replays leader decisions on followers); set backend: embedded"
+        )
+    group = group_name(cfg.pool, rank.replica)
+    bcfg = backend_config(agent, layout)  # validates sizes against the layout
+    if rank.pp_size == 1:
+        me = Member(node=cfg.node_name, pp_rank=0, fanout_endpoint="")
+        views = GroupViewSource(GroupView(group, 0, me, (me,)))
+        endpoint, keys = None, None
+    else:
+        views = GroupViewSource(GroupView(group, 0, None, ()))
+        endpoint = f"tcp://{cfg.bind_address}:{cfg.ports.fanout}"
+        keys = CurveKeys.load(cfg.curve_key_dir)
+    ccfg = ConnectorConfig(
+        group=group, pp_rank=rank.pp_rank, layout=layout, fanout_endpoint=endpoint,
+        engine_call_seconds=cfg.timeouts.engine_call_seconds,
+        fanout_wait_seconds=cfg.timeouts.fanout_wait_seconds,
+        transfer_seconds=cfg.timeouts.engine_call_seconds,
+        expected_ranks=layout.tp_size,
+    )
+    metrics = agent.metrics
+    connector = Connector(
+        ccfg, views,
+        backend_factory=lambda: EmbeddedBackend(bcfg, metrics=metrics),
+        store_factory=lambda: TierStore(bcfg),
+        keys=keys, metrics=metrics,
+    ).start()
+    stage = Stage(key=rank.stage, pp_size=rank.pp_size, group=group, layout=layout,
+                  connector=connector, views=views)
+    agent.attach_stage(stage)
+    return stage

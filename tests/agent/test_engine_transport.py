@@ -1,0 +1,270 @@
+"""The engine API transport on its own: wire format, the ROUTER server under garbage,
+timeouts, the client's errors, and KV buffers shared across processes.
+
+The server here runs a transport-level echo service (it reports what it decoded);
+the agent's real service is exercised in test_agent_process.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from node_agent.client import (
+    AgentTimeoutError,
+    AgentUnavailableError,
+    EngineAPIError,
+    EngineClient,
+    RankInfo,
+    SharedKVBuffers,
+)
+from node_agent.engine_api import protocol
+from node_agent.engine_api.buffers import HandleError, open_buffer
+from node_agent.engine_api.server import EngineServer
+from node_agent.http.state import RecentErrors
+from node_agent.metrics import AgentMetrics
+
+pytestmark = pytest.mark.timeout(60)
+RANK = RankInfo(replica="r0", pp_rank=0, pp_size=1)
+
+
+def echo_service(req: protocol.Request) -> Any:
+    """Reports what the server decoded; sleeps on request to exercise timeouts."""
+    if req.op == "release" and req.args["rid"] == "sleep":
+        time.sleep(1.0)
+    if req.op == "release" and req.args["rid"] == "bad":
+        raise ValueError("bad rid 'bad'; use another")
+    if req.op == "release" and req.args["rid"] == "boom":
+        raise RuntimeError("internal failure")
+    if req.op == "lookup":
+        return int(req.arrays["token_ids"].sum())
+    if req.op == "retrieve":
+        return len(req.arrays["slot_mapping"])
+    return {"op": req.op, "arrays": {k: len(v) for k, v in req.arrays.items()}}
+
+
+# -- wire format ---------------------------------------------------------------
+
+def test_request_round_trip_keeps_types_and_values() -> None:
+    frames = protocol.encode_request(
+        3, "store_kv", {"rid": "a", "rank": RANK.to_wire()},
+        {"token_ids": [1, 2, 3], "kv_indices": np.array([7, 8, 9], dtype=np.int32)})
+    req = protocol.decode_request(frames)
+    assert (req.id, req.op, req.args["rid"]) == (3, "store_kv", "a")
+    assert req.arrays["kv_indices"].dtype == np.int64
+    assert req.arrays["kv_indices"].tolist() == [7, 8, 9]
+
+
+@pytest.mark.parametrize(("frames", "fragment"), [
+    ([], "empty message"),
+    ([b"\xff\xfe"], "not UTF-8 JSON"),
+    ([b"[1, 2]"], "header must be a JSON object"),
+    ([b'{"v": 99, "id": 1, "op": "ping"}'], "protocol version 99 is not supported"),
+    ([b'{"v": 1, "id": "x", "op": "ping"}'], "header 'id' must be an integer"),
+    ([b'{"v": 1, "id": 1, "op": "rm -rf"}'], "unknown op 'rm -rf'"),
+    ([b'{"v": 1, "id": 1, "op": "release", "args": {"rid": 5, "rank": {}}}'],
+     "argument 'rid' must be str"),
+    ([b'{"v": 1, "id": 1, "op": "release", "args": {"rank": {}}}'], "missing argument 'rid'"),
+    ([b'{"v": 1, "id": 1, "op": "ping", "args": {"x": 1}}'], "unexpected argument 'x'"),
+    ([b'{"v": 1, "id": 1, "op": "retrieve", "args": {"rid": "a", "rank": {}}, "arrays": '
+      b'{"slot_mapping": {"frame": 1, "dtype": "float64", "len": 1}}}', b"\0" * 8],
+     "must have dtype int64"),
+    ([b'{"v": 1, "id": 1, "op": "retrieve", "args": {"rid": "a", "rank": {}}, "arrays": '
+      b'{"slot_mapping": {"frame": 1, "dtype": "int64", "len": 2}}}', b"\0" * 8],
+     "declares 2 x int64 but its frame holds 8 bytes"),
+    ([b'{"v": 1, "id": 1, "op": "retrieve", "args": {"rid": "a", "rank": {}}, "arrays": '
+      b'{"slot_mapping": {"frame": 4, "dtype": "int64", "len": 1}}}'], "names frame 4"),
+    ([b" " * (protocol.MAX_HEADER_BYTES + 1)], "exceeds the limit"),
+    ([b"{}"] * (protocol.MAX_FRAMES + 1), "frames exceed the limit"),
+])
+def test_malformed_requests_are_named(frames: list[bytes], fragment: str) -> None:
+    with pytest.raises(protocol.ProtocolError) as err:
+        protocol.decode_request(frames)
+    assert fragment in str(err.value)
+
+
+# -- server and client -----------------------------------------------------------
+
+@pytest.fixture()
+def sock_path(tmp_path: Path) -> Path:
+    # Unix socket paths are short; tmp_path may be long.
+    path = Path(f"/tmp/fkv-test-{os.getpid()}-{time.monotonic_ns()}.sock")
+    yield path
+    path.unlink(missing_ok=True)
+
+
+async def _serve(sock_path: Path, timeout: float = 5.0) -> tuple[EngineServer, RecentErrors,
+                                                                  AgentMetrics]:
+    errors, metrics = RecentErrors(), AgentMetrics()
+    server = EngineServer(f"ipc://{sock_path}", echo_service, metrics, call_timeout=timeout,
+                          errors=errors)
+    await server.start()
+    return server, errors, metrics
+
+
+async def test_client_calls_round_trip_through_server(sock_path: Path) -> None:
+    server, _, metrics = await _serve(sock_path)
+    try:
+        client = EngineClient(sock_path, RANK, timeout=5)
+        assert await asyncio.to_thread(client.lookup, "r", [1, 2, 3]) == 6
+        assert await asyncio.to_thread(client.retrieve, "r", np.arange(4)) == 4
+        with pytest.raises(ValueError, match="store_kv: token_ids has 3 entries but "
+                                             "kv_indices has 2 entries"):
+            await asyncio.to_thread(client.store_kv, "r", [1, 2, 3], [4, 5])
+        with pytest.raises(ValueError, match="bad rid 'bad'"):
+            await asyncio.to_thread(client.release, "bad")
+        with pytest.raises(EngineAPIError, match="InternalError: internal failure"):
+            await asyncio.to_thread(client.release, "boom")
+        client.close()
+        assert metrics.engine_requests.labels(op="lookup", outcome="ok")._value.get() == 1
+        assert metrics.engine_requests.labels(op="release", outcome="error")._value.get() == 2
+    finally:
+        await server.stop()
+    assert not sock_path.exists()
+
+
+async def test_server_bounds_slow_calls_and_client_bounds_its_wait(sock_path: Path) -> None:
+    server, errors, metrics = await _serve(sock_path, timeout=0.2)
+    try:
+        client = EngineClient(sock_path, RANK, timeout=5)
+        with pytest.raises(AgentTimeoutError, match=r"did not finish within 0\.2s"):
+            await asyncio.to_thread(client.release, "sleep")
+        assert metrics.engine_requests.labels(op="release", outcome="timeout")._value.get() == 1
+        impatient = EngineClient(sock_path, RANK, timeout=0.1)
+        with pytest.raises(AgentTimeoutError, match="no answer from the agent"):
+            await asyncio.to_thread(impatient.release, "sleep")
+        # The timed-out client reconnects and gets its own answers, not stale ones.
+        assert await asyncio.to_thread(impatient.lookup, "x", [5]) == 5
+        assert any("TimeoutError" in e["message"] for e in errors.snapshot())
+    finally:
+        await server.stop()
+
+
+def test_client_names_socket_when_agent_is_down(tmp_path: Path) -> None:
+    client = EngineClient(tmp_path / "nobody.sock", RANK, timeout=0.5)
+    with pytest.raises(AgentUnavailableError) as err:
+        client.lookup("r", [1])
+    assert str(tmp_path / "nobody.sock") in str(err.value)
+    assert "flexkv-agent run --config" in str(err.value)
+
+
+async def test_garbage_gets_error_replies_and_server_keeps_serving(sock_path: Path) -> None:
+    server, errors, _ = await _serve(sock_path)
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(f"ipc://{sock_path}")
+    rng = np.random.default_rng(0)
+    garbage: list[list[bytes]] = [
+        [rng.bytes(64)],
+        [b'{"v": 1, "id": 11, "op": "launch_missiles"}'],
+        [b'{"v": 1, "id": 12, "op": "lookup", "args": {"rid": [], "rank": {}}}'],
+        [b'{"v": 1, "id": 13, "op": "ping"}'] + [b"x"] * 20,
+        [b'{"v": 1, "id": 14, "op": "ping", "pad": "' + b"a" * protocol.MAX_HEADER_BYTES + b'"}'],
+    ]
+
+    def exchange(frames: list[bytes]) -> dict[str, Any]:
+        raw.send_multipart(frames)
+        assert raw.poll(5000), "no reply to a malformed message"
+        return json.loads(raw.recv_multipart()[0])
+
+    try:
+        replies = [await asyncio.to_thread(exchange, g) for g in garbage]
+        assert all(r["ok"] is False for r in replies)
+        assert [r["id"] for r in replies[1:4]] == [11, 12, 13]
+        assert replies[1]["error"]["type"] == "ProtocolError"
+        assert "unknown op 'launch_missiles'" in replies[1]["error"]["message"]
+        ok = await asyncio.to_thread(
+            exchange, protocol.encode_request(15, "ping"))
+        assert ok == {"v": 1, "id": 15, "ok": True, "result": {"op": "ping", "arrays": {}}}
+        assert server.alive and len(errors.snapshot()) == len(garbage)
+    finally:
+        raw.close()
+        ctx.term()
+        await server.stop()
+
+
+# -- shared KV buffers across processes ------------------------------------------
+
+ENGINE_SCRIPT = textwrap.dedent("""
+    import json, sys, torch
+    from node_agent.client import SharedKVBuffers
+    bufs = SharedKVBuffers([[(8, 2, 4), (8, 2, 4)]], torch.float16)
+    for i, t in enumerate(bufs.tensors[0]):
+        t.copy_(torch.arange(64, dtype=torch.float16).view(8, 2, 4) + i)
+    print(json.dumps(bufs.handles), flush=True)
+    sys.stdin.readline()                      # the agent side wrote into slot 3
+    ok = bool((bufs.tensors[0][1][3] == -1).all())
+    print("seen" if ok else "not seen", flush=True)
+    bufs.close()
+""")
+
+
+def test_shared_memory_buffers_alias_across_processes() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", ENGINE_SCRIPT], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    opened = []
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        handles = json.loads(proc.stdout.readline())
+        opened = [open_buffer(h) for h in handles[0]]
+        assert opened[0].tensor.shape == (8, 2, 4)
+        expected = torch.arange(64, dtype=torch.float16).view(8, 2, 4)
+        assert torch.equal(opened[0].tensor, expected)
+        assert torch.equal(opened[1].tensor, expected + 1)
+        opened[1].tensor[3] = -1
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "seen"
+        assert proc.wait(timeout=20) == 0
+    finally:
+        for b in opened:
+            b.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+@pytest.mark.parametrize(("handle", "fragment"), [
+    ("nope", "must be an object"),
+    ({"kind": "nfs"}, "handle kind 'nfs' is unknown"),
+    ({"kind": "shm", "name": "x", "dtype": "complex64", "shape": [1]}, "dtype 'complex64'"),
+    ({"kind": "shm", "name": "x", "dtype": "float16", "shape": [0]}, "positive ints"),
+    ({"kind": "shm", "name": "flexkv-no-such-segment", "dtype": "float16", "shape": [4]},
+     "does not exist"),
+])
+def test_bad_handles_are_refused(handle: object, fragment: str) -> None:
+    with pytest.raises(HandleError, match=fragment):
+        open_buffer(handle)
+
+
+def test_handle_larger_than_segment_is_refused() -> None:
+    with SharedKVBuffers([[(4, 4)]], torch.float16) as bufs:
+        h = dict(bufs.handles[0][0], shape=[400, 4])
+        with pytest.raises(HandleError, match="needs 3200 bytes but the segment has"):
+            open_buffer(h)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_handle_round_trip_in_process() -> None:
+    from node_agent.engine_api.buffers import cuda_handle
+
+    t = torch.arange(32, dtype=torch.float16, device="cuda").view(4, 8)
+    # CUDA IPC refuses to open a handle in the exporting process: use a child.
+    code = ("import json,sys,torch;from node_agent.engine_api.buffers import open_buffer;"
+            "b=open_buffer(json.loads(sys.stdin.read()));print(float(b.tensor.sum()))")
+    out = subprocess.run([sys.executable, "-c", code], input=json.dumps(cuda_handle(t)),
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    assert float(out) == float(t.sum())
