@@ -138,6 +138,15 @@ class LeaderStream:
         with self._lock:
             return all(p.synced for p in self._peers.values())
 
+    def unsynced_ranks(self) -> list[int]:
+        """Followers not synced (decisions cannot reach them)."""
+        with self._lock:
+            return sorted(r for r, p in self._peers.items() if not p.synced)
+
+    def drop(self, reason: str) -> None:
+        """Count a message the leader dropped (for example from another leader)."""
+        self._stats.drop(reason)
+
     def synced_count(self) -> int:
         """Followers currently synced."""
         with self._lock:
@@ -290,12 +299,24 @@ class FollowerStream:
             self._send_hello()
 
     def send_ack(self, ack: Ack) -> bool:
-        """Report a task outcome to the leader (False when not connected)."""
+        """Report a task outcome to the leader (False when not connected).
+
+        Lock-free on purpose: engine threads ack while the server thread may
+        hold the stream lock waiting for their copies to end.
+        """
+        sender, epoch = self._sender, self.epoch
+        if sender is None:
+            return False
+        return sender.send(encode(Envelope(Op.ACK, self.group, epoch, self.last_seq), ack))
+
+    def request_resync(self, reason: str) -> None:
+        """Stop applying and ask the leader for a flush point (a local fault)."""
         with self._lock:
-            if self._sender is None:
-                return False
-            frames = encode(Envelope(Op.ACK, self.group, self.epoch, self.last_seq), ack)
-            return self._sender.send(frames)
+            self._unsync(reason, resync=True)
+
+    def drop(self, reason: str) -> None:
+        """Count a message dropped by the caller."""
+        self._stats.drop(reason)
 
     def _send_hello(self, resync: bool = False) -> None:
         if self._sender is None or self.epoch < 0:

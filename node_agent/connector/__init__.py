@@ -1,0 +1,18 @@
+"""The FlexKV-style connector of one PP stage: ``store_kv``, ``lookup``,
+``retrieve``, ``release``, ``poll_completed``, ``reset``, ``status``, ``ready``.
+
+The group leader decides; followers execute its physical plans (docs/pp.md).
+"""
+
+from node_agent.connector.config import ConnectorConfig
+from node_agent.connector.connector import BackendFactory, Connector, StoreFactory
+from node_agent.connector.errors import NoLeaderError, UnknownRequestError
+
+__all__ = [
+    "BackendFactory",
+    "Connector",
+    "ConnectorConfig",
+    "NoLeaderError",
+    "StoreFactory",
+    "UnknownRequestError",
+]

@@ -1,0 +1,55 @@
+"""Configuration of one stage's connector (one PP group member)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from node_agent.backend.layout import KVLayout
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """What a connector needs besides its backend, store, keys and view.
+
+    ``fanout_endpoint`` is where this stage's fan-out server binds (the
+    ``ports.fanout`` of agent.yaml as ``tcp://<ip>:<port>``; port 0 picks a free
+    one); None for a group of one stage. Timeouts follow agent.yaml
+    ``timeouts``: ``engine_call_seconds`` bounds every engine-facing call,
+    ``fanout_wait_seconds`` a follower's wait for the leader's decision and the
+    leader's wait for followers' acks, ``transfer_seconds`` one stage's copy.
+    """
+
+    group: str
+    pp_rank: int
+    layout: KVLayout
+    fanout_endpoint: str | None = None
+    engine_call_seconds: float = 10.0
+    fanout_wait_seconds: float = 5.0
+    transfer_seconds: float = 5.0
+    heartbeat_seconds: float = 0.1
+    leader_timeout_seconds: float = 3.0
+    expected_ranks: int = 1
+    max_pending: int = 4096
+
+    def __post_init__(self) -> None:
+        if not self.group:
+            raise ValueError("ConnectorConfig.group is empty; set it to the KVCacheGroup name")
+        if isinstance(self.pp_rank, bool) or not isinstance(self.pp_rank, int) or self.pp_rank < 0:
+            raise ValueError(f"ConnectorConfig.pp_rank={self.pp_rank!r} must be an int >= 0")
+        for key in ("engine_call_seconds", "fanout_wait_seconds", "transfer_seconds",
+                    "heartbeat_seconds", "leader_timeout_seconds"):
+            v = getattr(self, key)
+            if not isinstance(v, int | float) or v <= 0:
+                raise ValueError(
+                    f"ConnectorConfig.{key}={v!r} must be a positive number of seconds"
+                )
+        if self.heartbeat_seconds * 3 > self.leader_timeout_seconds:
+            raise ValueError(
+                f"ConnectorConfig.leader_timeout_seconds={self.leader_timeout_seconds} must be at "
+                f"least 3x heartbeat_seconds={self.heartbeat_seconds}"
+            )
+
+    @property
+    def tokens_per_block(self) -> int:
+        """Page size: stores are aligned down to whole blocks."""
+        return self.layout.tokens_per_block

@@ -1,0 +1,345 @@
+"""The connector of one stage of one PP group: the API the agent service wraps.
+
+:class:`Connector` validates engine inputs (the seed's ``store_kv`` contract),
+then hands each call to its current role: :class:`LeaderRole` when the group
+view names this stage's pp rank as leader, :class:`FollowerRole` otherwise.
+The role follows the view: a new leader or epoch closes the old role (its
+pending calls end as "not stored" / miss) and builds the new one; a new leader
+starts with a fresh backend, so every epoch starts from an empty group cache.
+
+A group of one stage is a leader with no followers; it needs no fan-out
+endpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from node_agent.backend.layout import register_buffers
+from node_agent.backend.replication import ReplicatedBackend, StageStore
+from node_agent.connector.config import ConnectorConfig
+from node_agent.connector.errors import UnknownRequestError
+from node_agent.connector.follower import FollowerRole
+from node_agent.connector.inputs import prepare_store, token_array
+from node_agent.connector.leader import LeaderRole
+from node_agent.metrics import AgentMetrics
+from node_agent.pp.auth import CurveKeys
+from node_agent.pp.channel import FanoutServer
+from node_agent.pp.group import GroupView, GroupViewSource
+from node_agent.pp.messages import Message
+from node_agent.pp.stream import StreamMetrics
+
+log = logging.getLogger(__name__)
+
+
+class RegistrableStore(Protocol):
+    """A :class:`StageStore` that engine ranks register KV buffers with."""
+
+    def register_kv_buffers(self, rank: int, buffers: Sequence[Sequence[torch.Tensor]]) -> None:
+        """Keep rank ``rank``'s buffers (validated against the store's layout)."""
+
+
+BackendFactory = Callable[[], ReplicatedBackend]
+"""Builds a fresh, deferred-visibility leader backend (not yet started)."""
+StoreFactory = Callable[[], StageStore]
+"""Builds a follower's stage store; it must also be a :class:`RegistrableStore`."""
+
+Role = LeaderRole | FollowerRole
+
+
+class Connector:
+    """One stage's connector (see module docstring). Thread-safe."""
+
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        view: GroupViewSource,
+        backend_factory: BackendFactory,
+        store_factory: StoreFactory,
+        keys: CurveKeys | None = None,
+        metrics: AgentMetrics | None = None,
+    ) -> None:
+        if view.view.group != config.group:
+            raise ValueError(
+                f"Group view is for {view.view.group!r} but the connector is for "
+                f"{config.group!r}; pass the view of the same KVCacheGroup"
+            )
+        self.cfg = config
+        self._view = view
+        self._backend_factory = backend_factory
+        self._store_factory = store_factory
+        self._keys = keys
+        self._metrics = metrics
+        self._stats = StreamMetrics(config.group, metrics)
+        self._lock = threading.RLock()
+        self._role: Role | None = None
+        self._store: StageStore | None = None
+        self._buffers: dict[int, Sequence[Sequence[torch.Tensor]]] = {}
+        self._num_slots: int | None = None
+        self._server: FanoutServer | None = None
+        self._leader_rank: int | None = None
+        self._started = False
+        self._closed = False
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> Connector:
+        """Bind the fan-out server (when configured) and take the current view's role."""
+        with self._lock:
+            if self._started:
+                return self
+            if self.cfg.fanout_endpoint is not None:
+                self._server = FanoutServer(self.cfg.fanout_endpoint, self._keys,
+                                            on_drop=lambda g, r: self._stats.drop(r)).start()
+                self._server.register(self.cfg.group, self._dispatch)
+            self._started = True
+            self._view.subscribe(self._on_view)
+            self._on_view(self._view.view)
+        return self
+
+    @property
+    def fanout_endpoint(self) -> str | None:
+        """The bound fan-out endpoint (after ``start``), for the group view."""
+        return None if self._server is None else self._server.endpoint
+
+    def close(self) -> None:
+        """Leave the group: stop the role, the server; release tiers. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._view.unsubscribe(self._on_view)
+            self._end_role()
+            if self._server is not None:
+                self._server.close()
+                self._server = None
+
+    def _dispatch(self, msg: Message) -> None:
+        role = self._role
+        if role is None:
+            # No role yet (or no leader): a message of a newer epoch than our view
+            # came early; anything else is from an old epoch.
+            newer = msg.env.epoch > self._view.view.epoch
+            self._stats.drop("future_epoch" if newer else "stale_epoch")
+            return
+        role.handle(msg)
+
+    # -- roles -----------------------------------------------------------------------------
+
+    def _on_view(self, view: GroupView) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            rank = self.cfg.pp_rank
+            leader = view.leader
+            role = self._role
+            if leader is not None and leader.pp_rank != self._leader_rank:
+                if self._leader_rank is not None and self._metrics is not None:
+                    self._metrics.leader_changes.labels(group=self.cfg.group).inc()
+                self._leader_rank = leader.pp_rank
+            if self._metrics is not None:
+                self._metrics.pp_epoch.labels(group=self.cfg.group).set(view.epoch)
+            followers = {m.pp_rank: m.fanout_endpoint for m in view.followers()}
+            if isinstance(role, LeaderRole) and leader is not None and \
+                    leader.pp_rank == rank and role.epoch == view.epoch:
+                role.stream.set_followers(followers)
+                return
+            if isinstance(role, FollowerRole) and leader is not None and \
+                    leader.pp_rank != rank and role.epoch == view.epoch:
+                return
+            self._end_role()
+            if leader is None:
+                log.warning("Group has no leader; calls answer not stored / miss",
+                            extra={"group": self.cfg.group, "epoch": view.epoch})
+                return
+            try:
+                if leader.pp_rank == rank:
+                    self._role = self._make_leader(view.epoch, followers)
+                else:
+                    self._role = self._make_follower(view.epoch, leader.fanout_endpoint)
+            except Exception:
+                log.exception("Cannot take the group role", extra={"group": self.cfg.group,
+                                                                    "epoch": view.epoch})
+                self._role = None
+                return
+            if self._metrics is not None:
+                self._metrics.set_role(self.cfg.group, self._role.role)
+            log.info("Took group role", extra={"group": self.cfg.group, "role": self._role.role,
+                                                "epoch": view.epoch, "rank": rank})
+
+    def _make_leader(self, epoch: int, followers: dict[int, str]) -> LeaderRole:
+        backend = self._backend_factory()
+        for r, bufs in self._buffers.items():
+            backend.register_kv_buffers(r, bufs)
+        backend.start()
+        return LeaderRole(self.cfg, epoch, backend, followers, self._keys, self._stats,
+                          self._num_slots)
+
+    def _make_follower(self, epoch: int, leader_endpoint: str) -> FollowerRole:
+        if self._store is None:
+            store = self._store_factory()
+            for r, bufs in self._buffers.items():
+                _registrable(store).register_kv_buffers(r, bufs)
+            self._store = store
+        return FollowerRole(self.cfg, epoch, leader_endpoint, self._store, self._keys,
+                            self._stats, self._num_slots)
+
+    def _end_role(self) -> None:
+        role, self._role = self._role, None
+        if role is not None:
+            role.close()
+        # A follower store is kept across follower epochs until the connector closes.
+        if self._closed and self._store is not None:
+            _close_store(self._store)
+            self._store = None
+
+    # -- registration ----------------------------------------------------------------------
+
+    def register_kv_buffers(self, rank: int, buffers: Sequence[Sequence[torch.Tensor]]) -> None:
+        """Register engine rank ``rank``'s KV buffers with this stage (every role).
+
+        Validated against the layout first (``ValueError`` naming the bad
+        value, nothing registered).
+        """
+        reg = register_buffers(self.cfg.layout, rank, buffers)
+        with self._lock:
+            role = self._role
+            if isinstance(role, LeaderRole):
+                role.backend.register_kv_buffers(rank, buffers)
+            if self._store is not None:
+                _registrable(self._store).register_kv_buffers(rank, buffers)
+            self._buffers[rank] = buffers
+            slots = reg.num_slots if self._num_slots is None else min(self._num_slots,
+                                                                       reg.num_slots)
+            self._num_slots = slots
+            if role is not None:
+                role.num_slots = slots
+
+    # -- engine calls ----------------------------------------------------------------------
+
+    def store_kv(
+        self,
+        rid: str,
+        token_ids: Sequence[int] | npt.NDArray[np.integer],
+        kv_indices: torch.Tensor | npt.NDArray[np.integer],
+    ) -> int:
+        """Store the KV of ``token_ids`` from slots ``kv_indices`` (parallel arrays).
+
+        Raises ``ValueError`` when the lengths differ ("store_kv: token_ids has N
+        entries but kv_indices has M entries") or a slot is invalid, with nothing
+        decided or written. Aligns down to whole pages; returns the task id of
+        the group store, or -1 when nothing is stored (nothing new, aligned
+        length 0, a degraded group, a timeout, a failure on this stage).
+        ``poll_completed`` later reports ``rid`` once every stage is terminal.
+        """
+        inp = prepare_store(token_ids, kv_indices, self.cfg.tokens_per_block, self._num_slots)
+        role = self._role
+        if role is None:
+            return -1
+        return role.store_kv(rid, inp)
+
+    def lookup(
+        self,
+        rid: str,
+        token_ids: Sequence[int] | npt.NDArray[np.integer],
+        token_mask: npt.NDArray[np.bool_] | None = None,
+    ) -> int:
+        """Tokens of ``token_ids`` every stage can load (a block-aligned prefix
+        span); 0 on a miss, a timeout or a degraded group. A later lookup for
+        the same rid cancels this one."""
+        tokens = token_array(token_ids)
+        mask = None
+        if token_mask is not None:
+            mask = np.asarray(token_mask, dtype=np.bool_)
+            if mask.shape != tokens.shape:
+                raise ValueError(
+                    f"lookup: token_mask has shape {mask.shape} but token_ids has "
+                    f"{tokens.shape}; pass one flag per token"
+                )
+        role = self._role
+        if role is None:
+            return 0
+        return role.lookup(rid, tokens, mask)
+
+    def retrieve(self, rid: str, slot_mapping: torch.Tensor | npt.NDArray[np.integer]) -> int:
+        """Load the span found by ``lookup(rid)`` into ``slot_mapping`` (one slot
+        per hit token). Returns the tokens loaded: the hit when every stage
+        loaded its layers, else 0 (treat the slots as garbage). Raises
+        ``UnknownRequestError`` when ``rid`` has no open lookup."""
+        role = self._role
+        if role is None:
+            raise UnknownRequestError(rid, "retrieve", "the group has no leader right now")
+        return role.retrieve(rid, slot_mapping)
+
+    def release(self, rid: str) -> None:
+        """The engine is done with ``rid`` (cancels its un-used lookup)."""
+        role = self._role
+        if role is not None:
+            role.release(rid)
+
+    def poll_completed(self) -> list[str]:
+        """Rids whose store is terminal on every stage; the engine may free their
+        source slots only now."""
+        role = self._role
+        return [] if role is None else role.poll_completed()
+
+    def reset(self) -> None:
+        """Flush: the leader flushes the whole group; a follower its pending state."""
+        role = self._role
+        if role is not None:
+            role.reset()
+
+    # -- health ----------------------------------------------------------------------------
+
+    def ready(self) -> bool:
+        """True when started, every expected engine rank registered, this stage
+        holds a role and is not degraded (for /readyz)."""
+        role = self._role
+        return (
+            self._started and not self._closed and role is not None
+            and len(self._buffers) >= self.cfg.expected_ranks and not role.degraded()
+        )
+
+    def status(self) -> dict[str, Any]:
+        """Role, group, epoch, last seq, peers, degraded flag, counters, drops."""
+        role = self._role
+        view = self._view.view
+        out: dict[str, Any] = {
+            "group": self.cfg.group,
+            "ppRank": self.cfg.pp_rank,
+            "role": None,
+            "epoch": view.epoch,
+            "leaderRank": None if view.leader is None else view.leader.pp_rank,
+            "lastSeq": -1,
+            "peersConnected": 0,
+            "degraded": True,
+            "registeredRanks": sorted(self._buffers),
+            "fanoutEndpoint": self.fanout_endpoint,
+            "dropped": dict(self._stats.dropped),
+        }
+        if role is not None:
+            out.update(role.status())
+        out["ready"] = self.ready()
+        return out
+
+
+def _registrable(store: StageStore) -> RegistrableStore:
+    if not hasattr(store, "register_kv_buffers"):
+        raise TypeError(
+            f"{type(store).__name__} has no register_kv_buffers; the store factory must "
+            "return a stage store engine ranks can register with (e.g. TierStore)"
+        )
+    return store
+
+
+def _close_store(store: StageStore) -> None:
+    close = getattr(store, "close", None)
+    if callable(close):
+        close()

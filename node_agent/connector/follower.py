@@ -1,0 +1,356 @@
+"""A follower stage's side of the connector: it never matches, allocates or evicts.
+
+Each engine call waits (bounded) for the leader's decision paired with it by
+``(rid, kind, n)``, applies the decision's mask to its own inputs and executes
+the physical plan on its own :class:`StageStore`, then acks the outcome to the
+leader. Stream messages (moves, cancels, results, resets) are applied on the
+server thread in stream order.
+
+Copies run under one *execution lock*: a message that frees blocks (a failed
+put's RESULT, a load's CANCEL, RESET, MOVES, a broken stream) takes that lock
+first, so no copy that started before it can touch a block a later plan
+reuses, and it marks the task so no copy starts after it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from node_agent.backend.replication import StageStore
+from node_agent.connector.config import ConnectorConfig
+from node_agent.connector.errors import UnknownRequestError
+from node_agent.connector.inputs import StoreInput, prepare_slots
+from node_agent.connector.tracking import CallCounter, Key, Mailbox
+from node_agent.pp.auth import CurveKeys
+from node_agent.pp.messages import (
+    Ack,
+    Cancel,
+    Decision,
+    Kind,
+    Message,
+    Moves,
+    Op,
+    Release,
+    Reset,
+    Result,
+)
+from node_agent.pp.stream import FollowerStream, StreamMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FollowerCounters:
+    """Totals reported in ``status()``."""
+
+    stores: int = 0
+    stores_executed: int = 0
+    store_failures: int = 0
+    decision_timeouts: int = 0
+    lookups: int = 0
+    retrieves: int = 0
+    retrieve_misses: int = 0
+    moves_applied: int = 0
+    resets: int = 0
+
+
+class FollowerRole:
+    """Follower of one group under one epoch (see module docstring)."""
+
+    role = "follower"
+
+    def __init__(
+        self,
+        cfg: ConnectorConfig,
+        epoch: int,
+        leader_endpoint: str | None,
+        store: StageStore,
+        keys: CurveKeys | None,
+        stats: StreamMetrics,
+        num_slots: int | None,
+    ) -> None:
+        self.cfg = cfg
+        self.epoch = epoch
+        self.store = store
+        self.num_slots = num_slots
+        self.counters = FollowerCounters()
+        self._decisions: Mailbox[Decision] = Mailbox(cfg.max_pending)
+        self._results: Mailbox[Result] = Mailbox(cfg.max_pending)
+        self._calls = CallCounter(cfg.max_pending)
+        self._exec = threading.Lock()
+        self._state = threading.Lock()
+        self._gen = 0
+        self._cancelled: OrderedDict[Key, None] = OrderedDict()
+        self._gets: OrderedDict[str, tuple[int, Decision]] = OrderedDict()
+        self._stored: dict[Key, None] = {}
+        self._completed: deque[str] = deque()
+        self.stream = FollowerStream(
+            cfg.group, cfg.pp_rank, keys, stats, apply=self._apply,
+            on_unsynced=self._on_unsynced, on_dropped=self._on_dropped,
+            hello_interval=max(cfg.heartbeat_seconds * 2.5, 0.05),
+            leader_timeout=cfg.leader_timeout_seconds,
+        )
+        self.stream.follow(epoch, leader_endpoint)
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _ack(self, kind: Kind, rid: str, n: int, task_id: int, ok: bool,
+             error: str | None = None) -> None:
+        self.stream.send_ack(Ack(self.cfg.pp_rank, rid, kind, n, task_id, ok, error))
+
+    def _wait_s(self) -> float:
+        return min(self.cfg.fanout_wait_seconds, self.cfg.engine_call_seconds)
+
+    def _execute(self, key: Key, d: Decision, slots: npt.NDArray[np.int64]) -> str | None:
+        """Run ``d``'s plan with ``slots``; None on success, else the error."""
+        gen = self._gen
+        if not self._exec.acquire(timeout=self.cfg.transfer_seconds):
+            return "another copy on this stage did not finish in time"
+        timed_out = False
+        try:
+            if gen != self._gen or key in self._cancelled:
+                return "the leader cancelled the task or the stream was resynced"
+            plan = d.plan
+            assert plan is not None
+            self.store.execute(plan, slots, timeout=self.cfg.transfer_seconds)
+            return None
+        except TimeoutError as exc:
+            timed_out = True
+            return str(exc)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        finally:
+            self._exec.release()
+            if timed_out:
+                # The copy may still be running: no later plan may be applied over it.
+                self.stream.request_resync("copy timed out")
+
+    def _fence(self) -> bool:
+        """Wait until no copy runs (bounded); False when one is stuck."""
+        if self._exec.acquire(timeout=self.cfg.transfer_seconds + 1.0):
+            self._exec.release()
+            return True
+        return False
+
+    def _mark_cancelled(self, key: Key) -> None:
+        with self._state:
+            self._cancelled[key] = None
+            while len(self._cancelled) > self.cfg.max_pending:
+                self._cancelled.popitem(last=False)
+
+    # -- store -----------------------------------------------------------------------------
+
+    def store_kv(self, rid: str, inp: StoreInput) -> int:
+        """Wait for the leader's decision, execute it on this stage, ack it."""
+        n = self._calls.next(rid, Kind.PUT)
+        key: Key = (rid, Kind.PUT, n)
+        self.counters.stores += 1
+        if inp.aligned == 0 or not self.stream.synced:
+            self._decisions.abandon(key)
+            return -1
+        d = self._decisions.take(key, self._wait_s())
+        if d is None:
+            self.counters.decision_timeouts += 1
+            return -1
+        if not d.active or d.error:
+            return -1
+        tpb = self.cfg.tokens_per_block
+        error: str | None = None
+        if len(d.mask) != inp.aligned:
+            error = (f"stage {self.cfg.pp_rank} has {inp.aligned} aligned tokens for {rid!r} "
+                     f"but the leader decided over {len(d.mask)}")
+        elif int(d.mask.sum()) != d.num_blocks * tpb:
+            error = f"decision mask covers {int(d.mask.sum())} tokens, plan {d.num_blocks} blocks"
+        else:
+            error = self._execute(key, d, inp.slots[d.mask])
+        if error is None:
+            with self._state:
+                self._stored[key] = None
+            self.counters.stores_executed += 1
+        else:
+            self.counters.store_failures += 1
+            log.warning("Stage failed to store", extra={"group": self.cfg.group, "rid": rid,
+                                                        "error": error})
+        self._ack(Kind.PUT, rid, n, d.task_id, error is None, error)
+        return d.task_id if error is None else -1
+
+    def poll_completed(self) -> list[str]:
+        """Rids whose store the leader finished (published or discarded)."""
+        with self._state:
+            out = list(self._completed)
+            self._completed.clear()
+            return out
+
+    # -- load ------------------------------------------------------------------------------
+
+    def lookup(self, rid: str, tokens: npt.NDArray[np.int64],
+               token_mask: npt.NDArray[np.bool_] | None) -> int:
+        """The leader's hit for this lookup (0 on timeout, error or mismatch)."""
+        n = self._calls.next(rid, Kind.GET)
+        key: Key = (rid, Kind.GET, n)
+        self.counters.lookups += 1
+        with self._state:
+            self._gets.pop(rid, None)
+        if not self.stream.synced:
+            self._decisions.abandon(key)
+            return 0
+        d = self._decisions.take(key, self._wait_s())
+        if d is None:
+            self.counters.decision_timeouts += 1
+            return 0
+        if not d.active or d.error or len(d.mask) != len(tokens):
+            return 0
+        with self._state:
+            self._gets[rid] = (n, d)
+            while len(self._gets) > self.cfg.max_pending:
+                self._gets.popitem(last=False)
+        return int(d.mask.sum())
+
+    def retrieve(self, rid: str, slot_mapping: object) -> int:
+        """Load this stage's layers; the hit when every stage loaded, else 0."""
+        with self._state:
+            entry = self._gets.pop(rid, None)
+        if entry is None:
+            raise UnknownRequestError(rid, "retrieve", "call lookup first (or it was a miss)")
+        n, d = entry
+        key: Key = (rid, Kind.GET, n)
+        self.counters.retrieves += 1
+        hit = int(d.mask.sum())
+        try:
+            slots = prepare_slots(slot_mapping, hit, self.num_slots)  # type: ignore[arg-type]
+        except ValueError as exc:
+            self._ack(Kind.GET, rid, n, d.task_id, False, str(exc))
+            raise
+        error = self._execute(key, d, slots)
+        self._ack(Kind.GET, rid, n, d.task_id, error is None, error)
+        verdict = None
+        if error is None:
+            verdict = self._results.take(key, self.cfg.fanout_wait_seconds
+                                         + self.cfg.transfer_seconds)
+        if verdict is None or not verdict.ok:
+            self.counters.retrieve_misses += 1
+            return 0
+        return hit
+
+    # -- stream ----------------------------------------------------------------------------
+
+    def _apply(self, msg: Message) -> None:
+        body = msg.body
+        if isinstance(body, Decision):
+            kind = Kind.PUT if msg.env.op is Op.PUT else Kind.GET
+            if not self._decisions.put((body.rid, kind, body.n), body) and kind is Kind.PUT \
+                    and body.active:
+                self._ack(kind, body.rid, body.n, body.task_id, False,
+                          "the stage's store_kv call gave up before the decision arrived")
+        elif isinstance(body, Moves):
+            if not self._exec.acquire(timeout=self.cfg.transfer_seconds + 1.0):
+                self.stream.request_resync("moves could not wait for a running copy")
+                return
+            try:
+                self.store.apply_moves(body.moves)
+                self.counters.moves_applied += len(body.moves)
+            finally:
+                self._exec.release()
+        elif isinstance(body, Result):
+            self._on_result(body)
+        elif isinstance(body, Cancel):
+            key: Key = (body.rid, body.kind, body.n)
+            self._mark_cancelled(key)
+            self._decisions.abandon(key)
+            if not self._fence():
+                self.stream.request_resync("a copy did not end after its cancel")
+        elif isinstance(body, Release):
+            self._decisions.discard_rid(body.rid)
+        elif isinstance(body, Reset):
+            self._reset_local(body.reason)
+
+    def _on_result(self, r: Result) -> None:
+        key: Key = (r.rid, r.kind, r.n)
+        if not r.ok:
+            self._mark_cancelled(key)
+            if not self._fence():
+                self.stream.request_resync("a copy did not end after its discard")
+        if r.kind is Kind.GET:
+            self._results.put(key, r)
+            return
+        with self._state:
+            if self._stored.pop(key, "absent") is None:
+                self._completed.append(r.rid)
+
+    def _reset_local(self, reason: str) -> None:
+        self._gen += 1
+        self._decisions.fail_waiters()
+        self._results.fail_waiters()
+        if not self._fence():
+            log.error("A copy did not end before a reset", extra={"group": self.cfg.group})
+        self.store.reset()
+        self.counters.resets += 1
+        with self._state:
+            self._gets.clear()
+            self._completed.extend(k[0] for k in self._stored)
+            self._stored.clear()
+        log.info("Stage flushed", extra={"group": self.cfg.group, "reason": reason})
+
+    def _on_unsynced(self, reason: str) -> None:
+        self._gen += 1
+        self._decisions.fail_waiters()
+        self._results.fail_waiters()
+        self._fence()
+        with self._state:
+            self._gets.clear()
+
+    def _on_dropped(self, msg: Message) -> None:
+        body = msg.body
+        if isinstance(body, Decision) and msg.env.op is Op.PUT and body.active:
+            self._ack(Kind.PUT, body.rid, body.n, body.task_id, False,
+                      "decision dropped: the stage's stream was out of sync")
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def release(self, rid: str) -> None:
+        """Forget ``rid``'s calls and pending decisions on this stage."""
+        self._calls.release(rid)
+        self._decisions.discard_rid(rid)
+        with self._state:
+            self._gets.pop(rid, None)
+
+    def reset(self) -> None:
+        """Local part of an engine reset (the leader flushes the group)."""
+        with self._state:
+            self._gets.clear()
+
+    def handle(self, msg: Message) -> None:
+        """A message from the leader (server thread)."""
+        if msg.env.op in (Op.HELLO, Op.ACK):
+            self.stream.drop("stale_epoch")  # meant for a leader; this stage follows
+        else:
+            self.stream.handle(msg)
+
+    def degraded(self) -> bool:
+        """True while this stage is not synced with its leader."""
+        return not self.stream.synced
+
+    def status(self) -> dict[str, object]:
+        """Role-specific part of the connector's status."""
+        return {
+            "role": self.role,
+            "epoch": self.epoch,
+            "lastSeq": self.stream.last_seq,
+            "peersConnected": 1 if self.stream.synced else 0,
+            "peersExpected": 1,
+            "degraded": self.degraded(),
+            "counters": dict(vars(self.counters)),
+        }
+
+    def close(self) -> None:
+        """Stop the stream; pending calls end empty-handed."""
+        self.stream.close()
+        self._gen += 1
+        self._decisions.fail_waiters()
+        self._results.fail_waiters()

@@ -1,0 +1,432 @@
+"""The group leader's side of the connector: it alone owns the index and decides.
+
+Every decision is taken under one *decision lock* that also covers its
+broadcast, so the stream order is the decision order (a move that frees a
+block always precedes a plan that reuses it). The leader answers every engine
+call of the followers: manager errors become error decisions, never silence.
+
+Puts: ``put_match`` -> moves -> PUT decision (before launching) -> launch. A
+reaper thread finishes each put once it is terminal locally and every
+follower acked (or the deadline passed): publish when all succeeded, else
+discard; then it broadcasts the RESULT and reports the rid in
+``poll_completed``.
+
+Gets: ``get_match`` -> moves -> GET decision. ``retrieve`` first collects the
+followers' load acks while its own task is still un-launched (the matched
+blocks stay locked, so no later decision can reuse them under a follower's
+load), then loads locally and broadcasts the group verdict.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from node_agent.backend.base import KVResponseStatus
+from node_agent.backend.replication import Direction, ReplicatedBackend, TransferPlan
+from node_agent.connector.config import ConnectorConfig
+from node_agent.connector.errors import UnknownRequestError
+from node_agent.connector.inputs import StoreInput, prepare_slots
+from node_agent.connector.tracking import AckCollector, CallCounter
+from node_agent.pp.auth import CurveKeys
+from node_agent.pp.messages import (
+    Ack,
+    Cancel,
+    Decision,
+    Kind,
+    Message,
+    Moves,
+    Op,
+    Release,
+    Reset,
+    Result,
+)
+from node_agent.pp.stream import LeaderStream, StreamMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Put:
+    rid: str
+    n: int
+    task_id: int
+    acks: AckCollector
+    deadline: float
+    local: KVResponseStatus | None = None
+    error: str | None = None
+
+
+@dataclass
+class _Get:
+    n: int
+    task_id: int
+    hit: int
+    acks: AckCollector
+    used: bool = False
+
+
+@dataclass
+class LeaderCounters:
+    """Totals reported in ``status()``."""
+
+    stores: int = 0
+    stores_published: int = 0
+    stores_discarded: int = 0
+    lookups: int = 0
+    hit_tokens: int = 0
+    retrieves: int = 0
+    retrieve_misses: int = 0
+    manager_errors: int = 0
+    degraded_refusals: int = 0
+    flushes: int = 0
+    moves_sent: int = 0
+
+
+class LeaderRole:
+    """Leader of one group for one epoch (see module docstring)."""
+
+    role = "leader"
+
+    def __init__(
+        self,
+        cfg: ConnectorConfig,
+        epoch: int,
+        backend: ReplicatedBackend,
+        followers: dict[int, str],
+        keys: CurveKeys | None,
+        stats: StreamMetrics,
+        num_slots: int | None,
+    ) -> None:
+        self.cfg = cfg
+        self.epoch = epoch
+        self.backend = backend
+        self.num_slots = num_slots
+        self.counters = LeaderCounters()
+        self._decide = threading.Lock()
+        self._state = threading.Lock()
+        self._puts: dict[int, _Put] = {}
+        self._gets: dict[str, _Get] = {}
+        self._completed: deque[str] = deque()
+        self._calls = CallCounter(cfg.max_pending)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.stream = LeaderStream(cfg.group, epoch, keys, stats, self._flush, self._on_ack,
+                                   heartbeat_interval=cfg.heartbeat_seconds)
+        self.stream.set_followers(followers)
+        self._reaper = threading.Thread(target=self._reap_loop, name=f"reaper-{cfg.group}",
+                                        daemon=True)
+        self._reaper.start()
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _expected(self) -> frozenset[int]:
+        return frozenset(self.stream.follower_ranks)
+
+    def _decision(self, kind: Kind, rid: str, n: int, task_id: int,
+                  mask: npt.NDArray[np.bool_], plan: TransferPlan | None,
+                  error: str | None = None) -> Decision:
+        direction = Direction.STORE if kind is Kind.PUT else Direction.LOAD
+        return Decision.build(direction, rid, n, task_id, mask, plan, error)
+
+    def _refuse(self, kind: Kind, rid: str, n: int, length: int, error: str) -> None:
+        """Broadcast an error decision (task -1) so followers answer at once."""
+        op = Op.PUT if kind is Kind.PUT else Op.GET
+        self.stream.broadcast(op, self._decision(kind, rid, n, -1, np.zeros(length, bool),
+                                                 None, error))
+
+    def _not_synced(self) -> str | None:
+        missing = self.stream.unsynced_ranks()
+        if not missing:
+            return None
+        return f"group degraded: followers {missing} are not synced with the leader"
+
+    # -- store -----------------------------------------------------------------------------
+
+    def store_kv(self, rid: str, inp: StoreInput) -> int:
+        """Decide, fan out, then launch; returns the task id or -1."""
+        n = self._calls.next(rid, Kind.PUT)
+        self.counters.stores += 1
+        if inp.aligned == 0:
+            self._refuse(Kind.PUT, rid, n, 0, "")
+            return -1
+        with self._decide:
+            degraded = self._not_synced()
+            if degraded is not None:
+                self.counters.degraded_refusals += 1
+                self._refuse(Kind.PUT, rid, n, inp.aligned, degraded)
+                return -1
+            task_id = -1
+            try:
+                task_id, mask = self.backend.put_match(inp.tokens)
+                plan = self.backend.plan_of(task_id) if task_id >= 0 else None
+                moves = self.backend.drain_moves()
+            except Exception as exc:
+                self.counters.manager_errors += 1
+                log.exception("put_match failed", extra={"group": self.cfg.group, "rid": rid})
+                if task_id >= 0:
+                    self.backend.cancel([task_id])
+                self._refuse(Kind.PUT, rid, n, inp.aligned, f"leader put_match failed: {exc}")
+                return -1
+            if moves:
+                self.counters.moves_sent += len(moves)
+                self.stream.broadcast(Op.MOVES, Moves(tuple(moves)))
+            if task_id < 0:
+                self.stream.broadcast(Op.PUT, self._decision(Kind.PUT, rid, n, -1, mask, None))
+                return -1
+            deadline = time.monotonic() + self.cfg.engine_call_seconds
+            track = _Put(rid, n, task_id, AckCollector(self._expected()), deadline)
+            with self._state:
+                self._puts[task_id] = track
+            self.stream.broadcast(Op.PUT, self._decision(Kind.PUT, rid, n, task_id, mask, plan))
+        try:
+            self.backend.launch([task_id], [inp.slots[mask]])
+        except Exception as exc:
+            self.counters.manager_errors += 1
+            log.warning("Leader launch failed, the store will be discarded",
+                        extra={"group": self.cfg.group, "rid": rid, "error": str(exc)})
+            self.backend.cancel([task_id])
+            track.local, track.error = KVResponseStatus.FAILED, str(exc)
+            self._wake.set()
+            return -1
+        self._wake.set()
+        return task_id
+
+    def poll_completed(self) -> list[str]:
+        """Rids whose store is terminal on every stage (source slots may be freed)."""
+        with self._state:
+            out = list(self._completed)
+            self._completed.clear()
+            return out
+
+    def _on_ack(self, ack: Ack) -> None:
+        with self._state:
+            if ack.kind is Kind.PUT:
+                t = self._puts.get(ack.task_id)
+                if t is not None and (t.rid, t.n) == (ack.rid, ack.n):
+                    t.acks.add(ack)
+                    self._wake.set()
+            else:
+                g = self._gets.get(ack.rid)
+                if g is not None and (g.n, g.task_id) == (ack.n, ack.task_id):
+                    g.acks.add(ack)
+
+    def _reap_loop(self) -> None:
+        while not self._stop.is_set():
+            with self._state:
+                pending = list(self._puts.values())
+            if not pending:
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            self._reap(pending)
+            self._wake.wait(0.002)
+            self._wake.clear()
+
+    def _reap(self, pending: list[_Put]) -> None:
+        live = [t.task_id for t in pending if t.local is None]
+        if live:
+            try:
+                for tid, resp in self.backend.try_wait(live).items():
+                    t = next(p for p in pending if p.task_id == tid)
+                    t.local, t.error = resp.status, resp.error
+            except Exception as exc:
+                log.warning("try_wait failed", extra={"group": self.cfg.group, "error": str(exc)})
+        now = time.monotonic()
+        for t in pending:
+            if t.local is not None and t.acks.done():
+                self._finish_put(t, t.local is KVResponseStatus.SUCCESS and t.acks.all_ok())
+            elif now > t.deadline:
+                if t.local is None:
+                    # Bounded: the copy may still be running; let it end first.
+                    last = self.backend.wait([t.task_id], timeout=self.cfg.transfer_seconds,
+                                             completely=True).get(t.task_id)
+                    t.local = last.status if last is not None else KVResponseStatus.FAILED
+                log.warning("Store not acked by every follower in time, discarding",
+                            extra={"group": self.cfg.group, "rid": t.rid,
+                                   "missing": t.acks.missing()})
+                self._finish_put(t, False)
+
+    def _finish_put(self, t: _Put, ok: bool) -> None:
+        with self._decide:
+            with self._state:
+                if self._puts.pop(t.task_id, None) is None:
+                    return  # a flush already ended it
+            if ok:
+                try:
+                    self.backend.publish(t.task_id)
+                except Exception as exc:
+                    log.warning("publish failed", extra={"group": self.cfg.group, "rid": t.rid,
+                                                         "error": str(exc)})
+                    ok = False
+            if not ok:
+                self.backend.discard(t.task_id)
+            self.stream.broadcast(Op.RESULT, Result(t.rid, Kind.PUT, t.n, t.task_id, ok))
+        if ok:
+            self.counters.stores_published += 1
+        else:
+            self.counters.stores_discarded += 1
+        with self._state:
+            self._completed.append(t.rid)
+
+    # -- load ------------------------------------------------------------------------------
+
+    def lookup(self, rid: str, tokens: npt.NDArray[np.int64],
+               token_mask: npt.NDArray[np.bool_] | None) -> int:
+        """Match, fan the decision out, return the hit tokens (0 on any failure)."""
+        n = self._calls.next(rid, Kind.GET)
+        self.counters.lookups += 1
+        self._cancel_get(rid)
+        with self._decide:
+            degraded = self._not_synced()
+            if degraded is not None:
+                self.counters.degraded_refusals += 1
+                self._refuse(Kind.GET, rid, n, len(tokens), degraded)
+                return 0
+            task_id = -1
+            try:
+                task_id, mask = self.backend.get_match(tokens, token_mask)
+                plan = self.backend.plan_of(task_id) if task_id >= 0 else None
+                moves = self.backend.drain_moves()
+            except Exception as exc:
+                self.counters.manager_errors += 1
+                log.exception("get_match failed", extra={"group": self.cfg.group, "rid": rid})
+                if task_id >= 0:
+                    self.backend.cancel([task_id])
+                self._refuse(Kind.GET, rid, n, len(tokens), f"leader get_match failed: {exc}")
+                return 0
+            if moves:
+                self.counters.moves_sent += len(moves)
+                self.stream.broadcast(Op.MOVES, Moves(tuple(moves)))
+            hit = int(mask.sum()) if task_id >= 0 else 0
+            with self._state:
+                self._gets[rid] = _Get(n, task_id, hit, AckCollector(self._expected()))
+            self.stream.broadcast(Op.GET, self._decision(Kind.GET, rid, n, task_id, mask, plan))
+        self.counters.hit_tokens += hit
+        return hit
+
+    def _cancel_get(self, rid: str) -> None:
+        """Cancel ``rid``'s un-used load task (a second lookup, or a release)."""
+        with self._state:
+            g = self._gets.pop(rid, None)
+        if g is not None and g.task_id >= 0 and not g.used:
+            with self._decide:
+                self.backend.cancel([g.task_id])
+                self.stream.broadcast(Op.CANCEL, Cancel(rid, Kind.GET, g.n, g.task_id))
+
+    def retrieve(self, rid: str, slot_mapping: object) -> int:
+        """Load the looked-up span into ``slot_mapping`` on every stage; the hit
+        tokens when every stage loaded, else 0 (a miss, never wrong data)."""
+        with self._state:
+            g = self._gets.get(rid)
+            if g is None:
+                raise UnknownRequestError(rid, "retrieve", "call lookup first")
+            if g.used:
+                raise UnknownRequestError(rid, "retrieve", "its lookup was already retrieved; "
+                                          "call lookup again")
+            g.used = True
+        self.counters.retrieves += 1
+        if g.task_id < 0:
+            return 0
+        try:
+            slots = prepare_slots(slot_mapping, g.hit, self.num_slots)  # type: ignore[arg-type]
+        except ValueError:
+            self._end_get(rid, g, ok=False)
+            raise
+        ok = g.acks.wait(self.cfg.fanout_wait_seconds + self.cfg.transfer_seconds)
+        if ok:
+            try:
+                ids = self.backend.launch([g.task_id], [slots])
+                resp = self.backend.wait(ids, timeout=self.cfg.transfer_seconds, completely=True)
+                ok = all(r.status is KVResponseStatus.SUCCESS for r in resp.values())
+            except Exception as exc:
+                log.warning("Leader load failed", extra={"group": self.cfg.group, "rid": rid,
+                                                         "error": str(exc)})
+                ok = False
+        else:
+            log.warning("Not every follower loaded, the retrieve is a miss",
+                        extra={"group": self.cfg.group, "rid": rid, "missing": g.acks.missing(),
+                               "failed": [a.error for a in g.acks.failed()]})
+        self._end_get(rid, g, ok)
+        if not ok:
+            self.counters.retrieve_misses += 1
+        return g.hit if ok else 0
+
+    def _end_get(self, rid: str, g: _Get, ok: bool) -> None:
+        with self._decide:
+            if not ok:
+                self.backend.cancel([g.task_id])
+            self.stream.broadcast(Op.RESULT, Result(rid, Kind.GET, g.n, g.task_id, ok))
+        with self._state:
+            if self._gets.get(rid) is g:
+                del self._gets[rid]
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def release(self, rid: str) -> None:
+        """The engine is done with ``rid``: cancel its un-used load, forget its calls."""
+        self._cancel_get(rid)
+        self._calls.release(rid)
+        with self._decide:
+            self.stream.broadcast(Op.RELEASE, Release(rid))
+
+    def reset(self) -> None:
+        """Flush the whole group's cache."""
+        self._flush("engine reset")
+
+    def _flush(self, reason: str) -> None:
+        with self._decide:
+            self.counters.flushes += 1
+            self.backend.reset()
+            with self._state:
+                ended = [t.rid for t in self._puts.values()]
+                self._puts.clear()
+                self._gets.clear()
+                self._completed.extend(ended)
+            self.stream.broadcast(Op.RESET, Reset(reason))
+        log.info("Group cache flushed", extra={"group": self.cfg.group, "reason": reason,
+                                                "epoch": self.epoch})
+
+    def handle(self, msg: Message) -> None:
+        """A message from a follower (server thread)."""
+        if msg.env.op in (Op.HELLO, Op.ACK):
+            self.stream.handle(msg)
+        else:
+            # Another process claims leadership of this group; epochs decide.
+            self.stream.drop("stale_epoch" if msg.env.epoch <= self.epoch else "future_epoch")
+
+    def degraded(self) -> bool:
+        """True when some follower is not synced."""
+        return not self.stream.all_synced()
+
+    def status(self) -> dict[str, object]:
+        """Role-specific part of the connector's status."""
+        with self._state:
+            puts, gets = len(self._puts), len(self._gets)
+        return {
+            "role": self.role,
+            "epoch": self.epoch,
+            "lastSeq": self.stream.seq,
+            "peersConnected": self.stream.synced_count(),
+            "peersExpected": len(self.stream.follower_ranks),
+            "degraded": self.degraded(),
+            "inflightStores": puts,
+            "openLookups": gets,
+            "counters": {k: v for k, v in vars(self.counters).items() if k != "extra"},
+        }
+
+    def close(self, shutdown_backend: bool = True) -> None:
+        """Stop the reaper and the stream; shut the backend down."""
+        self._stop.set()
+        self._wake.set()
+        if self._reaper.is_alive():
+            self._reaper.join(timeout=2.0)
+        self.stream.close()
+        if shutdown_backend:
+            self.backend.shutdown()

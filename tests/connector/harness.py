@@ -1,0 +1,222 @@
+"""Test harness: engine-like KV buffers with per-stage deterministic content,
+connector construction, and a stage process driven over a multiprocessing pipe.
+
+Content model: the KV of token i of a prompt depends on the whole prefix
+``tokens[:i + 1]`` (as real KV does) and on the stage, plane and element, so a
+write into a wrong slot, a wrong stage's bytes or a stale block is visible as
+a value mismatch. Values are small integers, exact in float32.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from node_agent.backend.config import EmbeddedBackendConfig
+from node_agent.backend.embedded import EmbeddedBackend
+from node_agent.backend.layout import KVDtype, KVLayout
+from node_agent.backend.stage_store import TierStore
+from node_agent.connector import Connector, ConnectorConfig
+from node_agent.metrics import AgentMetrics
+from node_agent.pp.auth import CurveKeys
+from node_agent.pp.channel import FaultPlan
+from node_agent.pp.group import GroupView, GroupViewSource
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=4, kv_dim=2,
+                  dtype=KVDtype.FLOAT32, tokens_per_block=4)
+NUM_SLOTS = 512
+GROUP = "pool-replica-0"
+_MOD = 65521
+
+
+def prefix_hashes(tokens: npt.ArrayLike) -> npt.NDArray[np.int64]:
+    """h[i] identifies tokens[:i + 1] (polynomial rolling hash)."""
+    t = np.asarray(tokens, dtype=np.int64)
+    out = np.empty(len(t), dtype=np.int64)
+    h = 0
+    for i, v in enumerate(t.tolist()):
+        h = (h * 1_000_003 + v + 1) % (1 << 61)
+        out[i] = h
+    return out
+
+
+def kv_content(stage: int, tokens: npt.ArrayLike) -> npt.NDArray[np.float32]:
+    """Expected KV of every token: shape (tokens, planes, row_elems)."""
+    h = prefix_hashes(tokens) % _MOD
+    planes = np.arange(LAYOUT.num_planes)[None, :, None]
+    elems = np.arange(LAYOUT.row_elems)[None, None, :]
+    vals = (h[:, None, None] + stage * 7919 + planes * 104729 + elems * 31) % _MOD
+    return vals.astype(np.float32)
+
+
+def make_buffers() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """SGLang-style (k_buffer, v_buffer): per layer (num_slots, heads, head_size)."""
+    shape = (NUM_SLOTS, LAYOUT.num_kv_heads, LAYOUT.head_size)
+    k = [torch.full(shape, -1.0) for _ in range(LAYOUT.num_layers)]
+    v = [torch.full(shape, -1.0) for _ in range(LAYOUT.num_layers)]
+    return k, v
+
+
+def _planes(bufs: tuple[list[torch.Tensor], list[torch.Tensor]]) -> list[torch.Tensor]:
+    k, v = bufs
+    out: list[torch.Tensor] = []
+    for layer in range(LAYOUT.num_layers):
+        out += [k[layer].view(NUM_SLOTS, -1), v[layer].view(NUM_SLOTS, -1)]
+    return out
+
+
+def write_slots(bufs: tuple[list[torch.Tensor], list[torch.Tensor]], slots: npt.ArrayLike,
+                values: npt.NDArray[np.float32]) -> None:
+    """Write ``values`` (tokens, planes, elems) into ``slots`` (the engine's forward)."""
+    idx = torch.as_tensor(np.asarray(slots, dtype=np.int64))
+    for p, plane in enumerate(_planes(bufs)):
+        plane[idx] = torch.from_numpy(np.ascontiguousarray(values[:, p, :]))
+
+
+def read_slots(bufs: tuple[list[torch.Tensor], list[torch.Tensor]],
+               slots: npt.ArrayLike) -> npt.NDArray[np.float32]:
+    """The buffers' content at ``slots``: (tokens, planes, elems)."""
+    idx = torch.as_tensor(np.asarray(slots, dtype=np.int64))
+    return np.stack([plane[idx].numpy() for plane in _planes(bufs)], axis=1)
+
+
+def backend_config(cpu_blocks: int, deferred: bool) -> EmbeddedBackendConfig:
+    """Same tier sizes on every stage (the group's minimum)."""
+    return EmbeddedBackendConfig(
+        layout=LAYOUT, cpu_bytes=cpu_blocks * LAYOUT.bytes_per_block, pinned=False,
+        deferred_visibility=deferred, unlaunched_match_seconds=5.0, worker_threads=1,
+    )
+
+
+def group_status(epoch: int, leader: int | None, endpoints: dict[int, str]) -> dict[str, Any]:
+    """A KVCacheGroup status (contracts section 3)."""
+    members = [{"node": f"node-{r}", "ppRank": r, "fanoutEndpoint": ep, "ready": True}
+               for r, ep in sorted(endpoints.items())]
+    status: dict[str, Any] = {"epoch": epoch, "members": members, "phase": "Ready"}
+    if leader is not None:
+        status["leader"] = dict(members[[m["ppRank"] for m in members].index(leader)])
+    return status
+
+
+def make_connector(
+    rank: int,
+    view: GroupViewSource,
+    keys: CurveKeys | None,
+    cpu_blocks: int = 64,
+    endpoint: str | None = "tcp://127.0.0.1:0",
+    metrics: AgentMetrics | None = None,
+    **timeouts: float,
+) -> Connector:
+    """A connector with the real embedded backend (leader) and TierStore (follower)."""
+    cfg = ConnectorConfig(
+        group=view.view.group, pp_rank=rank, layout=LAYOUT, fanout_endpoint=endpoint,
+        engine_call_seconds=timeouts.get("engine_call_seconds", 4.0),
+        fanout_wait_seconds=timeouts.get("fanout_wait_seconds", 2.0),
+        transfer_seconds=timeouts.get("transfer_seconds", 2.0),
+        heartbeat_seconds=0.05, leader_timeout_seconds=1.0,
+    )
+    return Connector(
+        cfg, view,
+        backend_factory=lambda: EmbeddedBackend(backend_config(cpu_blocks, True)),
+        store_factory=lambda: TierStore(backend_config(cpu_blocks, True)),
+        keys=keys, metrics=metrics,
+    )
+
+
+# -- the stage process -------------------------------------------------------------------
+
+
+class Stage:
+    """State of one stage process: its connector and engine buffers."""
+
+    def __init__(self, rank: int, keys: CurveKeys | None, cpu_blocks: int) -> None:
+        self.rank = rank
+        self.metrics = AgentMetrics()
+        self.view = GroupViewSource(GroupView(GROUP, 0, None, ()))
+        self.conn = make_connector(rank, self.view, keys, cpu_blocks, metrics=self.metrics)
+        self.conn.start()
+        self.bufs = make_buffers()
+        self.conn.register_kv_buffers(0, self.bufs)
+
+    def call(self, op: str, args: dict[str, Any]) -> Any:
+        c = self.conn
+        if op == "endpoint":
+            return c.fanout_endpoint
+        if op == "view":
+            return self.view.update_from_status(args["status"])
+        if op == "store":
+            write_slots(self.bufs, args["slots"], kv_content(self.rank, args["tokens"]))
+            return c.store_kv(args["rid"], args["tokens"], np.asarray(args["slots"]))
+        if op == "store_raw":
+            return c.store_kv(args["rid"], args["tokens"], args["slots"])
+        if op == "lookup":
+            return c.lookup(args["rid"], args["tokens"])
+        if op == "retrieve":
+            slots = np.asarray(args["slots"], dtype=np.int64)
+            write_slots(self.bufs, slots, np.full((len(slots), LAYOUT.num_planes,
+                                                   LAYOUT.row_elems), -7.0, np.float32))
+            return c.retrieve(args["rid"], slots)
+        if op == "read":
+            return read_slots(self.bufs, args["slots"])
+        if op == "poll":
+            return c.poll_completed()
+        if op == "release":
+            return c.release(args["rid"])
+        if op == "status":
+            s = c.status()
+            s["dropped_metric"] = {
+                r: self.metrics.registry.get_sample_value(
+                    "flexkv_agent_fanout_dropped_total", {"group": GROUP, "reason": r}) or 0.0
+                for r in ("stale_epoch", "gap", "duplicate", "malformed", "future_epoch")
+            }
+            role = c._role
+            backend = getattr(role, "backend", None)
+            if backend is not None:
+                s["tiers"] = {k: vars(v) for k, v in backend.stats().tiers.items()}
+            return s
+        if op == "ready":
+            return c.ready()
+        if op == "faults":
+            role = c._role
+            stream = getattr(role, "stream", None)
+            sender = stream.peer(args["rank"]) if stream is not None else None
+            if sender is None:
+                raise RuntimeError(f"stage {self.rank} has no sender to rank {args['rank']}")
+            plan = sender.faults or FaultPlan()
+            sender.faults = plan
+            getattr(plan, args["action"])(*args.get("args", ()))
+            return True
+        raise ValueError(f"unknown op {op!r}")
+
+
+def stage_main(rank: int, keys: CurveKeys | None, cpu_blocks: int, pipe: Connection) -> None:
+    """Process entry: answer (op, args) requests with ("ok", value) or ("err", text).
+
+    Calls run on a worker thread so a slow call never blocks the pipe reader's
+    shutdown; one call at a time, as one engine rank issues them.
+    """
+    logging.basicConfig(level=os.environ.get("STAGE_LOG", "WARNING"))
+    stage = Stage(rank, keys, cpu_blocks)
+    lock = threading.Lock()
+    while True:
+        try:
+            op, args = pipe.recv()
+        except EOFError:
+            break
+        if op == "stop":
+            stage.conn.close()
+            pipe.send(("ok", None))
+            break
+        with lock:
+            try:
+                pipe.send(("ok", stage.call(op, args)))
+            except Exception as exc:
+                pipe.send(("err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))

@@ -1,0 +1,121 @@
+"""Driver for stage processes: start (spawn), call with bounded waits, kill, stop."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from node_agent.pp.auth import CurveKeys
+from tests.connector.harness import group_status, stage_main
+
+CALL_TIMEOUT = 20.0
+
+
+def _context() -> mp.context.BaseContext:
+    """A forkserver that imported the harness (torch included) once: each stage
+    starts by a fork of a thread-free process, in a fraction of a second."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["tests.connector.harness"])
+    return ctx
+
+
+class StageProc:
+    """One stage process and its command pipe."""
+
+    def __init__(self, rank: int, keys: CurveKeys | None, cpu_blocks: int) -> None:
+        ctx = _context()
+        self.rank = rank
+        self.pipe, child = ctx.Pipe()
+        self.proc = ctx.Process(target=stage_main, args=(rank, keys, cpu_blocks, child),
+                                name=f"stage-{rank}", daemon=True)
+        self.proc.start()
+        child.close()
+
+    def send(self, op: str, **args: Any) -> None:
+        self.pipe.send((op, args))
+
+    def recv(self, timeout: float = CALL_TIMEOUT) -> Any:
+        if not self.pipe.poll(timeout):
+            raise TimeoutError(f"stage {self.rank} did not answer within {timeout}s")
+        kind, value = self.pipe.recv()
+        if kind == "err":
+            raise RuntimeError(f"stage {self.rank}: {value}")
+        return value
+
+    def call(self, op: str, timeout: float = CALL_TIMEOUT, **args: Any) -> Any:
+        self.send(op, **args)
+        return self.recv(timeout)
+
+    def kill(self) -> None:
+        if self.proc.pid is not None and self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(5)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            with contextlib.suppress(TimeoutError, OSError, EOFError, RuntimeError):
+                self.call("stop", timeout=5)
+            self.proc.join(3)
+        if self.proc.is_alive():
+            self.kill()
+        self.pipe.close()
+
+
+class Group:
+    """A PP group of stage processes on loopback, driven like engine ranks."""
+
+    def __init__(self, size: int, keys: CurveKeys | None, cpu_blocks: int = 64) -> None:
+        self.keys = keys
+        self.cpu_blocks = cpu_blocks
+        self.stages: dict[int, StageProc] = {}
+        self.endpoints: dict[int, str] = {}
+        self.epoch = 0
+        self.leader = 0
+        try:
+            for r in range(size):
+                self.stages[r] = StageProc(r, keys, cpu_blocks)
+            for r, s in self.stages.items():
+                self.endpoints[r] = s.call("endpoint", timeout=60)
+        except BaseException:
+            self.close()
+            raise
+
+    def publish_view(self, epoch: int, leader: int, ranks: Iterable[int] | None = None) -> None:
+        """Give the view to ``ranks`` (all by default), as the operator's watch would."""
+        self.epoch, self.leader = epoch, leader
+        status = group_status(epoch, leader, self.endpoints)
+        for r in (list(self.stages) if ranks is None else list(ranks)):
+            self.stages[r].call("view", status=status)
+
+    def wait_ready(self, timeout: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            states = {r: s.call("ready") for r, s in self.stages.items()}
+            if all(states.values()):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"stages not ready: {states}")
+            time.sleep(0.05)
+
+    def all(self, op: str, ranks: Iterable[int] | None = None, timeout: float = CALL_TIMEOUT,
+            **args: Any) -> dict[int, Any]:
+        """Issue ``op`` on every stage at once (as PP ranks do) and collect answers."""
+        targets = list(self.stages) if ranks is None else list(ranks)
+        for r in targets:
+            self.stages[r].send(op, **args)
+        return {r: self.stages[r].recv(timeout) for r in targets}
+
+    def restart(self, rank: int) -> None:
+        """Replace a stage by a fresh process (new endpoint)."""
+        self.stages[rank].stop()
+        self.stages[rank] = StageProc(rank, self.keys, self.cpu_blocks)
+        self.endpoints[rank] = self.stages[rank].call("endpoint", timeout=60)
+
+    def close(self) -> None:
+        for s in self.stages.values():
+            s.stop()

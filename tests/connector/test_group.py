@@ -1,0 +1,286 @@
+"""A PP group of 3 stage processes over real Curve-authenticated pyzmq sockets,
+each with its own engine buffers of distinct, deterministic content.
+
+Invariants (DESIGN.md section 4) proved here:
+1. mismatched / bad inputs raise with nothing written (every stage);
+2. blocks become visible only after every stage stored them; a failed stage
+   (killed, lost message) leaves them invisible;
+3. one leader per epoch: old-epoch messages are dropped; gaps resync, never guess;
+4. followers never evict on their own: every move the leader decided is applied
+   by every follower, and loads after eviction stay bit-exact on every stage;
+5. every call is bounded: a lost message or dead stage ends as -1 / a miss;
+6. round trips are bit-exact into other slots, on every stage;
+7. tier use stays within capacity under a random workload.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from node_agent.pp.auth import CurveKeys
+from tests.connector.harness import LAYOUT, NUM_SLOTS, kv_content
+from tests.connector.procs import Group
+
+pytestmark = pytest.mark.slow
+TPB = LAYOUT.tokens_per_block
+RANKS = (0, 1, 2)
+
+
+@pytest.fixture
+def group() -> Iterator[Group]:
+    g = Group(3, CurveKeys.generate(), cpu_blocks=32)
+    try:
+        g.publish_view(1, 0)
+        g.wait_ready()
+        yield g
+    finally:
+        g.close()
+
+
+def _slots(rng: random.Random, n: int) -> list[int]:
+    return rng.sample(range(NUM_SLOTS), n)
+
+
+def store(g: Group, rid: str, tokens: list[int], rng: random.Random,
+          ranks: tuple[int, ...] = RANKS) -> dict[int, int]:
+    """store_kv on every stage at once, each stage with its own random slots."""
+    for r in ranks:
+        g.stages[r].send("store", rid=rid, tokens=tokens, slots=_slots(rng, len(tokens)))
+    return {r: g.stages[r].recv() for r in ranks}
+
+
+def wait_completed(g: Group, rid: str, ranks: tuple[int, ...] = RANKS,
+                   timeout: float = 10.0) -> None:
+    pending = set(ranks)
+    deadline = time.monotonic() + timeout
+    while pending:
+        for r in list(pending):
+            if rid in g.stages[r].call("poll"):
+                pending.discard(r)
+        assert time.monotonic() < deadline, f"{rid} not completed on stages {pending}"
+        time.sleep(0.01)
+
+
+def load_and_check(g: Group, rid: str, tokens: list[int], rng: random.Random,
+                   ranks: tuple[int, ...] = RANKS) -> int:
+    """lookup + retrieve on every stage; assert equal hits and bit-exact content."""
+    hits = g.all("lookup", ranks, rid=rid, tokens=tokens)
+    assert len(set(hits.values())) == 1, f"stages disagree on the hit: {hits}"
+    hit = hits[ranks[0]]
+    assert hit % TPB == 0 and hit <= len(tokens)
+    if hit == 0:
+        return 0
+    dst = {r: _slots(rng, hit) for r in ranks}
+    for r in ranks:
+        g.stages[r].send("retrieve", rid=rid, slots=dst[r])
+    loaded = {r: g.stages[r].recv() for r in ranks}
+    assert len(set(loaded.values())) == 1, f"stages disagree on the load: {loaded}"
+    if loaded[ranks[0]]:
+        for r in ranks:
+            got = g.stages[r].call("read", slots=dst[r])
+            np.testing.assert_array_equal(got, kv_content(r, tokens)[:hit],
+                                          err_msg=f"stage {r} loaded wrong bytes for {rid}")
+    return int(loaded[ranks[0]])
+
+
+def test_mismatch_raises_on_every_stage_and_nothing_is_written(group: Group) -> None:
+    for r in RANKS:
+        with pytest.raises(RuntimeError,
+                           match="store_kv: token_ids has 8 entries but kv_indices has 7 entries"):
+            group.stages[r].call("store_raw", rid="bad", tokens=list(range(8)),
+                                 slots=np.arange(7))
+    assert group.all("lookup", rid="bad2", tokens=list(range(8))) == {0: 0, 1: 0, 2: 0}
+
+
+def test_blocks_invisible_until_every_stage_stored(group: Group) -> None:
+    rng = random.Random(1)
+    tokens = list(range(1000, 1000 + 3 * TPB))
+    # Only the leader reached store_kv: its copy finishes, but nothing is visible.
+    lead = store(group, "p", tokens, rng, ranks=(0,))
+    assert lead[0] >= 0
+    time.sleep(0.2)
+    assert group.stages[0].call("lookup", rid="probe", tokens=tokens) == 0
+    # The followers store the same decision with their own slots: now visible.
+    rest = store(group, "p", tokens, rng, ranks=(1, 2))
+    assert rest == {1: lead[0], 2: lead[0]}
+    wait_completed(group, "p")
+    assert load_and_check(group, "q", tokens, rng) == 3 * TPB
+
+
+def test_random_workload_keeps_every_invariant(group: Group) -> None:
+    rng = random.Random(7)
+    prompts: list[list[int]] = []
+    next_tok = 1
+    stored = 0
+    for step in range(36):
+        if not prompts or rng.random() < 0.55:
+            base = rng.choice(prompts) if prompts and rng.random() < 0.7 else []
+            keep = rng.randint(0, min(len(base) // TPB, 8)) * TPB
+            fresh = list(range(next_tok, next_tok + rng.randint(1, 5) * TPB + rng.randint(0, 3)))
+            next_tok += len(fresh)
+            tokens = base[:keep] + fresh
+            rid = f"s{step}"
+            tasks = store(group, rid, tokens, rng)
+            assert len(set(tasks.values())) == 1, f"stages disagree on the task: {tasks}"
+            if tasks[0] >= 0:
+                wait_completed(group, rid)
+                stored += 1
+            # Fully stored right now: the whole aligned prompt hits on every stage.
+            aligned = len(tokens) // TPB * TPB
+            assert load_and_check(group, f"l{step}", tokens, rng) == aligned
+            group.all("release", rid=rid)
+        else:
+            tokens = rng.choice(prompts)
+            cut = rng.randint(TPB, len(tokens))
+            load_and_check(group, f"l{step}", tokens[:cut], rng)
+        prompts.append(tokens)
+    assert stored > 5
+    status = group.all("status")
+    lead = status[0]
+    for name, tier in lead["tiers"].items():
+        assert tier["used_blocks"] <= tier["capacity_blocks"], name
+    assert lead["counters"]["stores_discarded"] == 0
+    for r in (1, 2):
+        s = status[r]
+        assert s["role"] == "follower" and not s["degraded"]
+        assert s["dropped_metric"]["gap"] == 0 and s["dropped_metric"]["stale_epoch"] == 0
+        assert s["lastSeq"] == lead["lastSeq"]
+    # The capacity (32 blocks) was exceeded by the workload, so the leader evicted and
+    # every follower applied the same moves in stream order.
+    assert lead["tiers"]["cpu"]["evictions"] > 0, (lead["tiers"], lead["counters"])
+    moves = {r: status[r]["counters"]["moves_applied"] for r in (1, 2)}
+    assert moves[1] == moves[2] == lead["counters"]["moves_sent"] > 0
+
+
+def test_follower_killed_mid_store_leaves_blocks_invisible(group: Group) -> None:
+    rng = random.Random(3)
+    base = list(range(500, 500 + 2 * TPB))
+    store(group, "a", base, rng)
+    wait_completed(group, "a")
+    longer = base + list(range(900, 900 + 3 * TPB))
+    # Leader and follower 1 store; follower 2 dies before reaching its store.
+    group.stages[2].kill()
+    t0 = time.monotonic()
+    tasks = store(group, "b", longer, rng, ranks=(0, 1))
+    assert tasks[0] >= 0 and tasks[1] == tasks[0]
+    wait_completed(group, "b", ranks=(0, 1), timeout=15)
+    assert time.monotonic() - t0 < 15
+    # Only the old prefix is visible: the new blocks were discarded, not published.
+    assert group.stages[0].call("lookup", rid="probe", tokens=longer) == 2 * TPB
+    s = group.stages[0].call("status")
+    assert s["counters"]["stores_discarded"] == 1
+    # A replacement process joins (new endpoint): the group flushes and works again.
+    group.restart(2)
+    group.publish_view(1, 0)
+    group.wait_ready()
+    assert load_and_check(group, "c", longer, rng) == 0  # flushed: the dead stage lost it
+    store(group, "d", longer, rng)
+    wait_completed(group, "d")
+    assert load_and_check(group, "e", longer, rng) == len(longer)
+
+
+def test_leader_replaced_under_new_epoch(group: Group) -> None:
+    rng = random.Random(5)
+    tokens = list(range(300, 300 + 4 * TPB))
+    store(group, "a", tokens, rng)
+    wait_completed(group, "a")
+    # The operator elects rank 1 under epoch 2; rank 0 has not seen it yet and keeps
+    # acting as the epoch-1 leader.
+    group.publish_view(2, 1, ranks=(1, 2))
+    zombie_tokens = list(range(7000, 7000 + 2 * TPB))
+    z = group.stages[0].call("store", rid="z", tokens=zombie_tokens,
+                             slots=_slots(rng, len(zombie_tokens)))
+    assert z >= 0
+    deadline = time.monotonic() + 10
+    while True:
+        drops = {r: group.stages[r].call("status")["dropped_metric"]["stale_epoch"]
+                 for r in (1, 2)}
+        if all(v > 0 for v in drops.values()):
+            break
+        assert time.monotonic() < deadline, drops
+        time.sleep(0.05)
+    wait_completed(group, "z", ranks=(0,), timeout=15)  # discarded: no follower acked
+    # Rank 0 learns the new view and follows rank 1.
+    group.publish_view(2, 1, ranks=(0,))
+    group.wait_ready()
+    st = group.all("status")
+    assert [st[r]["role"] for r in RANKS] == ["follower", "leader", "follower"]
+    assert all(st[r]["epoch"] == 2 for r in RANKS)
+    # The new epoch starts from an empty cache; a new round trip is bit-exact on every
+    # stage (the zombie's decisions were never applied anywhere).
+    assert load_and_check(group, "b", tokens, rng) == 0
+    assert load_and_check(group, "bz", zombie_tokens, rng) == 0
+    store(group, "c", tokens, rng)
+    wait_completed(group, "c")
+    assert load_and_check(group, "d", tokens, rng) == len(tokens)
+
+
+@pytest.mark.parametrize("action, args", [("drop", (1,)), ("duplicate", (4,)), ("reorder", ())])
+def test_injected_faults_never_apply_out_of_order(group: Group, action: str,
+                                                  args: tuple[int, ...]) -> None:
+    rng = random.Random(11)
+    tokens = list(range(40, 40 + 3 * TPB))
+    store(group, "warm", tokens, rng)
+    wait_completed(group, "warm")
+    group.stages[0].call("faults", rank=2, action=action, args=args)
+    probe = tokens + list(range(4000, 4000 + 2 * TPB))
+    tasks = store(group, "f", probe, rng)
+    if tasks[0] >= 0:
+        wait_completed(group, "f", ranks=(0,), timeout=15)
+    # Whatever the fault did, any load is all-or-nothing and bit-exact; after the
+    # stream recovers the group works normally.
+    group.wait_ready()
+    load_and_check(group, "g", probe, rng)
+    group.wait_ready()
+    after = probe + list(range(5000, 5000 + 2 * TPB))
+    tasks = store(group, "h", after, rng)
+    assert tasks[0] >= 0
+    wait_completed(group, "h")
+    assert load_and_check(group, "i", after, rng) == len(after)
+    dropped = group.stages[2].call("status")["dropped_metric"]
+    if action == "duplicate":
+        assert dropped["duplicate"] >= 1
+    else:
+        assert dropped["gap"] >= 1
+
+
+ROGUE = r"""
+import sys, time, zmq, numpy as np
+from node_agent.backend.replication import Direction
+from node_agent.pp.messages import Decision, Envelope, Op, encode
+ctx = zmq.Context()
+s = ctx.socket(zmq.PUSH)
+s.linger = 0
+pub, sec = zmq.curve_keypair()
+s.curve_publickey, s.curve_secretkey, s.curve_serverkey = pub, sec, sys.argv[2].encode()
+s.connect(sys.argv[1])
+d = Decision(Direction.LOAD, "evil", 0, 1, np.ones(8, bool), np.array([[0, 0, 2]]), None)
+for seq in range(1, 200):
+    try:
+        s.send_multipart(encode(Envelope(Op.GET, sys.argv[3], 1, seq), d), flags=zmq.NOBLOCK)
+    except zmq.Again:
+        pass
+    time.sleep(0.005)
+s.close(0)
+ctx.term()
+"""
+
+
+def test_unauthenticated_sender_cannot_inject_a_decision(group: Group) -> None:
+    assert group.keys is not None
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-c", ROGUE, group.endpoints[2], group.keys.public.decode(),
+                    "pool-replica-0"], cwd=root, env={"PYTHONPATH": str(root)}, timeout=30,
+                   check=True)
+    # Had the forged GET decision been accepted, this lookup would pair with it.
+    assert group.stages[2].call("lookup", rid="evil", tokens=list(range(8))) == 0
+    s = group.stages[2].call("status")
+    assert s["dropped_metric"]["gap"] == 0 and not s["degraded"]

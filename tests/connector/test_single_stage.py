@@ -1,0 +1,142 @@
+"""A group of one stage (no followers) with the real embedded backend: the seed
+contract, input validation, round trips, completion, lookup replacement."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from node_agent.connector import Connector, UnknownRequestError
+from node_agent.metrics import AgentMetrics
+from node_agent.pp.group import GroupView, GroupViewSource
+from tests.connector.harness import (
+    GROUP,
+    LAYOUT,
+    group_status,
+    kv_content,
+    make_buffers,
+    make_connector,
+    read_slots,
+    write_slots,
+)
+
+TPB = LAYOUT.tokens_per_block
+
+
+@pytest.fixture
+def single() -> Iterator[tuple[Connector, tuple[list[torch.Tensor], list[torch.Tensor]]]]:
+    view = GroupViewSource(GroupView.from_status(GROUP, group_status(1, 0, {0: "tcp://127.0.0.1:1"})))
+    conn = make_connector(0, view, keys=None, endpoint=None, metrics=AgentMetrics())
+    conn.start()
+    bufs = make_buffers()
+    conn.register_kv_buffers(0, bufs)
+    try:
+        yield conn, bufs
+    finally:
+        conn.close()
+
+
+def _store(conn: Connector, bufs: object, rid: str, tokens: np.ndarray, slots: np.ndarray) -> int:
+    write_slots(bufs, slots, kv_content(0, tokens))  # type: ignore[arg-type]
+    return conn.store_kv(rid, tokens, torch.as_tensor(slots))
+
+
+def _wait_completed(conn: Connector, rid: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    done: list[str] = []
+    while rid not in done:
+        assert time.monotonic() < deadline, f"{rid} never completed"
+        done += conn.poll_completed()
+        time.sleep(0.005)
+
+
+def test_seed_mismatch_raises_naming_both_counts_and_writes_nothing(single) -> None:  # type: ignore[no-untyped-def]
+    conn, bufs = single
+    tokens = np.arange(16)
+    before = read_slots(bufs, np.arange(16))
+    with pytest.raises(ValueError,
+                       match="store_kv: token_ids has 16 entries but kv_indices has 15 entries"):
+        conn.store_kv("r", tokens, torch.arange(15))
+    np.testing.assert_array_equal(read_slots(bufs, np.arange(16)), before)
+    assert conn.lookup("r", tokens) == 0
+    assert conn.status()["counters"]["stores"] == 0
+
+
+@pytest.mark.parametrize(
+    "slots, reason",
+    [
+        (np.r_[np.arange(15), -1], "negative slot"),
+        (np.r_[np.arange(15), 3], "3 2 times"),
+        (np.r_[np.arange(15), 10_000], "outside the registered"),
+        (np.arange(16, dtype=np.float32), "integer slot"),
+        (np.arange(32).reshape(16, 2), "1-D"),
+    ],
+)
+def test_bad_indices_raise_and_nothing_is_written(single, slots: np.ndarray, reason: str) -> None:  # type: ignore[no-untyped-def]
+    conn, _ = single
+    tokens = np.arange(16)
+    with pytest.raises(ValueError, match=reason):
+        conn.store_kv("r", tokens, slots)
+    assert conn.lookup("r", tokens) == 0
+
+
+def test_round_trip_into_other_slots_is_bit_exact(single) -> None:  # type: ignore[no-untyped-def]
+    conn, bufs = single
+    tokens = np.arange(100, 100 + 4 * TPB + 3)  # trailing partial block is not stored
+    src = np.arange(50, 50 + len(tokens))
+    task = _store(conn, bufs, "a", tokens, src)
+    assert task >= 0
+    _wait_completed(conn, "a")
+    assert conn.lookup("b", tokens) == 4 * TPB
+    dst = np.arange(300, 300 + 4 * TPB)
+    write_slots(bufs, dst, np.zeros((len(dst), LAYOUT.num_planes, LAYOUT.row_elems), np.float32))
+    assert conn.retrieve("b", dst) == 4 * TPB
+    np.testing.assert_array_equal(read_slots(bufs, dst), kv_content(0, tokens)[: 4 * TPB])
+
+
+def test_cached_prefix_is_skipped_and_short_input_returns_minus_one(single) -> None:  # type: ignore[no-untyped-def]
+    conn, bufs = single
+    tokens = np.arange(2 * TPB)
+    assert _store(conn, bufs, "a", tokens, np.arange(2 * TPB)) >= 0
+    _wait_completed(conn, "a")
+    assert _store(conn, bufs, "b", tokens, np.arange(10, 10 + 2 * TPB)) == -1
+    assert conn.store_kv("c", np.arange(TPB - 1), np.arange(TPB - 1)) == -1
+
+
+def test_second_lookup_replaces_the_first_and_unknown_rid_is_named(single) -> None:  # type: ignore[no-untyped-def]
+    conn, bufs = single
+    tokens = np.arange(3 * TPB)
+    assert _store(conn, bufs, "a", tokens, np.arange(3 * TPB)) >= 0
+    _wait_completed(conn, "a")
+    assert conn.lookup("q", tokens) == 3 * TPB
+    assert conn.lookup("q", tokens[: 2 * TPB]) == 2 * TPB  # cancels the first task
+    dst = np.arange(200, 200 + 2 * TPB)
+    assert conn.retrieve("q", dst) == 2 * TPB
+    with pytest.raises(UnknownRequestError, match="unknown request id 'q'"):
+        conn.retrieve("q", dst)
+    with pytest.raises(UnknownRequestError, match="'nope'"):
+        conn.retrieve("nope", dst)
+    stats = conn._role.backend.stats()  # type: ignore[union-attr]
+    assert stats.tasks.get("matched", 0) == 0  # the replaced lookup did not leak a lock
+
+
+def test_retrieve_with_wrong_slot_count_raises(single) -> None:  # type: ignore[no-untyped-def]
+    conn, bufs = single
+    tokens = np.arange(2 * TPB)
+    _store(conn, bufs, "a", tokens, np.arange(2 * TPB))
+    _wait_completed(conn, "a")
+    assert conn.lookup("q", tokens) == 2 * TPB
+    with pytest.raises(ValueError, match="selects 8 tokens"):
+        conn.retrieve("q", np.arange(3))
+
+
+def test_status_and_ready(single) -> None:  # type: ignore[no-untyped-def]
+    conn, _ = single
+    s = conn.status()
+    assert (s["role"], s["group"], s["epoch"], s["degraded"], s["ready"]) == (
+        "leader", GROUP, 1, False, True)
+    assert conn.ready()
