@@ -23,6 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 import numpy as np
 import torch
@@ -44,6 +45,7 @@ from node_agent.backend.index import BlockIndex, Node
 from node_agent.backend.inputs import as_token_ids, mask_span, span_mask
 from node_agent.backend.layout import RegisteredBuffers, register_buffers
 from node_agent.backend.replication import (
+    BlockLocation,
     Direction,
     ReplicatedBackend,
     Tier,
@@ -222,19 +224,18 @@ class EmbeddedBackend(ReplicatedBackend):
             span = nodes[first:last]
             index.touch(nodes[:last])
             index.lock(span)
-            locs = []
-            for n in span:
-                assert n.loc is not None
-                locs.append(n.loc)
-                self._hits[n.loc.tier] += 1
+            locs = cast(tuple[BlockLocation, ...], tuple([n.loc for n in span]))
+            on_ssd = [loc.tier for loc in locs].count(Tier.SSD)
+            self._hits[Tier.SSD] += on_ssd
+            self._hits[Tier.CPU] += len(locs) - on_ssd
             if self._metrics is not None:
-                for tier in (Tier.CPU, Tier.SSD):
-                    k = sum(1 for loc in locs if loc.tier is tier)
-                    if k:
-                        self._metrics.hit_tokens.labels(tier=tier.value).inc(k * tpb)
+                if on_ssd:
+                    self._metrics.hit_tokens.labels(tier="ssd").inc(on_ssd * tpb)
+                if len(locs) - on_ssd:
+                    self._metrics.hit_tokens.labels(tier="cpu").inc((len(locs) - on_ssd) * tpb)
             task = self._new_task_locked(
                 Direction.LOAD, span_mask(len(tokens), first * tpb, last * tpb), span,
-                TransferPlan(Direction.LOAD, tuple(locs)),
+                TransferPlan(Direction.LOAD, locs),
             )
         self._observe_match("get", t0)
         assert task.mask is not None
@@ -280,7 +281,8 @@ class EmbeddedBackend(ReplicatedBackend):
                 Direction.STORE,
                 span_mask(len(tokens), first * tpb, (first + len(created)) * tpb),
                 created,
-                TransferPlan(Direction.STORE, tuple(n.loc for n in created if n.loc)),
+                TransferPlan(Direction.STORE,
+                             cast(tuple[BlockLocation, ...], tuple([n.loc for n in created]))),
             )
         self._observe_match("put", t0)
         assert task.mask is not None

@@ -70,10 +70,17 @@ class BlockIndex:
             Tier.SSD: deque(range(ssd_blocks)),
         }
         self.evictions = {Tier.CPU: 0, Tier.SSD: 0}
+        # One BlockLocation per physical block, made on first use and reused:
+        # constructing a frozen dataclass costs microseconds on the match path.
+        self._locs: dict[Tier, list[BlockLocation | None]] = {
+            Tier.CPU: [None] * cpu_blocks, Tier.SSD: [None] * ssd_blocks,
+        }
         self._clock = 0
         self._seq = itertools.count()
         self._spill: list[_Entry] = []
-        self._drop: dict[Tier, list[_Entry]] = {Tier.CPU: [], Tier.SSD: []}
+        self._drop_cpu: list[_Entry] = []
+        self._drop_ssd: list[_Entry] = []
+        self._entries = 0
 
     # -- queries --------------------------------------------------------------
 
@@ -105,9 +112,11 @@ class BlockIndex:
         """Mark ``nodes`` most recently used."""
         self._clock += 1
         t = self._clock
+        offer = self._offer
         for n in nodes:
             n.tick = t
-            self._offer(n)
+            if not n.children or not n.cpu_children:  # else it cannot be a candidate
+                offer(n)
 
     def lock(self, nodes: Iterable[Node]) -> None:
         """Pin ``nodes`` (a task uses them)."""
@@ -116,10 +125,11 @@ class BlockIndex:
 
     def unlock(self, nodes: Iterable[Node]) -> None:
         """Release one pin of each of ``nodes``."""
+        offer = self._offer
         for n in nodes:
             n.locks -= 1
-            assert n.locks >= 0, f"block {n.hash:#x} unlocked more often than locked"
-            self._offer(n)
+            if not n.locks and (not n.children or not n.cpu_children):
+                offer(n)
 
     def add_pending(
         self, parent: Node | None, hashes: Sequence[int], moves: list[TierMove]
@@ -136,12 +146,14 @@ class BlockIndex:
         try:
             prev = parent
             self._clock += 1
-            for h in hashes:
-                block = self._allocate(Tier.CPU, moves)
+            tick, free, locs, nodes = self._clock, self.free[Tier.CPU], self._locs[Tier.CPU], \
+                self.nodes
+            for h in hashes:  # the hot loop of a long new prompt: keep it inlined
+                block = free.popleft() if free else self._allocate(Tier.CPU, moves)
                 if block is None:
                     break
-                node = Node(h, prev, BlockLocation(Tier.CPU, block), self._clock)
-                self.nodes[h] = node
+                node = Node(h, prev, locs[block] or self._location(Tier.CPU, block), tick)
+                nodes[h] = node
                 if prev is not None:
                     prev.children += 1
                     prev.cpu_children += 1
@@ -184,11 +196,17 @@ class BlockIndex:
         self.nodes.clear()
         for tier, cap in self.capacity.items():
             self.free[tier] = deque(range(cap))
-        self._spill.clear()
-        for h in self._drop.values():
-            h.clear()
+        self._spill, self._drop_cpu, self._drop_ssd = [], [], []
+        self._entries = 0
 
     # -- eviction -----------------------------------------------------------
+
+    def _location(self, tier: Tier, index: int) -> BlockLocation:
+        locs = self._locs[tier]
+        loc = locs[index]
+        if loc is None:
+            loc = locs[index] = BlockLocation(tier, index)
+        return loc
 
     def _allocate(self, tier: Tier, moves: list[TierMove]) -> int | None:
         free = self.free[tier]
@@ -205,7 +223,7 @@ class BlockIndex:
                 if dst is not None:
                     assert node.loc is not None
                     src = node.loc
-                    node.loc = BlockLocation(Tier.SSD, dst)
+                    node.loc = self._location(Tier.SSD, dst)
                     if node.parent is not None:
                         node.parent.cpu_children -= 1
                         self._offer(node.parent)
@@ -215,7 +233,8 @@ class BlockIndex:
                     self._offer(node)
                     return True
                 self._offer(node)  # still a candidate; SSD was full of pinned blocks
-        node = self._pop(self._drop[tier], lambda n: self._droppable(n, tier))
+        heap = self._drop_cpu if tier is Tier.CPU else self._drop_ssd
+        node = self._pop(heap, lambda n: self._droppable(n, tier))
         if node is None:
             return False
         assert node.loc is not None
@@ -248,17 +267,23 @@ class BlockIndex:
                 and n.loc.tier is tier)
 
     def _offer(self, n: Node) -> None:
-        """Queue ``n`` as an eviction candidate if it is one now."""
-        if n.loc is None or not n.visible or n.locks:
+        """Queue ``n`` as an eviction candidate if it is one now (hot path: keep it lean)."""
+        loc = n.loc
+        if n.locks or not n.visible or loc is None:
+            return
+        on_cpu = loc.tier is Tier.CPU
+        spill = on_cpu and n.cpu_children == 0
+        drop = n.children == 0
+        if not (spill or drop):
             return
         entry = (n.tick, next(self._seq), n)
-        if n.loc.tier is Tier.CPU and n.cpu_children == 0:
+        if spill:
             heapq.heappush(self._spill, entry)
-        if n.children == 0:
-            heapq.heappush(self._drop[n.loc.tier], entry)
-        if len(self._spill) + len(self._drop[Tier.CPU]) + len(self._drop[Tier.SSD]) > (
-            4 * len(self.nodes) + 4096
-        ):
+            self._entries += 1
+        if drop:
+            heapq.heappush(self._drop_cpu if on_cpu else self._drop_ssd, entry)
+            self._entries += 1
+        if self._entries > 4 * len(self.nodes) + 4096:
             self._rebuild()
 
     @staticmethod
@@ -270,16 +295,18 @@ class BlockIndex:
         return None
 
     def _rebuild(self) -> None:
-        self._spill = []
-        self._drop = {Tier.CPU: [], Tier.SSD: []}
+        """Drop stale heap entries: re-offer every node from scratch."""
+        self._spill, self._drop_cpu, self._drop_ssd = [], [], []
+        self._entries = 0
         for n in self.nodes.values():
-            if n.loc is None or not n.visible or n.locks:
+            loc = n.loc
+            if loc is None or not n.visible or n.locks:
                 continue
             entry = (n.tick, next(self._seq), n)
-            if n.loc.tier is Tier.CPU and n.cpu_children == 0:
+            if loc.tier is Tier.CPU and n.cpu_children == 0:
                 self._spill.append(entry)
             if n.children == 0:
-                self._drop[n.loc.tier].append(entry)
-        heapq.heapify(self._spill)
-        for h in self._drop.values():
+                (self._drop_cpu if loc.tier is Tier.CPU else self._drop_ssd).append(entry)
+        for h in (self._spill, self._drop_cpu, self._drop_ssd):
             heapq.heapify(h)
+        self._entries = len(self._spill) + len(self._drop_cpu) + len(self._drop_ssd)

@@ -42,6 +42,10 @@ class Tier(enum.Enum):
     CPU = "cpu"
     SSD = "ssd"
 
+    # Members are singletons compared by identity; hashing by identity too keeps
+    # BlockLocation hashing off Enum's Python-level __hash__ (index hot path).
+    __hash__ = object.__hash__
+
 
 class Direction(enum.Enum):
     """Which way a plan moves KV: engine slots to tiers (STORE) or back (LOAD)."""
@@ -50,7 +54,7 @@ class Direction(enum.Enum):
     LOAD = "load"
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True, order=True, slots=True)
 class BlockLocation:
     """One physical block of a tier: ``index`` in ``[0, num_blocks(tier))``."""
 

@@ -1,0 +1,48 @@
+"""The backend benchmarks run with tiny sizes and print one well-formed JSON object per row.
+
+Speed is not asserted here (no timed assertions); only the output shape is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(script: str, *args: str, tmp: Path) -> list[dict[str, object]]:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    out = subprocess.run(
+        [sys.executable, str(REPO / "bench" / script), *args],
+        cwd=tmp, env=env, capture_output=True, text=True, timeout=120, check=True,
+    ).stdout
+    rows = [json.loads(line) for line in out.splitlines() if line.strip()]
+    assert rows and all(isinstance(r, dict) for r in rows)
+    return rows
+
+
+def test_transfer_bench_rows(tmp_path: Path) -> None:
+    rows = _run("transfer.py", "--tokens", "64", "--ssd-tokens", "32", "--layers", "2",
+                "--heads", "2", "--head-size", "16", "--repeat", "1",
+                "--ssd-dir", str(tmp_path), tmp=tmp_path)
+    assert [r["row"] for r in rows] == ["cpu_store", "cpu_load", "ssd_spill", "ssd_load"]
+    for r in rows:
+        assert r["bench"] == "transfer"
+        assert {"gb_per_s", "baseline_gb_per_s", "ratio", "bytes"} <= set(r)
+        assert float(r["ratio"]) > 0  # type: ignore[arg-type]
+    assert rows[0]["goal_ratio"] == 0.8 and isinstance(rows[0]["goal_met"], bool)
+
+
+def test_match_bench_rows(tmp_path: Path) -> None:
+    rows = _run("match.py", "--blocks", "400", "--prompt-tokens", "256", "--iters", "5",
+                "--memory-sample-blocks", "100", tmp=tmp_path)
+    assert [r["row"] for r in rows] == ["get_match_hit", "put_match_cached", "put_match_new",
+                                        "memory"]
+    for r in rows[:3]:
+        assert {"p50_ms", "p99_ms", "baseline_p99_ms", "ratio_p99", "goal_met"} <= set(r)
+        assert r["index_blocks"] == 400
+    assert float(rows[3]["tracemalloc_bytes_per_block"]) > 0  # type: ignore[arg-type]
