@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -218,3 +219,34 @@ def test_reset_drops_blocks_and_cancels_tasks(backend: EmbeddedBackend) -> None:
     assert backend.get_match(toks)[0] == -1
     assert backend.stats().tiers["cpu"].used_blocks == 0
     assert backend.is_ready()
+
+
+def test_finished_tasks_nobody_waits_for_are_purged() -> None:
+    now = [0.0]
+    layout = small_layout()
+    b = EmbeddedBackend(config(layout, cpu_blocks=8, unlaunched_match_seconds=2.0),
+                        clock=lambda: now[0])
+    b.start()
+    from backend_helpers import make_buffers
+    b.register_kv_buffers(0, make_buffers(layout, 64, 0))
+    try:
+        tid, _ = b.put_match(tokens(TPB))
+        [w] = b.launch([tid], [np.arange(TPB, dtype=np.int64)])
+        deadline = time.monotonic() + 10
+        while b.stats().tasks["done"] != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        now[0] = 3.0  # finished longer ago than the expiry: the caller is gone
+        while b.stats().tasks["done"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert b.stats().tasks["done"] == 0
+        assert b.wait([w], timeout=0.01)[w].status is S.NOTFOUND
+    finally:
+        b.shutdown()
+
+
+def test_shutdown_cancels_unlaunched_tasks() -> None:
+    b, _ = started(config(small_layout(), cpu_blocks=8))
+    tid, _ = b.put_match(tokens(TPB))
+    b.shutdown()
+    r = b.wait([tid], timeout=1)[tid]
+    assert r.status is S.CANCELLED
