@@ -258,10 +258,15 @@ class Agent:
         multi = [st for st in stages if st.pp_size > 1]
         missing = [st.key.replica for st in multi if st.key.replica not in self.group_views
                    or self.group_views[st.key.replica].leader is None]
+        # Members the operator reports not ready (their agent's Lease expired: peer lost).
+        unready = [f"{st.key.replica}/pp{m.pp_rank}" for st in multi
+                   for m in (self.group_views[st.key.replica].members
+                             if st.key.replica in self.group_views else ())
+                   if not m.ready]
         comps["group_view"] = {
-            "ready": not missing,
+            "ready": not missing and not unready,
             "source": self.groups.source if self.groups is not None else None,
-            "known": sorted(self.group_views), "missing": missing,
+            "known": sorted(self.group_views), "missing": missing, "unreadyMembers": unready,
         }
         fanout: dict[str, Any] = {}
         for n, (st, s) in statuses.items():

@@ -42,7 +42,7 @@ import zmq
 
 from node_agent.backend.layout import KVLayout, LayoutName
 from node_agent.engine_api import protocol
-from node_agent.engine_api.buffers import cuda_handle, dtype_name
+from node_agent.engine_api.buffers import CREATED_HERE, cuda_handle, dtype_name
 from node_agent.engine_api.protocol import layout_to_wire
 
 
@@ -290,6 +290,7 @@ class SharedKVBuffers:
                     name = f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
                     seg = shared_memory.SharedMemory(name=name, create=True, size=max(nbytes, 1))
                     self._segments.append(seg)
+                    CREATED_HERE.add(seg._name)  # type: ignore[attr-defined]
                     t = torch.frombuffer(seg.buf, dtype=torch.uint8, count=nbytes)
                     t = t.view(dtype).view(tuple(shape))
                     t.zero_()
@@ -322,6 +323,7 @@ class SharedKVBuffers:
                 seg.close()
             with contextlib.suppress(FileNotFoundError):
                 seg.unlink()
+            CREATED_HERE.discard(seg._name)  # type: ignore[attr-defined]
 
     def __enter__(self) -> SharedKVBuffers:
         return self

@@ -7,8 +7,10 @@ bit-exactly), "prefill" the rest by writing :func:`.workload.kv_values` into the
 slots, ``store_kv`` prompt + reply, wait until ``poll_completed`` reports the
 request (its slots are then free) and ``release`` it.
 
-Output: one JSON object per line on stdout: ``{"progress": i, "total": n}`` after
-each request, then ``{"result": {...}}`` with counts and per-call latencies.
+Protocol with the runner, one JSON object per line on stdout:
+``{"registered": rank}`` once the buffers are registered (then it waits for a
+``go`` line on stdin), ``{"progress": i, "total": n}`` after each request, and
+``{"result": {...}}`` with counts and per-call latencies.
 """
 
 from __future__ import annotations
@@ -156,6 +158,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         args.num_slots, store_wait=args.timeout)
     try:
         engine.register()
+        # Wait for the runner's go (it waits until every agent answers /readyz 200).
+        print(json.dumps({"registered": args.pp_rank}), flush=True)
+        if sys.stdin.readline().strip() != "go":
+            return 1
         t0 = time.perf_counter()
         for i, req in enumerate(generate(spec), 1):
             engine.serve(req)

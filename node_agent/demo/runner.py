@@ -77,8 +77,9 @@ class _Procs:
         self.procs: list[tuple[str, subprocess.Popen[str]]] = []
 
     def start(self, name: str, args: list[str], log: IO[str] | None,
-              stdout: Any = None) -> subprocess.Popen[str]:
-        proc = subprocess.Popen(args, stdout=stdout if stdout is not None else log,
+              pipes: bool = False) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE if pipes else log,
+                                stdin=subprocess.PIPE if pipes else None,
                                 stderr=log, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
         self.procs.append((name, proc))
         return proc
@@ -195,7 +196,8 @@ def run_demo(args: argparse.Namespace) -> int:
                    "--layout", json.dumps(layout_to_wire(layout)),
                    "--num-slots", str(num_slots), "--workload", json.dumps(asdict(spec)),
                    "--timeout", "20"]
-            engines.append(procs.start(f"engine-{r}", cmd, log, stdout=subprocess.PIPE))
+            engines.append(procs.start(f"engine-{r}", cmd, log, pipes=True))
+        _start_when_ready(engines, urls, deadline)
         results = _follow(engines, spec.requests, deadline)
         metrics = httpx.get(f"{urls[0]}/metrics", timeout=5).text
         _print_table(results, metrics, layout, spec)
@@ -211,6 +213,30 @@ def run_demo(args: argparse.Namespace) -> int:
             print(f"agents exited with {bad}; log: {work / 'agents.log'}")
         if not args.keep and not bad:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _start_when_ready(engines: list[subprocess.Popen[str]], urls: list[str],
+                      deadline: float) -> None:
+    """Wait for every engine to register and every agent to be ready, then say go."""
+    for e in engines:
+        assert e.stdout is not None
+        line = e.stdout.readline()  # bounded: the engine's own calls time out
+        if not line or "registered" not in json.loads(line):
+            raise RuntimeError(f"engine did not register: {line.strip() or 'it exited'}")
+    pending = list(urls)
+    while pending and time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            pending = [u for u in pending
+                       if httpx.get(f"{u}/readyz", timeout=2.0).status_code != 200]
+        if pending:
+            time.sleep(0.1)
+    if pending:
+        raise TimeoutError(f"agents {pending} did not become ready; see /readyz there")
+    for e in engines:
+        assert e.stdin is not None
+        e.stdin.write("go\n")
+        e.stdin.flush()
+    print("  all agents ready; running the workload")
 
 
 def _follow(engines: list[subprocess.Popen[str]], total: int,

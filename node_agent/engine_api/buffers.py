@@ -100,13 +100,18 @@ def _unb64(v: object, key: str) -> bytes:
     return base64.b64decode(v.encode("ascii"), validate=True)
 
 
+#: Segments this process created (their owner's tracker entry must stay).
+CREATED_HERE: set[str] = set()
+
+
 def attach_shm(name: str) -> shared_memory.SharedMemory:
     """Attach to an existing segment without handing it to this process's resource
     tracker (which would unlink the engine's memory when this process exits)."""
     shm = shared_memory.SharedMemory(name=name, create=False)
-    # Best effort: not every platform tracks segments.
-    with contextlib.suppress(Exception):
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    if shm._name not in CREATED_HERE:  # type: ignore[attr-defined]
+        # Best effort: not every platform tracks segments.
+        with contextlib.suppress(Exception):
+            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
     return shm
 
 

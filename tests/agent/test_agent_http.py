@@ -1,0 +1,187 @@
+"""The agent's HTTP surface on a real uvicorn (loopback), queried with httpx:
+health, readiness transitions, status, Prometheus metrics. Agents run in the test's
+event loop; engine calls go through the client library over the real ipc socket
+from worker threads."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from node_agent.client import EngineClient, RankInfo, SharedKVBuffers
+from node_agent.pp.auth import CurveKeys
+from tests.agent.harness import (
+    LAYOUT,
+    NUM_SLOTS,
+    agent_mapping,
+    cfg_of,
+    running_agent,
+    short_dir,
+    wait_http,
+    write_group_file,
+)
+
+pytestmark = pytest.mark.timeout(90)
+
+CONTRACT_METRICS = [
+    "flexkv_agent_lookup_tokens_total", "flexkv_agent_hit_tokens_total",
+    "flexkv_agent_stored_tokens_total", "flexkv_agent_transfer_bytes_total",
+    "flexkv_agent_transfer_seconds", "flexkv_agent_match_seconds",
+    "flexkv_agent_tier_capacity_bytes", "flexkv_agent_tier_used_bytes",
+    "flexkv_agent_evictions_total", "flexkv_agent_engine_requests_total",
+    "flexkv_agent_engine_request_seconds", "flexkv_agent_fanout_lag_seconds",
+    "flexkv_agent_fanout_dropped_total", "flexkv_agent_pp_role", "flexkv_agent_pp_epoch",
+    "flexkv_agent_leader_changes_total", "flexkv_agent_ready",
+]
+
+
+@pytest.fixture()
+def work() -> Iterator[Path]:
+    d = short_dir("http")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _fill(bufs: SharedKVBuffers, slots: np.ndarray, seed: int) -> None:
+    for g, group in enumerate(bufs.tensors):
+        for layer, t in enumerate(group):
+            vals = np.arange(len(slots) * t[0].numel(), dtype=np.float32).reshape(
+                len(slots), *t.shape[1:]) + 1000 * seed + 100 * g + 10 * layer
+            t[slots] = __import__("torch").from_numpy(vals % 2000).to(t.dtype)
+
+
+def _read(bufs: SharedKVBuffers, slots: np.ndarray) -> list[Any]:
+    return [t[slots].clone() for group in bufs.tensors for t in group]
+
+
+async def test_single_stage_agent_http_surface(work: Path) -> None:
+    cfg = cfg_of(agent_mapping(work, "solo"))
+    async with running_agent(cfg) as ra:
+        health = await ra.get("/healthz")
+        assert health.status_code == 200
+        assert health.json() == {"alive": True, "components": {"engine_api": True}}
+        not_ready = await ra.get("/readyz")
+        assert not_ready.status_code == 503
+        body = not_ready.json()
+        assert body["ready"] is False
+        assert body["components"]["ranks"] == {"ready": False, "registered": 0, "expected": 1}
+
+        bufs = SharedKVBuffers.for_layout(LAYOUT, NUM_SLOTS)
+        client = EngineClient(cfg.engine_socket, RankInfo(replica="solo-0"), timeout=5)
+        try:
+            await asyncio.to_thread(client.register_kv_buffers, LAYOUT, bufs.handles)
+            ready = await wait_http(ra, "/readyz", 200, 10)
+            assert all(c["ready"] for c in ready.json()["components"].values())
+
+            tokens = np.arange(32, dtype=np.int64)
+            src = np.arange(32, dtype=np.int64)
+            _fill(bufs, src, seed=1)
+            want = _read(bufs, src)
+            assert await asyncio.to_thread(client.store_kv, "a", tokens, src) >= 0
+            await stored(client, "a")
+            assert await asyncio.to_thread(client.lookup, "b", tokens) == 32
+            dst = np.arange(100, 132, dtype=np.int64)
+            assert await asyncio.to_thread(client.retrieve, "b", dst) == 32
+            got = _read(bufs, dst)
+            assert all(bool((w == g).all()) for w, g in zip(want, got, strict=True))
+            with pytest.raises(ValueError, match="kv_indices"):
+                await asyncio.to_thread(client.store_kv, "c", tokens,
+                                        np.arange(10_000, 10_032))
+
+            status = (await ra.get("/status")).json()
+            assert status["pool"] == "tp" and status["node"] == "solo"
+            assert status["tiers"]["cpu"]["capacityBytes"] > 0
+            assert status["tiers"]["cpu"]["usedBytes"] >= 8 * LAYOUT.bytes_per_block
+            [stage] = status["stages"]
+            assert stage["replica"] == "solo-0" and stage["registeredRanks"] == [0]
+            assert stage["connector"]["role"] == "leader"
+            assert any("kv_indices" in e["message"] for e in status["recentErrors"])
+
+            text = (await ra.get("/metrics")).text
+            for name in CONTRACT_METRICS:
+                assert re.search(rf"^# TYPE {name} ", text, re.M), name
+            assert 'flexkv_agent_engine_requests_total{op="store_kv",outcome="error"} 1.0' in text
+            assert "flexkv_agent_ready 1.0" in text
+            _promtool(text, work)
+        finally:
+            client.close()
+            bufs.close()
+
+
+async def stored(client: EngineClient, rid: str, timeout: float = 10.0) -> None:
+    """Poll (from a worker thread) until ``rid``'s store completed."""
+    done: list[str] = []
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while rid not in done:
+        assert loop.time() < deadline, f"store of {rid!r} not completed in {timeout}s"
+        done.extend(await asyncio.to_thread(client.poll_completed))
+        await asyncio.sleep(0.01)
+
+
+def _promtool(text: str, work: Path) -> None:
+    exe = shutil.which("promtool")
+    if exe is None:
+        pytest.skip("promtool not installed (Debian package 'prometheus'); metric names "
+                    "were checked against the contract only")
+    out = subprocess.run([exe, "check", "metrics"], input=text, capture_output=True, text=True,
+                         timeout=30)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+async def test_pp_group_readiness_follows_registration_and_peer_loss(work: Path) -> None:
+    CurveKeys.generate().write(work / "curve")
+    lead_map = agent_mapping(work, "node-0", groupViewFile=str(work / "groups.yaml"))
+    foll_map = agent_mapping(work, "node-1", groupViewFile=str(work / "groups.yaml"))
+    fanout = {0: lead_map["ports"]["fanout"], 1: foll_map["ports"]["fanout"]}
+    write_group_file(work / "groups.yaml", "tp", "rep", fanout)
+    lead_cfg, foll_cfg = cfg_of(lead_map), cfg_of(foll_map)
+    bufs = [SharedKVBuffers.for_layout(LAYOUT, NUM_SLOTS) for _ in range(2)]
+    clients = [EngineClient(c.engine_socket, RankInfo("rep", pp_rank=r, pp_size=2), timeout=5)
+               for r, c in enumerate((lead_cfg, foll_cfg))]
+    try:
+        async with running_agent(lead_cfg) as lead:
+            foll_cm = running_agent(foll_cfg)
+            foll = await foll_cm.__aenter__()
+            try:
+                for r in (lead, foll):
+                    body = (await wait_http(r, "/readyz", 503, 5)).json()
+                    assert body["components"]["ranks"]["ready"] is False
+                    assert body["components"]["group_view"]["known"] == ["rep"]
+                for c, b in zip(clients, bufs, strict=True):
+                    await asyncio.to_thread(c.register_kv_buffers, LAYOUT, b.handles)
+                ready = await wait_http(lead, "/readyz", 200, 15)
+                fan = ready.json()["components"]["fanout"]["stages"]["rep/pp0"]
+                assert fan["role"] == "leader" and fan["peersConnected"] == 1
+                assert (await wait_http(foll, "/readyz", 200, 15)).json()["ready"]
+                status = (await lead.get("/status")).json()
+                assert status["groups"]["rep"]["epoch"] == 1
+                assert status["stages"][0]["connector"]["role"] == "leader"
+            finally:
+                await foll_cm.__aexit__(None, None, None)
+            # The follower is gone; the operator, seeing its Lease expire, marks the
+            # member not ready in the group view: the leader is no longer ready.
+            write_group_file(work / "groups.yaml", "tp", "rep", fanout, unready=(1,))
+            lost = (await wait_http(lead, "/readyz", 503, 20)).json()
+            assert lost["components"]["group_view"]["unreadyMembers"] == ["rep/pp1"]
+            # It comes back on the same ports; its engine re-registers on the next call.
+            async with running_agent(foll_cfg) as foll2:
+                write_group_file(work / "groups.yaml", "tp", "rep", fanout)
+                assert await asyncio.to_thread(clients[1].lookup, "x", np.arange(8)) == 0
+                await wait_http(lead, "/readyz", 200, 20)
+                await wait_http(foll2, "/readyz", 200, 20)
+                regs = (await foll2.get("/status")).json()["stages"][0]["registrations"]
+                assert regs == 1
+    finally:
+        for c in clients:
+            c.close()
+        for b in bufs:
+            b.close()
