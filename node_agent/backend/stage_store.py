@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 
 import torch
@@ -30,6 +31,9 @@ from node_agent.backend.transfer import BlockCopier
 
 log = logging.getLogger(__name__)
 
+#: How long ``apply_moves`` waits for a timed-out copy still writing a moved block.
+FENCE_SECONDS = 30.0
+
 
 class TierStore(StageStore):
     """CPU (and optional SSD) tiers of one stage plus its registered engine buffers.
@@ -49,6 +53,7 @@ class TierStore(StageStore):
         )
         self.copier = BlockCopier(config.layout, self.cpu, self.ssd)
         self._buffers: dict[int, RegisteredBuffers] = {}
+        self._fences: dict[BlockLocation, threading.Thread] = {}
         self._lock = threading.Lock()
 
     # -- registration -------------------------------------------------------
@@ -124,10 +129,16 @@ class TierStore(StageStore):
             self.copier.load(bufs, plan.blocks, slots)
 
     def execute(self, plan: TransferPlan, slot_mapping: object, timeout: float) -> None:
+        """See :meth:`StageStore.execute`. A copy that times out keeps running (a torch
+        copy cannot be interrupted); its blocks stay *fenced*: a later plan or move
+        touching them first waits for it (within its own timeout), so a late copy can
+        never overwrite a block the leader has reused since."""
+        deadline = time.monotonic() + timeout
         self.check_plan(plan)
         slots = validate_slot_mapping(
             slot_mapping, len(plan.blocks) * self.layout.tokens_per_block, self.num_slots()
         )
+        self._await_fences(plan.blocks, deadline)
         outcome: list[BaseException | None] = []
 
         def run() -> None:
@@ -139,8 +150,11 @@ class TierStore(StageStore):
 
         worker = threading.Thread(target=run, name="flexkv-stage-copy", daemon=True)
         worker.start()
-        worker.join(timeout)
+        worker.join(max(0.0, deadline - time.monotonic()))
         if worker.is_alive():
+            with self._lock:
+                for loc in plan.blocks:
+                    self._fences[loc] = worker
             raise TimeoutError(
                 f"{plan.direction.value} of {len(plan.blocks)} blocks did not finish in "
                 f"{timeout} s; treat the blocks as not stored"
@@ -149,9 +163,30 @@ class TierStore(StageStore):
             raise outcome[0]
 
     def apply_moves(self, moves: Sequence[TierMove]) -> None:
+        """See :meth:`StageStore.apply_moves`; waits (up to ``FENCE_SECONDS``) for a
+        timed-out copy still writing a block the moves touch."""
+        deadline = time.monotonic() + FENCE_SECONDS
         for m in moves:
+            self._await_fences([m.src] if m.dst is None else [m.src, m.dst], deadline)
             if m.dst is not None:
                 self.copier.move(m.src, m.dst)
+
+    def _await_fences(self, blocks: Sequence[BlockLocation], deadline: float) -> None:
+        """Wait for timed-out copies still writing any of ``blocks``; TimeoutError if
+        one is still running at ``deadline``."""
+        with self._lock:
+            if not self._fences:
+                return
+            waits = {self._fences[b] for b in blocks if b in self._fences}
+        for worker in waits:
+            worker.join(max(0.0, deadline - time.monotonic()))
+            if worker.is_alive():
+                raise TimeoutError(
+                    "an earlier copy into these blocks timed out and is still running; "
+                    "retry later or treat the blocks as not stored"
+                )
+        with self._lock:
+            self._fences = {b: w for b, w in self._fences.items() if w.is_alive()}
 
     def reset(self) -> None:
         """Nothing to forget: the store keeps no index, and every later plan overwrites

@@ -196,13 +196,20 @@ def test_stage_store_execute_validates_before_copying(tmp_path: Path) -> None:
     assert not st.cpu.pool.equal(before)
 
 
-def test_stage_store_times_out_a_stuck_copy() -> None:
+def test_stage_store_times_out_a_stuck_copy_and_fences_its_blocks() -> None:
     layout = small_layout()
     release = threading.Event()
+    order: list[str] = []
 
     class StuckStore(TierStore):
         def copy(self, plan: TransferPlan, slots: torch.Tensor) -> None:
-            release.wait(10)
+            if plan.blocks[0].index == 0 and not order:
+                order.append("stuck started")
+                release.wait(10)
+                order.append("stuck finished")
+            else:
+                order.append(f"copy {plan.blocks[0].index}")
+                super().copy(plan, slots)
 
     st = StuckStore(config(layout, cpu_blocks=4))
     st.register_kv_buffers(0, make_buffers(layout, 32, 0))
@@ -210,6 +217,15 @@ def test_stage_store_times_out_a_stuck_copy() -> None:
     try:
         with pytest.raises(TimeoutError, match=r"did not finish in 0\.2 s"):
             st.execute(plan, np.arange(4), timeout=0.2)
+        # another block is not fenced
+        st.execute(TransferPlan(Direction.STORE, (BlockLocation(Tier.CPU, 1),)),
+                   np.arange(4), timeout=5)
+        # the fenced block refuses a new copy while the late one still runs
+        with pytest.raises(TimeoutError, match="earlier copy into these blocks timed out"):
+            st.execute(plan, np.arange(4, 8), timeout=0.1)
+        threading.Timer(0.2, release.set).start()
+        st.execute(plan, np.arange(4, 8), timeout=5)  # waits for the late copy, then runs
+        assert order == ["stuck started", "copy 1", "stuck finished", "copy 0"]
     finally:
         release.set()
 
