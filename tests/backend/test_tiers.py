@@ -77,7 +77,7 @@ def test_ssd_index_does_not_survive_a_restart(tmp_path: Path) -> None:
     spilled = b.store.read_block(BlockLocation(Tier.SSD, 0))
     assert any(spilled)
     b.shutdown()
-    f = tmp_path / FILE_NAME.format(index=0)
+    f = tmp_path / FILE_NAME.format(slot=0, index=0)
     assert f.stat().st_size == 4 * layout.bytes_per_block
     again, _ = started(cfg)
     try:
@@ -139,3 +139,28 @@ def test_locked_blocks_are_never_evicted() -> None:
             assert x.equal(y)
     finally:
         b.shutdown()
+
+
+def test_tiers_sharing_a_directory_get_their_own_files(tmp_path: Path) -> None:
+    layout = small_layout()
+    cfg = config(layout, cpu_blocks=1, ssd_blocks=2, ssd_dir=tmp_path,
+                 high_watermark=1.0, low_watermark=1.0)
+    first, _ = started(cfg, seed=1)
+    second, _ = started(cfg, seed=2)
+    try:
+        for b, slots in ((first, np.arange(TPB)), (second, np.arange(TPB, 2 * TPB))):
+            store(b, tokens(TPB, seed=1), slots.astype(np.int64))
+            store(b, tokens(TPB, seed=2), slots.astype(np.int64))  # spills the first block
+        a = first.store.read_block(BlockLocation(Tier.SSD, 0))
+        b2 = second.store.read_block(BlockLocation(Tier.SSD, 0))
+        assert a != b2  # different engine data, different files: nothing clobbered
+        assert first.store.ssd is not None and second.store.ssd is not None
+        assert {first.store.ssd.slot, second.store.ssd.slot} == {0, 1}
+    finally:
+        first.shutdown()
+        second.shutdown()
+    third, _ = started(cfg)  # slots freed on shutdown: slot 0 is reused, not leaked
+    try:
+        assert third.store.ssd is not None and third.store.ssd.slot == 0
+    finally:
+        third.shutdown()
