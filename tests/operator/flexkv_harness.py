@@ -29,8 +29,9 @@ DAEMONSETS = "apps/v1/daemonsets"
 
 
 @contextlib.asynccontextmanager
-async def api_server() -> AsyncIterator[ApiServer]:
+async def api_server(history_limit: int | None = None) -> AsyncIterator[ApiServer]:
     async with ApiServer() as server, kmock.Server(server):
+        server.history_limit = history_limit
         yield server
 
 

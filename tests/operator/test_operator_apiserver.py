@@ -49,7 +49,7 @@ async def test_stale_resource_version_precondition_is_a_409(api: ApiServer) -> N
         f"{POOL_PATH}/p/status", json={"metadata": {"resourceVersion": rv}, "status": {"e": 2}}
     )
     assert stale.status == 409
-    assert api.get(POOLS, NS, "p")["status"] == {"e": 1}  # type: ignore[index]
+    assert api.stored(POOLS, NS, "p")["status"] == {"e": 1}  # type: ignore[index]
     assert api.conflicts == 1
 
 
@@ -58,6 +58,6 @@ async def test_injected_faults_answer_before_touching_state(api: ApiServer) -> N
     for _ in range(2):
         response = await api.post(POOL_PATH, json={"metadata": {"name": "p"}, "spec": {}})
         assert response.status == 500
-    assert api.get(POOLS, NS, "p") is None and fault.hits == 2
+    assert api.stored(POOLS, NS, "p") is None and fault.hits == 2
     await create(api, POOLS, {"metadata": {"name": "p"}, "spec": {}})
-    assert api.get(POOLS, NS, "p") is not None
+    assert api.stored(POOLS, NS, "p") is not None

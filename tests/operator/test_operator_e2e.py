@@ -44,7 +44,7 @@ CHILDREN = {
 
 
 def pool(api: ApiServer, name: str = "pool") -> dict[str, Any]:
-    return api.get(POOLS, NS, name) or {}
+    return api.stored(POOLS, NS, name) or {}
 
 
 def status(api: ApiServer, name: str = "pool") -> dict[str, Any]:
@@ -60,17 +60,17 @@ def condition(api: ApiServer, type_: str, name: str = "pool") -> dict[str, Any]:
 
 
 def group(api: ApiServer, name: str = "pool-r0") -> dict[str, Any]:
-    return (api.get(GROUPS, NS, name) or {}).get("status") or {}
+    return (api.stored(GROUPS, NS, name) or {}).get("status") or {}
 
 
 def event_reasons(api: ApiServer) -> list[str]:
     return [
-        (api.get("v1/events", NS, n) or {}).get("reason", "") for n in api.names("v1/events", NS)
+        (api.stored("v1/events", NS, n) or {}).get("reason", "") for n in api.names("v1/events", NS)
     ]
 
 
 async def mark_rolled_out(api: ApiServer, desired: int) -> None:
-    ds = api.get(DAEMONSETS, NS, "pool-agent")
+    ds = api.stored(DAEMONSETS, NS, "pool-agent")
     assert ds is not None
     await patch(
         api,
@@ -111,11 +111,11 @@ async def test_pool_creates_children_and_becomes_ready(api: ApiServer) -> None:
         )
         for plural, names in CHILDREN.items():
             for name in names:
-                child = api.get(plural, NS, name)
+                child = api.stored(plural, NS, name)
                 assert child is not None
                 assert [o["uid"] for o in child["metadata"]["ownerReferences"]] == [uid], plural
         agent_yaml = yaml.safe_load(
-            api.get("v1/configmaps", NS, "pool-agent-config")["data"]["agent.yaml"]
+            api.stored("v1/configmaps", NS, "pool-agent-config")["data"]["agent.yaml"]
         )  # type: ignore[index]
         assert agent_yaml["pool"] == "pool" and agent_yaml["heartbeat"]["leaseDurationSeconds"] == 3
         await wait_for(lambda: status(api).get("phase") == "Pending", 10, "Pending without agents")
@@ -156,21 +156,21 @@ async def test_pool_creates_children_and_becomes_ready(api: ApiServer) -> None:
                 "fanoutEndpoint": grp["members"][0]["fanoutEndpoint"],
             }
             assert grp["epoch"] == 1 and grp["phase"] == "Ready" and grp["memberCount"] == 2
-            assert api.get(GROUPS, NS, "pool-r0")["metadata"]["ownerReferences"][0]["uid"] == uid  # type: ignore[index]
+            assert api.stored(GROUPS, NS, "pool-r0")["metadata"]["ownerReferences"][0]["uid"] == uid  # type: ignore[index]
             assert "LeaderElected" in event_reasons(api)
 
 
 async def test_spec_update_rolls_agents_and_cache_epoch_does_not(api: ApiServer) -> None:
     async with running_operator(api):
         await create(api, POOLS, pool_manifest(**FAST))
-        await wait_for(lambda: api.get(DAEMONSETS, NS, "pool-agent"), 10, "DaemonSet")
+        await wait_for(lambda: api.stored(DAEMONSETS, NS, "pool-agent"), 10, "DaemonSet")
 
         def template_hash() -> str:
-            ds = api.get(DAEMONSETS, NS, "pool-agent") or {}
+            ds = api.stored(DAEMONSETS, NS, "pool-agent") or {}
             return str(ds["spec"]["template"]["metadata"]["annotations"][ANNOTATION_CONFIG_HASH])
 
         def agent_yaml() -> dict[str, Any]:
-            cm = api.get("v1/configmaps", NS, "pool-agent-config") or {}
+            cm = api.stored("v1/configmaps", NS, "pool-agent-config") or {}
             return dict(yaml.safe_load(cm["data"]["agent.yaml"]))
 
         first = template_hash()
@@ -183,7 +183,7 @@ async def test_spec_update_rolls_agents_and_cache_epoch_does_not(api: ApiServer)
             api, POOLS, "pool", {"spec": {"tokensPerBlock": 32, "agent": {"image": "img:2"}}}
         )
         await wait_for(lambda: template_hash() != first, 10, "DaemonSet template change")
-        ds = api.get(DAEMONSETS, NS, "pool-agent") or {}
+        ds = api.stored(DAEMONSETS, NS, "pool-agent") or {}
         assert ds["spec"]["template"]["spec"]["containers"][0]["image"] == "img:2"
         assert agent_yaml()["tokensPerBlock"] == 32
         await wait_for(
@@ -303,8 +303,8 @@ async def test_restart_resumes_without_duplicates_or_new_epochs(api: ApiServer) 
         async with running_operator(api, "first"):
             await create(api, POOLS, pool_manifest(**FAST))
             await wait_for(lambda: group(api).get("epoch") == 1, 10, "first election")
-        secret = api.get("v1/secrets", NS, "pool-curve")
-        ds_version = api.get(DAEMONSETS, NS, "pool-agent")["metadata"]["resourceVersion"]  # type: ignore[index]
+        secret = api.stored("v1/secrets", NS, "pool-curve")
+        ds_version = api.stored(DAEMONSETS, NS, "pool-agent")["metadata"]["resourceVersion"]  # type: ignore[index]
         creates_before = len(api[kmock.action.CREATE])
         async with running_operator(api, "second"):
             await wait_for(
@@ -312,8 +312,8 @@ async def test_restart_resumes_without_duplicates_or_new_epochs(api: ApiServer) 
             )
             await asyncio.sleep(LEASE + RETRY)  # past one lease duration: nothing expires
             assert group(api)["epoch"] == 1 and group(api)["leader"]["node"] == "node-a"
-        assert api.get("v1/secrets", NS, "pool-curve") == secret
-        assert api.get(DAEMONSETS, NS, "pool-agent")["metadata"]["resourceVersion"] == ds_version  # type: ignore[index]
+        assert api.stored("v1/secrets", NS, "pool-curve") == secret
+        assert api.stored(DAEMONSETS, NS, "pool-agent")["metadata"]["resourceVersion"] == ds_version  # type: ignore[index]
         new_creates = [r for r in api[kmock.action.CREATE]][creates_before:]
         assert all(r.resource.plural == "events" for r in new_creates), [
             r.resource for r in new_creates
@@ -341,7 +341,7 @@ async def test_api_errors_409_and_500_are_retried(api: ApiServer) -> None:
 
 
 async def mark_rolled_out_when_present(api: ApiServer, desired: int) -> None:
-    await wait_for(lambda: api.get(DAEMONSETS, NS, "pool-agent"), 15, "DaemonSet")
+    await wait_for(lambda: api.stored(DAEMONSETS, NS, "pool-agent"), 15, "DaemonSet")
     await mark_rolled_out(api, desired)
 
 
@@ -368,7 +368,7 @@ async def test_bad_spec_is_reported_and_isolated(api: ApiServer) -> None:
         )
         assert status(api, "bad")["phase"] == "Invalid"
         await wait_for(
-            lambda: api.get(DAEMONSETS, NS, "good-agent"), 10, "the good pool's children"
+            lambda: api.stored(DAEMONSETS, NS, "good-agent"), 10, "the good pool's children"
         )
         assert not any(
             n.startswith("bad-") for n in api.names("v1/configmaps", NS) + api.names(DAEMONSETS, NS)
@@ -376,7 +376,7 @@ async def test_bad_spec_is_reported_and_isolated(api: ApiServer) -> None:
         assert "ConfigError" in event_reasons(api)
 
         # A bad update of a working pool leaves its children as they were.
-        ds_before = api.get(DAEMONSETS, NS, "good-agent")
+        ds_before = api.stored(DAEMONSETS, NS, "good-agent")
         await patch(api, POOLS, "good", {"spec": {"tiers": {"cpu": {"size": "lots"}}}})
         await wait_for(
             lambda: condition(api, "ConfigValid", "good").get("status") == "False",
@@ -384,11 +384,13 @@ async def test_bad_spec_is_reported_and_isolated(api: ApiServer) -> None:
             "good turns invalid",
         )
         assert "spec.tiers.cpu.size" in condition(api, "ConfigValid", "good")["message"]
-        assert api.get(DAEMONSETS, NS, "good-agent") == ds_before
+        assert api.stored(DAEMONSETS, NS, "good-agent") == ds_before
 
         # Fixing the spec creates the children.
         await patch(api, POOLS, "bad", {"spec": FAST})
-        await wait_for(lambda: api.get(DAEMONSETS, NS, "bad-agent"), 10, "children after the fix")
+        await wait_for(
+            lambda: api.stored(DAEMONSETS, NS, "bad-agent"), 10, "children after the fix"
+        )
         await wait_for(
             lambda: condition(api, "ConfigValid", "bad").get("status") == "True", 10, "valid again"
         )
@@ -397,18 +399,18 @@ async def test_bad_spec_is_reported_and_isolated(api: ApiServer) -> None:
 async def test_curve_secret_is_generated_once_and_repaired_if_broken(api: ApiServer) -> None:
     async with running_operator(api):
         await create(api, POOLS, pool_manifest(**FAST))
-        await wait_for(lambda: api.get("v1/secrets", NS, "pool-curve"), 10, "Secret")
-        original = api.get("v1/secrets", NS, "pool-curve")
+        await wait_for(lambda: api.stored("v1/secrets", NS, "pool-curve"), 10, "Secret")
+        original = api.stored("v1/secrets", NS, "pool-curve")
         public = base64.b64decode(original["data"]["curve-public.key"]).decode()  # type: ignore[index]
         assert len(public) == 40
         await patch(api, POOLS, "pool", {"spec": {"cacheEpoch": 1}})  # a reconcile
         await wait_for(lambda: status(api).get("cacheEpoch") == 1, 10, "reconciled")
-        assert api.get("v1/secrets", NS, "pool-curve") == original
+        assert api.stored("v1/secrets", NS, "pool-curve") == original
         await patch(api, "v1/secrets", "pool-curve", {"data": {"curve-secret.key": "AAAA"}})
         await patch(api, POOLS, "pool", {"spec": {"cacheEpoch": 2}})
         await wait_for(
             lambda: (
-                (api.get("v1/secrets", NS, "pool-curve") or {})["data"]["curve-secret.key"]
+                (api.stored("v1/secrets", NS, "pool-curve") or {})["data"]["curve-secret.key"]
                 != "AAAA"
             ),
             10,

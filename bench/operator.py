@@ -1,0 +1,213 @@
+"""Operator benchmark: pool apply -> Ready, and leader loss -> new leader published,
+with 10, 100 and 1000 agents against the emulated API server (kmock).
+
+Each result is one JSON object on its own line. Goals are ratios measured in the
+same run:
+
+* ``failover_over_bound`` = failover seconds / (leaseDurationSeconds + 2); goal <= 1;
+* ``per_agent_ratio_vs_smallest`` = (ready seconds per agent at N) / (the same at the
+  smallest N of the run); ~1 or below means reconcile work grows linearly (or better).
+
+Setup: the operator runs in a thread of this process, as in the tests; agents are
+heartbeat Leases written over HTTP. Agents are grouped into PP groups of two. The
+measured group's agents heartbeat every second with the pool's lease duration;
+the other agents carry a long lease duration and renew slowly, so the emulated
+server is not saturated by heartbeats on a 2-core machine (their Leases are still
+watched, tracked and reported on every reconcile).
+
+    python bench/operator.py            # 10, 100, 1000 agents (about 1-2 minutes)
+    python bench/operator.py --quick    # 10 and 100 agents, shorter leases
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "operator"))
+
+from flexkv_apiserver import ApiServer  # noqa: E402
+from flexkv_harness import (  # noqa: E402
+    DAEMONSETS,
+    GROUPS,
+    NS,
+    POOLS,
+    FakeAgent,
+    api_server,
+    create,
+    patch,
+    pool_manifest,
+    running_operator,
+    wait_for,
+)
+
+BACKGROUND_LEASE = 120
+BACKGROUND_PERIOD = 30.0
+
+
+def emit(result: dict[str, Any]) -> None:
+    print(json.dumps(result, sort_keys=True), flush=True)
+
+
+def agents_for(api: ApiServer, count: int, lease: int) -> list[FakeAgent]:
+    agents = []
+    for i in range(count):
+        group, rank = divmod(i, 2)
+        size = 2 if group * 2 + 1 < count else 1
+        measured = group == 0
+        agents.append(
+            FakeAgent(
+                api,
+                "pool",
+                f"node-{i:04d}",
+                [{"replica": f"r{group:04d}", "ppRank": rank, "ppSize": size}],
+                lease_duration=lease if measured else BACKGROUND_LEASE,
+            )
+        )
+    return agents
+
+
+@contextlib.asynccontextmanager
+async def heartbeats(
+    fast: list[FakeAgent], slow: list[FakeAgent], alive: dict[str, bool]
+) -> AsyncIterator[None]:
+    async def fast_loop() -> None:
+        while True:
+            await asyncio.gather(*(a.beat() for a in fast if alive[a.node]))
+            await asyncio.sleep(1.0)
+
+    async def slow_loop() -> None:
+        # Spread the background renewals evenly over the period.
+        gap = BACKGROUND_PERIOD / max(1, len(slow))
+        while True:
+            for agent in slow:
+                await agent.beat()
+                await asyncio.sleep(gap)
+
+    tasks = [asyncio.create_task(fast_loop()), asyncio.create_task(slow_loop())]
+    try:
+        yield
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def run_size(count: int, timings: dict[str, int], timeout: float) -> dict[str, Any]:
+    lease = timings["leaseDurationSeconds"]
+    async with api_server(history_limit=64) as api:
+        agents = agents_for(api, count, lease)
+        started = time.monotonic()
+        for chunk in range(0, count, 50):
+            await asyncio.gather(*(a.start() for a in agents[chunk : chunk + 50]))
+        setup_s = time.monotonic() - started
+        alive = {a.node: True for a in agents}
+        fast, slow = agents[:2], agents[2:]
+        async with running_operator(api, "bench"), heartbeats(fast, slow, alive):
+            applied = time.monotonic()
+            await create(api, POOLS, pool_manifest(leaderElection=timings))
+            ds = await wait_for(
+                lambda: api.stored(DAEMONSETS, NS, "pool-agent"), timeout, "DaemonSet"
+            )
+            await patch(
+                api,
+                DAEMONSETS,
+                "pool-agent",
+                {
+                    "status": {
+                        "observedGeneration": ds["metadata"]["generation"],
+                        "desiredNumberScheduled": count,
+                        "updatedNumberScheduled": count,
+                        "numberAvailable": count,
+                        "numberUnavailable": 0,
+                    }
+                },
+            )
+
+            def ready() -> bool:
+                status = (api.stored(POOLS, NS, "pool") or {}).get("status") or {}
+                return status.get("phase") == "Ready" and status.get("readyAgents") == count
+
+            await wait_for(ready, timeout, f"Ready with {count} agents", interval=0.02)
+            ready_s = time.monotonic() - applied
+            groups = len(api.names(GROUPS, NS))
+
+            def leader() -> str | None:
+                status = (api.stored(GROUPS, NS, "pool-r0000") or {}).get("status") or {}
+                return (status.get("leader") or {}).get("node")
+
+            await wait_for(lambda: leader() == "node-0000", timeout, "first leader")
+            await asyncio.sleep(1.0)
+            alive["node-0000"] = False
+            await fast[0].beat()  # the last heartbeat: the loss starts now
+            lost_at = time.monotonic()
+            await wait_for(
+                lambda: leader() not in ("node-0000", None),
+                lease + timeout,
+                "new leader",
+                interval=0.02,
+            )
+            failover_s = time.monotonic() - lost_at
+    bound = lease + 2.0
+    return {
+        "bench": "operator",
+        "agents": count,
+        "groups": groups,
+        "lease_duration_s": lease,
+        "lease_setup_s": round(setup_s, 3),
+        "apply_to_ready_s": round(ready_s, 3),
+        "ready_per_agent_ms": round(1000 * ready_s / count, 3),
+        "failover_s": round(failover_s, 3),
+        "failover_bound_s": bound,
+        "failover_over_bound": round(failover_s / bound, 3),
+        "failover_goal_met": failover_s <= bound,
+    }
+
+
+async def main_async(quick: bool) -> None:
+    sizes = [10, 100] if quick else [10, 100, 1000]
+    timings = (
+        {"leaseDurationSeconds": 3, "renewDeadlineSeconds": 2, "retryPeriodSeconds": 1}
+        if quick
+        else {"leaseDurationSeconds": 6, "renewDeadlineSeconds": 4, "retryPeriodSeconds": 2}
+    )
+    results = []
+    for count in sizes:
+        result = await run_size(count, timings, timeout=60.0)
+        results.append(result)
+    baseline = results[0]["ready_per_agent_ms"]
+    for result in results:
+        result["per_agent_ratio_vs_smallest"] = round(result["ready_per_agent_ms"] / baseline, 3)
+        emit(result)
+    emit(
+        {
+            "bench": "operator-summary",
+            "sizes": sizes,
+            "max_failover_over_bound": max(r["failover_over_bound"] for r in results),
+            "per_agent_ratio_at_largest": results[-1]["per_agent_ratio_vs_smallest"],
+        }
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="10 and 100 agents, short leases")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR)
+    asyncio.run(main_async(args.quick))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
