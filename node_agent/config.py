@@ -4,6 +4,9 @@ environment overrides, parsed into frozen dataclasses and validated.
 Contract:
 
 * Keys are camelCase as in the CRD; an unknown key anywhere is an error.
+* ``NODE_NAME``, ``POD_NAME`` and ``POD_IP`` (set by the operator's DaemonSet
+  through the downward API) fill ``nodeName``, ``podName`` and
+  ``advertiseAddress`` when the file does not set them.
 * ``FLEXKV_<UPPER_SNAKE_PATH>`` overrides one leaf (``FLEXKV_PORTS_HTTP=9090``,
   ``FLEXKV_TIMEOUTS_ENGINE_CALL_SECONDS=3``). Values are read as YAML scalars, so
   numbers, booleans and ``[a, b]`` lists work. ``FLEXKV_*`` variables that name no
@@ -312,6 +315,17 @@ def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
         node[path[-1]] = value
 
 
+#: Downward-API variables the operator's DaemonSet sets; they fill agent-local keys
+#: the file leaves out (a FLEXKV_* override still wins).
+_DOWNWARD = {"NODE_NAME": "nodeName", "POD_NAME": "podName", "POD_IP": "advertiseAddress"}
+
+
+def _apply_downward(raw: dict[str, Any], env: Mapping[str, str]) -> None:
+    for var, key in _DOWNWARD.items():
+        if key not in raw and env.get(var):
+            raw[key] = env[var]
+
+
 def _check(cfg: AgentConfig) -> None:
     hb = cfg.heartbeat
     if not hb.lease_duration_seconds > hb.renew_deadline_seconds > hb.retry_period_seconds:
@@ -361,7 +375,9 @@ def load_config(
                 f"config file {str(p)!r}: top level is {type(raw).__name__}, not a mapping; "
                 "write it as key: value lines"
             )
-    _apply_env(raw, os.environ if env is None else env)
+    env = os.environ if env is None else env
+    _apply_downward(raw, env)
+    _apply_env(raw, env)
     cfg = _build(AgentConfig, raw, "")
     _check(cfg)
     return cfg

@@ -1,4 +1,14 @@
 #!/usr/bin/env bash
-# `make demo`: not implemented yet; it arrives with the node agent service.
-echo "make demo is not there yet: the local demo arrives with the node agent service." >&2
-exit 2
+# `make demo`: the local demo, no cluster and no GPU needed. Creates .venv on first
+# use (scripts/bootstrap.sh), then starts one PP group of 2 node agents on the
+# embedded backend, drives them with synthetic engine ranks (multi-turn
+# conversations with shared prefixes) and prints a results table.
+# Options go to `flexkv-agent demo` (see --help), e.g.:
+#   bash scripts/demo.sh --conversations 32 --turns 6
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+bash scripts/bootstrap.sh
+# shellcheck disable=SC1091
+. .venv/bin/activate
+exec python -m node_agent demo "$@"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import uuid
+import warnings
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -56,7 +57,9 @@ class VersionedEmulator(kmock.KubernetesEmulator):
 async def kube() -> AsyncIterator[VersionedEmulator]:
     """A running emulated API server with the bundled resources and KVCacheGroups."""
     async with VersionedEmulator() as emu, kmock.Server(emu):
-        emu.resources.load_bundled()
+        with warnings.catch_warnings():  # kmock reads its bundle with a deprecated API
+            warnings.simplefilter("ignore", DeprecationWarning)
+            emu.resources.load_bundled()
         emu.resources["flexkv.io/v1alpha1/kvcachegroups"] = kmock.ResourceInfo(
             kind="KVCacheGroup", namespaced=True, verbs={"get", "list", "watch", "patch"},
         )

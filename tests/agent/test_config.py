@@ -112,3 +112,13 @@ def test_unreadable_and_non_mapping_files(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump([1, 2]))
     with pytest.raises(ConfigError, match="top level is list, not a mapping"):
         load_config(path, env={})
+
+
+def test_downward_api_variables_fill_agent_local_keys() -> None:
+    env = {"NODE_NAME": "node-7", "POD_NAME": "agent-abc", "POD_IP": "10.1.2.3"}
+    cfg = load_config(None, env=env)
+    assert (cfg.node_name, cfg.pod_name, cfg.advertise_address) == (
+        "node-7", "agent-abc", "10.1.2.3")
+    assert cfg.holder_identity == "agent-abc"
+    pinned = load_config(None, env={**env, "FLEXKV_NODE_NAME": "override"})
+    assert pinned.node_name == "override"

@@ -1,0 +1,135 @@
+"""Agents wired to the emulated Kubernetes API: the heartbeat Lease reflects
+registrations and readiness, and KVCacheGroup status drives the connectors' roles
+(including a leader change)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kmock
+import numpy as np
+import pytest
+
+from node_agent.client import EngineClient, RankInfo, SharedKVBuffers
+from node_agent.pp.auth import CurveKeys
+from tests.agent.harness import (
+    LAYOUT,
+    NUM_SLOTS,
+    agent_mapping,
+    cfg_of,
+    running_agent,
+    short_dir,
+    wait_for,
+    wait_http,
+)
+
+pytestmark = pytest.mark.timeout(90)
+LEASES = kmock.resource("coordination.k8s.io", "v1", "leases")
+GROUPS = kmock.resource("flexkv.io", "v1alpha1", "kvcachegroups")
+
+
+@pytest.fixture()
+def work() -> Iterator[Path]:
+    d = short_dir("kube")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _annotations(kube: Any, node: str) -> dict[str, str]:
+    key = (LEASES, "ns1", f"flexkv-agent-{node}")
+    if key not in kube.objects:
+        return {}
+    ann: dict[str, str] = kube.objects[key]["metadata"]["annotations"]
+    return ann
+
+
+def _group(fanout: dict[int, int], leader: int, epoch: int) -> dict[str, Any]:
+    members = [{"node": f"node-{r}", "ppRank": r, "fanoutEndpoint": f"tcp://127.0.0.1:{p}",
+                "ready": True} for r, p in sorted(fanout.items())]
+    return {"apiVersion": "flexkv.io/v1alpha1", "kind": "KVCacheGroup",
+            "metadata": {"name": "tp-rep", "namespace": "ns1",
+                         "labels": {"flexkv.io/pool": "tp"}},
+            "spec": {"poolRef": "tp", "replica": "rep", "ppSize": 2},
+            "status": {"epoch": epoch, "leader": members[leader], "members": members}}
+
+
+async def test_lease_reports_memberships_and_readiness(kube: Any, kube_api: Any,
+                                                       work: Path) -> None:
+    cfg = cfg_of(agent_mapping(work, "solo", podName="agent-pod-1"))
+    async with running_agent(cfg, kube_api=kube_api) as ra:
+        await wait_for(lambda: _annotations(kube, "solo").get("flexkv.io/ready") == "false",
+                       10, "Lease created, not ready")
+        ann = _annotations(kube, "solo")
+        assert json.loads(ann["flexkv.io/memberships"]) == []
+        assert json.loads(ann["flexkv.io/tiers"])["cpu"]["capacityBytes"] == 2**20
+        lease = kube.objects[LEASES, "ns1", "flexkv-agent-solo"]
+        assert lease["spec"]["holderIdentity"] == "agent-pod-1"
+        health = (await ra.get("/healthz")).json()["components"]
+        assert health == {"engine_api": True, "group_view": True, "heartbeat": True}
+
+        bufs = SharedKVBuffers.for_layout(LAYOUT, NUM_SLOTS)
+        client = EngineClient(cfg.engine_socket, RankInfo("solo-0"), timeout=5)
+        try:
+            await asyncio.to_thread(client.register_kv_buffers, LAYOUT, bufs.handles)
+            await wait_for(lambda: _annotations(kube, "solo").get("flexkv.io/ready") == "true",
+                           10, "Lease says ready")
+            ann = _annotations(kube, "solo")
+            assert json.loads(ann["flexkv.io/memberships"]) == [
+                {"replica": "solo-0", "ppRank": 0, "ppSize": 1}]
+            assert json.loads(ann["flexkv.io/endpoints"]) == {
+                "http": f"127.0.0.1:{cfg.ports.http}", "fanout": f"tcp://127.0.0.1:{cfg.ports.fanout}"}
+            status = (await ra.get("/status")).json()
+            assert status["heartbeat"]["healthy"] is True
+        finally:
+            client.close()
+            bufs.close()
+    # Stopped: the last renewal says not ready, and the Lease is left to expire.
+    assert _annotations(kube, "solo")["flexkv.io/ready"] == "false"
+
+
+async def test_kvcachegroup_status_drives_roles_and_failover(kube: Any, kube_api: Any,
+                                                             work: Path) -> None:
+    CurveKeys.generate().write(work / "curve")
+    maps = [agent_mapping(work, f"node-{r}") for r in range(2)]
+    fanout = {r: m["ports"]["fanout"] for r, m in enumerate(maps)}
+    kube.objects[GROUPS, "ns1", "tp-rep"] = _group(fanout, leader=0, epoch=1)
+    cfgs = [cfg_of(m) for m in maps]
+    bufs = [SharedKVBuffers.for_layout(LAYOUT, NUM_SLOTS) for _ in range(2)]
+    clients = [EngineClient(c.engine_socket, RankInfo("rep", pp_rank=r, pp_size=2), timeout=5)
+               for r, c in enumerate(cfgs)]
+    try:
+        async with running_agent(cfgs[0], kube_api) as a0, running_agent(cfgs[1], kube_api) as a1:
+            for c, b in zip(clients, bufs, strict=True):
+                await asyncio.to_thread(c.register_kv_buffers, LAYOUT, b.handles)
+            await wait_http(a0, "/readyz", 200, 20)
+            await wait_http(a1, "/readyz", 200, 20)
+
+            async def role(a: Any) -> str:
+                return str((await a.get("/status")).json()["stages"][0]["connector"]["role"])
+
+            assert (await role(a0), await role(a1)) == ("leader", "follower")
+            # The operator elects stage 1 at epoch 2: the roles follow the object.
+            kube.objects[GROUPS, "ns1", "tp-rep"] = _group(fanout, leader=1, epoch=2)
+            deadline = asyncio.get_running_loop().time() + 20
+            while (await role(a0), await role(a1)) != ("follower", "leader"):
+                assert asyncio.get_running_loop().time() < deadline, "roles did not swap"
+                await asyncio.sleep(0.1)
+            await wait_http(a1, "/readyz", 200, 20)
+            status = (await a1.get("/status")).json()
+            assert status["groups"]["rep"]["epoch"] == 2
+            assert status["stages"][0]["connector"]["epoch"] == 2
+            # The group works under the new leader: a store on both stages completes.
+            tokens = np.arange(16, dtype=np.int64)
+            results = await asyncio.gather(*[
+                asyncio.to_thread(c.store_kv, "s1", tokens, np.arange(16)) for c in clients])
+            assert all(r >= 0 for r in results)
+    finally:
+        for c in clients:
+            c.close()
+        for b in bufs:
+            b.close()
