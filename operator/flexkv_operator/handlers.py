@@ -29,9 +29,6 @@ MANAGED_LABELS = {names.LABEL_MANAGED_BY: names.MANAGER}
 
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     """Tune kopf once and start the controller loop."""
-    settings.persistence.finalizer = (
-        "flexkv.io/unused-finalizer"  # never added: no handler needs one
-    )
     settings.posting.level = logging.WARNING
     # CRDs come with the chart before the operator starts and namespaces are named
     # exactly, so kopf need not scan (and poll) for new CRDs or namespaces.

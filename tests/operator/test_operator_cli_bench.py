@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from flexkv_operator.__main__ import parse_args
 from flexkv_operator.context import OperatorSettings
 

@@ -158,6 +158,10 @@ async def test_pool_creates_children_and_becomes_ready(api: ApiServer) -> None:
             assert grp["epoch"] == 1 and grp["phase"] == "Ready" and grp["memberCount"] == 2
             assert api.stored(GROUPS, NS, "pool-r0")["metadata"]["ownerReferences"][0]["uid"] == uid  # type: ignore[index]
             assert "LeaderElected" in event_reasons(api)
+            # No finalizer and no kopf bookkeeping on the pool: nothing lives outside the cluster.
+            meta = pool(api)["metadata"]
+            assert not meta.get("finalizers")
+            assert not [k for k in meta.get("annotations") or {} if "kopf" in k]
 
 
 async def test_spec_update_rolls_agents_and_cache_epoch_does_not(api: ApiServer) -> None:
