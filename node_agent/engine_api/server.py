@@ -183,8 +183,10 @@ class EngineServer:
         if self._errors is not None:
             self._errors.record("engine_api", f"{op}: {etype}: {message}")
 
-    async def stop(self, grace: float = 5.0) -> None:
-        """Stop receiving, let in-flight calls finish within ``grace`` seconds, close."""
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop receiving, let in-flight calls finish within ``grace`` seconds (default
+        the call timeout), answer the rest "shutting down", close."""
+        grace = self._timeout if grace is None else grace
         self._closing = True
         if self._recv_task is not None:
             self._recv_task.cancel()
@@ -196,8 +198,10 @@ class EngineServer:
                 task.cancel()
             if pending:
                 log.warning("Engine calls cut short by shutdown", extra={"count": len(pending)})
+                # Let them send their "shutting down" replies.
+                await asyncio.wait(pending, timeout=1.0)
         if self._sock is not None:
-            self._sock.close(linger=0)
+            self._sock.close(linger=200)  # bounded flush of the last replies
         self._ctx.term()
         self._pool.shutdown(wait=False, cancel_futures=True)
         with contextlib.suppress(FileNotFoundError):

@@ -87,9 +87,10 @@ class RunningAgent:
 
 
 @contextlib.asynccontextmanager
-async def running_agent(cfg: AgentConfig, kube_api: Any = None) -> AsyncIterator[RunningAgent]:
+async def running_agent(cfg: AgentConfig, kube_api: Any = None,
+                        config_path: Path | None = None) -> AsyncIterator[RunningAgent]:
     """Serve an agent on loopback in this event loop; stop it on exit (bounded)."""
-    agent = Agent(cfg, default_stage_builder, kube_api=kube_api)
+    agent = Agent(cfg, default_stage_builder, kube_api=kube_api, config_path=config_path)
     server = agent.uvicorn_server(host="127.0.0.1")
     server.capture_signals = contextlib.nullcontext  # the test process keeps its handlers
     task = asyncio.create_task(server.serve())

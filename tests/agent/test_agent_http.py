@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import yaml
 
 from node_agent.client import EngineClient, RankInfo, SharedKVBuffers
 from node_agent.pp.auth import CurveKeys
@@ -185,3 +186,29 @@ async def test_pp_group_readiness_follows_registration_and_peer_loss(work: Path)
             c.close()
         for b in bufs:
             b.close()
+
+
+async def test_cache_epoch_bump_in_config_file_flushes_the_cache(work: Path) -> None:
+    data = agent_mapping(work, "solo")
+    path = work / "agent.yaml"
+    path.write_text(yaml.safe_dump(data))
+    cfg = cfg_of(data)
+    bufs = SharedKVBuffers.for_layout(LAYOUT, NUM_SLOTS)
+    client = EngineClient(cfg.engine_socket, RankInfo(replica="solo-0"), timeout=5)
+    tokens = np.arange(16, dtype=np.int64)
+    try:
+        async with running_agent(cfg, config_path=path) as ra:
+            await asyncio.to_thread(client.register_kv_buffers, LAYOUT, bufs.handles)
+            assert await asyncio.to_thread(client.store_kv, "a", tokens, np.arange(16)) >= 0
+            await stored(client, "a")
+            assert await asyncio.to_thread(client.lookup, "b", tokens) == 16
+            await asyncio.to_thread(client.release, "b")
+            path.write_text(yaml.safe_dump({**data, "cacheEpoch": 1}))
+            deadline = asyncio.get_running_loop().time() + 10
+            while (await ra.get("/status")).json()["cacheEpoch"] != 1:
+                assert asyncio.get_running_loop().time() < deadline, "epoch not applied"
+                await asyncio.sleep(0.05)
+            assert await asyncio.to_thread(client.lookup, "c", tokens) == 0
+    finally:
+        client.close()
+        bufs.close()

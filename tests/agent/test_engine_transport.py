@@ -44,6 +44,9 @@ def echo_service(req: protocol.Request) -> Any:
     """Reports what the server decoded; sleeps on request to exercise timeouts."""
     if req.op == "release" and req.args["rid"] == "sleep":
         time.sleep(1.0)
+    if req.op == "release" and req.args["rid"] == "slow":
+        time.sleep(0.4)
+        return "finished"
     if req.op == "release" and req.args["rid"] == "bad":
         raise ValueError("bad rid 'bad'; use another")
     if req.op == "release" and req.args["rid"] == "boom":
@@ -150,6 +153,29 @@ async def test_server_bounds_slow_calls_and_client_bounds_its_wait(sock_path: Pa
         assert any("TimeoutError" in e["message"] for e in errors.snapshot())
     finally:
         await server.stop()
+
+
+async def test_stop_finishes_inflight_calls_within_grace(sock_path: Path) -> None:
+    server, _, _ = await _serve(sock_path)
+    client = EngineClient(sock_path, RANK, timeout=5)
+    call = asyncio.create_task(asyncio.to_thread(client._call, "release",
+                                                 {"rid": "slow", "rank": RANK.to_wire()}))
+    await asyncio.sleep(0.1)
+    assert server.inflight == 1
+    await server.stop(grace=5.0)
+    assert await call == "finished"
+    client.close()
+
+
+async def test_stop_answers_calls_cut_short_by_the_grace(sock_path: Path) -> None:
+    server, _, _ = await _serve(sock_path)
+    client = EngineClient(sock_path, RANK, timeout=5)
+    call = asyncio.create_task(asyncio.to_thread(client.release, "sleep"))
+    await asyncio.sleep(0.1)
+    await server.stop(grace=0.1)
+    with pytest.raises(EngineAPIError, match="agent is shutting down"):
+        await call
+    client.close()
 
 
 def test_client_names_socket_when_agent_is_down(tmp_path: Path) -> None:
