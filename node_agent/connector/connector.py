@@ -65,7 +65,12 @@ class Connector:
         store_factory: StoreFactory,
         keys: CurveKeys | None = None,
         metrics: AgentMetrics | None = None,
+        server: FanoutServer | None = None,
     ) -> None:
+        """``server``: an agent-wide, started :class:`FanoutServer` shared by every
+        group this agent takes part in (one fan-out port per agent); this
+        connector registers its group on it and never closes it. Without one, the
+        connector binds its own at ``config.fanout_endpoint`` (when set)."""
         if view.view.group != config.group:
             raise ValueError(
                 f"Group view is for {view.view.group!r} but the connector is for "
@@ -83,7 +88,8 @@ class Connector:
         self._store: StageStore | None = None
         self._buffers: dict[int, Sequence[Sequence[torch.Tensor]]] = {}
         self._num_slots: int | None = None
-        self._server: FanoutServer | None = None
+        self._server: FanoutServer | None = server
+        self._own_server = server is None
         self._leader_rank: int | None = None
         self._started = False
         self._closed = False
@@ -95,9 +101,10 @@ class Connector:
         with self._lock:
             if self._started:
                 return self
-            if self.cfg.fanout_endpoint is not None:
+            if self._server is None and self.cfg.fanout_endpoint is not None:
                 self._server = FanoutServer(self.cfg.fanout_endpoint, self._keys,
                                             on_drop=lambda g, r: self._stats.drop(r)).start()
+            if self._server is not None:
                 self._server.register(self.cfg.group, self._dispatch)
             self._started = True
             self._view.subscribe(self._on_view)
@@ -118,7 +125,9 @@ class Connector:
             self._view.unsubscribe(self._on_view)
             self._end_role()
             if self._server is not None:
-                self._server.close()
+                self._server.unregister(self.cfg.group)
+                if self._own_server:
+                    self._server.close()
                 self._server = None
 
     def _dispatch(self, msg: Message) -> None:

@@ -31,7 +31,7 @@ from collections.abc import Callable
 import zmq
 
 from node_agent.pp.auth import CurveKeys, PoolAuthenticator, make_client, make_server
-from node_agent.pp.messages import MalformedMessage, Message, decode
+from node_agent.pp.messages import MalformedMessage, Message, decode, unpack
 
 log = logging.getLogger(__name__)
 
@@ -136,9 +136,14 @@ class FanoutServer:
             while not self._stop.is_set():
                 if not sock.poll(50):
                     continue
-                frames = sock.recv_multipart(copy=True)
-                self.received += 1
-                self._dispatch(frames)
+                # Drain what is queued (bounded) before polling again.
+                for _ in range(1024):
+                    try:
+                        frames = sock.recv_multipart(flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self.received += 1
+                    self._dispatch(frames)
         finally:
             sock.close(0)
 
@@ -147,8 +152,11 @@ class FanoutServer:
             msg = decode(frames)
         except MalformedMessage as exc:
             group = "?"
-            if len(frames) > 1:
-                group = frames[1].decode(errors="replace")[:64] or "?"
+            try:
+                if len(frames) == 1:
+                    group = unpack(frames[0])[1].decode(errors="replace")[:64] or "?"
+            except MalformedMessage:
+                pass
             log.warning("Dropped a malformed fan-out message",
                         extra={"group": group, "error": str(exc)})
             self._drop(group, "malformed")

@@ -1,12 +1,15 @@
 """Typed fan-out messages and their wire encoding (no pickle; strict decode).
 
-A message is a list of ZeroMQ frames:
+A message travels as one ZeroMQ frame that packs its *sections* (:func:`pack`:
+a section count, each section's length, then the bytes):
 
-* frame 0: fixed header ``<4sBBqqd``: magic ``b"FKV1"``, op code, wire version,
+* section 0: fixed header ``<4sBBqqd``: magic ``b"FKV1"``, op code, wire version,
   epoch, seq, sender wall-clock time (for the lag metric);
-* frame 1: group name, UTF-8;
-* frame 2: body, a JSON object whose keys and value types are fixed per op;
-* frames 3..: binary arrays of the op (masks, plans, moves), little-endian.
+* section 1: group name, UTF-8;
+* section 2: body: for decisions (PUT, GET) a fixed binary struct followed by
+  the rid and error sections; for every other op a JSON object whose keys and
+  value types are fixed per op;
+* further sections: binary arrays of the op (masks, plans, moves), little-endian.
 
 :func:`decode` checks every frame, key and type and raises
 :class:`MalformedMessage` naming what was wrong; the channel drops such a
@@ -83,6 +86,9 @@ class Op(enum.IntEnum):
     def in_stream(self) -> bool:
         """True for ordered leader decisions that consume a seq."""
         return self < 64
+
+
+_OPS = {int(o): o for o in Op}
 
 
 class Kind(enum.Enum):
@@ -267,15 +273,66 @@ class Message:
 # -- encoding ----------------------------------------------------------------------
 
 
-def _mask_fields(mask: npt.NDArray[np.bool_]) -> tuple[dict[str, Any], list[bytes]]:
-    m = np.asarray(mask, dtype=np.bool_)
-    idx = np.flatnonzero(m)
-    if idx.size == 0:
-        return {"mask_len": int(m.size), "mask_span": [0, 0]}, []
-    start, stop = int(idx[0]), int(idx[-1]) + 1
-    if stop - start == idx.size:
-        return {"mask_len": int(m.size), "mask_span": [start, stop]}, []
-    return {"mask_len": int(m.size), "mask_span": None}, [np.packbits(m).tobytes()]
+# A decision's body frame: n, task_id, mask length, span start, span stop (-1, -1:
+# packed bits follow), plan block count (-1: no plan), flags (bit 0: error set).
+_DECISION = struct.Struct("<qqqqqqB")
+
+
+def _encode_decision(d: Decision) -> list[bytes]:
+    """Frames after the group: body, rid, error, [packed mask], [plan runs]."""
+    m = d.mask
+    count = int(np.count_nonzero(m))
+    start = int(m.argmax()) if count else 0
+    extra: list[bytes] = []
+    if count and not m[start:start + count].all():
+        start = stop = -1
+        extra.append(np.packbits(m).tobytes())
+    else:
+        stop = start + count
+    plan = -1
+    if d.runs is not None:
+        plan = d.num_blocks
+        extra.append(np.ascontiguousarray(d.runs, dtype="<i8").tobytes())
+    body = _DECISION.pack(d.n, d.task_id, m.size, start, stop, plan, d.error is not None)
+    return [body, d.rid.encode(), (d.error or "").encode(), *extra]
+
+
+def _decode_decision(op: Op, frames: list[bytes]) -> Decision:
+    if len(frames) < 3 or len(frames[0]) != _DECISION.size:
+        raise MalformedMessage(f"{op.name} needs a {_DECISION.size}-byte body, rid and error")
+    n, task_id, length, start, stop, plan, flags = _DECISION.unpack(frames[0])
+    try:
+        rid, error = frames[1].decode(), frames[2].decode()
+    except UnicodeDecodeError:
+        raise MalformedMessage(f"{op.name} rid or error is not UTF-8") from None
+    if n < 0 or task_id < -1 or flags > 1 or not 0 <= length <= _MAX_TOKENS:
+        raise MalformedMessage(
+            f"{op.name} fields out of range: n={n} task_id={task_id} mask_len={length}"
+        )
+    arrays = frames[3:]
+    mask = np.zeros(length, dtype=np.bool_)
+    if start == -1 and stop == -1:
+        if not arrays or len(arrays[0]) != (length + 7) // 8:
+            raise MalformedMessage(f"Packed mask frame must hold {(length + 7) // 8} bytes")
+        mask[:] = np.unpackbits(np.frombuffer(arrays[0], dtype=np.uint8), count=length)
+        total = int(np.count_nonzero(mask))
+        arrays = arrays[1:]
+    elif 0 <= start <= stop <= length:
+        mask[start:stop] = True
+        total = stop - start
+    else:
+        raise MalformedMessage(f"Mask span [{start}, {stop}) is not within {length} tokens")
+    runs = None
+    if plan >= 0:
+        if len(arrays) != 1:
+            raise MalformedMessage(f"{op.name} with a plan needs one plan frame")
+        runs = _decode_runs(plan, arrays[0])
+        if (plan == 0) != (total == 0) or (plan and total % plan):
+            raise MalformedMessage(f"Mask of {total} tokens cannot cover {plan} plan blocks")
+    elif plan != -1 or arrays:
+        raise MalformedMessage(f"{op.name} has plan count {plan} and {len(arrays)} extra frames")
+    direction = Direction.STORE if op is Op.PUT else Direction.LOAD
+    return Decision(direction, rid, n, task_id, mask, runs, error if flags else None)
 
 
 def plan_runs(plan: TransferPlan) -> npt.NDArray[np.int64]:
@@ -291,7 +348,54 @@ def plan_runs(plan: TransferPlan) -> npt.NDArray[np.int64]:
 
 
 def encode(env: Envelope, body: Body) -> list[bytes]:
-    """Encode a message as frames. Raises ``ValueError`` for a body that does not
+    """Encode a message as the one ZeroMQ frame sent (see :func:`pack`)."""
+    return [pack(encode_sections(env, body))]
+
+
+def decode(frames: list[bytes]) -> Message:
+    """Decode a received message; raises :class:`MalformedMessage`."""
+    if len(frames) != 1:
+        raise MalformedMessage(f"A message is one frame, got {len(frames)}")
+    return decode_sections(unpack(frames[0]))
+
+
+_COUNT = struct.Struct("<B")
+_MAX_SECTIONS = 16
+_LENGTHS = [struct.Struct(f"<{n}I") for n in range(_MAX_SECTIONS + 1)]
+
+
+def pack(sections: list[bytes]) -> bytes:
+    """Sections in one buffer: count (u8), each length (u32), then the bytes.
+
+    One frame per message keeps the per-message cost of ZeroMQ and Curve low.
+    """
+    if len(sections) > _MAX_SECTIONS:
+        raise ValueError(f"A message holds at most {_MAX_SECTIONS} sections")
+    lengths = _LENGTHS[len(sections)].pack(*map(len, sections))
+    return b"".join([_COUNT.pack(len(sections)), lengths, *sections])
+
+
+def unpack(data: bytes) -> list[bytes]:
+    """Inverse of :func:`pack`; raises :class:`MalformedMessage` on any overrun."""
+    if not data:
+        raise MalformedMessage("Empty message")
+    n = data[0]
+    if not 3 <= n <= _MAX_SECTIONS or len(data) < 1 + 4 * n:
+        raise MalformedMessage(f"Message declares {n} sections in {len(data)} bytes")
+    lengths = _LENGTHS[n].unpack_from(data, 1)
+    if 1 + 4 * n + sum(lengths) != len(data):
+        raise MalformedMessage(
+            f"Section lengths {list(lengths)} do not add up to the {len(data)}-byte message"
+        )
+    out, pos = [], 1 + 4 * n
+    for ln in lengths:
+        out.append(data[pos:pos + ln])
+        pos += ln
+    return out
+
+
+def encode_sections(env: Envelope, body: Body) -> list[bytes]:
+    """Encode a message as its logical sections. Raises ``ValueError`` for a body that does not
     match ``env.op`` or a group name that is empty or too long."""
     g = env.group.encode()
     if not g or len(g) > _MAX_GROUP_LEN:
@@ -300,16 +404,11 @@ def encode(env: Envelope, body: Body) -> list[bytes]:
     arrays: list[bytes] = []
     op = env.op
     if op in (Op.PUT, Op.GET) and isinstance(body, Decision):
-        fields, arrays = _mask_fields(body.mask)
-        fields.update(rid=body.rid, n=body.n, task_id=body.task_id, error=body.error)
         want = Direction.STORE if op is Op.PUT else Direction.LOAD
         if body.direction is not want:
             raise ValueError(f"{op.name} message cannot carry a {body.direction.value} decision")
-        if body.runs is not None:
-            fields["plan"] = body.num_blocks
-            arrays.append(np.ascontiguousarray(body.runs, dtype="<i8").tobytes())
-        else:
-            fields["plan"] = None
+        header = _HEADER.pack(MAGIC, int(op), WIRE_VERSION, env.epoch, env.seq, env.sent_at)
+        return [header, g, *_encode_decision(body)]
     elif op is Op.MOVES and isinstance(body, Moves):
         rows = [
             (
@@ -388,64 +487,25 @@ def _expect_frames(frames: list[bytes], n: int, op: Op) -> None:
         raise MalformedMessage(f"{op.name} needs {n} frames, got {len(frames)}")
 
 
-def _decode_mask(fields: dict[str, Any], frames: list[bytes]) -> tuple[npt.NDArray[np.bool_], int]:
-    """Returns the mask and how many array frames it used."""
-    length = _nonneg(fields, "mask_len")
-    if length > _MAX_TOKENS:
-        raise MalformedMessage(f"Mask length {length} exceeds {_MAX_TOKENS}")
-    span = fields.get("mask_span", "missing")
-    mask = np.zeros(length, dtype=np.bool_)
-    if span is None:
-        if not frames or len(frames[0]) != (length + 7) // 8:
-            raise MalformedMessage(f"Packed mask frame must hold {(length + 7) // 8} bytes")
-        mask[:] = np.unpackbits(np.frombuffer(frames[0], dtype=np.uint8), count=length)
-        return mask, 1
-    if (
-        not isinstance(span, list) or len(span) != 2
-        or any(isinstance(x, bool) or not isinstance(x, int) for x in span)
-        or not 0 <= span[0] <= span[1] <= length
-    ):
-        raise MalformedMessage(f"Field 'mask_span' must be [start, stop] within {length}: {span!r}")
-    mask[span[0]:span[1]] = True
-    return mask, 0
-
-
 def _decode_runs(count: int, frame: bytes) -> npt.NDArray[np.int64]:
     if len(frame) % 24:
         raise MalformedMessage(f"Plan frame length {len(frame)} is not a multiple of 24")
-    runs = np.frombuffer(frame, dtype="<i8").reshape(-1, 3).astype(np.int64)
-    if runs.size and (
-        not np.isin(runs[:, 0], list(_TIER_BY_CODE)).all()
-        or (runs[:, 1] < 0).any() or (runs[:, 2] <= 0).any()
-    ):
-        raise MalformedMessage("Plan runs hold an unknown tier, a negative index or an empty run")
-    covered = int(runs[:, 2].sum())
+    flat = np.frombuffer(frame, dtype="<i8")
+    if flat.size:
+        counts = flat[2::3]
+        if flat.min() < 0 or flat[0::3].max() >= len(_TIER_BY_CODE) or counts.min() <= 0:
+            raise MalformedMessage(
+                "Plan runs hold an unknown tier, a negative index or an empty run"
+            )
+        covered = int(counts.sum())
+    else:
+        covered = 0
     if covered != count:
         raise MalformedMessage(f"Plan runs cover {covered} blocks, header says {count}")
-    return runs
+    return flat.reshape(-1, 3)
 
 
 def _decode_body(op: Op, fields: dict[str, Any], arrays: list[bytes]) -> Body:
-    if op in (Op.PUT, Op.GET):
-        mask, used = _decode_mask(fields, arrays)
-        rid = _get(fields, "rid", str)
-        n = _nonneg(fields, "n")
-        task_id = _get(fields, "task_id", int)
-        error = _get(fields, "error", str, optional=True)
-        count = _get(fields, "plan", int, optional=True)
-        runs = None
-        if count is not None:
-            if count < 0:
-                raise MalformedMessage(f"Plan block count must be >= 0, got {count}")
-            _expect_frames(arrays, used + 1, op)
-            runs = _decode_runs(count, arrays[used])
-            total = int(mask.sum())
-            if (count == 0) != (total == 0) or (count and total % count):
-                raise MalformedMessage(f"Mask of {total} tokens cannot cover {count} plan blocks")
-        else:
-            _expect_frames(arrays, used, op)
-        direction = Direction.STORE if op is Op.PUT else Direction.LOAD
-        return Decision(direction, rid, n, task_id, mask, runs, error)
     if op is Op.MOVES:
         count = _nonneg(fields, "count")
         _expect_frames(arrays, 1, op)
@@ -495,8 +555,8 @@ def _decode_body(op: Op, fields: dict[str, Any], arrays: list[bytes]) -> Body:
     )
 
 
-def decode(frames: list[bytes]) -> Message:
-    """Decode frames into a :class:`Message`; raises :class:`MalformedMessage`."""
+def decode_sections(frames: list[bytes]) -> Message:
+    """Decode sections into a :class:`Message`; raises :class:`MalformedMessage`."""
     if len(frames) < 3:
         raise MalformedMessage(f"A message has at least 3 frames, got {len(frames)}")
     if len(frames[0]) != _HEADER.size:
@@ -504,20 +564,24 @@ def decode(frames: list[bytes]) -> Message:
     magic, code, version, epoch, seq, sent_at = _HEADER.unpack(frames[0])
     if magic != MAGIC or version != WIRE_VERSION:
         raise MalformedMessage(f"Bad magic {magic!r} or wire version {version}")
-    try:
-        op = Op(code)
-    except ValueError:
-        raise MalformedMessage(f"Unknown op code {code}") from None
+    op = _OPS.get(code)
+    if op is None:
+        raise MalformedMessage(f"Unknown op code {code}")
     if epoch < 0 or seq < -1:
         raise MalformedMessage(f"Epoch {epoch} and seq {seq} must not be negative")
     try:
         group = frames[1].decode()
-        fields = json.loads(frames[2])
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise MalformedMessage(f"Group or body is not valid UTF-8 / JSON: {exc}") from None
+    except UnicodeDecodeError:
+        raise MalformedMessage("Group name is not valid UTF-8") from None
     if not group or len(frames[1]) > _MAX_GROUP_LEN:
         raise MalformedMessage(f"Group name {group!r} is empty or too long")
+    env = Envelope(op, group, epoch, seq, sent_at)
+    if op is Op.PUT or op is Op.GET:
+        return Message(env, _decode_decision(op, frames[2:]))
+    try:
+        fields = json.loads(frames[2].decode())
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise MalformedMessage(f"Body is not valid UTF-8 / JSON: {exc}") from None
     if not isinstance(fields, dict):
         raise MalformedMessage(f"Body must be a JSON object, got {type(fields).__name__}")
-    body = _decode_body(op, fields, frames[3:])
-    return Message(Envelope(op, group, epoch, seq, sent_at), body)
+    return Message(env, _decode_body(op, fields, frames[3:]))

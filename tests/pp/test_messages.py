@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import pickle
+import struct
 
 import numpy as np
 import pytest
@@ -28,7 +29,9 @@ from node_agent.pp.messages import (
     Result,
     Sync,
     decode,
+    decode_sections,
     encode,
+    encode_sections,
 )
 
 
@@ -93,7 +96,8 @@ def test_encode_refuses_body_of_another_op() -> None:
 
 
 def _frames(op: Op, body: object) -> list[bytes]:
-    return encode(Envelope(op, "grp", 1, 1), body)  # type: ignore[arg-type]
+    """The logical sections of a message (packed into one frame on the wire)."""
+    return encode_sections(Envelope(op, "grp", 1, 1), body)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -103,17 +107,40 @@ def _frames(op: Op, body: object) -> list[bytes]:
         (lambda f: [b"XXXX" + f[0][4:], *f[1:]], "Bad magic"),
         (lambda f: [f[0][:4] + bytes([200]) + f[0][5:], *f[1:]], "Unknown op"),
         (lambda f: [f[0], b"", *f[2:]], "empty or too long"),
-        (lambda f: [f[0], f[1], b"{not json", *f[3:]], "valid UTF-8 / JSON"),
-        (lambda f: [f[0], f[1], b"[1, 2]", *f[3:]], "JSON object"),
-        (lambda f: [f[0], f[1], pickle.dumps({"rid": "r"}), *f[3:]], "valid UTF-8 / JSON"),
-        (lambda f: [*f, b"extra"], "needs"),
-        (lambda f: [*f[:3], f[3][:-1]], "multiple of 24"),
+        (lambda f: [f[0], f[1], f[2][:-1], *f[3:]], "byte body"),
+        (lambda f: [f[0], f[1], f[2], b"\xff\xfe", *f[4:]], "not UTF-8"),
+        (lambda f: [*f, b"extra"], "one plan frame"),
+        (lambda f: [*f[:5], f[5][:-1]], "multiple of 24"),
+        (lambda f: [*f[:5]], "one plan frame"),
     ],
 )
 def test_malformed_frames_are_refused(mutate: object, reason: str) -> None:
     frames = _frames(Op.PUT, _decision(Direction.STORE, [1, 2]))
     with pytest.raises(MalformedMessage, match=reason):
-        decode(mutate(frames))  # type: ignore[operator]
+        decode_sections(mutate(frames))  # type: ignore[operator]
+
+
+_BODY = struct.Struct("<qqqqqqB")
+
+
+@pytest.mark.parametrize(
+    "index, value, reason",
+    [
+        (0, -1, "out of range"),  # n
+        (1, -5, "out of range"),  # task id below -1
+        (2, 1 << 30, "out of range"),  # mask length
+        (3, 13, "not within"),  # span start after stop
+        (4, 10**6, "not within"),  # span beyond the mask
+        (5, 3, "header says 3"),  # plan block count
+        (6, 2, "out of range"),  # flags
+    ],
+)
+def test_decision_fields_are_range_checked(index: int, value: int, reason: str) -> None:
+    frames = _frames(Op.PUT, _decision(Direction.STORE, [1, 2]))
+    fields = list(_BODY.unpack(frames[2]))
+    fields[index] = value
+    with pytest.raises(MalformedMessage, match=reason):
+        decode_sections([frames[0], frames[1], _BODY.pack(*fields), *frames[3:]])
 
 
 @pytest.mark.parametrize(
@@ -123,18 +150,22 @@ def test_malformed_frames_are_refused(mutate: object, reason: str) -> None:
         ("task_id", "7", "must be an integer"),
         ("n", -1, ">= 0"),
         ("rid", 5, "must be str"),
-        ("mask_span", [8, 4], "mask_span"),
-        ("mask_span", [0, 10**6], "mask_span"),
-        ("plan", 3, "header says 3"),
-        ("mask_len", 1 << 30, "exceeds"),
+        ("ok", 1, "must be bool"),
+        ("kind", "evict", "put or get"),
     ],
 )
-def test_body_fields_are_type_checked(field: str, value: object, reason: str) -> None:
-    frames = _frames(Op.PUT, _decision(Direction.STORE, [1, 2]))
+def test_json_body_fields_are_type_checked(field: str, value: object, reason: str) -> None:
+    frames = _frames(Op.ACK, Ack(1, "r", Kind.PUT, 0, 4, True))
     body = json.loads(frames[2])
     body[field] = value
     with pytest.raises(MalformedMessage, match=reason):
-        decode([frames[0], frames[1], json.dumps(body).encode(), *frames[3:]])
+        decode_sections([frames[0], frames[1], json.dumps(body).encode()])
+
+
+def test_pickle_in_a_json_body_is_refused() -> None:
+    frames = _frames(Op.RELEASE, Release("r"))
+    with pytest.raises(MalformedMessage, match="not valid UTF-8 / JSON"):
+        decode_sections([frames[0], frames[1], pickle.dumps({"rid": "r"})])
 
 
 def test_plan_with_unknown_tier_or_negative_index_is_refused() -> None:
@@ -142,14 +173,30 @@ def test_plan_with_unknown_tier_or_negative_index_is_refused() -> None:
     for row in ([7, 1, 2], [0, -1, 2], [0, 1, 0]):
         bad = np.array([row], dtype="<i8").tobytes()
         with pytest.raises(MalformedMessage):
-            decode([*frames[:3], bad])
+            decode_sections([*frames[:5], bad])
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.binary(max_size=64), min_size=0, max_size=6))
-def test_random_frames_never_decode_to_anything_but_malformed(frames: list[bytes]) -> None:
+def test_random_sections_never_decode_to_anything_but_malformed(frames: list[bytes]) -> None:
     with contextlib.suppress(MalformedMessage):
-        decode(frames)
+        decode_sections(frames)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200), st.integers(0, 2))
+def test_random_or_truncated_frames_are_malformed(noise: bytes, how: int) -> None:
+    good = encode(Envelope(Op.PUT, "g", 1, 1), _decision(Direction.STORE, [1, 2]))[0]
+    data = [noise, good[: len(noise) % len(good)], good + noise[:1] if noise else good[:-1]][how]
+    with pytest.raises(MalformedMessage):
+        decode([data])
+
+
+def test_a_message_is_exactly_one_frame() -> None:
+    frames = encode(Envelope(Op.RESET, "g", 1, 1), Reset("x"))
+    assert len(frames) == 1
+    with pytest.raises(MalformedMessage, match="one frame"):
+        decode([frames[0], b""])
 
 
 @settings(max_examples=100, deadline=None)
