@@ -1,0 +1,246 @@
+"""Engine API benchmark: what an engine rank pays for reaching its agent over the
+local socket, against baselines measured in the same run.
+
+An agent runs as its own process (``python -m node_agent run``, embedded backend,
+one stage); this process is the engine: it registers shared-memory KV buffers
+through :class:`node_agent.client.EngineClient` and then measures
+
+* ``store``: ``store_kv`` of a fresh prompt plus waiting until ``poll_completed``
+  reports it, as GB/s of KV bytes; baseline: a plain torch ``copy_`` of the same
+  bytes from the same shared-memory planes into a preallocated tensor (the slots
+  are contiguous, so this is the memcpy best case: the faster of torch ``copy_``
+  and numpy ``copyto`` each round);
+* ``load``: ``lookup`` plus ``retrieve`` of a cached prompt into other slots,
+  GB/s; baseline: the plain ``copy_`` of the same bytes back into the planes;
+* ``lookup``: p50/p99 of a fully hit ``lookup`` + ``release`` through the
+  socket; baseline: the same calls on an in-process connector holding the same
+  blocks (what the engine would pay with the connector linked in).
+
+Ratios are ours / baseline for bandwidth (higher is better) and baseline / ours
+for latency (the share of the socket round trip's cost; higher is better).
+
+    python bench/engine_api.py            # default run (about a minute on 2 cores)
+    python bench/engine_api.py --quick    # smoke run (seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import httpx
+
+from node_agent.backend.config import EmbeddedBackendConfig
+from node_agent.backend.embedded import EmbeddedBackend
+from node_agent.backend.layout import KVDtype, KVLayout
+from node_agent.backend.stage_store import TierStore
+from node_agent.client import EngineClient, RankInfo, SharedKVBuffers
+from node_agent.connector import Connector, ConnectorConfig
+from node_agent.pp.group import GroupView, GroupViewSource, Member
+
+
+def emit(**fields: Any) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def pct(samples: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(samples), q))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_agent(work: Path, layout: KVLayout, cpu_bytes: int) -> tuple[subprocess.Popen[bytes],
+                                                                        str, str]:
+    port = free_port()
+    sock = str(work / "engine.sock")
+    cfg = {"pool": "bench", "tokensPerBlock": layout.tokens_per_block,
+           "tiers": {"cpu": {"size": cpu_bytes, "pinned": False}},
+           "ports": {"http": port, "fanout": free_port()}, "engineSocket": sock,
+           "nodeName": "bench", "bindAddress": "127.0.0.1", "kubernetes": "off",
+           "timeouts": {"engineCallSeconds": 30}}
+    (work / "agent.yaml").write_text(yaml.safe_dump(cfg))
+    log = (work / "agent.log").open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "node_agent", "run", "--config",
+                             str(work / "agent.yaml")], stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                return proc, sock, url
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    proc.kill()
+    raise TimeoutError("the agent did not start within 60 s; see " + str(work / "agent.log"))
+
+
+def wait_stored(client: EngineClient, rid: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    pause = 0.0002
+    while rid not in client.poll_completed():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"store {rid} did not complete")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.005)
+
+
+def timed(fn: Any) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def planes_of(bufs: SharedKVBuffers) -> list[torch.Tensor]:
+    return [t.view(t.shape[0], -1) for g in bufs.tensors for t in g]
+
+
+def bench_bandwidth(client: EngineClient, bufs: SharedKVBuffers, layout: KVLayout,
+                    tokens: int, rounds: int) -> None:
+    planes = planes_of(bufs)
+    nbytes = tokens * layout.bytes_per_token
+    rng = np.random.default_rng(0)
+    src = np.arange(tokens, dtype=np.int64)
+    dst = np.arange(tokens, 2 * tokens, dtype=np.int64)
+    store_s, load_s, base_store_s, base_load_s = [], [], [], []
+    src0, dst0 = int(src[0]), int(dst[0])
+    staging = [torch.empty_like(p[:tokens]) for p in planes]
+    for st in staging:
+        st.fill_(1)  # touch the pages before timing
+    pairs = list(zip(planes, staging, strict=True))
+    for r in range(rounds):
+        ids = rng.integers(0, 1 << 30, tokens, dtype=np.int64)
+        t0 = time.perf_counter()
+        if client.store_kv(f"s{r}", ids, src) < 0:
+            raise RuntimeError("store_kv stored nothing; is the tier large enough?")
+        wait_stored(client, f"s{r}")
+        store_s.append(time.perf_counter() - t0)
+        client.release(f"s{r}")
+        t0 = time.perf_counter()
+        hit = client.lookup(f"l{r}", ids)
+        loaded = client.retrieve(f"l{r}", dst[:hit])
+        load_s.append(time.perf_counter() - t0)
+        client.release(f"l{r}")
+        if loaded != tokens:
+            raise RuntimeError(f"loaded {loaded} of {tokens} tokens")
+        # Baselines: the same bytes moved by torch alone (the slots are contiguous,
+        # so a plain copy_ into a preallocated tensor is the best case).
+        base_store_s.append(min(
+            timed(lambda: [s.copy_(p[src0:src0 + tokens]) for p, s in pairs]),
+            timed(lambda: [np.copyto(s.numpy(), p[src0:src0 + tokens].numpy())
+                           for p, s in pairs])))
+        base_load_s.append(min(
+            timed(lambda: [p[dst0:dst0 + tokens].copy_(s) for p, s in pairs]),
+            timed(lambda: [np.copyto(p[dst0:dst0 + tokens].numpy(), s.numpy())
+                           for p, s in pairs])))
+    for name, ours, base in (("store", store_s, base_store_s), ("load", load_s, base_load_s)):
+        ours_gbps = nbytes / statistics.median(ours) / 1e9
+        base_gbps = nbytes / statistics.median(base) / 1e9
+        emit(bench="engine_api_bandwidth", direction=name, tokens=tokens, bytes=nbytes,
+             rounds=rounds, gbps=round(ours_gbps, 3), baseline="torch_copy_same_bytes",
+             goal_ratio=0.8,
+             baseline_gbps=round(base_gbps, 3), ratio=round(ours_gbps / base_gbps, 3))
+
+
+def inprocess_connector(layout: KVLayout, cpu_bytes: int) -> Connector:
+    me = Member(node="bench", pp_rank=0, fanout_endpoint="")
+    bcfg = EmbeddedBackendConfig(layout=layout, cpu_bytes=cpu_bytes, pinned=False,
+                                 deferred_visibility=True)
+    conn = Connector(ConnectorConfig(group="bench-inproc", pp_rank=0, layout=layout),
+                     GroupViewSource(GroupView("bench-inproc", 0, me, (me,))),
+                     backend_factory=lambda: EmbeddedBackend(bcfg),
+                     store_factory=lambda: TierStore(bcfg))
+    return conn.start()
+
+
+def bench_lookup(client: EngineClient, bufs: SharedKVBuffers, layout: KVLayout,
+                 cpu_bytes: int, tokens: int, samples: int) -> None:
+    ids = np.arange(7, 7 + tokens, dtype=np.int64)
+    src = np.arange(tokens, dtype=np.int64)
+    client.store_kv("lk", ids, src)
+    wait_stored(client, "lk")
+    client.release("lk")
+    local = inprocess_connector(layout, cpu_bytes)
+    local_bufs = SharedKVBuffers.for_layout(layout, 2 * tokens)
+    try:
+        local.register_kv_buffers(0, local_bufs.tensors)
+        local.store_kv("lk", ids, src)
+        deadline = time.monotonic() + 30
+        while "lk" not in local.poll_completed():
+            if time.monotonic() > deadline:
+                raise TimeoutError("in-process store did not complete")
+            time.sleep(0.001)
+        local.release("lk")
+        ours, base = [], []
+        for i in range(samples):
+            t0 = time.perf_counter()
+            assert client.lookup(f"q{i}", ids) == tokens
+            client.release(f"q{i}")
+            ours.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            assert local.lookup(f"q{i}", ids) == tokens
+            local.release(f"q{i}")
+            base.append(time.perf_counter() - t0)
+    finally:
+        local.close()
+        local_bufs.close()
+    for q in (50, 99):
+        o, b = pct(ours, q) * 1e3, pct(base, q) * 1e3
+        emit(bench="engine_api_lookup", percentile=f"p{q}", tokens=tokens, samples=samples,
+             ms=round(o, 4), baseline="in_process_connector", baseline_ms=round(b, 4),
+             ratio=round(b / o, 3))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="smoke run (seconds)")
+    args = p.parse_args()
+    layout = KVLayout(num_layers=8 if not args.quick else 2, num_kv_heads=8, head_size=128,
+                      dtype=KVDtype.FLOAT16, tokens_per_block=16)
+    tokens = 2048 if not args.quick else 256
+    rounds = 12 if not args.quick else 3
+    samples = 300 if not args.quick else 30
+    cpu_bytes = (rounds + 4) * tokens * layout.bytes_per_token
+    work = Path(tempfile.mkdtemp(prefix="fkv-bench-"))
+    proc, sock, _ = start_agent(work, layout, cpu_bytes)
+    bufs = SharedKVBuffers.for_layout(layout, 2 * tokens)
+    client = EngineClient(sock, RankInfo("bench-0"), timeout=30)
+    try:
+        client.register_kv_buffers(layout, bufs.handles)
+        for planes in planes_of(bufs):
+            planes.copy_(torch.randn(planes.shape).to(planes.dtype))
+        bench_bandwidth(client, bufs, layout, tokens, rounds)
+        bench_lookup(client, bufs, layout, cpu_bytes, tokens, samples)
+    finally:
+        client.close()
+        bufs.close()
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
