@@ -29,7 +29,9 @@ def test_transfer_bench_rows(tmp_path: Path) -> None:
     rows = _run("transfer.py", "--tokens", "64", "--ssd-tokens", "32", "--layers", "2",
                 "--heads", "2", "--head-size", "16", "--repeat", "1",
                 "--ssd-dir", str(tmp_path), tmp=tmp_path)
-    assert [r["row"] for r in rows] == ["cpu_store", "cpu_load", "ssd_spill", "ssd_load"]
+    assert [(r["row"], r.get("slots")) for r in rows] == [
+        ("cpu_store", "pages"), ("cpu_load", "pages"), ("cpu_store", "tokens"),
+        ("cpu_load", "tokens"), ("ssd_spill", None), ("ssd_load", None)]
     for r in rows:
         assert r["bench"] == "transfer"
         assert {"gb_per_s", "baseline_gb_per_s", "ratio", "bytes"} <= set(r)

@@ -13,7 +13,7 @@ from backend_helpers import config, small_layout
 from node_agent.backend.layout import KVDtype, KVLayout
 from node_agent.backend.replication import BlockLocation, Direction, Tier, TierMove, TransferPlan
 from node_agent.backend.stage_store import TierStore
-from node_agent.backend.transfer import MAX_RUNS, block_runs
+from node_agent.backend.transfer import MAX_RUNS, block_runs, page_index
 
 
 def _random_bytes_buffers(layout: KVLayout, slots: int, seed: int) -> list[list[torch.Tensor]]:
@@ -41,10 +41,27 @@ def test_block_runs_split_where_positions_or_blocks_jump() -> None:
     assert block_runs([0, 2], [1, 2]) == [(0, 1, 1), (2, 2, 1)]
 
 
+def test_page_index_only_for_aligned_consecutive_blocks() -> None:
+    aligned = torch.tensor([8, 9, 10, 11, 0, 1, 2, 3])
+    assert page_index(aligned, 4).tolist() == [2, 0]
+    assert page_index(aligned + 1, 4) is None  # not page-aligned
+    assert page_index(torch.tensor([8, 9, 11, 10]), 4) is None  # not consecutive
+    assert page_index(aligned, 1) is None
+
+
+def _slots(style: str, rng: np.random.Generator, n_blocks: int, tpb: int, lo: int,
+           hi: int) -> np.ndarray:
+    if style == "pages":  # SGLang with page_size == tokens_per_block: aligned, shuffled pages
+        pages = rng.permutation(np.arange(lo // tpb, hi // tpb))[:n_blocks]
+        return (pages[:, None] * tpb + np.arange(tpb)).reshape(-1).astype(np.int64)
+    return rng.permutation(np.arange(lo, hi))[: n_blocks * tpb].astype(np.int64)
+
+
+@pytest.mark.parametrize("style", ["pages", "tokens"])
 @pytest.mark.parametrize("head_size", [8, 3], ids=["wide-rows", "odd-rows"])
 @pytest.mark.parametrize("dtype", [KVDtype.BFLOAT16, KVDtype.FLOAT32])
 def test_scattered_and_mixed_tier_plans_round_trip(tmp_path: Path, head_size: int,
-                                                   dtype: KVDtype) -> None:
+                                                   dtype: KVDtype, style: str) -> None:
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_size=head_size, dtype=dtype,
                       tokens_per_block=4)
     st = TierStore(config(layout, cpu_blocks=32, ssd_blocks=8, ssd_dir=tmp_path))
@@ -52,8 +69,8 @@ def test_scattered_and_mixed_tier_plans_round_trip(tmp_path: Path, head_size: in
     st.register_kv_buffers(0, bufs)
     tpb = layout.tokens_per_block
     scattered = [BlockLocation(Tier.CPU, b) for b in range(0, 2 * (MAX_RUNS + 4), 2)]
-    n = len(scattered) * tpb
-    src = np.random.default_rng(1).permutation(128)[:n].astype(np.int64)
+    rng = np.random.default_rng(1)
+    src = _slots(style, rng, len(scattered), tpb, 0, 128)
     st.execute(TransferPlan(Direction.STORE, tuple(scattered)), src, timeout=10)
     # move three of them to SSD, so the load plan mixes tiers
     moves = [TierMove(scattered[i], BlockLocation(Tier.SSD, 7 - i)) for i in (1, 4, 5)]
@@ -62,20 +79,21 @@ def test_scattered_and_mixed_tier_plans_round_trip(tmp_path: Path, head_size: in
     for i, m in zip((1, 4, 5), moves, strict=True):
         assert m.dst is not None
         mixed[i] = m.dst
-    dst = np.arange(128, 128 + n, dtype=np.int64)[::-1].copy()
+    dst = _slots(style, rng, len(scattered), tpb, 128, 256)
     st.execute(TransferPlan(Direction.LOAD, tuple(mixed)), dst, timeout=10)
     for a, b in zip(_rows(bufs, src), _rows(bufs, dst), strict=True):
         assert a.equal(b)
     st.close()
 
 
-def test_contiguous_runs_round_trip_with_random_bytes() -> None:
+@pytest.mark.parametrize("style", ["pages", "tokens"])
+def test_contiguous_runs_round_trip_with_random_bytes(style: str) -> None:
     layout = small_layout()
     st = TierStore(config(layout, cpu_blocks=16))
     bufs = _random_bytes_buffers(layout, 128, 3)
     st.register_kv_buffers(0, bufs)
     plan = tuple(BlockLocation(Tier.CPU, b) for b in (3, 4, 5, 9, 10))
-    src = np.random.default_rng(2).permutation(64)[:20].astype(np.int64)
+    src = _slots(style, np.random.default_rng(2), 5, layout.tokens_per_block, 0, 64)
     st.execute(TransferPlan(Direction.STORE, plan), src, timeout=10)
     dst = np.arange(64, 84, dtype=np.int64)
     st.execute(TransferPlan(Direction.LOAD, plan), dst, timeout=10)
