@@ -227,10 +227,10 @@ class Agent:
         for tier in ("cpu", "ssd"):
             cap = reg.get_sample_value("flexkv_agent_tier_capacity_bytes", {"tier": tier})
             used = reg.get_sample_value("flexkv_agent_tier_used_bytes", {"tier": tier})
+            conf = self.cfg.tiers.cpu if tier == "cpu" else self.cfg.tiers.ssd
+            if conf is None:
+                continue  # not configured (the backend may still publish a 0 gauge)
             if cap is None:
-                conf = self.cfg.tiers.cpu if tier == "cpu" else self.cfg.tiers.ssd
-                if conf is None:
-                    continue
                 cap, used = float(conf.size), 0.0
             out[tier] = {"capacityBytes": int(cap), "usedBytes": int(used or 0)}
         return out
