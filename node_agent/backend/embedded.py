@@ -10,8 +10,9 @@
 
 One lock guards the index and the task table; copies run outside it on the
 workers. Tier moves (spills to SSD) are executed synchronously inside the
-``put_match`` that decides them, before the freed block can be handed to any
-plan, and on a leader are also queued for :meth:`drain_moves`.
+``put_match`` that decides them, before the index records them and before the
+freed block can be handed to any plan, and on a leader are also queued for
+:meth:`drain_moves`.
 """
 
 from __future__ import annotations
@@ -116,6 +117,7 @@ class EmbeddedBackend(ReplicatedBackend):
             self._index = BlockIndex(
                 store.num_blocks(Tier.CPU), store.num_blocks(Tier.SSD),
                 self.config.high_watermark, self.config.low_watermark,
+                mover=lambda move: store.apply_moves([move]),
             )
             self._pool = ThreadPoolExecutor(self.config.worker_threads,
                                             thread_name_prefix="flexkv-transfer")
@@ -270,7 +272,7 @@ class EmbeddedBackend(ReplicatedBackend):
             parent = prefix[first - 1] if first else None
             created = index.add_pending(parent, hashes[first:last], moves)
             index.enforce_watermarks(moves)
-            self._apply_moves_locked(moves)
+            self._record_moves_locked(moves)
             if not created:
                 log.warning("CPU tier has no evictable block; put skipped",
                             extra={"cpu_blocks": index.capacity[Tier.CPU],
@@ -519,11 +521,10 @@ class EmbeddedBackend(ReplicatedBackend):
         self._update_gauges()
         return task
 
-    def _apply_moves_locked(self, moves: list[TierMove]) -> None:
+    def _record_moves_locked(self, moves: list[TierMove]) -> None:
+        """Record tier moves the index decided (spills were already copied by its mover)."""
         if not moves:
             return
-        assert self._store is not None
-        self._store.apply_moves(moves)
         if self.config.deferred_visibility:
             self._moves.extend(moves)
         if self._metrics is not None:

@@ -17,9 +17,12 @@ prefix chain, so the index is a radix tree of blocks (as FlexKV's). Rules:
   ``low`` (fractions of its blocks); an allocation in a full tier evicts one.
 
 CPU eviction spills to SSD when an SSD block is free or can be freed by dropping
-an SSD leaf; otherwise it drops a CPU leaf. Every decision is returned as a
-:class:`~.replication.TierMove` for the caller to execute (and, on a PP leader,
-to fan out) before the freed block is reused.
+an SSD leaf; otherwise it drops a CPU leaf. A spill's copy runs through the
+``mover`` callback *before* the index changes; if it raises ``OSError`` (a full
+or failing disk) the block stays on the CPU and a CPU leaf is dropped instead,
+so the index never points at bytes that were not written. Every decision is
+returned as a :class:`~.replication.TierMove` (already executed locally) for the
+caller to record and, on a PP leader, to fan out before any later plan.
 
 Candidates live in lazy heaps: entries carry the node's touch tick; an entry
 whose node changed since is skipped when popped, and heaps are rebuilt when
@@ -32,10 +35,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
 from node_agent.backend.replication import BlockLocation, Tier, TierMove
+
+log = logging.getLogger(__name__)
 
 
 class Node:
@@ -60,8 +66,17 @@ _Entry = tuple[int, int, Node]
 class BlockIndex:
     """Hash -> :class:`Node` for a CPU tier of ``cpu_blocks`` and an SSD tier of ``ssd_blocks``."""
 
-    def __init__(self, cpu_blocks: int, ssd_blocks: int, high: float, low: float) -> None:
+    def __init__(
+        self,
+        cpu_blocks: int,
+        ssd_blocks: int,
+        high: float,
+        low: float,
+        mover: Callable[[TierMove], None] | None = None,
+    ) -> None:
         self.capacity = {Tier.CPU: cpu_blocks, Tier.SSD: ssd_blocks}
+        self._mover: Callable[[TierMove], None] = mover or (lambda move: None)
+        self.spill_failures = 0
         self.high = high
         self.low = low
         self.nodes: dict[int, Node] = {}
@@ -223,15 +238,24 @@ class BlockIndex:
                 if dst is not None:
                     assert node.loc is not None
                     src = node.loc
-                    node.loc = self._location(Tier.SSD, dst)
-                    if node.parent is not None:
-                        node.parent.cpu_children -= 1
-                        self._offer(node.parent)
-                    self.free[Tier.CPU].append(src.index)
-                    self.evictions[Tier.CPU] += 1
-                    moves.append(TierMove(src, node.loc))
-                    self._offer(node)
-                    return True
+                    move = TierMove(src, self._location(Tier.SSD, dst))
+                    try:
+                        self._mover(move)  # copy first: the index changes only once it holds
+                    except OSError as e:
+                        self.free[Tier.SSD].appendleft(dst)
+                        self.spill_failures += 1
+                        log.error("Spill to SSD failed; dropping a CPU block instead",
+                                  extra={"src": src.index, "dst": dst, "error": str(e)})
+                    else:
+                        node.loc = move.dst
+                        if node.parent is not None:
+                            node.parent.cpu_children -= 1
+                            self._offer(node.parent)
+                        self.free[Tier.CPU].append(src.index)
+                        self.evictions[Tier.CPU] += 1
+                        moves.append(move)
+                        self._offer(node)
+                        return True
                 self._offer(node)  # still a candidate; SSD was full of pinned blocks
         heap = self._drop_cpu if tier is Tier.CPU else self._drop_ssd
         node = self._pop(heap, lambda n: self._droppable(n, tier))

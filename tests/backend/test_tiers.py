@@ -164,3 +164,37 @@ def test_tiers_sharing_a_directory_get_their_own_files(tmp_path: Path) -> None:
         assert third.store.ssd is not None and third.store.ssd.slot == 0
     finally:
         third.shutdown()
+
+
+def test_failed_spill_drops_instead_and_never_serves_unwritten_bytes(tmp_path: Path) -> None:
+    layout = small_layout()
+    b, [bufs] = started(config(layout, cpu_blocks=2, ssd_blocks=4, ssd_dir=tmp_path,
+                               high_watermark=1.0, low_watermark=1.0,
+                               deferred_visibility=True), num_slots=64)
+    try:
+        ssd = b.store.ssd
+        assert ssd is not None
+
+        def full_disk(index: int, buffers: object) -> None:
+            raise OSError(28, "No space left on device")
+
+        ssd.write = full_disk  # type: ignore[method-assign]
+        a, c = tokens(2 * TPB, seed=1), tokens(2 * TPB, seed=2)
+        for t, lo in ((a, 0), (c, 2 * TPB)):
+            tid, _ = b.put_match(t)
+            [w] = b.launch([tid], [np.arange(lo, lo + 2 * TPB, dtype=np.int64)])
+            assert b.wait([w])[w].status.value == "success"
+            b.publish(w)
+        moves = b.drain_moves()
+        assert moves and all(m.dst is None for m in moves)  # dropped, not spilled
+        assert b.get_match(a)[0] == -1  # a miss, never a load of unwritten SSD bytes
+        st = b.stats().tiers
+        assert st["ssd"].used_blocks == 0 and st["cpu"].used_blocks == 2
+        dst = np.arange(32, 32 + 2 * TPB, dtype=np.int64)
+        assert load(b, c, dst).all()
+        src = np.arange(2 * TPB, 4 * TPB, dtype=np.int64)
+        for x, y in zip(token_rows(layout, bufs, src), token_rows(layout, bufs, dst), strict=True):
+            assert x.equal(y)
+        _no_orphans(b)
+    finally:
+        b.shutdown()
