@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     """The demo's options (defaults finish in well under a minute on 2 cores)."""
     p.add_argument("--stages", type=int, default=2, help="PP stages (agents), default 2")
-    p.add_argument("--conversations", type=int, default=16)
+    p.add_argument("--conversations", type=int, default=12)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--shared-prefixes", type=int, default=2)
     p.add_argument("--system-tokens", type=int, default=512)

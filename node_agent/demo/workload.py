@@ -23,7 +23,7 @@ import torch
 class WorkloadSpec:
     """Size of the synthetic workload."""
 
-    conversations: int = 16
+    conversations: int = 12
     turns: int = 4
     shared_prefixes: int = 2
     system_tokens: int = 512
