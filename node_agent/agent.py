@@ -114,7 +114,8 @@ class Agent:
         self.group_views: dict[str, GroupView] = {}
         self._builder = stage_builder
         self._group_listeners: list[Callable[[dict[str, GroupView]], None]] = []
-        self.service = EngineService(self._build_stage, cfg.tokens_per_block, status=self.status)
+        self.service = EngineService(self._build_stage, cfg.tokens_per_block, status=self.status,
+                                     stale_after=cfg.heartbeat.lease_duration_seconds)
         self.engine = EngineServer(cfg.engine_endpoint, self.service, self.metrics,
                                    cfg.timeouts.engine_call_seconds, errors=self.errors)
         period = cfg.heartbeat.retry_period_seconds

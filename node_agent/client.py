@@ -12,7 +12,9 @@ forwards them over the agent's ``ipc://`` engine socket. Every call is bounded b
   example ``store_kv: token_ids has 3 entries but kv_indices has 2 entries``);
 * :class:`EngineAPIError` for anything else the agent reports.
 
-A client is thread-safe (one call in flight at a time). After an engine restart,
+A client is thread-safe (one call in flight at a time). Its ``timeout`` should
+exceed the agent's ``engineCallSeconds`` (default 10) so that the agent's own
+timeout answer arrives first; the default is 15 s. After an engine restart,
 create a client and call :meth:`EngineClient.register_kv_buffers` again: the
 agent swaps in the new buffers and keeps its cached blocks.
 
@@ -88,7 +90,7 @@ class EngineClient:
     """One engine rank's connection to its node agent."""
 
     def __init__(self, socket_path: str | os.PathLike[str], rank: RankInfo,
-                 timeout: float = 10.0) -> None:
+                 timeout: float = 15.0) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout {timeout} must be > 0 seconds")
         self.socket_path = Path(socket_path)

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from node_agent.backend.layout import KVLayout
 from node_agent.engine_api import protocol
-from node_agent.engine_api.buffers import HandleError, OpenedBuffer, open_buffer
+from node_agent.engine_api.buffers import OpenedBuffer, open_buffer
 from node_agent.engine_api.protocol import layout_to_wire, parse_layout
 from node_agent.engine_api.server import NotReadyError
 
@@ -103,6 +104,8 @@ class Stage:
     buffers: dict[int, list[OpenedBuffer]] = field(default_factory=dict)
     """tp rank -> the opened handles (kept open while registered)."""
     registrations: int = 0
+    last_call: float = field(default_factory=time.monotonic)
+    """When an engine rank of this stage last called (monotonic clock)."""
 
     def close(self) -> None:
         """Close the connector (and with it the backend), then unmap the buffers."""
@@ -127,11 +130,12 @@ class EngineService:
 
     def __init__(self, factory: StageFactory, tokens_per_block: int,
                  status: Callable[[], dict[str, Any]] | None = None,
-                 max_stages: int = 1) -> None:
+                 max_stages: int = 1, stale_after: float = 15.0) -> None:
         self._factory = factory
         self._tpb = tokens_per_block
         self._status = status
         self._max_stages = max_stages
+        self._stale_after = stale_after
         self._lock = threading.Lock()
         self.stages: dict[StageKey, Stage] = {}
 
@@ -165,6 +169,7 @@ class EngineService:
                 f"rank {rank.replica}/pp{rank.pp_rank}/tp{rank.tp_rank} has not registered its "
                 "KV buffers with this agent; call register_kv_buffers first"
             )
+        stage.last_call = time.monotonic()
         return stage.connector
 
     def register(self, rank: RankRef, layout_raw: Mapping[str, Any],
@@ -199,7 +204,8 @@ class EngineService:
                 old = stage.buffers.get(rank.tp_rank, [])
                 stage.buffers[rank.tp_rank] = opened
                 stage.registrations += 1
-        except (HandleError, ValueError):
+                stage.last_call = time.monotonic()
+        except BaseException:
             for b in opened:
                 b.close()
             raise
@@ -230,14 +236,31 @@ class EngineService:
                 )
             return stage
         if len(self.stages) >= self._max_stages:
+            self._retire_idle_stage()
+        if len(self.stages) >= self._max_stages:
             raise ValueError(
                 f"this agent already serves {len(self.stages)} stage(s) "
                 f"({', '.join(f'{k.replica}/pp{k.pp_rank}' for k in self.stages)}); one agent "
-                "serves one PP stage per node: run the other replica's ranks on another node"
+                "serves one PP stage per node: run the other replica's ranks on another node "
+                f"(a stage idle for {self._stale_after:g}s is replaced)"
             )
         stage = self._factory(rank, layout)
         self.stages[rank.stage] = stage
         return stage
+
+    def _retire_idle_stage(self) -> None:
+        """Close the longest-idle stage if no engine called it for ``stale_after``
+        seconds: its engines are gone (a replica moved), so a new one may register."""
+        if not self.stages:
+            return
+        key, stage = min(self.stages.items(), key=lambda kv: kv[1].last_call)
+        idle = time.monotonic() - stage.last_call
+        if idle < self._stale_after:
+            return
+        del self.stages[key]
+        log.warning("Idle stage replaced by a new registration", extra={
+            "replica": key.replica, "pp_rank": key.pp_rank, "idle_seconds": round(idle, 1)})
+        stage.close()
 
     # -- views for readiness, status and the heartbeat ------------------------
 

@@ -173,15 +173,11 @@ class LeaseHeartbeat:
             break
         else:
             raise RuntimeError(
-                f"Lease {self.cfg_ns}/{self.lease_name} kept conflicting; another writer "
-                "updates it: check that one agent runs per node"
+                f"Lease {self._cfg.namespace}/{self.lease_name} kept conflicting; another "
+                "writer updates it: check that one agent runs per node"
             )
         self.last_renewed = time.monotonic()
         self.renewals += 1
-
-    @property
-    def cfg_ns(self) -> str:
-        return self._cfg.namespace
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -195,7 +191,7 @@ class LeaseHeartbeat:
         self._task = asyncio.create_task(self._loop(), name="lease-heartbeat")
 
     def _report(self, exc: BaseException) -> None:
-        msg = f"Lease {self.cfg_ns}/{self.lease_name} renewal failed: {exc}"
+        msg = f"Lease {self._cfg.namespace}/{self.lease_name} renewal failed: {exc}"
         log.warning("Lease renewal failed", extra={"lease": self.lease_name, "error": str(exc)})
         if self._errors is not None:
             self._errors.record(self.name, msg)

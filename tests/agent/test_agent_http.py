@@ -212,3 +212,26 @@ async def test_cache_epoch_bump_in_config_file_flushes_the_cache(work: Path) -> 
     finally:
         client.close()
         bufs.close()
+
+
+async def test_one_stage_per_agent_and_idle_stage_yields_to_new_replica(work: Path) -> None:
+    cfg = cfg_of(agent_mapping(work, "solo", heartbeat={
+        "leaseDurationSeconds": 1, "renewDeadlineSeconds": 0.5, "retryPeriodSeconds": 0.1}))
+    bufs = [SharedKVBuffers.for_layout(LAYOUT, NUM_SLOTS) for _ in range(2)]
+    first = EngineClient(cfg.engine_socket, RankInfo(replica="old-0"), timeout=5)
+    second = EngineClient(cfg.engine_socket, RankInfo(replica="new-0"), timeout=5)
+    try:
+        async with running_agent(cfg) as ra:
+            await asyncio.to_thread(first.register_kv_buffers, LAYOUT, bufs[0].handles)
+            with pytest.raises(ValueError, match="already serves 1 stage"):
+                await asyncio.to_thread(second.register_kv_buffers, LAYOUT, bufs[1].handles)
+            await asyncio.sleep(1.3)  # no call from old-0 for longer than the lease duration
+            await asyncio.to_thread(second.register_kv_buffers, LAYOUT, bufs[1].handles)
+            stages = (await ra.get("/status")).json()["stages"]
+            assert [s["replica"] for s in stages] == ["new-0"]
+            assert await asyncio.to_thread(second.lookup, "x", np.arange(8)) == 0
+    finally:
+        for c in (first, second):
+            c.close()
+        for b in bufs:
+            b.close()
