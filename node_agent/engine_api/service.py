@@ -13,7 +13,8 @@ Contract of the operations (``rank`` identifies the calling engine rank):
   buffers; cached blocks stay. A layout that disagrees with the stage's, or a
   ``tokensPerBlock`` other than the pool's, is refused with ``ValueError``.
 * ``lookup`` / ``retrieve`` / ``store_kv`` / ``release`` / ``poll_completed`` go to
-  the stage's connector unchanged. A rank that has not registered gets
+  the stage's connector unchanged. They come from TP rank 0 only: one call moves
+  the KV of every TP rank of the stage (other ranks get ``ValueError``). A rank that has not registered gets
   ``NotReady`` (the client re-registers and retries once).
 * ``ping`` and ``status`` answer without touching a stage.
 """
@@ -148,6 +149,12 @@ class EngineService:
         if req.op == "register":
             return self.register(rank, req.args["layout"], req.args["buffers"])
         conn = self._connector(rank)
+        if rank.tp_rank != 0:
+            raise ValueError(
+                f"{req.op} from TP rank {rank.tp_rank}: with tensor parallelism only TP rank 0 "
+                "calls lookup/retrieve/store_kv/poll_completed/release (the agent moves every "
+                "TP rank's KV in one operation); other ranks only register their buffers"
+            )
         a = req.arrays
         if req.op == "lookup":
             return int(conn.lookup(req.args["rid"], a["token_ids"], a.get("token_mask")))

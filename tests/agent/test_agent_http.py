@@ -235,3 +235,45 @@ async def test_one_stage_per_agent_and_idle_stage_yields_to_new_replica(work: Pa
             c.close()
         for b in bufs:
             b.close()
+
+
+async def test_tensor_parallel_ranks_register_and_rank0_moves_all(work: Path) -> None:
+    import torch
+
+    from node_agent.backend.layout import KVLayout
+
+    layout = KVLayout(num_layers=2, num_kv_heads=4, head_size=8, dtype=LAYOUT.dtype,
+                      tokens_per_block=LAYOUT.tokens_per_block, tp_size=2)
+    cfg = cfg_of(agent_mapping(work, "solo", expectedRanks=2))
+    bufs = [SharedKVBuffers.for_layout(layout, NUM_SLOTS) for _ in range(2)]
+    clients = [EngineClient(cfg.engine_socket, RankInfo("tp-0", tp_rank=r, tp_size=2), timeout=5)
+               for r in range(2)]
+    try:
+        async with running_agent(cfg) as ra:
+            await asyncio.to_thread(clients[0].register_kv_buffers, layout, bufs[0].handles)
+            body = (await wait_http(ra, "/readyz", 503, 5)).json()
+            assert body["components"]["ranks"]["registered"] == 1
+            await asyncio.to_thread(clients[1].register_kv_buffers, layout, bufs[1].handles)
+            await wait_http(ra, "/readyz", 200, 10)
+            tokens, src = np.arange(16, dtype=np.int64), np.arange(16, dtype=np.int64)
+            for r, b in enumerate(bufs):
+                for g, group in enumerate(b.tensors):
+                    for layer, t in enumerate(group):
+                        t[:16] = float(100 * r + 10 * g + layer)
+            with pytest.raises(ValueError, match="only TP rank 0 calls"):
+                await asyncio.to_thread(clients[1].store_kv, "a", tokens, src)
+            assert await asyncio.to_thread(clients[0].store_kv, "a", tokens, src) >= 0
+            await stored(clients[0], "a")
+            assert await asyncio.to_thread(clients[0].lookup, "b", tokens) == 16
+            dst = np.arange(64, 80, dtype=np.int64)
+            assert await asyncio.to_thread(clients[0].retrieve, "b", dst) == 16
+            for r, b in enumerate(bufs):  # rank 1's KV came back too
+                for g, group in enumerate(b.tensors):
+                    for layer, t in enumerate(group):
+                        want = torch.full_like(t[64:80], float(100 * r + 10 * g + layer))
+                        assert torch.equal(t[64:80], want), (r, g, layer)
+    finally:
+        for c in clients:
+            c.close()
+        for b in bufs:
+            b.close()
