@@ -14,8 +14,9 @@ Contract of the operations (``rank`` identifies the calling engine rank):
   ``tokensPerBlock`` other than the pool's, is refused with ``ValueError``.
 * ``lookup`` / ``retrieve`` / ``store_kv`` / ``release`` / ``poll_completed`` go to
   the stage's connector unchanged. They come from TP rank 0 only: one call moves
-  the KV of every TP rank of the stage (other ranks get ``ValueError``). A rank that has not registered gets
-  ``NotReady`` (the client re-registers and retries once).
+  the KV of every TP rank of the stage (other ranks get ``ValueError``). A rank
+  that has not registered gets ``NotReady`` (the client re-registers and retries
+  once).
 * ``ping`` and ``status`` answer without touching a stage.
 """
 
