@@ -19,7 +19,7 @@ from typing import Any
 
 from flexkv_operator import names
 from flexkv_operator.context import OperatorContext
-from flexkv_operator.reconcile import ReconcileResult, reconcile_pool
+from flexkv_operator.reconcile import PoolGone, ReconcileResult, reconcile_pool
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +107,10 @@ class Controller:
             result = await self.reconciler(self.ctx, body)
         except asyncio.CancelledError:
             raise
+        except PoolGone:
+            if self.pools.get(key) is body:  # not re-created meanwhile
+                self.forget_pool(key)
+            return
         except Exception as exc:
             count = self.failures.get(key, 0) + 1
             self.failures[key] = count

@@ -161,10 +161,22 @@ async def _delete_stale_groups(client: KubeClient, body: dict[str, Any], keep: s
             )
 
 
-async def reconcile_pool(ctx: OperatorContext, body: dict[str, Any]) -> ReconcileResult:
-    """Converge one pool; see the module docstring."""
-    meta = body["metadata"]
+class PoolGone(Exception):
+    """The pool no longer exists (or is being deleted): forget it, create nothing."""
+
+
+async def reconcile_pool(ctx: OperatorContext, seen: dict[str, Any]) -> ReconcileResult:
+    """Converge one pool; see the module docstring.
+
+    ``seen`` is the pool as the watch last delivered it; the reconcile re-reads it
+    first, so it acts on the current spec and status and never recreates children
+    of a pool deleted meanwhile (raises :class:`PoolGone`)."""
+    meta = seen["metadata"]
     namespace, name = meta["namespace"], meta["name"]
+    body = await ctx.client.get_or_none(_pool_path(namespace, name))
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        raise PoolGone(f"KVCachePool {namespace}/{name} is gone")
+    meta = body["metadata"]
     generation = int(meta.get("generation") or 1)
     try:
         config = parse_pool_spec(body.get("spec"), ctx.settings.default_image)

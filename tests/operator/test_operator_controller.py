@@ -14,7 +14,7 @@ from flexkv_operator.context import NodeCache, OperatorContext, OperatorSettings
 from flexkv_operator.controller import Controller
 from flexkv_operator.kube import Connection, KubeClient
 from flexkv_operator.membership import LeaseTracker
-from flexkv_operator.reconcile import ReconcileResult
+from flexkv_operator.reconcile import PoolGone, ReconcileResult
 
 
 def pool(name: str = "p", spec: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -137,3 +137,19 @@ async def test_failed_reconciles_back_off_exponentially() -> None:
         await asyncio.sleep(10)
     assert times == [0.0, 0.5, 1.5, 3.5]
     assert ctl.failures == {}
+
+
+@pytest.mark.looptime
+async def test_a_pool_found_gone_is_forgotten_without_retries() -> None:
+    calls: list[str] = []
+
+    async def reconcile(ctx: OperatorContext, body: dict[str, Any]) -> ReconcileResult:
+        calls.append(body["metadata"]["name"])
+        raise PoolGone("deleted meanwhile")
+
+    async with controller(reconcile) as ctl:
+        ctl.observe_lease("ADDED", lease("n1", "r1"))
+        ctl.observe_pool("ADDED", pool())
+        await asyncio.sleep(60)
+    assert calls == ["p"]
+    assert ctl.pools == {} and ctl.failures == {} and len(ctl.ctx.tracker) == 0

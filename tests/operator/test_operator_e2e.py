@@ -178,6 +178,7 @@ async def test_spec_update_rolls_agents_and_cache_epoch_does_not(api: ApiServer)
             return dict(yaml.safe_load(cm["data"]["agent.yaml"]))
 
         first = template_hash()
+        await wait_for(lambda: status(api).get("cacheEpoch") == 0, 10, "first status")
         await patch(api, POOLS, "pool", {"spec": {"cacheEpoch": 5}})
         await wait_for(lambda: agent_yaml()["cacheEpoch"] == 5, 10, "cacheEpoch in the ConfigMap")
         assert template_hash() == first  # agents re-read the file; no restart
@@ -194,7 +195,7 @@ async def test_spec_update_rolls_agents_and_cache_epoch_does_not(api: ApiServer)
             lambda: status(api).get("observedGeneration") == 3, 10, "observedGeneration 3"
         )
         assert condition(api, "Progressing")["status"] == "True"
-        assert "CacheFlush" in event_reasons(api)
+        await wait_for(lambda: "CacheFlush" in event_reasons(api), 5, "CacheFlush event")
 
 
 async def test_deleted_pool_is_forgotten_and_children_are_not_recreated(api: ApiServer) -> None:
@@ -202,6 +203,7 @@ async def test_deleted_pool_is_forgotten_and_children_are_not_recreated(api: Api
         await create(api, POOLS, pool_manifest(**FAST))
         await wait_for(lambda: api.names(DAEMONSETS, NS) == ["pool-agent"], 10, "DaemonSet")
         await delete(api, POOLS, "pool")
+        await asyncio.sleep(0.5)  # let the deletion reach the operator's watch
         # kmock has no garbage collector: remove the owned children as it would.
         for plural, names in CHILDREN.items():
             for name in names:
