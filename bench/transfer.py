@@ -13,7 +13,9 @@ block: 128 KiB per token) on CPU tensors. Rows (one JSON object each):
   blocks to the SSD tier, versus one ``os.pwrite`` of the same bytes to a file
   in the same directory.
 * ``ssd_load``: loading SSD-resident blocks into engine slots, versus
-  ``os.preadv`` of the same bytes from a file in the same directory.
+  ``os.preadv`` of the same bytes from a file in the same directory. With page
+  slot mappings and CPU engine buffers the backend reads straight into the
+  engine's pages (one ``preadv`` per block).
 
 The SSD rows run in whatever the directory is backed by (page cache included),
 and so do their baselines. Run: ``python bench/transfer.py [--tokens N]``.
@@ -167,7 +169,8 @@ def bench_ssd(args: argparse.Namespace, layout: KVLayout, directory: Path) -> No
     rng = np.random.default_rng(1)
     first = rng.integers(0, 100_000, n, dtype=np.int64)
     second = rng.integers(0, 100_000, n, dtype=np.int64)
-    slots = np.arange(n, dtype=np.int64)
+    tpb = layout.tokens_per_block
+    slots = slot_mapping("pages", 0, n, tpb, 3)
     for toks in (first,):
         tid, mask = backend.put_match(toks)
         [w] = backend.launch([tid], [slots[mask]])
@@ -184,13 +187,13 @@ def bench_ssd(args: argparse.Namespace, layout: KVLayout, directory: Path) -> No
     try:
         os.posix_fallocate(fd, 0, spilled)  # preallocated, as the tier's files are
         write = _timed(lambda: os.pwrite(fd, data.data, 0))
-        _row("ssd_spill", spilled, spill, write, None, tokens=n)
+        _row("ssd_spill", spilled, spill, write, None, tokens=n, slots="pages")
         out = np.empty_like(data)
         read = _best(lambda: _timed(lambda: os.preadv(fd, [out.data], 0)), args.repeat)
     finally:
         os.close(fd)
         plain.unlink()
-    dst = np.arange(n, 2 * n, dtype=np.int64)
+    dst = slot_mapping("pages", n, n, tpb, 4)
 
     def load_once() -> float:
         tid, mask = backend.get_match(first)
@@ -200,7 +203,7 @@ def bench_ssd(args: argparse.Namespace, layout: KVLayout, directory: Path) -> No
         return time.perf_counter() - t0
 
     load = _best(load_once, args.repeat)
-    _row("ssd_load", spilled, load, read, None, tokens=n)
+    _row("ssd_load", spilled, load, read, None, tokens=n, slots="pages")
     backend.shutdown()
 
 

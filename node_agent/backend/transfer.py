@@ -191,10 +191,11 @@ class BlockCopier:
         prepared = self._units(buffers, slots)
         if cpu_pos:
             self._load_cpu(buffers, cpu_pos, [locations[i].index for i in cpu_pos], prepared)
-        step = max(1, STAGING_BYTES // self.layout.bytes_per_block)
-        for c in range(0, len(ssd_pos), step):
-            chunk = ssd_pos[c : c + step]
-            self._load_ssd(buffers, chunk, [locations[i].index for i in chunk], prepared)
+        ssd_blk = [locations[i].index for i in ssd_pos]
+        if ssd_pos and not self._load_ssd_direct(buffers, ssd_pos, ssd_blk, prepared):
+            step = max(1, STAGING_BYTES // self.layout.bytes_per_block)
+            for c in range(0, len(ssd_pos), step):
+                self._load_ssd(buffers, ssd_pos[c : c + step], ssd_blk[c : c + step], prepared)
         _synchronize(set(prepared))
 
     def _load_cpu(
@@ -224,6 +225,42 @@ class BlockCopier:
                         rows[u] = unit_rows(blocks, u)
                     dst.index_copy_(0, subsets.of(idx, u),
                                     region.index_select(0, rows[u]).to(dst.device))
+
+    def _load_ssd_direct(
+        self,
+        buffers: Mapping[int, RegisteredBuffers],
+        positions: Sequence[int],
+        blocks: Sequence[int],
+        prepared: dict[torch.device, _Units],
+    ) -> bool:
+        """Read SSD ``blocks`` straight into the engine's pages, one ``preadv`` per block.
+
+        Possible when every block's slots are one aligned engine page (a block's
+        on-disk segment for a plane is then exactly that page of the plane) and
+        every buffer is a CPU tensor with contiguous rows; returns False otherwise
+        (and for MLA with several ranks, which need one read copied to each).
+        """
+        lay = self.layout
+        if self.ssd is None or (lay.is_mla and len(buffers) > 1):
+            return False
+        if any(b.device.type != "cpu" for b in buffers.values()):
+            return False
+        units = prepared.get(torch.device("cpu"))
+        if units is None or units.pages is None:
+            return False
+        tpb = lay.tokens_per_block
+        pages = []  # one (num_pages, segment_bytes) byte view per region, in disk order
+        for sr in range(lay.stored_ranks):
+            for plane in buffers[sr].planes:
+                if plane.stride(0) != plane.shape[1]:
+                    return False
+                n = plane.shape[0] // tpb
+                pages.append(plane[: n * tpb].view(torch.uint8).view(n, -1).numpy())
+        page_of = units.pages.tolist()
+        for pos, b in zip(positions, blocks, strict=True):
+            g = page_of[pos]
+            self.ssd.read(b, [arr[g].data for arr in pages])
+        return True
 
     def _load_ssd(
         self,

@@ -31,7 +31,7 @@ def test_transfer_bench_rows(tmp_path: Path) -> None:
                 "--ssd-dir", str(tmp_path), tmp=tmp_path)
     assert [(r["row"], r.get("slots")) for r in rows] == [
         ("cpu_store", "pages"), ("cpu_load", "pages"), ("cpu_store", "tokens"),
-        ("cpu_load", "tokens"), ("ssd_spill", None), ("ssd_load", None)]
+        ("cpu_load", "tokens"), ("ssd_spill", "pages"), ("ssd_load", "pages")]
     for r in rows:
         assert r["bench"] == "transfer"
         assert {"gb_per_s", "baseline_gb_per_s", "ratio", "bytes"} <= set(r)

@@ -99,3 +99,27 @@ def test_contiguous_runs_round_trip_with_random_bytes(style: str) -> None:
     st.execute(TransferPlan(Direction.LOAD, plan), dst, timeout=10)
     for a, b in zip(_rows(bufs, src), _rows(bufs, dst), strict=True):
         assert a.equal(b)
+
+
+@pytest.mark.parametrize("style", ["pages", "tokens"])
+@pytest.mark.parametrize("kv_dim", [2, 1], ids=["mha", "mla"])
+def test_ssd_loads_reach_every_tp_rank(tmp_path: Path, kv_dim: int, style: str) -> None:
+    layout = small_layout(kv_dim=kv_dim, tp_size=2)
+    st = TierStore(config(layout, cpu_blocks=4, ssd_blocks=4, ssd_dir=tmp_path))
+    bufs = [_random_bytes_buffers(layout, 64, seed) for seed in (5, 6)]
+    for rank, b in enumerate(bufs):
+        st.register_kv_buffers(rank, b)
+    tpb = layout.tokens_per_block
+    rng = np.random.default_rng(4)
+    cpu = tuple(BlockLocation(Tier.CPU, i) for i in range(3))
+    src = _slots(style, rng, 3, tpb, 0, 32)
+    st.execute(TransferPlan(Direction.STORE, cpu), src, timeout=10)
+    ssd = tuple(BlockLocation(Tier.SSD, 3 - i) for i in range(3))
+    st.apply_moves([TierMove(c, s) for c, s in zip(cpu, ssd, strict=True)])
+    dst = _slots(style, rng, 3, tpb, 32, 64)
+    st.execute(TransferPlan(Direction.LOAD, ssd), dst, timeout=10)
+    for rank in (0, 1):
+        source = bufs[0] if layout.is_mla else bufs[rank]  # MLA stores rank 0's latent once
+        for a, b in zip(_rows(source, src), _rows(bufs[rank], dst), strict=True):
+            assert a.equal(b)
+    st.close()
