@@ -172,7 +172,9 @@ class Connector:
                 if leader.pp_rank == rank:
                     self._role = self._make_leader(view.epoch, followers)
                 else:
-                    self._role = self._make_follower(view.epoch, leader.fanout_endpoint)
+                    follower = self._make_follower(view.epoch, leader.fanout_endpoint)
+                    self._role = follower
+                    follower.start()
             except Exception:
                 log.exception("Cannot take the group role", extra={"group": self.cfg.group,
                                                                     "epoch": view.epoch})

@@ -88,7 +88,7 @@ class FollowerRole:
         self._gen = 0
         self._cancelled: OrderedDict[Key, None] = OrderedDict()
         self._gets: OrderedDict[str, tuple[int, Decision]] = OrderedDict()
-        self._stored: dict[Key, None] = {}
+        self._stored: OrderedDict[Key, None] = OrderedDict()
         self._completed: deque[str] = deque()
         self.stream = FollowerStream(
             cfg.group, cfg.pp_rank, keys, stats, apply=self._apply,
@@ -96,7 +96,12 @@ class FollowerRole:
             hello_interval=max(cfg.heartbeat_seconds * 2.5, 0.05),
             leader_timeout=cfg.leader_timeout_seconds,
         )
-        self.stream.follow(epoch, leader_endpoint)
+        self._leader_endpoint = leader_endpoint
+
+    def start(self) -> None:
+        """Connect to the leader and say HELLO; call once the role receives
+        messages (its SYNC answer must not find the role missing)."""
+        self.stream.follow(self.epoch, self._leader_endpoint)
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -165,13 +170,16 @@ class FollowerRole:
         if len(d.mask) != inp.aligned:
             error = (f"stage {self.cfg.pp_rank} has {inp.aligned} aligned tokens for {rid!r} "
                      f"but the leader decided over {len(d.mask)}")
-        elif int(d.mask.sum()) != d.num_blocks * tpb:
-            error = f"decision mask covers {int(d.mask.sum())} tokens, plan {d.num_blocks} blocks"
+        elif int(np.count_nonzero(d.mask)) != d.num_blocks * tpb:
+            error = (f"decision mask covers {int(np.count_nonzero(d.mask))} tokens but its "
+                     f"plan has {d.num_blocks} blocks of {tpb}")
         else:
             error = self._execute(key, d, inp.slots[d.mask])
         if error is None:
             with self._state:
                 self._stored[key] = None
+                while len(self._stored) > self.cfg.max_pending:
+                    self._completed.append(self._stored.popitem(last=False)[0][0])
             self.counters.stores_executed += 1
         else:
             self.counters.store_failures += 1
@@ -203,14 +211,19 @@ class FollowerRole:
         d = self._decisions.take(key, self._wait_s())
         if d is None:
             self.counters.decision_timeouts += 1
+            return 0  # a late decision is answered with a failure ack on arrival
+        if not d.active or d.error:
             return 0
-        if not d.active or d.error or len(d.mask) != len(tokens):
+        if len(d.mask) != len(tokens):
+            self._ack(Kind.GET, rid, n, d.task_id, False,
+                      f"stage {self.cfg.pp_rank} looked up {len(tokens)} tokens for {rid!r} "
+                      f"but the leader matched {len(d.mask)}")
             return 0
         with self._state:
             self._gets[rid] = (n, d)
             while len(self._gets) > self.cfg.max_pending:
                 self._gets.popitem(last=False)
-        return int(d.mask.sum())
+        return int(np.count_nonzero(d.mask))
 
     def retrieve(self, rid: str, slot_mapping: object) -> int:
         """Load this stage's layers; the hit when every stage loaded, else 0."""
@@ -221,7 +234,7 @@ class FollowerRole:
         n, d = entry
         key: Key = (rid, Kind.GET, n)
         self.counters.retrieves += 1
-        hit = int(d.mask.sum())
+        hit = int(np.count_nonzero(d.mask))
         try:
             slots = prepare_slots(slot_mapping, hit, self.num_slots)  # type: ignore[arg-type]
         except ValueError as exc:
@@ -244,10 +257,11 @@ class FollowerRole:
         body = msg.body
         if isinstance(body, Decision):
             kind = Kind.PUT if msg.env.op is Op.PUT else Kind.GET
-            if not self._decisions.put((body.rid, kind, body.n), body) and kind is Kind.PUT \
-                    and body.active:
+            if not self._decisions.put((body.rid, kind, body.n), body) and body.active:
+                # This stage's call already gave up: answer now so the leader
+                # ends the task at once instead of at its deadline.
                 self._ack(kind, body.rid, body.n, body.task_id, False,
-                          "the stage's store_kv call gave up before the decision arrived")
+                          f"the stage's {kind.value} call gave up before the decision arrived")
         elif isinstance(body, Moves):
             if not self._exec.acquire(timeout=self.cfg.transfer_seconds + 1.0):
                 self.stream.request_resync("moves could not wait for a running copy")

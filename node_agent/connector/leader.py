@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -112,7 +112,7 @@ class LeaderRole:
         self._decide = threading.Lock()
         self._state = threading.Lock()
         self._puts: dict[int, _Put] = {}
-        self._gets: dict[str, _Get] = {}
+        self._gets: OrderedDict[str, _Get] = OrderedDict()
         self._completed: deque[str] = deque()
         self._calls = CallCounter(cfg.max_pending)
         self._wake = threading.Event()
@@ -304,10 +304,17 @@ class LeaderRole:
             if moves:
                 self.counters.moves_sent += len(moves)
                 self.stream.broadcast(Op.MOVES, Moves(tuple(moves)))
-            hit = int(mask.sum()) if task_id >= 0 else 0
+            hit = int(np.count_nonzero(mask)) if task_id >= 0 else 0
             with self._state:
                 self._gets[rid] = _Get(n, task_id, hit, AckCollector(self._expected()))
+                stale = []
+                while len(self._gets) > self.cfg.max_pending:
+                    stale.append(self._gets.popitem(last=False))
             self.stream.broadcast(Op.GET, self._decision(Kind.GET, rid, n, task_id, mask, plan))
+            for old_rid, g in stale:  # lookups never retrieved nor released
+                if g.task_id >= 0 and not g.used:
+                    self.backend.cancel([g.task_id])
+                    self.stream.broadcast(Op.CANCEL, Cancel(old_rid, Kind.GET, g.n, g.task_id))
         self.counters.hit_tokens += hit
         return hit
 
@@ -409,9 +416,15 @@ class LeaderRole:
         """Role-specific part of the connector's status."""
         with self._state:
             puts, gets = len(self._puts), len(self._gets)
+        tiers: dict[str, object]
+        try:
+            tiers = {k: dict(vars(v)) for k, v in self.backend.stats().tiers.items()}
+        except Exception as exc:  # status must answer even when the backend cannot
+            tiers = {"error": str(exc)}
         return {
             "role": self.role,
             "epoch": self.epoch,
+            "tiers": tiers,
             "lastSeq": self.stream.seq,
             "peersConnected": self.stream.synced_count(),
             "peersExpected": len(self.stream.follower_ranks),

@@ -71,6 +71,7 @@ class _Peer:
     synced: bool = False
     session: int = -1
     gen: int = 0
+    sync_sent_at: float = 0.0
 
 
 class LeaderStream:
@@ -103,6 +104,7 @@ class LeaderStream:
         self.seq = 0
         self.dirty = False
         self._hb_interval = heartbeat_interval
+        self._resync_after = max(1.0, 10 * heartbeat_interval)
         self._stop = threading.Event()
         self._hb = threading.Thread(target=self._heartbeats, name=f"hb-{group}", daemon=True)
         self._hb.start()
@@ -204,8 +206,14 @@ class LeaderStream:
                 log.warning("HELLO from a rank that is not a follower of this group",
                             extra={"group": self.group, "rank": h.rank})
                 return
+            gen = h.gen + 1
             if p.session == h.session and h.gen < p.gen:
-                return  # already answered
+                # Already answered. A HELLO of the gen we answered last, long after
+                # our SYNC, means the SYNC was lost: answer it again.
+                lost = time.monotonic() - p.sync_sent_at > self._resync_after
+                if h.gen < p.gen - 1 or not lost:
+                    return
+                gen = p.gen
             p.synced = False
             dirty = self.dirty
         if dirty:
@@ -217,9 +225,9 @@ class LeaderStream:
             p = self._peers.get(h.rank)
             if p is None:
                 return
-            p.session, p.gen = h.session, h.gen + 1
+            p.session, p.gen, p.sync_sent_at = h.session, gen, time.monotonic()
             frames = encode(Envelope(Op.SYNC, self.group, self.epoch, self.seq),
-                            Sync(h.rank, p.gen))
+                            Sync(h.rank, gen))
             p.synced = p.sender.send(frames)
             log.info("Follower synced", extra={"group": self.group, "rank": h.rank,
                                                "seq": self.seq, "epoch": self.epoch})

@@ -118,10 +118,12 @@ def make_connector(
     """A connector with the real embedded backend (leader) and TierStore (follower)."""
     cfg = ConnectorConfig(
         group=view.view.group, pp_rank=rank, layout=LAYOUT, fanout_endpoint=endpoint,
-        engine_call_seconds=timeouts.get("engine_call_seconds", 4.0),
-        fanout_wait_seconds=timeouts.get("fanout_wait_seconds", 2.0),
-        transfer_seconds=timeouts.get("transfer_seconds", 2.0),
-        heartbeat_seconds=0.05, leader_timeout_seconds=1.0,
+        # Generous against stalls on a shared 2-core machine; the waits that end
+        # tests early (dead stages, lost messages) are bounded by these.
+        engine_call_seconds=timeouts.get("engine_call_seconds", 5.0),
+        fanout_wait_seconds=timeouts.get("fanout_wait_seconds", 3.0),
+        transfer_seconds=timeouts.get("transfer_seconds", 3.0),
+        heartbeat_seconds=0.1, leader_timeout_seconds=3.0,
     )
     return Connector(
         cfg, view,
@@ -177,10 +179,18 @@ class Stage:
                     "flexkv_agent_fanout_dropped_total", {"group": GROUP, "reason": r}) or 0.0
                 for r in ("stale_epoch", "gap", "duplicate", "malformed", "future_epoch")
             }
-            role = c._role
-            backend = getattr(role, "backend", None)
-            if backend is not None:
-                s["tiers"] = {k: vars(v) for k, v in backend.stats().tiers.items()}
+            reg = self.metrics.registry
+            s["gauges"] = {
+                "role_leader": reg.get_sample_value(
+                    "flexkv_agent_pp_role", {"group": GROUP, "role": "leader"}),
+                "role_follower": reg.get_sample_value(
+                    "flexkv_agent_pp_role", {"group": GROUP, "role": "follower"}),
+                "epoch": reg.get_sample_value("flexkv_agent_pp_epoch", {"group": GROUP}),
+                "leader_changes": reg.get_sample_value(
+                    "flexkv_agent_leader_changes_total", {"group": GROUP}) or 0.0,
+                "lag_count": reg.get_sample_value(
+                    "flexkv_agent_fanout_lag_seconds_count", {"group": GROUP}) or 0.0,
+            }
             return s
         if op == "ready":
             return c.ready()

@@ -151,6 +151,7 @@ def test_random_workload_keeps_every_invariant(group: Group) -> None:
     for r in (1, 2):
         s = status[r]
         assert s["role"] == "follower" and not s["degraded"]
+        assert s["gauges"]["lag_count"] > 0 and s["gauges"]["role_follower"] == 1
         assert s["dropped_metric"]["gap"] == 0 and s["dropped_metric"]["stale_epoch"] == 0
         assert s["lastSeq"] == lead["lastSeq"]
     # The capacity (32 blocks) was exceeded by the workload, so the leader evicted and
@@ -214,6 +215,10 @@ def test_leader_replaced_under_new_epoch(group: Group) -> None:
     st = group.all("status")
     assert [st[r]["role"] for r in RANKS] == ["follower", "leader", "follower"]
     assert all(st[r]["epoch"] == 2 for r in RANKS)
+    for r in RANKS:
+        g = st[r]["gauges"]
+        assert g["epoch"] == 2 and g["leader_changes"] == 1
+        assert (g["role_leader"], g["role_follower"]) == ((1, 0) if r == 1 else (0, 1))
     # The new epoch starts from an empty cache; a new round trip is bit-exact on every
     # stage (the zombie's decisions were never applied anywhere).
     assert load_and_check(group, "b", tokens, rng) == 0
@@ -284,3 +289,18 @@ def test_unauthenticated_sender_cannot_inject_a_decision(group: Group) -> None:
     assert group.stages[2].call("lookup", rid="evil", tokens=list(range(8))) == 0
     s = group.stages[2].call("status")
     assert s["dropped_metric"]["gap"] == 0 and not s["degraded"]
+
+
+def test_dead_leader_makes_followers_answer_at_once_never_hang(group: Group) -> None:
+    rng = random.Random(13)
+    group.stages[0].kill()
+    deadline = time.monotonic() + 10
+    while any(group.stages[r].call("ready") for r in (1, 2)):
+        assert time.monotonic() < deadline, "followers never noticed the silent leader"
+        time.sleep(0.05)
+    tokens = list(range(8000, 8000 + 2 * TPB))
+    t0 = time.monotonic()
+    assert store(group, "x", tokens, rng, ranks=(1, 2)) == {1: -1, 2: -1}
+    assert group.all("lookup", (1, 2), rid="y", tokens=tokens) == {1: 0, 2: 0}
+    assert time.monotonic() - t0 < 2.0  # unsynced stages do not wait for a decision
+    assert all(group.stages[r].call("status")["degraded"] for r in (1, 2))
