@@ -115,7 +115,8 @@ class Agent:
         self._builder = stage_builder
         self._group_listeners: list[Callable[[dict[str, GroupView]], None]] = []
         self.service = EngineService(self._build_stage, cfg.tokens_per_block, status=self.status,
-                                     stale_after=cfg.heartbeat.lease_duration_seconds)
+                                     stale_after=cfg.heartbeat.lease_duration_seconds,
+                                     on_stage=self.attach_stage)
         self.engine = EngineServer(cfg.engine_endpoint, self.service, self.metrics,
                                    cfg.timeouts.engine_call_seconds, errors=self.errors)
         period = cfg.heartbeat.retry_period_seconds
@@ -141,7 +142,12 @@ class Agent:
         return self._builder(self, rank, layout)
 
     def attach_stage(self, stage: Stage) -> None:
-        """Feed a new multi-stage group the view already known for its replica."""
+        """Feed a new multi-stage group the view already known for its replica.
+
+        Called after the stage joined ``service.stages``; ``_on_views`` stores the
+        new views before walking the stages, so no update is missed: an update
+        either finds the stage or is the one read here. A stale push loses to the
+        newer one (epochs never go back)."""
         view = self.group_views.get(stage.key.replica)
         if view is not None:
             self._push_view(stage, view)

@@ -132,8 +132,10 @@ class EngineService:
 
     def __init__(self, factory: StageFactory, tokens_per_block: int,
                  status: Callable[[], dict[str, Any]] | None = None,
-                 max_stages: int = 1, stale_after: float = 15.0) -> None:
+                 max_stages: int = 1, stale_after: float = 15.0,
+                 on_stage: Callable[[Stage], None] | None = None) -> None:
         self._factory = factory
+        self._on_stage = on_stage
         self._tpb = tokens_per_block
         self._status = status
         self._max_stages = max_stages
@@ -254,6 +256,10 @@ class EngineService:
             )
         stage = self._factory(rank, layout)
         self.stages[rank.stage] = stage
+        if self._on_stage is not None:
+            # After insertion: a group-view update racing with this registration
+            # either sees the stage or is read here (see Agent.attach_stage).
+            self._on_stage(stage)
         return stage
 
     def _retire_idle_stage(self) -> None:

@@ -79,7 +79,5 @@ def default_stage_builder(agent: Agent, rank: RankRef, layout: KVLayout) -> Stag
         store_factory=lambda: TierStore(bcfg),
         keys=keys, metrics=metrics,
     ).start()
-    stage = Stage(key=rank.stage, pp_size=rank.pp_size, group=group, layout=layout,
-                  connector=connector, views=views)
-    agent.attach_stage(stage)
-    return stage
+    return Stage(key=rank.stage, pp_size=rank.pp_size, group=group, layout=layout,
+                 connector=connector, views=views)
