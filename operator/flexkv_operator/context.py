@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from flexkv_operator.groups import GroupCache
 from flexkv_operator.kube import ApiError, KubeClient, api_path
 from flexkv_operator.membership import LeaseTracker
 
@@ -71,6 +72,8 @@ class OperatorContext:
     clock: Callable[[], float]
     tracker: LeaseTracker
     nodes: NodeCache
+    groups: GroupCache | None = None
+    group_names: dict[tuple[str, str], tuple[float, frozenset[str]]] = field(default_factory=dict)
     wall_clock: Callable[[], datetime.datetime] = field(
         default=lambda: datetime.datetime.now(datetime.UTC)
     )
@@ -84,4 +87,5 @@ class OperatorContext:
             clock=loop.time,
             tracker=LeaseTracker(clock=loop.time),
             nodes=NodeCache(ttl=settings.node_cache_seconds, clock=loop.time),
+            groups=GroupCache(clock=loop.time, ttl=settings.resync_seconds),
         )

@@ -79,6 +79,7 @@ class Controller:
         self.failures.pop(key, None)
         self.last_result.pop(key, None)
         self.ctx.tracker.forget_pool(*key)
+        self.ctx.group_names.pop(key, None)
 
     def observe_lease(self, event_type: str | None, body: dict[str, Any]) -> None:
         meta = body.get("metadata") or {}

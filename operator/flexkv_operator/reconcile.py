@@ -108,6 +108,7 @@ async def _publish_groups(
                 identity=ctx.settings.identity,
                 heartbeat_slack=float(config.timings.renew_deadline),
                 now=now,
+                cache=ctx.groups,
             )
 
     outcomes = list(await asyncio.gather(*(one(p) for p in plans)))
@@ -144,7 +145,17 @@ async def _publish_groups(
             await post_event(
                 ctx.client, body, kind, reason, f"{outcome.name}: {message}", ctx.settings.identity
             )
-    await _delete_stale_groups(ctx.client, body, {o.name for o in outcomes})
+    # Look for groups to delete when the set of groups changed, and at every resync.
+    key = (body["metadata"]["namespace"], body["metadata"]["name"])
+    current = frozenset(o.name for o in outcomes)
+    checked = ctx.group_names.get(key)
+    if (
+        checked is None
+        or checked[1] != current
+        or ctx.clock() - checked[0] >= ctx.settings.resync_seconds
+    ):
+        await _delete_stale_groups(ctx.client, body, set(current))
+        ctx.group_names[key] = (ctx.clock(), current)
     return outcomes
 
 

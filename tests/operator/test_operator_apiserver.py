@@ -61,3 +61,51 @@ async def test_injected_faults_answer_before_touching_state(api: ApiServer) -> N
     assert api.stored(POOLS, NS, "p") is None and fault.hits == 2
     await create(api, POOLS, {"metadata": {"name": "p"}, "spec": {}})
     assert api.stored(POOLS, NS, "p") is not None
+
+
+async def test_group_publication_from_a_stale_cache_conflicts_then_rereads(api: ApiServer) -> None:
+    """A cached group version someone else has since changed costs one 409, never a
+    second leader for an epoch."""
+    import datetime
+
+    from flexkv_operator.election import Candidate
+    from flexkv_operator.groups import GroupCache, GroupMember, GroupPlan, publish_group
+    from flexkv_operator.kube import Connection, KubeClient
+
+    pool_body = await create(api, POOLS, {"metadata": {"name": "p"}, "spec": {}})
+    now = datetime.datetime.now(datetime.UTC)
+    a = GroupMember(Candidate("a", 0, "tcp://a:1", True, True), now)
+    b = GroupMember(Candidate("b", 1, "tcp://b:1", True, True), now)
+    clock = [0.0]
+    cache = GroupCache(clock=lambda: clock[0], ttl=30)
+    async with KubeClient(Connection(server=str(api.url))) as client:
+        first = await publish_group(
+            client,
+            pool_body=pool_body,
+            plan=GroupPlan("r", 2, (a, b)),
+            identity="x",
+            heartbeat_slack=10,
+            now=now,
+            cache=cache,
+        )
+        assert first.written and first.epoch == 1 and first.leader == a.candidate
+        # Another writer publishes leader b at epoch 2 behind the cache's back.
+        path = f"/apis/flexkv.io/v1alpha1/namespaces/{NS}/kvcachegroups/p-r/status"
+        other = {"epoch": 2, "leader": {"node": "b", "ppRank": 1, "fanoutEndpoint": "tcp://b:1"}}
+        assert (await api.patch(path, json={"status": other})).status == 200
+        lost_a = GroupMember(Candidate("a", 0, "tcp://a:1", True, False), now)
+        second = await publish_group(
+            client,
+            pool_body=pool_body,
+            plan=GroupPlan("r", 2, (lost_a, b)),
+            identity="x",
+            heartbeat_slack=10,
+            now=now,
+            cache=cache,
+        )
+    # The cache still said "leader a, epoch 1": the write conflicted, the re-read saw b
+    # at epoch 2, which is fresh, so nothing changes.
+    assert second.conflicts == 1 and second.epoch == 2 and second.leader == b.candidate
+    stored = api.stored("flexkv.io/v1alpha1/kvcachegroups", NS, "p-r")
+    assert stored is not None and stored["status"]["epoch"] == 2
+    assert stored["status"]["leader"]["node"] == "b"
