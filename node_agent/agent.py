@@ -34,7 +34,8 @@ from node_agent.engine_api.server import EngineServer
 from node_agent.engine_api.service import EngineService, RankRef, Stage
 from node_agent.http.app import create_app
 from node_agent.http.state import RecentErrors, Service
-from node_agent.kube.groups import FileGroupSource, GroupView, KubeGroupSource
+from node_agent.kube.group_watch import KubeGroupSource
+from node_agent.kube.groups import FileGroupSource, GroupView
 from node_agent.kube.heartbeat import LeaseHeartbeat
 from node_agent.metrics import AgentMetrics
 

@@ -6,11 +6,12 @@ are (docs/contracts.md section 3), read from ``KVCacheGroup`` status or from a f
 Two sources deliver the views of this agent's pool to a callback, only when they
 changed:
 
-* :class:`KubeGroupSource` lists ``kvcachegroups.flexkv.io`` through the
-  ``kubernetes`` client every ``retryPeriodSeconds`` (filtering on
-  ``spec.poolRef`` itself, since label selectors are an optimisation);
-* :class:`FileGroupSource` reads a YAML/JSON file holding a list of such objects
-  (or ``{"items": [...]}``) whenever its modification time changes.
+* :class:`~node_agent.kube.group_watch.KubeGroupSource` lists and then watches
+  ``kvcachegroups.flexkv.io`` through the ``kubernetes`` client;
+* :class:`FileGroupSource` (here) reads a YAML/JSON file holding a list of such
+  objects (or ``{"items": [...]}``) whenever its modification time changes.
+
+Both filter on ``spec.poolRef`` themselves (label selectors are an optimisation).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from kubernetes.client import CustomObjectsApi
 
 from node_agent.http.state import RecentErrors
 
@@ -126,39 +126,26 @@ def parse_groups(objs: Sequence[Mapping[str, Any]], pool: str,
 ViewsCallback = Callable[[dict[str, GroupView]], None]
 
 
-class _PollingSource:
-    """Polls ``_fetch`` every ``period`` seconds; calls ``on_views`` on change."""
+class ViewDelivery:
+    """Parses a set of objects and calls ``on_views`` when the views changed."""
 
     name = "group_view"
 
-    def __init__(self, pool: str, on_views: ViewsCallback, period: float,
-                 errors: RecentErrors | None) -> None:
+    def __init__(self, pool: str, on_views: ViewsCallback,
+                 errors: RecentErrors | None, source: str) -> None:
         self._pool = pool
         self._on_views = on_views
-        self._period = period
         self._errors = errors
-        self._task: asyncio.Task[None] | None = None
-        self._stopping = asyncio.Event()
+        self.source = source
         self.views: dict[str, GroupView] | None = None
-        self.source = "?"
-
-    @property
-    def alive(self) -> bool:
-        return self._task is not None and not self._task.done()
 
     @property
     def known(self) -> bool:
         """True once a view (possibly empty) was read successfully."""
         return self.views is not None
 
-    def _fetch(self) -> list[dict[str, Any]] | None:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def poll_once(self) -> bool:
-        """Fetch and deliver (blocking); True when the views changed."""
-        objs = self._fetch()
-        if objs is None:
-            return False
+    def deliver(self, objs: Sequence[Mapping[str, Any]]) -> bool:
+        """Parse ``objs``; True (and ``on_views`` called) when the views changed."""
         views = parse_groups(objs, self._pool, self._errors)
         if views == self.views:
             return False
@@ -168,17 +155,57 @@ class _PollingSource:
                                                "groups": sorted(views)})
         return True
 
-    async def start(self) -> None:
-        try:
-            await asyncio.to_thread(self.poll_once)
-        except Exception as exc:
-            self._report(exc)
-        self._task = asyncio.create_task(self._loop(), name=f"group-view-{self.source}")
-
-    def _report(self, exc: BaseException) -> None:
+    def report(self, exc: BaseException) -> None:
+        """Log and remember a failed read."""
         log.warning("Group view read failed", extra={"source": self.source, "error": str(exc)})
         if self._errors is not None:
             self._errors.record(self.name, f"{self.source}: {exc}")
+
+
+class FileGroupSource(ViewDelivery):
+    """KVCacheGroup-shaped objects from a YAML/JSON file (no Kubernetes), re-read
+    every ``period`` seconds when the file's modification time changed."""
+
+    def __init__(self, path: str | os.PathLike[str], pool: str, on_views: ViewsCallback,
+                 period: float, errors: RecentErrors | None = None) -> None:
+        self.path = Path(path)
+        super().__init__(pool, on_views, errors, f"file:{self.path}")
+        self._period = period
+        self._mtime: int | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
+
+    @property
+    def alive(self) -> bool:
+        """True while the polling loop runs."""
+        return self._task is not None and not self._task.done()
+
+    def poll_once(self) -> bool:
+        """Re-read the file if it changed (blocking); True when the views changed."""
+        try:
+            mtime = self.path.stat().st_mtime_ns
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"group view file {self.path} does not exist; write the KVCacheGroup list "
+                "there or unset groupViewFile") from None
+        if mtime == self._mtime:
+            return False
+        data = yaml.safe_load(self.path.read_text()) or []
+        if isinstance(data, Mapping):
+            data = data.get("items", [])
+        if not isinstance(data, list):
+            raise GroupViewError(f"group view file {self.path}: expected a list of "
+                                 f"KVCacheGroup objects, got {type(data).__name__}")
+        self._mtime = mtime
+        return self.deliver([d for d in data if isinstance(d, Mapping)])
+
+    async def start(self) -> None:
+        """Read once (a failure is reported and retried), then poll."""
+        try:
+            await asyncio.to_thread(self.poll_once)
+        except Exception as exc:
+            self.report(exc)
+        self._task = asyncio.create_task(self._loop(), name="group-view-file")
 
     async def _loop(self) -> None:
         while not self._stopping.is_set():
@@ -189,60 +216,11 @@ class _PollingSource:
             try:
                 await asyncio.wait_for(asyncio.to_thread(self.poll_once), self._period * 5)
             except Exception as exc:
-                self._report(exc)
+                self.report(exc)
 
     async def stop(self) -> None:
+        """Stop polling (bounded)."""
         self._stopping.set()
         if self._task is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._task, self._period * 5)
-
-
-class KubeGroupSource(_PollingSource):
-    """KVCacheGroups of ``pool`` in ``namespace`` through the Kubernetes API."""
-
-    def __init__(self, api: CustomObjectsApi, namespace: str, pool: str,
-                 on_views: ViewsCallback, period: float,
-                 errors: RecentErrors | None = None) -> None:
-        super().__init__(pool, on_views, period, errors)
-        self._api = api
-        self._namespace = namespace
-        self.source = f"kubernetes:{namespace}"
-
-    def _fetch(self) -> list[dict[str, Any]]:
-        result = self._api.list_namespaced_custom_object(
-            GROUP, VERSION, self._namespace, PLURAL,
-            label_selector=f"flexkv.io/pool={self._pool}",
-            _request_timeout=self._period * 4,
-        )
-        items = result.get("items", []) if isinstance(result, Mapping) else []
-        return [dict(i) for i in items if isinstance(i, Mapping)]
-
-
-class FileGroupSource(_PollingSource):
-    """KVCacheGroup-shaped objects from a YAML/JSON file (no Kubernetes)."""
-
-    def __init__(self, path: str | os.PathLike[str], pool: str, on_views: ViewsCallback,
-                 period: float, errors: RecentErrors | None = None) -> None:
-        super().__init__(pool, on_views, period, errors)
-        self.path = Path(path)
-        self._mtime: int | None = None
-        self.source = f"file:{self.path}"
-
-    def _fetch(self) -> list[dict[str, Any]] | None:
-        try:
-            mtime = self.path.stat().st_mtime_ns
-        except FileNotFoundError:
-            raise FileNotFoundError(
-                f"group view file {self.path} does not exist; write the KVCacheGroup list "
-                "there or unset groupViewFile") from None
-        if mtime == self._mtime:
-            return None
-        data = yaml.safe_load(self.path.read_text()) or []
-        if isinstance(data, Mapping):
-            data = data.get("items", [])
-        if not isinstance(data, list):
-            raise GroupViewError(f"group view file {self.path}: expected a list of "
-                                 f"KVCacheGroup objects, got {type(data).__name__}")
-        self._mtime = mtime
-        return [dict(d) for d in data if isinstance(d, Mapping)]

@@ -14,6 +14,7 @@ from typing import Any
 import kmock
 import numpy as np
 import pytest
+from kubernetes import client as k8s
 
 from node_agent.client import EngineClient, RankInfo, SharedKVBuffers
 from node_agent.pp.auth import CurveKeys
@@ -114,7 +115,10 @@ async def test_kvcachegroup_status_drives_roles_and_failover(kube: Any, kube_api
 
             assert (await role(a0), await role(a1)) == ("leader", "follower")
             # The operator elects stage 1 at epoch 2: the roles follow the object.
-            kube.objects[GROUPS, "ns1", "tp-rep"] = _group(fanout, leader=1, epoch=2)
+            await asyncio.to_thread(
+                k8s.CustomObjectsApi(kube_api).patch_namespaced_custom_object, "flexkv.io",
+                "v1alpha1", "ns1", "kvcachegroups", "tp-rep",
+                {"status": _group(fanout, leader=1, epoch=2)["status"]})
             deadline = asyncio.get_running_loop().time() + 20
             while (await role(a0), await role(a1)) != ("follower", "leader"):
                 assert asyncio.get_running_loop().time() < deadline, "roles did not swap"

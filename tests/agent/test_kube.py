@@ -20,11 +20,11 @@ from kubernetes.client.exceptions import ApiException
 
 from node_agent.config import config_from_mapping
 from node_agent.http.state import RecentErrors
+from node_agent.kube.group_watch import KubeGroupSource
 from node_agent.kube.groups import (
     FileGroupSource,
     GroupView,
     GroupViewError,
-    KubeGroupSource,
     parse_group,
 )
 from node_agent.kube.heartbeat import LeaseHeartbeat, lease_name
@@ -163,22 +163,55 @@ def test_parse_group_reads_contract_shape_and_rejects_garbage() -> None:
         parse_group(bad)
 
 
-async def test_kube_group_source_delivers_pool_views_on_change(kube: Any, kube_api: Any) -> None:
+async def test_kube_group_source_lists_then_follows_watch_events(kube: Any,
+                                                               kube_api: Any) -> None:
     kube.objects[GROUPS, "ns1", "p1-llama-0"] = _group("p1-llama-0", "p1", 1)
     kube.objects[GROUPS, "ns1", "p2-other"] = _group("p2-other", "p2", 7)
+    api = k8s.CustomObjectsApi(kube_api)
     seen: list[dict[str, GroupView]] = []
-    src = KubeGroupSource(k8s.CustomObjectsApi(kube_api), "ns1", "p1", seen.append, period=0.05)
+    src = KubeGroupSource(api, "ns1", "p1", seen.append, period=0.05)
     await src.start()
     try:
-        assert src.known and list(seen[-1]) == ["llama-0"]
+        assert src.known and list(seen[-1]) == ["llama-0"] and src.lists == 1
         assert seen[-1]["llama-0"].epoch == 1
+        await _wait_for(lambda: src.events >= 1)  # the watch replayed the current objects
         n = len(seen)
         await asyncio.sleep(0.2)
         assert len(seen) == n, "unchanged views must not be delivered again"
-        kube.objects[GROUPS, "ns1", "p1-llama-0"] = _group("p1-llama-0", "p1", 2, leader_rank=1)
+        # The operator elects another leader: a status write through the API.
+        new = _group("p1-llama-0", "p1", 2, leader_rank=1)
+        await asyncio.to_thread(api.patch_namespaced_custom_object, "flexkv.io", "v1alpha1",
+                                "ns1", "kvcachegroups", "p1-llama-0", {"status": new["status"]})
         await _wait_for(lambda: seen[-1]["llama-0"].epoch == 2)
         leader = seen[-1]["llama-0"].leader
         assert leader is not None and leader.pp_rank == 1
+        created = _group("p1-llama-1", "p1", 4)
+        await asyncio.to_thread(api.create_namespaced_custom_object, "flexkv.io", "v1alpha1",
+                                "ns1", "kvcachegroups", created)
+        await _wait_for(lambda: sorted(seen[-1]) == ["llama-0", "llama-1"])
+        await asyncio.to_thread(api.delete_namespaced_custom_object, "flexkv.io", "v1alpha1",
+                                "ns1", "kvcachegroups", "p1-llama-0")
+        await _wait_for(lambda: sorted(seen[-1]) == ["llama-1"])
+        assert src.lists == 1, "a healthy watch needs no new list"
+    finally:
+        await src.stop()
+
+
+async def test_kube_group_source_reports_errors_and_recovers(kube: Any, kube_api: Any) -> None:
+    errors = RecentErrors()
+    seen: list[dict[str, GroupView]] = []
+    failing = {"on": True}
+    kube["list", GROUPS][lambda _req: failing["on"]] << 500  # lists fail while "on"
+    src = KubeGroupSource(k8s.CustomObjectsApi(kube_api), "ns1", "p1", seen.append,
+                          period=0.05, errors=errors)
+    await src.start()
+    try:
+        await _wait_for(lambda: len(errors.snapshot()) >= 1)
+        assert not src.known
+        failing["on"] = False
+        kube.objects[GROUPS, "ns1", "p1-llama-0"] = _group("p1-llama-0", "p1", 3)
+        await _wait_for(lambda: bool(seen) and seen[-1]["llama-0"].epoch == 3)
+        assert src.known and src.alive
     finally:
         await src.stop()
 
