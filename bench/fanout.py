@@ -9,6 +9,9 @@ Measures, in one run and on the same machine:
   point-to-point ``send``/``recv`` of the pickled decision (size, then bytes),
   unpickled on the follower.
 
+Both implementations run side by side and are measured in alternating short
+batches, so background load on a shared machine hits both alike.
+
 Latency: one decision at a time, from the leader's decision (before encoding
 or pickling) to the moment the *last* follower applied it, measured one way
 on the shared wall clock of this machine (each follower stamps its apply time;
@@ -189,64 +192,86 @@ def _relabel(d: Decision, rid: str, n: int) -> Decision:
     return Decision(d.direction, rid, n, d.task_id, d.mask, d.runs, d.error)
 
 
-def bench_zmq(counts: list[int], samples: int, stream_n: int) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    keys = CurveKeys.generate()
-    procs, pipes, endpoints = [], [], {}
-    results: dict[str, Any] = {}
-    leader = ZmqLeader(keys)
-    try:
-        for r in range(1, max(counts) + 1):
+class ZmqBench:
+    """Our stream: follower processes plus the leader side in this process."""
+
+    def __init__(self, followers: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.keys = CurveKeys.generate()
+        self.procs: list[Any] = []
+        self.pipes: list[Connection] = []
+        self.endpoints: dict[int, str] = {}
+        self.leader = ZmqLeader(self.keys)
+        self.base = make_decision(0)
+        self.next = 0
+        self.epoch = 0
+        self.n = 0
+        for r in range(1, followers + 1):
             a, b = ctx.Pipe()
-            p = ctx.Process(target=zmq_follower, args=(r, keys, b), daemon=True)
+            p = ctx.Process(target=zmq_follower, args=(r, self.keys, b), daemon=True)
             p.start()
-            procs.append(p)
-            pipes.append(a)
-        for r, a in enumerate(pipes, start=1):
+            self.procs.append(p)
+            self.pipes.append(a)
+        for r, a in enumerate(self.pipes, start=1):
             if not a.poll(60):
                 raise TimeoutError(f"zmq follower {r} did not start")
-            endpoints[r] = a.recv()
-        base = make_decision(0)
-        for epoch, n in enumerate(counts, start=1):
-            fol = {r: endpoints[r] for r in range(1, n + 1)}
-            stream = leader.start_epoch(epoch, fol)
-            for r in fol:
-                pipes[r - 1].send(("follow", epoch, leader.server.endpoint))
-                pipes[r - 1].recv()
-            deadline = time.monotonic() + 10
-            while not stream.all_synced():
-                if time.monotonic() > deadline:
-                    raise TimeoutError("followers did not sync")
-                time.sleep(0.005)
-            for i in range(samples + 20):
-                stream.broadcast(Op.PUT, _relabel(base, "L", i))
-                leader.wait_acks(i, n)
-            per_follower = []
-            for r in fol:
-                pipes[r - 1].send(("lags",))
-                per_follower.append(pipes[r - 1].recv())
-            lat = [max(p[i] for p in per_follower) for i in range(20, samples + 20)]
-            results[f"lat{n}"] = _stats(lat)
-            if n == 3:
-                ds = [_relabel(base, "T", i) for i in range(stream_n)]
-                ds[-1] = _relabel(base, "END", stream_n - 1)
-                t0 = time.perf_counter()
-                for d in ds:
-                    stream.broadcast(Op.PUT, d)
-                leader.wait_acks(stream_n - 1, n, timeout=120)
-                results["tput3"] = stream_n / (time.perf_counter() - t0)
-    finally:
-        for a in pipes:
+            self.endpoints[r] = a.recv()
+
+    def use(self, n: int) -> None:
+        """Fan out to the first ``n`` followers from now on (a new epoch)."""
+        self.epoch += 1
+        self.n = n
+        fol = {r: self.endpoints[r] for r in range(1, n + 1)}
+        stream = self.leader.start_epoch(self.epoch, fol)
+        for r in fol:
+            self.pipes[r - 1].send(("follow", self.epoch, self.leader.server.endpoint))
+            self.pipes[r - 1].recv()
+        deadline = time.monotonic() + 10
+        while not stream.all_synced():
+            if time.monotonic() > deadline:
+                raise TimeoutError("followers did not sync")
+            time.sleep(0.005)
+
+    def latency(self, count: int) -> list[float]:
+        """One-way latencies (seconds) of ``count`` paced decisions."""
+        stream = self.leader.stream
+        assert stream is not None
+        first = self.next
+        for _ in range(count):
+            stream.broadcast(Op.PUT, _relabel(self.base, "L", self.next))
+            self.leader.wait_acks(self.next, self.n)
+            self.next += 1
+        per_follower = []
+        for r in range(1, self.n + 1):
+            self.pipes[r - 1].send(("lags",))
+            per_follower.append(self.pipes[r - 1].recv())
+        return [max(p[i] for p in per_follower) for i in range(first, self.next)]
+
+    def throughput(self, count: int) -> float:
+        """Decisions per second streamed to the current followers."""
+        stream = self.leader.stream
+        assert stream is not None
+        ds = [_relabel(self.base, "T", self.next + i) for i in range(count)]
+        ds[-1] = _relabel(self.base, "END", self.next + count - 1)
+        t0 = time.perf_counter()
+        for d in ds:
+            stream.broadcast(Op.PUT, d)
+        self.leader.wait_acks(self.next + count - 1, self.n, timeout=120)
+        elapsed = time.perf_counter() - t0
+        self.next += count
+        return count / elapsed
+
+    def close(self) -> None:
+        for a in self.pipes:
             with contextlib.suppress(OSError):
                 a.send(("stop",))
-        for p in procs:
+        for p in self.procs:
             p.join(5)
             if p.is_alive():
                 p.kill()
-        if leader.stream is not None:
-            leader.stream.close()
-        leader.server.close()
-    return results
+        if self.leader.stream is not None:
+            self.leader.stream.close()
+        self.leader.server.close()
 
 
 # -- gloo-pickle -----------------------------------------------------------------------
@@ -286,66 +311,68 @@ def gloo_worker(rank: int, world: int, port: int) -> None:
     dist.destroy_process_group()
 
 
-def bench_gloo(counts: list[int], samples: int, stream_n: int) -> dict[str, Any]:
-    import torch
-    import torch.distributed as dist
+class GlooBench:
+    """The baseline: gloo ranks 1..N as processes, rank 0 in this process."""
 
-    world = max(counts) + 1
-    port = _free_port()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=gloo_worker, args=(r, world, port), daemon=True)
-             for r in range(1, world)]
-    for p in procs:
-        p.start()
-    results: dict[str, Any] = {}
-    try:
+    def __init__(self, followers: int) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.torch, self.dist = torch, dist
+        self.world = followers + 1
+        port = _free_port()
+        ctx = mp.get_context("spawn")
+        self.procs = [ctx.Process(target=gloo_worker, args=(r, self.world, port), daemon=True)
+                      for r in range(1, self.world)]
+        for p in self.procs:
+            p.start()
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                                world_size=world)
-        obj = decision_dict(make_decision(0))
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        size = torch.tensor([payload.numel()], dtype=torch.int64)
-        ack = torch.zeros(1, dtype=torch.float64)
+                                world_size=self.world)
+        self.obj = decision_dict(make_decision(0))
+        self.size = torch.zeros(1, dtype=torch.int64)
+        self.ack = torch.zeros(1, dtype=torch.float64)
 
-        def send_decision(n: int) -> None:
-            obj["sent_at"] = time.time()
-            data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-            size[0] = data.numel()
+    def _phase(self, n: int, count: int, ack_every: bool) -> None:
+        for r in range(1, self.world):
+            self.dist.send(self.torch.tensor([n, count, int(ack_every)]), dst=r)
+
+    def _send(self, n: int) -> None:
+        self.obj["sent_at"] = time.time()
+        data = self.torch.frombuffer(bytearray(pickle.dumps(self.obj)), dtype=self.torch.uint8)
+        self.size[0] = data.numel()
+        for r in range(1, n + 1):
+            self.dist.send(self.size, dst=r)
+            self.dist.send(data, dst=r)
+
+    def latency(self, n: int, count: int) -> list[float]:
+        self._phase(n, count, True)
+        out = []
+        for _ in range(count):
+            self._send(n)
+            worst = 0.0
             for r in range(1, n + 1):
-                dist.send(size, dst=r)
-                dist.send(data, dst=r)
+                self.dist.recv(self.ack, src=r)
+                worst = max(worst, float(self.ack[0]))
+            out.append(worst)
+        return out
 
-        def phase(n: int, count: int, ack_every: bool) -> None:
-            for r in range(1, world):
-                dist.send(torch.tensor([n, count, int(ack_every)]), dst=r)
+    def throughput(self, n: int, count: int) -> float:
+        self._phase(n, count, False)
+        t0 = time.perf_counter()
+        for _ in range(count):
+            self._send(n)
+        for r in range(1, n + 1):
+            self.dist.recv(self.ack, src=r)
+        return count / (time.perf_counter() - t0)
 
-        for n in counts:
-            phase(n, samples + 20, True)
-            lat = []
-            for i in range(samples + 20):
-                send_decision(n)
-                worst = 0.0
-                for r in range(1, n + 1):
-                    dist.recv(ack, src=r)
-                    worst = max(worst, float(ack[0]))
-                if i >= 20:
-                    lat.append(worst)
-            results[f"lat{n}"] = _stats(lat)
-            if n == 3:
-                phase(3, stream_n, False)
-                t0 = time.perf_counter()
-                for _ in range(stream_n):
-                    send_decision(3)
-                for r in range(1, 4):
-                    dist.recv(ack, src=r)
-                results["tput3"] = stream_n / (time.perf_counter() - t0)
-        phase(0, 0, False)
-        dist.destroy_process_group()
-    finally:
-        for p in procs:
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._phase(0, 0, False)
+            self.dist.destroy_process_group()
+        for p in self.procs:
             p.join(10)
             if p.is_alive():
                 p.kill()
-    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -364,8 +391,35 @@ def main(argv: list[str] | None = None) -> int:
     wire = sum(len(f) for f in encode(Envelope(Op.PUT, GROUP, 1, 1), d))
     emit({"metric": "payload_bytes", "impl": "zmq-curve", "bytes": wire})
     emit({"metric": "payload_bytes", "impl": "gloo-pickle", "bytes": len(pickled_payload(d))})
-    ours = bench_zmq(counts, samples, stream_n)
-    base = bench_gloo(counts, samples, stream_n)
+    ours: dict[str, Any] = {}
+    base: dict[str, Any] = {}
+    rounds = 4
+    zmq_b = ZmqBench(max(counts))
+    gloo_b: GlooBench | None = None
+    try:
+        gloo_b = GlooBench(max(counts))
+        # Alternate short batches of both so background load hits both alike.
+        for n in counts:
+            zmq_b.use(n)
+            zmq_b.latency(10)  # warm-up
+            gloo_b.latency(n, 10)
+            lat_o: list[float] = []
+            lat_b: list[float] = []
+            for i in range(rounds):
+                k = samples // rounds + (1 if i < samples % rounds else 0)
+                if k:
+                    lat_o += zmq_b.latency(k)
+                    lat_b += gloo_b.latency(n, k)
+            ours[f"lat{n}"], base[f"lat{n}"] = _stats(lat_o), _stats(lat_b)
+            if n == 3:
+                per = max(stream_n // rounds, 2)
+                tp_o = [zmq_b.throughput(per) for _ in range(rounds)]
+                tp_b = [gloo_b.throughput(3, max(per // 10, 2)) for _ in range(rounds)]
+                ours["tput3"], base["tput3"] = statistics.median(tp_o), statistics.median(tp_b)
+    finally:
+        zmq_b.close()
+        if gloo_b is not None:
+            gloo_b.close()
     for n in counts:
         emit({"metric": "latency", "impl": "zmq-curve", "followers": n, **ours[f"lat{n}"]})
         emit({"metric": "latency", "impl": "gloo-pickle", "followers": n, **base[f"lat{n}"]})
