@@ -89,7 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line (``demo`` options come from :mod:`node_agent.demo.runner`)."""
     from node_agent.demo.runner import add_demo_arguments
 
-    parser = argparse.ArgumentParser(prog="flexkv-agent", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="flexkv-agent",
+        description="The flexkv node agent: serve a node's KV cache (run), or try it locally "
+                    "(demo).")
     parser.add_argument("--log-level", default=os.environ.get("FLEXKV_LOG_LEVEL", "info"),
                         choices=["debug", "info", "warning", "error"])
     sub = parser.add_subparsers(dest="command", required=True)

@@ -41,19 +41,30 @@ if TYPE_CHECKING:
     from node_agent.demo.workload import WorkloadSpec
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give a count >= 1") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is below 1; give a count >= 1")
+    return value
+
+
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     """The demo's options (defaults finish in well under a minute on 2 cores)."""
-    p.add_argument("--stages", type=int, default=2, help="PP stages (agents), default 2")
-    p.add_argument("--conversations", type=int, default=12)
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--shared-prefixes", type=int, default=2)
-    p.add_argument("--system-tokens", type=int, default=512)
-    p.add_argument("--user-tokens", type=int, default=96)
-    p.add_argument("--reply-tokens", type=int, default=64)
-    p.add_argument("--layers", type=int, default=8, help="layers per PP stage")
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--head-size", type=int, default=64)
-    p.add_argument("--tokens-per-block", type=int, default=16)
+    p.add_argument("--stages", type=_positive, default=2, help="PP stages (agents), default 2")
+    p.add_argument("--conversations", type=_positive, default=12, help="default 12")
+    p.add_argument("--turns", type=_positive, default=4, help="turns per conversation, default 4")
+    p.add_argument("--shared-prefixes", type=_positive, default=2,
+                   help="distinct system prompts the conversations share, default 2")
+    p.add_argument("--system-tokens", type=_positive, default=512, help="default 512")
+    p.add_argument("--user-tokens", type=_positive, default=96, help="per turn, default 96")
+    p.add_argument("--reply-tokens", type=_positive, default=64, help="per turn, default 64")
+    p.add_argument("--layers", type=_positive, default=8, help="layers per PP stage, default 8")
+    p.add_argument("--kv-heads", type=_positive, default=4, help="default 4")
+    p.add_argument("--head-size", type=_positive, default=64, help="default 64")
+    p.add_argument("--tokens-per-block", type=_positive, default=16, help="default 16")
     p.add_argument("--cpu-size", default="128Mi", help="CPU tier size per agent")
     p.add_argument("--timeout", type=float, default=60.0, help="bound on the whole run, seconds")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
