@@ -297,7 +297,8 @@ class Agent:
             view = self.group_views.get(s.key.replica)
             stages.append({
                 "replica": s.key.replica, "ppRank": s.key.pp_rank, "ppSize": s.pp_size,
-                "group": s.group,
+                "group": s.group, "role": conn.get("role"), "epoch": conn.get("epoch"),
+                "seq": conn.get("lastSeq"),
                 "registeredRanks": sorted(s.buffers), "registrations": s.registrations,
                 "connector": conn, "view": view.to_json() if view else None,
             })

@@ -104,6 +104,7 @@ async def test_single_stage_agent_http_surface(work: Path) -> None:
             [stage] = status["stages"]
             assert stage["replica"] == "solo-0" and stage["registeredRanks"] == [0]
             assert stage["connector"]["role"] == "leader"
+            assert (stage["role"], stage["epoch"]) == ("leader", 0) and stage["seq"] >= 1
             assert any("kv_indices" in e["message"] for e in status["recentErrors"])
 
             text = (await ra.get("/metrics")).text
