@@ -15,7 +15,8 @@ chained), the floor any lookup pays. ``cpu_p50_ms`` / ``cpu_p99_ms`` are the
 calling thread's CPU time, which leaves out time the thread waited for a core on
 a shared machine. A ``memory`` row reports index bytes per block from
 ``tracemalloc`` (Python allocations of the index, sampled over a smaller fill) and
-the RSS growth of the big fill divided by blocks (tier bytes subtracted).
+the RSS growth of the big fill divided by blocks (tier bytes and the benchmark's
+own prompt arrays subtracted).
 
 Run: ``python bench/match.py`` (1M blocks, about a minute on 2 cores) or
 ``python bench/match.py --blocks 20000 --iters 50`` for a quick look.
@@ -110,7 +111,8 @@ def main(argv: list[str] | None = None) -> None:
     # Memory per indexed block, Python allocations only, on a smaller fill.
     gc.collect()
     tracemalloc.start()
-    small, _ = fill(min(args.memory_sample_blocks, args.blocks), n, tpb, seed=1)
+    small = fill(min(args.memory_sample_blocks, args.blocks), n, tpb, seed=1)[0]  # prompts freed
+    gc.collect()
     mem_blocks = small.stats().tiers["cpu"].used_blocks
     traced = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
@@ -124,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     fill_s = time.perf_counter() - t0
     rss = _rss_bytes() - rss0
     tier_bytes = b.stats().tiers["cpu"].capacity_bytes
+    prompt_bytes = sum(q.nbytes for q in prompts)  # the benchmark's own copy of the prompts
     full = [q for q in prompts if len(q) == n] or prompts
     rng = np.random.default_rng(2)
     hasher = BlockHasher(tpb)
@@ -156,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
         "bench": "match", "row": "memory", "index_blocks": args.blocks,
         "tracemalloc_bytes_per_block": round(traced / max(1, mem_blocks), 1),
         "tracemalloc_sample_blocks": mem_blocks,
-        "rss_bytes_per_block": round((rss - tier_bytes) / max(1, args.blocks), 1),
+        "rss_bytes_per_block": round((rss - tier_bytes - prompt_bytes) / max(1, args.blocks), 1),
         "fill_seconds": round(fill_s, 2),
     }), flush=True)
     b.shutdown()

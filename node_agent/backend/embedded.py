@@ -24,7 +24,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import cast
 
 import numpy as np
 import torch
@@ -42,11 +41,10 @@ from node_agent.backend.base import (
 )
 from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.hashing import BlockHasher
-from node_agent.backend.index import BlockIndex, Node
+from node_agent.backend.index import BlockIndex, NodeId
 from node_agent.backend.inputs import as_token_ids, mask_span, span_mask
 from node_agent.backend.layout import RegisteredBuffers, register_buffers
 from node_agent.backend.replication import (
-    BlockLocation,
     Direction,
     ReplicatedBackend,
     Tier,
@@ -89,7 +87,7 @@ class EmbeddedBackend(ReplicatedBackend):
         self._ids = itertools.count(1)
         self._tasks: dict[int, Task] = {}
         self._members: dict[int, Task] = {}
-        self._unpublished: dict[int, list[Node]] = {}
+        self._unpublished: dict[int, list[NodeId]] = {}
         self._unlaunched: deque[Task] = deque()
         self._moves: list[TierMove] = []
         self._pending_buffers: dict[int, RegisteredBuffers] = {}
@@ -226,7 +224,7 @@ class EmbeddedBackend(ReplicatedBackend):
             span = nodes[first:last]
             index.touch(nodes[:last])
             index.lock(span)
-            locs = cast(tuple[BlockLocation, ...], tuple([n.loc for n in span]))
+            locs = index.locations(span)
             on_ssd = [loc.tier for loc in locs].count(Tier.SSD)
             self._hits[Tier.SSD] += on_ssd
             self._hits[Tier.CPU] += len(locs) - on_ssd
@@ -283,8 +281,7 @@ class EmbeddedBackend(ReplicatedBackend):
                 Direction.STORE,
                 span_mask(len(tokens), first * tpb, (first + len(created)) * tpb),
                 created,
-                TransferPlan(Direction.STORE,
-                             cast(tuple[BlockLocation, ...], tuple([n.loc for n in created]))),
+                TransferPlan(Direction.STORE, index.locations(created)),
             )
         self._observe_match("put", t0)
         assert task.mask is not None
@@ -512,10 +509,12 @@ class EmbeddedBackend(ReplicatedBackend):
             )
 
     def _new_task_locked(
-        self, direction: Direction, mask: BoolMask, nodes: list[Node], plan: TransferPlan
+        self, direction: Direction, mask: BoolMask, nodes: list[NodeId], plan: TransferPlan
     ) -> Task:
+        assert self._index is not None
         task = Task(next(self._ids), direction, mask, nodes, plan,
-                    deadline=self._clock() + self.config.unlaunched_match_seconds)
+                    deadline=self._clock() + self.config.unlaunched_match_seconds,
+                    epoch=self._index.epoch)
         self._tasks[task.id] = task
         self._unlaunched.append(task)
         self._update_gauges()
@@ -562,7 +561,7 @@ class EmbeddedBackend(ReplicatedBackend):
         task.finished_at = self._clock()
         task.state = TaskState.DONE
         index = self._index
-        if index is not None and task.nodes:
+        if index is not None and task.nodes and task.epoch == index.epoch:
             if not task.is_put:
                 index.unlock(task.nodes)
             elif status is not KVResponseStatus.SUCCESS:

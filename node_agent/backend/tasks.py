@@ -7,7 +7,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from node_agent.backend.base import BoolMask, KVResponse, KVResponseStatus
-from node_agent.backend.index import Node
+from node_agent.backend.index import NodeId
 from node_agent.backend.replication import Direction, TransferPlan
 
 
@@ -23,14 +23,15 @@ class TaskState(enum.Enum):
 class Task:
     """One get, put, or batch of them.
 
-    ``nodes`` are the index nodes the task pins (loaded blocks for a get,
-    pending blocks for a put). A batch has ``members`` and no plan of its own.
+    ``nodes`` are the index node ids the task pins (loaded blocks for a get,
+    pending blocks for a put), valid while the index is in ``epoch``. A batch has
+    ``members`` and no plan of its own.
     """
 
     id: int
     direction: Direction | None
     mask: BoolMask | None
-    nodes: list[Node]
+    nodes: list[NodeId]
     plan: TransferPlan | None
     deadline: float
     state: TaskState = TaskState.MATCHED
@@ -40,6 +41,8 @@ class Task:
     members: list[Task] = field(default_factory=list)
     batch: Task | None = None
     future: Future[None] | None = None
+    epoch: int = 0
+    """The index epoch the nodes belong to; after a reset they are void."""
 
     @property
     def is_put(self) -> bool:

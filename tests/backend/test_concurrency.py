@@ -86,10 +86,8 @@ def test_threads_with_eviction_and_spills_stay_bit_exact(tmp_path: Path) -> None
         assert st.tiers["cpu"].evictions > 0  # the workload did evict
         index = b._index
         assert index is not None
-        for tier in (Tier.CPU, Tier.SSD):
-            held = [n.loc.index for n in index.nodes.values() if n.loc and n.loc.tier is tier]
-            assert len(set(held)) == len(held) <= index.capacity[tier]
-            assert len(held) + len(index.free[tier]) == index.capacity[tier]
-        assert all(n.locks == 0 for n in index.nodes.values())
+        index.check_consistency()
+        assert all(index.used(t) <= index.capacity[t] for t in (Tier.CPU, Tier.SSD))
+        assert index.locked() == 0  # every task released its pins
     finally:
         b.shutdown()

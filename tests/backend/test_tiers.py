@@ -15,11 +15,7 @@ from node_agent.backend.ssd_tier import FILE_NAME
 def _no_orphans(b: EmbeddedBackend) -> None:
     index = b._index
     assert index is not None
-    for n in index.nodes.values():
-        assert n.parent is None or index.nodes.get(n.parent.hash) is n.parent
-        assert n.loc is not None
-    locs = [n.loc for n in index.nodes.values()]
-    assert len(set(locs)) == len(locs)  # no block holds two nodes
+    index.check_consistency()  # parents cached, counts exact, no block held twice or lost
 
 
 def test_evicted_blocks_spill_to_ssd_and_load_back_bit_exact(tmp_path: Path) -> None:
