@@ -186,6 +186,11 @@ class Connector:
                                                 "epoch": view.epoch, "rank": rank})
 
     def _make_leader(self, epoch: int, followers: dict[int, str]) -> LeaderRole:
+        if self._store is not None:
+            # A promoted follower: its store's tiers would double this stage's
+            # memory next to the leader backend's own.
+            _close_store(self._store)
+            self._store = None
         backend = self._backend_factory()
         for r, bufs in self._buffers.items():
             backend.register_kv_buffers(r, bufs)

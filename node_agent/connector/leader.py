@@ -169,7 +169,8 @@ class LeaderRole:
                 moves = self.backend.drain_moves()
             except Exception as exc:
                 self.counters.manager_errors += 1
-                log.exception("put_match failed", extra={"group": self.cfg.group, "rid": rid})
+                log.exception("Leader put_match failed",
+                              extra={"group": self.cfg.group, "rid": rid})
                 if task_id >= 0:
                     self.backend.cancel([task_id])
                 self._refuse(Kind.PUT, rid, n, inp.aligned, f"leader put_match failed: {exc}")
@@ -237,7 +238,8 @@ class LeaderRole:
                     t = next(p for p in pending if p.task_id == tid)
                     t.local, t.error = resp.status, resp.error
             except Exception as exc:
-                log.warning("try_wait failed", extra={"group": self.cfg.group, "error": str(exc)})
+                log.warning("Leader try_wait failed",
+                            extra={"group": self.cfg.group, "error": str(exc)})
         now = time.monotonic()
         for t in pending:
             if t.local is not None and t.acks.done():
@@ -262,8 +264,8 @@ class LeaderRole:
                 try:
                     self.backend.publish(t.task_id)
                 except Exception as exc:
-                    log.warning("publish failed", extra={"group": self.cfg.group, "rid": t.rid,
-                                                         "error": str(exc)})
+                    log.warning("Leader publish failed, discarding",
+                                extra={"group": self.cfg.group, "rid": t.rid, "error": str(exc)})
                     ok = False
             if not ok:
                 self.backend.discard(t.task_id)
@@ -296,7 +298,8 @@ class LeaderRole:
                 moves = self.backend.drain_moves()
             except Exception as exc:
                 self.counters.manager_errors += 1
-                log.exception("get_match failed", extra={"group": self.cfg.group, "rid": rid})
+                log.exception("Leader get_match failed",
+                              extra={"group": self.cfg.group, "rid": rid})
                 if task_id >= 0:
                     self.backend.cancel([task_id])
                 self._refuse(Kind.GET, rid, n, len(tokens), f"leader get_match failed: {exc}")

@@ -27,7 +27,7 @@ from node_agent.backend.stage_store import TierStore
 from node_agent.connector import Connector, ConnectorConfig
 from node_agent.metrics import AgentMetrics
 from node_agent.pp.auth import CurveKeys
-from node_agent.pp.channel import FaultPlan
+from node_agent.pp.channel import FanoutServer, FaultPlan
 from node_agent.pp.group import GroupView, GroupViewSource
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=4, kv_dim=2,
@@ -113,6 +113,7 @@ def make_connector(
     cpu_blocks: int = 64,
     endpoint: str | None = "tcp://127.0.0.1:0",
     metrics: AgentMetrics | None = None,
+    server: FanoutServer | None = None,
     **timeouts: float,
 ) -> Connector:
     """A connector with the real embedded backend (leader) and TierStore (follower)."""
@@ -129,7 +130,7 @@ def make_connector(
         cfg, view,
         backend_factory=lambda: EmbeddedBackend(backend_config(cpu_blocks, True)),
         store_factory=lambda: TierStore(backend_config(cpu_blocks, True)),
-        keys=keys, metrics=metrics,
+        keys=keys, metrics=metrics, server=server,
     )
 
 
