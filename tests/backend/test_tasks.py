@@ -250,3 +250,49 @@ def test_shutdown_cancels_unlaunched_tasks() -> None:
     b.shutdown()
     r = b.wait([tid], timeout=1)[tid]
     assert r.status is S.CANCELLED
+
+
+def test_copy_outliving_a_reset_leaves_the_new_index_alone(monkeypatch: pytest.MonkeyPatch,
+                                                           ) -> None:
+    import node_agent.backend.embedded as embedded
+
+    monkeypatch.setattr(embedded, "DRAIN_SECONDS", 0.2)
+    b, _ = started(config(small_layout(), cpu_blocks=4))
+    release = threading.Event()
+    real_copy = b.store.copy
+
+    def stuck_copy(plan: object, slots: object) -> None:
+        release.wait(10)
+        real_copy(plan, slots)  # type: ignore[arg-type]
+
+    try:
+        b.store.copy = stuck_copy  # type: ignore[method-assign]
+        tid, _ = b.put_match(tokens(2 * TPB, seed=1))
+        [w] = b.launch([tid], [np.arange(2 * TPB, dtype=np.int64)])
+        b.reset()  # gives up waiting after 0.2 s; the copy is still running
+        b.store.copy = real_copy  # type: ignore[method-assign]
+        fresh = tokens(4 * TPB, seed=2)
+        store(b, fresh, np.arange(10, 10 + 4 * TPB, dtype=np.int64))  # reuses the node ids
+        release.set()
+        assert b.wait([w], timeout=5)[w].status is S.CANCELLED
+        index = b._index
+        assert index is not None
+        index.check_consistency()
+        assert index.locked() == 0
+        gid, mask = b.get_match(fresh)
+        assert mask.all()
+        b.cancel([gid])
+    finally:
+        release.set()
+        b.shutdown()
+
+
+def test_consistency_check_names_a_broken_invariant() -> None:
+    from node_agent.backend.index import BlockIndex
+
+    index = BlockIndex(4, 0, 1.0, 1.0)
+    [a, _] = index.add_pending(None, [11, 12], [])
+    index.check_consistency()
+    index._children[a] += 1
+    with pytest.raises(AssertionError, match=r"node 0 counts 2/1 children, has 1/1"):
+        index.check_consistency()
