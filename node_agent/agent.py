@@ -35,9 +35,11 @@ from node_agent.engine_api.service import EngineService, RankRef, Stage
 from node_agent.http.app import create_app
 from node_agent.http.state import RecentErrors, Service
 from node_agent.kube.group_watch import KubeGroupSource
-from node_agent.kube.groups import FileGroupSource, GroupView
+from node_agent.kube.groups import FileGroupSource, GroupMember, GroupView
 from node_agent.kube.heartbeat import LeaseHeartbeat
 from node_agent.metrics import AgentMetrics
+from node_agent.pp.group import GroupView as PPView
+from node_agent.pp.group import GroupViewError, Member
 
 log = logging.getLogger(__name__)
 
@@ -100,9 +102,10 @@ class _EpochWatcher:
 
 
 class Agent:
-    """One node agent. ``stage_builder`` makes a started backend and connector for a
-    newly registered stage; ``kube_api`` (a ``kubernetes.client.ApiClient``)
-    enables the Lease heartbeat and KVCacheGroup views."""
+    """One node agent. ``stage_builder`` makes the started connector of a newly
+    registered stage (:func:`node_agent.engine_api.stages.default_stage_builder`);
+    ``kube_api`` (a ``kubernetes.client.ApiClient``) enables the Lease heartbeat and
+    the KVCacheGroup views; ``config_path`` enables re-reading ``cacheEpoch``."""
 
     def __init__(self, cfg: AgentConfig, stage_builder: StageBuilder,
                  metrics: AgentMetrics | None = None, kube_api: Any = None,
@@ -114,7 +117,6 @@ class Agent:
         self.started_at = time.time()
         self.group_views: dict[str, GroupView] = {}
         self._builder = stage_builder
-        self._group_listeners: list[Callable[[dict[str, GroupView]], None]] = []
         self.service = EngineService(self._build_stage, cfg.tokens_per_block, status=self.status,
                                      stale_after=cfg.heartbeat.lease_duration_seconds,
                                      on_stage=self.attach_stage)
@@ -156,10 +158,8 @@ class Agent:
     def _push_view(self, stage: Stage, view: GroupView) -> None:
         if stage.pp_size == 1 or stage.views is None:
             return
-        from node_agent.pp.group import GroupView as PPView
-        from node_agent.pp.group import GroupViewError, Member
 
-        def member(m: Any) -> Member:
+        def member(m: GroupMember) -> Member:
             return Member(node=m.node, pp_rank=m.pp_rank, fanout_endpoint=m.fanout_endpoint,
                           ready=m.ready)
 
@@ -172,24 +172,12 @@ class Agent:
             log.warning("Group view refused", extra={"group": stage.group, "error": str(exc)})
             self.errors.record("group_view", f"{stage.group}: {exc}")
 
-    def subscribe_groups(self, listener: Callable[[dict[str, GroupView]], None]) -> None:
-        """Call ``listener`` with every new set of group views (and the current one)."""
-        self._group_listeners.append(listener)
-        if self.group_views:
-            listener(self.group_views)
-
     def _on_views(self, views: dict[str, GroupView]) -> None:
         self.group_views = views
         for stage in list(self.service.stages.values()):
             view = views.get(stage.key.replica)
             if view is not None:
                 self._push_view(stage, view)
-        for listener in list(self._group_listeners):
-            try:
-                listener(views)
-            except Exception as exc:
-                log.exception("Group view listener failed")
-                self.errors.record("group_view", f"listener failed: {exc}")
 
     def flush(self, epoch: int) -> None:
         """Apply a new ``cacheEpoch``: reset every stage's connector (drops all tiers)."""
