@@ -14,7 +14,9 @@ through :class:`node_agent.client.EngineClient` and then measures
   GB/s; baseline: the plain ``copy_`` of the same bytes back into the planes;
 * ``lookup``: p50/p99 of a fully hit ``lookup`` + ``release`` through the
   socket; baseline: the same calls on an in-process connector holding the same
-  blocks (what the engine would pay with the connector linked in).
+  blocks (what the engine would pay with the connector linked in);
+* ``ping``: p50/p99 of the agent's ``ping`` (transport, decoding, the worker
+  thread hop); baseline: a bare pyzmq DEALER/ROUTER echo on an ipc socket.
 
 Ratios are ours / baseline for bandwidth (higher is better) and baseline / ours
 for latency (the share of the socket round trip's cost; higher is better).
@@ -50,6 +52,7 @@ from node_agent.backend.layout import KVDtype, KVLayout
 from node_agent.backend.stage_store import TierStore
 from node_agent.client import EngineClient, RankInfo, SharedKVBuffers
 from node_agent.connector import Connector, ConnectorConfig
+from node_agent.engine_api import protocol
 from node_agent.pp.group import GroupView, GroupViewSource, Member
 
 
@@ -210,6 +213,50 @@ def bench_lookup(client: EngineClient, bufs: SharedKVBuffers, layout: KVLayout,
              ratio=round(b / o, 3))
 
 
+def bench_ping(client: EngineClient, work: Path, samples: int) -> None:
+    """Transport alone: the agent's ``ping`` vs a bare pyzmq echo on an ipc socket."""
+    import threading
+
+    import zmq
+
+    ours = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        client.ping()
+        ours.append(time.perf_counter() - t0)
+    ctx = zmq.Context()
+    endpoint = f"ipc://{work / 'echo.sock'}"
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(endpoint)
+    stop = threading.Event()
+
+    def echo() -> None:
+        while not stop.is_set():
+            if router.poll(100):
+                router.send_multipart(router.recv_multipart())
+
+    t = threading.Thread(target=echo, daemon=True)
+    t.start()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(endpoint)
+    base = []
+    msg = protocol.encode_request(1, "ping")
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        dealer.send_multipart(msg)
+        dealer.recv_multipart()
+        base.append(time.perf_counter() - t0)
+    stop.set()
+    t.join(timeout=2)
+    dealer.close(0)
+    router.close(0)
+    ctx.term()
+    for q in (50, 99):
+        o, b = pct(ours, q) * 1e3, pct(base, q) * 1e3
+        emit(bench="engine_api_ping", percentile=f"p{q}", samples=samples, ms=round(o, 4),
+             baseline="bare_pyzmq_echo_ipc", baseline_ms=round(b, 4), ratio=round(b / o, 3))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smoke run (seconds)")
@@ -230,6 +277,7 @@ def main() -> int:
             planes.copy_(torch.randn(planes.shape).to(planes.dtype))
         bench_bandwidth(client, bufs, layout, tokens, rounds)
         bench_lookup(client, bufs, layout, cpu_bytes, tokens, samples)
+        bench_ping(client, work, samples)
     finally:
         client.close()
         bufs.close()
