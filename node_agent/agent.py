@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -46,11 +47,15 @@ log = logging.getLogger(__name__)
 StageBuilder = Callable[["Agent", RankRef, KVLayout], Stage]
 
 
+_INVALID_NAME = re.compile(r"[^a-z0-9-]+")
+
+
 def group_name(pool: str, replica: str) -> str:
-    """The KVCacheGroup name of a replica: ``<pool>-<replica>``, lowercased, with
-    characters other than ``[a-z0-9-.]`` replaced by ``-`` (docs/contracts.md section 3)."""
-    raw = f"{pool}-{replica}".lower()
-    return "".join(c if c.isalnum() or c in "-." else "-" for c in raw).strip("-.")
+    """The KVCacheGroup name of a replica (docs/contracts.md section 3), by the
+    operator's rule: ``<pool>-<replica>`` lowercased, every run of characters
+    outside ``[a-z0-9-]`` replaced by ``-``, trimmed, at most 253 characters."""
+    raw = _INVALID_NAME.sub("-", f"{pool}-{replica}".lower()).strip("-")
+    return raw[:253].rstrip("-") or "group"
 
 
 class _Stages:

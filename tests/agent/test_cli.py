@@ -38,3 +38,11 @@ def test_parser_requires_a_config_for_run() -> None:
         build_parser().parse_args(["run"])
     args = build_parser().parse_args(["run", "--config", "a.yaml"])
     assert (args.command, args.config) == ("run", "a.yaml")
+
+
+def test_group_names_follow_the_operators_rule() -> None:
+    from node_agent.agent import group_name
+
+    assert group_name("my-pool", "Llama_70B.0") == "my-pool-llama-70b-0"
+    assert group_name("p", "--x--") == "p-x"
+    assert len(group_name("p", "a" * 400)) == 253
