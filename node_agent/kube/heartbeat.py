@@ -16,6 +16,7 @@ import contextlib
 import datetime as dt
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -73,6 +74,7 @@ class LeaseHeartbeat:
             "fanout": f"tcp://{cfg.advertise_address}:{cfg.ports.fanout}",
         }
         self._rv: str | None = None
+        self._renew_lock = threading.Lock()
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
         self.last_renewed: float | None = None  # time.monotonic()
@@ -145,7 +147,12 @@ class LeaseHeartbeat:
         return True
 
     def renew_once(self, ready_override: bool | None = None) -> None:
-        """One renewal (blocking): create, patch, or re-read and patch after a conflict."""
+        """One renewal (blocking): create, patch, or re-read and patch after a conflict.
+        Renewals are serialised: one abandoned by a timeout may still be running."""
+        with self._renew_lock:
+            self._renew(ready_override)
+
+    def _renew(self, ready_override: bool | None) -> None:
         for _ in range(3):
             if self._rv is None and not self._read():
                 try:
