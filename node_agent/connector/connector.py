@@ -33,7 +33,7 @@ from node_agent.metrics import AgentMetrics
 from node_agent.pp.auth import CurveKeys
 from node_agent.pp.channel import FanoutServer
 from node_agent.pp.group import GroupView, GroupViewSource
-from node_agent.pp.messages import Message
+from node_agent.pp.messages import Message, Op
 from node_agent.pp.stream import StreamMetrics
 
 log = logging.getLogger(__name__)
@@ -133,10 +133,15 @@ class Connector:
     def _dispatch(self, msg: Message) -> None:
         role = self._role
         if role is None:
-            # No role yet (or no leader): a message of a newer epoch than our view
-            # came early; anything else is from an old epoch.
-            newer = msg.env.epoch > self._view.view.epoch
-            self._stats.drop("future_epoch" if newer else "stale_epoch")
+            # No role yet, or none in this view. Heartbeats carry nothing to
+            # lose; anything else is counted like a drop by an unsynced follower.
+            epoch = self._view.view.epoch
+            if msg.env.epoch < epoch:
+                self._stats.drop("stale_epoch")
+            elif msg.env.epoch > epoch:
+                self._stats.drop("future_epoch")
+            elif msg.env.op is not Op.HEARTBEAT:
+                self._stats.drop("gap")
             return
         role.handle(msg)
 

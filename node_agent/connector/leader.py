@@ -226,7 +226,10 @@ class LeaderRole:
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
-            self._reap(pending)
+            try:
+                self._reap(pending)
+            except Exception:  # keep finishing the other puts; the deadline still holds
+                log.exception("Leader reaper step failed", extra={"group": self.cfg.group})
             self._wake.wait(0.002)
             self._wake.clear()
 
