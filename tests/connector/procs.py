@@ -11,7 +11,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from node_agent.pp.auth import CurveKeys
-from tests.connector.harness import group_status, stage_main
+
+from .harness import group_status, stage_main
 
 CALL_TIMEOUT = 20.0
 
@@ -20,7 +21,7 @@ def _context() -> mp.context.BaseContext:
     """A forkserver that imported the harness (torch included) once: each stage
     starts by a fork of a thread-free process, in a fraction of a second."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["tests.connector.harness"])
+    ctx.set_forkserver_preload([stage_main.__module__])
     return ctx
 
 

@@ -26,8 +26,9 @@ import numpy as np
 import pytest
 
 from node_agent.pp.auth import CurveKeys
-from tests.connector.harness import LAYOUT, NUM_SLOTS, kv_content
-from tests.connector.procs import Group
+
+from .harness import LAYOUT, NUM_SLOTS, kv_content
+from .procs import Group
 
 pytestmark = pytest.mark.slow
 TPB = LAYOUT.tokens_per_block

@@ -15,7 +15,8 @@ from node_agent.connector import Connector
 from node_agent.pp.auth import CurveKeys
 from node_agent.pp.channel import FanoutServer
 from node_agent.pp.group import GroupView, GroupViewSource
-from tests.connector.harness import (
+
+from .harness import (
     LAYOUT,
     group_status,
     kv_content,

@@ -13,7 +13,8 @@ import torch
 from node_agent.connector import Connector, UnknownRequestError
 from node_agent.metrics import AgentMetrics
 from node_agent.pp.group import GroupView, GroupViewSource
-from tests.connector.harness import (
+
+from .harness import (
     GROUP,
     LAYOUT,
     group_status,
