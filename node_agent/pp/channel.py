@@ -251,7 +251,10 @@ class Sender:
             batches = [frames] if self.faults is None else self.faults.mangle(frames)
             for f in batches:
                 try:
-                    self._sock.send_multipart(f, flags=zmq.NOBLOCK, copy=len(f[-1]) < 65536)
+                    if len(f) == 1:
+                        self._sock.send(f[0], flags=zmq.NOBLOCK, copy=len(f[0]) < 65536)
+                    else:
+                        self._sock.send_multipart(f, flags=zmq.NOBLOCK)
                 except zmq.Again:
                     self.full += 1
                     return False
