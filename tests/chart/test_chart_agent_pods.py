@@ -97,7 +97,7 @@ def test_agent_pods_use_the_charts_account_image_labels_and_port(
         assert len(bound) == 1, bound
         role = render.one("Role", bound[0], namespace)
         assert {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
-                "verbs": ["create", "get", "update", "patch"]} in role["rules"]
+                "verbs": ["create", "get", "patch"]} in role["rules"]
         (container,) = pod["containers"]
         wanted_image = pool["spec"].get("agent", {}).get("image") or (
             _operator_env(render)["FLEXKV_AGENT_IMAGE"]

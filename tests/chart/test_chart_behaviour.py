@@ -41,11 +41,13 @@ OPERATOR_RULES = [
 OPERATOR_CLUSTER_RULES = [
     {"apiGroups": [""], "resources": ["nodes"], "verbs": ["list"]},
 ]
+# The agents' permissions: exactly the calls node_agent/kube makes
+# (test_chart_agent_rbac.py derives them from the code).
 AGENT_RULES = [
     {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
-     "verbs": ["create", "get", "update", "patch"]},
+     "verbs": ["create", "get", "patch"]},
     {"apiGroups": ["flexkv.io"], "resources": ["kvcachegroups"],
-     "verbs": ["get", "list", "watch"]},
+     "verbs": ["list", "watch"]},
 ]
 
 
