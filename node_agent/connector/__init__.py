@@ -6,13 +6,12 @@ The group leader decides; followers execute its physical plans (docs/pp.md).
 
 from node_agent.connector.config import ConnectorConfig
 from node_agent.connector.connector import BackendFactory, Connector, StoreFactory
-from node_agent.connector.errors import NoLeaderError, UnknownRequestError
+from node_agent.connector.errors import UnknownRequestError
 
 __all__ = [
     "BackendFactory",
     "Connector",
     "ConnectorConfig",
-    "NoLeaderError",
     "StoreFactory",
     "UnknownRequestError",
 ]

@@ -14,6 +14,3 @@ class UnknownRequestError(KeyError):
     def __str__(self) -> str:
         return self.message
 
-
-class NoLeaderError(RuntimeError):
-    """The group has no leader in the current view, so nothing can be decided."""
