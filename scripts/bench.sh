@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# `make bench`: run every benchmark in bench/ and collect their JSON lines in
+# out/bench.jsonl (one object per result; each carries its own baseline ratio).
+# Arguments are passed to every benchmark (for example --quick).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/bootstrap.sh
+# shellcheck disable=SC1091
+. .venv/bin/activate
+mkdir -p out
+: > out/bench.jsonl
+for b in transfer match fanout engine_api operator; do
+  echo "== bench/$b.py $*" >&2
+  python "bench/$b.py" "$@" | tee -a out/bench.jsonl
+done
+echo "Results in out/bench.jsonl" >&2
