@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from flexkv_operator import names
+from flexkv_operator import agent_pod, names
 from flexkv_operator.spec import PoolConfig
 
 ANNOTATION_SPEC_HASH = "flexkv.io/spec-hash"
@@ -145,26 +145,22 @@ def render_daemon_set(
                 "prometheus.io/path": "/metrics",
             }
         )
+    host = agent_pod.host_dirs(config)
+    scratch, scratch_mount = agent_pod.scratch_volume()
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": names.config_map_name(pool.name)}},
         {"name": "curve", "secret": {"secretName": names.curve_secret_name(pool.name)}},
-        {
-            "name": "engine-socket",
-            "hostPath": {"path": names.ENGINE_SOCKET_DIR, "type": "DirectoryOrCreate"},
-        },
+        scratch,
+        *host.volumes,
     ]
     # The ConfigMap is mounted as a directory (never subPath) so that a cacheEpoch
     # bump reaches running agents without a restart.
     mounts: list[dict[str, Any]] = [
         {"name": "config", "mountPath": names.CONFIG_MOUNT, "readOnly": True},
         {"name": "curve", "mountPath": names.CURVE_MOUNT, "readOnly": True},
-        {"name": "engine-socket", "mountPath": names.ENGINE_SOCKET_DIR},
+        scratch_mount,
+        *host.mounts,
     ]
-    for i, path in enumerate(config.ssd_paths):
-        volumes.append(
-            {"name": f"ssd-{i}", "hostPath": {"path": path, "type": "DirectoryOrCreate"}}
-        )
-        mounts.append({"name": f"ssd-{i}", "mountPath": path})
 
     def field_env(name: str, path: str) -> dict[str, Any]:
         return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
@@ -188,12 +184,15 @@ def render_daemon_set(
         "livenessProbe": _probe("/healthz", 10, 3),
         "readinessProbe": _probe("/readyz", config.timings.retry_period, 3),
         "resources": dict(agent.get("resources") or {}),
+        "securityContext": agent_pod.agent_security_context(config),
         "volumeMounts": mounts,
     }
     pod_spec: dict[str, Any] = {
         "serviceAccountName": service_account,
         "hostIPC": True,  # CUDA IPC handles between engine pods and the agent
         "terminationGracePeriodSeconds": 30,
+        "securityContext": agent_pod.pod_security_context(),
+        "initContainers": [agent_pod.chown_init_container(config, host)],
         "containers": [container],
         "volumes": volumes,
         "nodeSelector": placement.get("nodeSelector") or None,

@@ -13,6 +13,7 @@ from typing import Any
 
 from flexkv_operator import crds
 from flexkv_operator.defaults import apply_defaults
+from flexkv_operator.host_paths import ssd_path_problem
 from flexkv_operator.quantity import parse_bytes
 
 
@@ -58,6 +59,8 @@ class PoolConfig:
     cache_epoch: int
     expected_ranks: int
     image: str
+    agent_user: int
+    agent_group: int
     placement: dict[str, Any] = field(default_factory=dict)
 
 
@@ -114,6 +117,11 @@ def parse_pool_spec(spec: dict[str, Any] | None, default_image: str) -> PoolConf
             )
         elif len(set(paths)) != len(paths):
             problems.append(ConfigProblem("tiers.ssd.paths", f"{paths!r} lists a path twice"))
+        else:
+            for i, path in enumerate(paths):
+                problem = ssd_path_problem(path)
+                if problem:
+                    problems.append(ConfigProblem(f"tiers.ssd.paths[{i}]", problem))
         ssd_paths = tuple(str(p) for p in paths)
 
     eviction = raw.get("eviction") or {}
@@ -173,6 +181,22 @@ def parse_pool_spec(spec: dict[str, Any] | None, default_image: str) -> PoolConf
             )
         )
 
+    context = (raw.get("agent") or {}).get("securityContext") or {}
+    ids: dict[str, int] = {}
+    for key in ("runAsUser", "runAsGroup"):
+        # The CRD default (the image's user) is filled in by apply_defaults above.
+        value = context.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value < 2**31:
+            problems.append(
+                ConfigProblem(
+                    f"agent.securityContext.{key}",
+                    f"{value!r} must be a non-root id in 1..2147483647 matching the agent "
+                    "image's user; leave it out for the project image's default",
+                )
+            )
+            continue
+        ids[key] = value
+
     if problems:
         raise ConfigInvalid(problems)
     return PoolConfig(
@@ -188,5 +212,7 @@ def parse_pool_spec(spec: dict[str, Any] | None, default_image: str) -> PoolConf
         cache_epoch=int(epoch),
         expected_ranks=int(ranks),
         image=str(image),
+        agent_user=ids["runAsUser"],
+        agent_group=ids["runAsGroup"],
         placement=dict(raw.get("placement") or {}),
     )

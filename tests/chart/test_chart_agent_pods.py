@@ -18,6 +18,7 @@ names = pytest.importorskip("flexkv_operator.names", reason="operator not import
 spec_module = pytest.importorskip("flexkv_operator.spec", reason="operator not importable")
 
 ENGINE_SOCKET_DIR = "/var/run/flexkv"
+SHM_HOST_DIR = "/dev/shm/flexkv"
 
 
 def _without_nulls(value: Any) -> Any:
@@ -120,9 +121,19 @@ def test_agent_host_access_is_exactly_what_the_docs_explain(renders: dict[str, R
         assert not pod.get("hostNetwork") and not pod.get("hostPID")
         host_paths = {v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
         ssd = set(pool["spec"]["tiers"].get("ssd", {}).get("paths", []))
-        assert host_paths == {ENGINE_SOCKET_DIR} | ssd
-        for container in pod["containers"]:
-            context = container.get("securityContext", {})
-            assert not context.get("privileged")
-            assert not context.get("capabilities", {}).get("add")
-            assert context.get("runAsUser", 10001) != 0
+        assert host_paths == {ENGINE_SOCKET_DIR, SHM_HOST_DIR} | ssd
+        (agent,) = pod["containers"]
+        context = agent["securityContext"]
+        assert context["runAsNonRoot"] is True and context["runAsUser"] != 0
+        assert context["capabilities"] == {"drop": ["ALL"]}
+        assert context["allowPrivilegeEscalation"] is False
+        # The one root step: chown of the host directories, with CHOWN and nothing else.
+        (init,) = pod["initContainers"]
+        init_context = init["securityContext"]
+        assert init["command"][:2] == ["chown", "--"]
+        assert init_context["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+        assert init_context["allowPrivilegeEscalation"] is False
+        assert {m["name"] for m in init["volumeMounts"]} == {
+            v["name"] for v in pod["volumes"] if "hostPath" in v}
+        for container in (init, agent):
+            assert not container["securityContext"].get("privileged")

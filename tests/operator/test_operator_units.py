@@ -202,7 +202,7 @@ def test_daemon_set_carries_the_agent_contract() -> None:
     assert pod["hostIPC"] is True and pod["serviceAccountName"] == "sa-x"
     assert pod["nodeSelector"] == {"gpu": "yes"} and pod["tolerations"] == [{"operator": "Exists"}]
     host_paths = {v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
-    assert host_paths == {"/var/run/flexkv", "/mnt/a"}
+    assert host_paths == {"/var/run/flexkv", "/dev/shm/flexkv", "/mnt/a"}
     assert ds["spec"]["updateStrategy"] == {
         "type": "RollingUpdate",
         "rollingUpdate": {"maxUnavailable": 1},
