@@ -41,7 +41,7 @@ from node_agent.backend.base import (
 )
 from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.hashing import BlockHasher
-from node_agent.backend.index import BlockIndex, NodeId
+from node_agent.backend.index import NO_NODES, BlockIndex, NodeIds
 from node_agent.backend.inputs import as_token_ids, mask_span, span_mask
 from node_agent.backend.layout import RegisteredBuffers, register_buffers
 from node_agent.backend.replication import (
@@ -87,7 +87,7 @@ class EmbeddedBackend(ReplicatedBackend):
         self._ids = itertools.count(1)
         self._tasks: dict[int, Task] = {}
         self._members: dict[int, Task] = {}
-        self._unpublished: dict[int, list[NodeId]] = {}
+        self._unpublished: dict[int, list[NodeIds]] = {}
         self._unlaunched: deque[Task] = deque()
         self._moves: list[TierMove] = []
         self._pending_buffers: dict[int, RegisteredBuffers] = {}
@@ -225,7 +225,7 @@ class EmbeddedBackend(ReplicatedBackend):
             index.touch(nodes[:last])
             index.lock(span)
             locs = index.locations(span)
-            on_ssd = [loc.tier for loc in locs].count(Tier.SSD)
+            on_ssd = index.ssd_blocks(span)
             self._hits[Tier.SSD] += on_ssd
             self._hits[Tier.CPU] += len(locs) - on_ssd
             if self._metrics is not None:
@@ -267,11 +267,11 @@ class EmbeddedBackend(ReplicatedBackend):
                 return nothing
             self._check_capacity_locked()
             moves: list[TierMove] = []
-            parent = prefix[first - 1] if first else None
+            parent = int(prefix[first - 1]) if first else None
             created = index.add_pending(parent, hashes[first:last], moves)
             index.enforce_watermarks(moves)
             self._record_moves_locked(moves)
-            if not created:
+            if not len(created):
                 log.warning("CPU tier has no evictable block; put skipped",
                             extra={"cpu_blocks": index.capacity[Tier.CPU],
                                    "blocks_wanted": last - first})
@@ -340,7 +340,7 @@ class EmbeddedBackend(ReplicatedBackend):
             # Validated: nothing can fail from here on, so every task launches.
             out = ids
             if as_batch and len(tasks) > 1:
-                batch = Task(next(self._ids), None, None, [], None, deadline=0.0,
+                batch = Task(next(self._ids), None, None, NO_NODES, None, deadline=0.0,
                              state=TaskState.LAUNCHED, members=tasks)
                 for t in tasks:
                     del self._tasks[t.id]
@@ -440,15 +440,16 @@ class EmbeddedBackend(ReplicatedBackend):
                     "already published or discarded)"
                 )
             index = self._require_started()
-            index.publish(nodes)
+            done = np.concatenate(nodes)
+            index.publish(done)
             if self._metrics is not None:
-                self._metrics.stored_tokens.inc(len(nodes) * self.tokens_per_block)
+                self._metrics.stored_tokens.inc(len(done) * self.tokens_per_block)
 
     def discard(self, task_id: int) -> None:
         with self._lock:
             nodes = self._unpublished.pop(task_id, None)
             if nodes and self._index is not None:
-                self._index.remove_pending(nodes)
+                self._index.remove_pending(np.concatenate(nodes))
                 self._update_gauges()
 
     # -- stats ---------------------------------------------------------------
@@ -509,7 +510,7 @@ class EmbeddedBackend(ReplicatedBackend):
             )
 
     def _new_task_locked(
-        self, direction: Direction, mask: BoolMask, nodes: list[NodeId], plan: TransferPlan
+        self, direction: Direction, mask: BoolMask, nodes: NodeIds, plan: TransferPlan
     ) -> Task:
         assert self._index is not None
         task = Task(next(self._ids), direction, mask, nodes, plan,
@@ -561,14 +562,14 @@ class EmbeddedBackend(ReplicatedBackend):
         task.finished_at = self._clock()
         task.state = TaskState.DONE
         index = self._index
-        if index is not None and task.nodes and task.epoch == index.epoch:
+        if index is not None and len(task.nodes) and task.epoch == index.epoch:
             if not task.is_put:
                 index.unlock(task.nodes)
             elif status is not KVResponseStatus.SUCCESS:
                 index.remove_pending(task.nodes)
             elif self.config.deferred_visibility:
                 key = task.batch.id if task.batch is not None else task.id
-                self._unpublished.setdefault(key, []).extend(task.nodes)
+                self._unpublished.setdefault(key, []).append(task.nodes)
             else:
                 index.publish(task.nodes)
                 if self._metrics is not None:

@@ -24,14 +24,16 @@ so the index never points at bytes that were not written. Every decision is
 returned as a :class:`~.replication.TierMove` (already executed locally) for the
 caller to record and, on a PP leader, to fan out before any later plan.
 
-Representation: nodes are integer ids into parallel lists of ints (and
-``bytearray`` flags), and the hash map holds ints only. No per-block object is
-tracked by the cyclic garbage collector (ints are not; the few lists are walked
-quickly), and a node costs a few list slots instead of an object. Lists rather
-than ``array.array`` because reading a list slot does not box a new int.
-Node ids are recycled; each reuse bumps the id's generation. :attr:`epoch`
-changes when :meth:`clear` forgets everything, so holders of ids from before a
-flush can tell.
+Representation (struct of arrays): a node is an integer id into numpy arrays
+(parent, child counts, tier, block, pins, visibility, LRU tick, generation), one
+slot per tier block, preallocated. The hash map is a ``dict`` of ints (untracked
+by the garbage collector), and each id's hash sits in one list slot (the same
+int object as the dict key). The per-prompt operations (match, touch, lock,
+unlock, publish, reserving a run of new blocks, removing a pending run) are
+vectorised over the whole prompt; the per-block eviction path reads and writes
+the same arrays through ``memoryview``s, which return plain ints. Node ids are
+recycled; each reuse bumps the id's generation. :attr:`epoch` changes when
+:meth:`clear` forgets everything, so holders of ids from before a flush can tell.
 
 Candidates live in lazy heaps of ``(tick, seq, id, generation)``; an entry whose
 node changed or was recycled since is skipped when popped, and heaps are rebuilt
@@ -45,23 +47,37 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from itertools import repeat
+from operator import itemgetter
 
+import numpy as np
+import numpy.typing as npt
+
+from node_agent.backend.block_ring import BlockRing
 from node_agent.backend.replication import BlockLocation, Tier, TierMove
 
 log = logging.getLogger(__name__)
 
 #: A node id: an index into the index's per-node arrays.
 NodeId = int
+#: Node ids of a prefix chain, in chain order (root side first).
+NodeIds = npt.NDArray[np.int64]
 
 _CPU, _SSD = 0, 1
 _TIER_OF = (Tier.CPU, Tier.SSD)
 _Entry = tuple[int, int, int, int]
+#: No nodes (read-only).
+NO_NODES: NodeIds = np.empty(0, dtype=np.int64)
+NO_NODES.flags.writeable = False
+_EMPTY = NO_NODES
 
 
-def _zeros(n: int) -> list[int]:
-    return [0] * n
+def as_node_ids(nodes: NodeIds | Iterable[NodeId]) -> NodeIds:
+    """``nodes`` as a 1-D int64 array (no copy when it already is one)."""
+    if isinstance(nodes, np.ndarray):
+        return nodes.astype(np.int64, copy=False)
+    return np.fromiter(nodes, dtype=np.int64)
 
 
 class BlockIndex:
@@ -82,32 +98,47 @@ class BlockIndex:
         self.spill_failures = 0
         self.evictions = {Tier.CPU: 0, Tier.SSD: 0}
         self.epoch = 0
-        # One BlockLocation per physical block, made on first use and reused:
-        # constructing a frozen dataclass costs microseconds on the match path.
-        self._locs: dict[Tier, list[BlockLocation | None]] = {
-            Tier.CPU: [None] * cpu_blocks, Tier.SSD: [None] * ssd_blocks,
-        }
+        n = cpu_blocks + ssd_blocks
+        self._n = n
+        # One BlockLocation per physical block (CPU blocks, then SSD blocks), made on
+        # first use and reused: building a frozen dataclass costs about a microsecond,
+        # too much per block of a 2048-block plan. ``_made`` says which exist.
+        self._locs: list[BlockLocation | None] = [None] * n
+        self._made = np.zeros(n, dtype=np.bool_)
         self._seq = itertools.count()
-        self._gen = _zeros(cpu_blocks + ssd_blocks)  # survives clear(): ids stay unique
+        self._gen = np.zeros(n, dtype=np.int64)  # survives clear(): ids stay unique
+        self._gen_v = self._gen.data
         self._reset_state()
 
     def _reset_state(self) -> None:
-        n = self.capacity[Tier.CPU] + self.capacity[Tier.SSD]
+        n = self._n
         self.nodes: dict[int, NodeId] = {}
-        self.free: dict[Tier, deque[int]] = {
-            Tier.CPU: deque(range(self.capacity[Tier.CPU])),
-            Tier.SSD: deque(range(self.capacity[Tier.SSD])),
+        self.free: dict[Tier, BlockRing] = {
+            Tier.CPU: BlockRing(self.capacity[Tier.CPU]),
+            Tier.SSD: BlockRing(self.capacity[Tier.SSD]),
         }
-        self._free_ids = list(range(n - 1, -1, -1))
+        # A stack of unused ids; the top is at the end, id 0 on top.
+        self._free_ids: NodeIds = np.arange(n - 1, -1, -1, dtype=np.int64)
+        self._free_ids_v = self._free_ids.data
+        self._nfree_ids = n
         self._hash: list[int] = [0] * n
-        self._parent = [-1] * n
-        self._children = _zeros(n)
-        self._cpu_children = _zeros(n)
-        self._tier = bytearray(n)
-        self._block = _zeros(n)
-        self._locks = _zeros(n)
-        self._visible = bytearray(n)
-        self._tick = _zeros(n)
+        self._parent = np.full(n, -1, dtype=np.int32)
+        self._children = np.zeros(n, dtype=np.int32)
+        self._cpu_children = np.zeros(n, dtype=np.int32)
+        self._tier = np.zeros(n, dtype=np.uint8)
+        self._block = np.zeros(n, dtype=np.int32)
+        self._locks = np.zeros(n, dtype=np.int32)
+        self._visible = np.zeros(n, dtype=np.uint8)
+        self._tick = np.zeros(n, dtype=np.int64)
+        # Scalar access for the per-block paths (eviction, removal, heap checks).
+        self._parent_v = self._parent.data
+        self._children_v = self._children.data
+        self._cpu_children_v = self._cpu_children.data
+        self._tier_v = self._tier.data
+        self._block_v = self._block.data
+        self._locks_v = self._locks.data
+        self._visible_v = self._visible.data
+        self._tick_v = self._tick.data
         self._clock = 0
         self._spill: list[_Entry] = []
         self._drop_cpu: list[_Entry] = []
@@ -120,121 +151,186 @@ class BlockIndex:
         """Blocks of ``tier`` holding a node (visible or pending)."""
         return self.capacity[tier] - len(self.free[tier])
 
-    def match(self, hashes: Sequence[int]) -> list[NodeId]:
+    def match(self, hashes: Sequence[int]) -> NodeIds:
         """The visible nodes of the longest cached prefix of ``hashes``.
 
         A node is accepted only if its parent is the previous node, so a hash
         collision with a block of another chain ends the match instead of
-        splicing two chains.
+        splicing two chains. Every hash is looked up and checked at once; the
+        answer is the run before the first failure, so it does not rely on
+        cached prefixes being contiguous.
         """
-        out: list[NodeId] = []
-        prev = -1
-        get, visible, parent = self.nodes.get, self._visible, self._parent
-        for h in hashes:
-            i = get(h)
-            if i is None or not visible[i] or parent[i] != prev:
-                break
-            out.append(i)
-            prev = i
-        return out
+        n = len(hashes)
+        get = self.nodes.get
+        if not n or get(hashes[0]) is None:
+            return _EMPTY
+        ids = np.fromiter(map(get, hashes, repeat(-1)), dtype=np.int64, count=n)
+        safe = np.maximum(ids, 0)
+        ok = (ids >= 0) & (self._visible.take(safe) != 0)
+        parent = self._parent.take(safe)
+        ok[0] &= parent[0] == -1
+        ok[1:] &= parent[1:] == ids[:-1]
+        k = n if ok.all() else int(ok.argmin())
+        return ids[:k]
 
     def location(self, node: NodeId) -> BlockLocation:
         """Where ``node``'s block lives."""
-        return self._location(_TIER_OF[self._tier[node]], self._block[node])
+        return self._location(self._tier_v[node] * self.capacity[Tier.CPU] + self._block_v[node])
 
-    def locations(self, nodes: Iterable[NodeId]) -> tuple[BlockLocation, ...]:
+    def locations(self, nodes: NodeIds | Iterable[NodeId]) -> tuple[BlockLocation, ...]:
         """Where each of ``nodes`` lives, in order."""
-        tier, block, loc = self._tier, self._block, self._location
-        return tuple([loc(_TIER_OF[tier[i]], block[i]) for i in nodes])
+        ids = as_node_ids(nodes)
+        if not len(ids):
+            return ()
+        flat = self._block.take(ids).astype(np.int64)
+        tiers = self._tier.take(ids)
+        if tiers.any():
+            flat += tiers.astype(np.int64) * self.capacity[Tier.CPU]
+        if not self._made.take(flat).all():
+            for k in flat.tolist():
+                self._location(k)
+        keys = flat.tolist()
+        if len(keys) == 1:
+            loc = self._locs[keys[0]]
+            assert loc is not None
+            return (loc,)
+        return itemgetter(*keys)(self._locs)
+
+    def ssd_blocks(self, nodes: NodeIds) -> int:
+        """How many of ``nodes`` live on the SSD tier."""
+        return int(np.count_nonzero(self._tier.take(as_node_ids(nodes))))
 
     def locked(self) -> int:
         """Nodes holding at least one pin."""
-        locks = self._locks
-        return sum(1 for i in self.nodes.values() if locks[i])
+        return int(np.count_nonzero(self._locks.take(self._alive())))
 
     # -- state changes ----------------------------------------------------------
 
-    def touch(self, nodes: Iterable[NodeId]) -> None:
+    def touch(self, nodes: NodeIds | Iterable[NodeId]) -> None:
         """Mark ``nodes`` most recently used."""
+        ids = as_node_ids(nodes)
         self._clock += 1
-        t = self._clock
-        tick, children, cpu_children, offer = self._tick, self._children, self._cpu_children, \
-            self._offer
-        for i in nodes:
-            tick[i] = t
-            if not children[i] or not cpu_children[i]:  # else it cannot be a candidate
-                offer(i)
+        self._tick[ids] = self._clock
+        self._offer_all(ids)
 
-    def lock(self, nodes: Iterable[NodeId]) -> None:
-        """Pin ``nodes`` (a task uses them)."""
-        locks = self._locks
-        for i in nodes:
-            locks[i] += 1
+    def lock(self, nodes: NodeIds | Iterable[NodeId]) -> None:
+        """Pin ``nodes`` (a task uses them; distinct ids, as a chain's are)."""
+        ids = as_node_ids(nodes)
+        self._locks[ids] += 1
 
-    def unlock(self, nodes: Iterable[NodeId]) -> None:
-        """Release one pin of each of ``nodes``."""
-        locks, children, cpu_children, offer = self._locks, self._children, \
-            self._cpu_children, self._offer
-        for i in nodes:
-            locks[i] -= 1
-            if not locks[i] and (not children[i] or not cpu_children[i]):
-                offer(i)
+    def unlock(self, nodes: NodeIds | Iterable[NodeId]) -> None:
+        """Release one pin of each of ``nodes`` (distinct ids)."""
+        ids = as_node_ids(nodes)
+        self._locks[ids] -= 1
+        self._offer_all(ids)
 
     def add_pending(
         self, parent: NodeId | None, hashes: Sequence[int], moves: list[TierMove]
-    ) -> list[NodeId]:
+    ) -> NodeIds:
         """Reserve CPU blocks for ``hashes`` (a chain continuing ``parent``).
 
         Returns the pending, locked nodes created: fewer than ``hashes`` (a
-        prefix of them) when the CPU tier has no more evictable blocks. Eviction
-        decisions are appended to ``moves``.
+        prefix of them) when the CPU tier has no more evictable blocks, or when a
+        hash is already indexed (a collision: the chain stops before it rather
+        than shadow another block). Eviction decisions are appended to ``moves``.
         """
-        created: list[NodeId] = []
+        k = len(hashes)
+        nodes = self.nodes
+        if any(map(nodes.__contains__, hashes)):
+            k = next(j for j, h in enumerate(hashes) if h in nodes)
+        if not k:
+            return _EMPTY
         if parent is not None:
-            self._locks[parent] += 1  # the parent must survive the evictions below
+            self._locks_v[parent] += 1  # the parent must survive the evictions below
         try:
+            free = self.free[Tier.CPU]
+            while len(free) < k and self._evict_one(Tier.CPU, moves):
+                pass
+            k = min(k, len(free))
+            if not k:
+                return _EMPTY
+            blocks = free.take(k)
+            top = self._nfree_ids
+            ids = self._free_ids[top - k:top][::-1].copy()  # never short: a node per block
+            self._nfree_ids = top - k
             prev = -1 if parent is None else parent
             self._clock += 1
-            t, free, nodes, ids = self._clock, self.free[Tier.CPU], self.nodes, self._free_ids
-            hash_, par, kids, cpu_kids = self._hash, self._parent, self._children, \
-                self._cpu_children
-            tier, block_of, locks, visible, tick, gen = self._tier, self._block, self._locks, \
-                self._visible, self._tick, self._gen
-            for h in hashes:  # the hot loop of a long new prompt: keep it inlined
-                block = free.popleft() if free else self._allocate(Tier.CPU, moves)
-                if block is None:
-                    break
-                i = ids.pop()  # never empty: a node per block, and a block was free
-                gen[i] += 1
-                hash_[i], par[i], kids[i], cpu_kids[i] = h, prev, 0, 0
-                tier[i], block_of[i], locks[i], visible[i], tick[i] = _CPU, block, 1, 0, t
-                nodes[h] = i
-                if prev >= 0:
-                    kids[prev] += 1
-                    cpu_kids[prev] += 1
-                created.append(i)
-                prev = i
+            self._gen[ids] += 1
+            par = np.empty(k, dtype=np.int64)
+            par[0] = prev
+            par[1:] = ids[:-1]
+            self._parent[ids] = par
+            for kids in (self._children, self._cpu_children):
+                kids[ids] = 1
+                kids[ids[-1]] = 0
+            self._tier[ids] = _CPU
+            self._block[ids] = blocks
+            self._locks[ids] = 1
+            self._visible[ids] = 0
+            self._tick[ids] = self._clock
+            id_list = ids.tolist()
+            hashes = hashes[:k]
+            hash_ = self._hash
+            for i, h in zip(id_list, hashes, strict=True):
+                hash_[i] = h
+            nodes.update(zip(hashes, id_list, strict=True))
+            if prev >= 0:
+                self._children_v[prev] += 1
+                self._cpu_children_v[prev] += 1
+            return ids
         finally:
             if parent is not None:
                 self.unlock([parent])
-        return created
 
-    def publish(self, nodes: Iterable[NodeId]) -> None:
+    def publish(self, nodes: NodeIds | Iterable[NodeId]) -> None:
         """Make pending ``nodes`` visible and release their pending pin."""
+        ids = as_node_ids(nodes)
         self._clock += 1
-        t = self._clock
-        for i in nodes:
-            self._visible[i] = 1
-            self._tick[i] = t
-            self._locks[i] -= 1
-            self._offer(i)
+        self._visible[ids] = 1
+        self._tick[ids] = self._clock
+        self._locks[ids] -= 1
+        self._offer_all(ids)
 
-    def remove_pending(self, nodes: Sequence[NodeId]) -> None:
-        """Forget pending ``nodes`` (a put failed or was discarded): deepest first."""
-        for i in reversed(nodes):
-            if self.nodes.get(self._hash[i]) == i:
-                self._locks[i] = 0
-                self._remove(i)
+    def remove_pending(self, nodes: NodeIds | Sequence[NodeId]) -> None:
+        """Forget pending ``nodes`` (a put failed or was discarded): deepest first.
+
+        Ids no longer filed under their hash (removed before, or the index was
+        cleared) are skipped.
+        """
+        ids = as_node_ids(nodes)
+        if not len(ids):
+            return
+        get, hash_ = self.nodes.get, self._hash
+        id_list = ids.tolist()
+        alive = [get(hash_[i]) == i for i in id_list]
+        parent = self._parent.take(ids)
+        chain = (all(alive) and bool((parent[1:] == ids[:-1]).all())
+                 and self._children_v[id_list[-1]] == 0
+                 and bool((self._children.take(ids[:-1]) == 1).all())
+                 and not self._visible.take(ids).any()
+                 and not (self._tier.take(ids) != _CPU).any())
+        if not chain:  # not one pending run: the general per-node path
+            for i in reversed(id_list):
+                if get(hash_[i]) == i:
+                    self._locks_v[i] = 0
+                    self._remove(i)
+            return
+        # One pending run of CPU blocks: remove it at once.
+        pop = self.nodes.pop
+        for i in id_list:
+            pop(hash_[i])
+        self.free[Tier.CPU].extend(self._block.take(ids[::-1]).astype(np.int64))
+        self._visible[ids] = 0
+        self._locks[ids] = 0
+        self._gen[ids] += 1
+        top, k = self._nfree_ids, len(ids)
+        self._free_ids[top:top + k] = ids
+        self._nfree_ids = top + k
+        p = int(parent[0])
+        if p >= 0:
+            self._children_v[p] -= 1
+            self._cpu_children_v[p] -= 1
+            self._offer(p)
 
     def enforce_watermarks(self, moves: list[TierMove]) -> None:
         """Evict tiers above the high watermark down to the low watermark."""
@@ -248,8 +344,7 @@ class BlockIndex:
     def clear(self) -> None:
         """Forget every block (a flush); ids handed out before are void (``epoch`` moves)."""
         self.epoch += 1
-        for i in self.nodes.values():
-            self._gen[i] += 1
+        self._gen[self._alive()] += 1
         self._reset_state()
 
     def check_consistency(self) -> None:
@@ -257,6 +352,9 @@ class BlockIndex:
         debugging; O(nodes)): every node's parent is cached, child counts are exact,
         no block is held twice or lost, no pin count is negative."""
         alive = dict(self.nodes)
+        parent, children, cpu_children = (self._parent.tolist(), self._children.tolist(),
+                                          self._cpu_children.tolist())
+        tier, block, locks = self._tier.tolist(), self._block.tolist(), self._locks.tolist()
         kids: dict[int, int] = {}
         cpu_kids: dict[int, int] = {}
         held: dict[int, set[int]] = {_CPU: set(), _SSD: set()}
@@ -265,70 +363,78 @@ class BlockIndex:
                 raise AssertionError(
                     f"node {i} is filed under {h:#x} but hashes {self._hash[i]:#x}"
                 )
-            p = self._parent[i]
+            p = parent[i]
             if p >= 0:
                 if alive.get(self._hash[p]) != p:
                     raise AssertionError(f"node {i} has parent {p}, which is not cached")
                 kids[p] = kids.get(p, 0) + 1
-                if self._tier[i] == _CPU:
+                if tier[i] == _CPU:
                     cpu_kids[p] = cpu_kids.get(p, 0) + 1
-            if self._block[i] in held[self._tier[i]]:
-                raise AssertionError(f"block {self._block[i]} of tier {self._tier[i]} held twice")
-            held[self._tier[i]].add(self._block[i])
-            if self._locks[i] < 0:
-                raise AssertionError(f"node {i} has {self._locks[i]} pins")
+            if block[i] in held[tier[i]]:
+                raise AssertionError(f"block {block[i]} of tier {tier[i]} held twice")
+            held[tier[i]].add(block[i])
+            if locks[i] < 0:
+                raise AssertionError(f"node {i} has {locks[i]} pins")
         for i in alive.values():
-            if self._children[i] != kids.get(i, 0) or self._cpu_children[i] != cpu_kids.get(i, 0):
+            if children[i] != kids.get(i, 0) or cpu_children[i] != cpu_kids.get(i, 0):
                 raise AssertionError(
-                    f"node {i} counts {self._children[i]}/{self._cpu_children[i]} children, "
+                    f"node {i} counts {children[i]}/{cpu_children[i]} children, "
                     f"has {kids.get(i, 0)}/{cpu_kids.get(i, 0)}"
                 )
-        for code, tier in enumerate(_TIER_OF):
-            free = list(self.free[tier])
-            cap = self.capacity[tier]
+        for code, t in enumerate(_TIER_OF):
+            free = list(self.free[t])
+            cap = self.capacity[t]
             if len(set(free)) != len(free) or set(free) & held[code]:
-                raise AssertionError(f"{tier.value} free list holds a duplicate or a used block")
+                raise AssertionError(f"{t.value} free list holds a duplicate or a used block")
             if len(free) + len(held[code]) != cap or any(not 0 <= b < cap for b in free):
                 raise AssertionError(
-                    f"{tier.value}: {len(held[code])} held + {len(free)} free != {cap} blocks"
+                    f"{t.value}: {len(held[code])} held + {len(free)} free != {cap} blocks"
                 )
+        unused = set(self._free_ids[: self._nfree_ids].tolist())
+        if len(unused) != self._nfree_ids or unused & set(alive.values()) \
+                or len(unused) + len(alive) != self._n:
+            raise AssertionError(
+                f"{len(alive)} nodes + {self._nfree_ids} unused ids != {self._n} ids, "
+                "or an id is both"
+            )
 
     # -- eviction -----------------------------------------------------------
 
-    def _location(self, tier: Tier, index: int) -> BlockLocation:
-        locs = self._locs[tier]
-        loc = locs[index]
-        if loc is None:
-            loc = locs[index] = BlockLocation(tier, index)
-        return loc
+    def _alive(self) -> NodeIds:
+        return np.fromiter(self.nodes.values(), dtype=np.int64, count=len(self.nodes))
 
-    def _allocate(self, tier: Tier, moves: list[TierMove]) -> int | None:
-        free = self.free[tier]
-        if not free and not self._evict_one(tier, moves):
-            return None
-        return free.popleft()
+    def _location(self, flat: int) -> BlockLocation:
+        loc = self._locs[flat]
+        if loc is None:
+            cpu = self.capacity[Tier.CPU]
+            loc = BlockLocation(Tier.CPU, flat) if flat < cpu else \
+                BlockLocation(Tier.SSD, flat - cpu)
+            self._locs[flat] = loc
+            self._made[flat] = True
+        return loc
 
     def _evict_one(self, tier: Tier, moves: list[TierMove]) -> bool:
         """Free one block of ``tier``; False when every block there is pinned or interior."""
         if tier is Tier.CPU and self.capacity[Tier.SSD]:
             i = self._pop(self._spill, self._spillable)
             if i is not None:
-                dst = self._allocate(Tier.SSD, moves)
-                if dst is not None:
+                free_ssd = self.free[Tier.SSD]
+                if len(free_ssd) or self._evict_one(Tier.SSD, moves):
+                    dst = free_ssd.popleft()
                     src = self.location(i)
-                    move = TierMove(src, self._location(Tier.SSD, dst))
+                    move = TierMove(src, self._location(self.capacity[Tier.CPU] + dst))
                     try:
                         self._mover(move)  # copy first: the index changes only once it holds
                     except OSError as e:
-                        self.free[Tier.SSD].appendleft(dst)
+                        free_ssd.appendleft(dst)
                         self.spill_failures += 1
                         log.error("Spill to SSD failed; dropping a CPU block instead",
                                   extra={"src": src.index, "dst": dst, "error": str(e)})
                     else:
-                        self._tier[i], self._block[i] = _SSD, dst
-                        p = self._parent[i]
+                        self._tier_v[i], self._block_v[i] = _SSD, dst
+                        p = self._parent_v[i]
                         if p >= 0:
-                            self._cpu_children[p] -= 1
+                            self._cpu_children_v[p] -= 1
                             self._offer(p)
                         self.free[Tier.CPU].append(src.index)
                         self.evictions[Tier.CPU] += 1
@@ -348,37 +454,45 @@ class BlockIndex:
 
     def _remove(self, i: NodeId) -> None:
         del self.nodes[self._hash[i]]
-        code, block = self._tier[i], self._block[i]
+        code, block = self._tier_v[i], self._block_v[i]
         self.free[_TIER_OF[code]].append(block)
-        self._visible[i] = 0
-        self._locks[i] = 0
-        self._gen[i] += 1  # voids heap entries of this id
-        self._free_ids.append(i)
-        p = self._parent[i]
+        self._visible_v[i] = 0
+        self._locks_v[i] = 0
+        self._gen_v[i] += 1  # voids heap entries of this id
+        self._free_ids_v[self._nfree_ids] = i
+        self._nfree_ids += 1
+        p = self._parent_v[i]
         if p >= 0:
-            self._children[p] -= 1
+            self._children_v[p] -= 1
             if code == _CPU:
-                self._cpu_children[p] -= 1
+                self._cpu_children_v[p] -= 1
             self._offer(p)
 
     def _spillable(self, i: NodeId) -> bool:
-        return bool(self._visible[i] and not self._locks[i] and self._tier[i] == _CPU
-                    and not self._cpu_children[i])
+        return bool(self._visible_v[i] and not self._locks_v[i] and self._tier_v[i] == _CPU
+                    and not self._cpu_children_v[i])
 
     def _droppable(self, i: NodeId, code: int) -> bool:
-        return bool(self._visible[i] and not self._locks[i] and not self._children[i]
-                    and self._tier[i] == code)
+        return bool(self._visible_v[i] and not self._locks_v[i] and not self._children_v[i]
+                    and self._tier_v[i] == code)
+
+    def _offer_all(self, ids: NodeIds) -> None:
+        """Offer those of ``ids`` that can be candidates now (few: leaves, spill heads)."""
+        cand = ids[(self._locks.take(ids) == 0) & (self._visible.take(ids) != 0)
+                   & ((self._children.take(ids) == 0) | (self._cpu_children.take(ids) == 0))]
+        for i in cand.tolist():
+            self._offer(i)
 
     def _offer(self, i: NodeId) -> None:
         """Queue node ``i`` as an eviction candidate if it is one now (hot path: lean)."""
-        if self._locks[i] or not self._visible[i]:
+        if self._locks_v[i] or not self._visible_v[i]:
             return
-        on_cpu = self._tier[i] == _CPU
-        spill = on_cpu and not self._cpu_children[i]
-        drop = not self._children[i]
+        on_cpu = self._tier_v[i] == _CPU
+        spill = on_cpu and not self._cpu_children_v[i]
+        drop = not self._children_v[i]
         if not (spill or drop):
             return
-        entry = (self._tick[i], next(self._seq), i, self._gen[i])
+        entry = (self._tick_v[i], next(self._seq), i, self._gen_v[i])
         if spill:
             heapq.heappush(self._spill, entry)
             self._entries += 1
@@ -389,7 +503,7 @@ class BlockIndex:
             self._rebuild()
 
     def _pop(self, heap: list[_Entry], check: Callable[[NodeId], bool]) -> NodeId | None:
-        tick, gen = self._tick, self._gen
+        tick, gen = self._tick_v, self._gen_v
         while heap:
             t, _, i, g = heapq.heappop(heap)
             if gen[i] == g and tick[i] == t and check(i):
@@ -397,17 +511,20 @@ class BlockIndex:
         return None
 
     def _rebuild(self) -> None:
-        """Drop stale heap entries: re-offer every node from scratch."""
-        self._spill, self._drop_cpu, self._drop_ssd = [], [], []
-        for i in self.nodes.values():
-            if not self._visible[i] or self._locks[i]:
-                continue
-            entry = (self._tick[i], next(self._seq), i, self._gen[i])
-            on_cpu = self._tier[i] == _CPU
-            if on_cpu and not self._cpu_children[i]:
-                self._spill.append(entry)
-            if not self._children[i]:
-                (self._drop_cpu if on_cpu else self._drop_ssd).append(entry)
-        for h in (self._spill, self._drop_cpu, self._drop_ssd):
-            heapq.heapify(h)
+        """Drop stale heap entries: re-offer every candidate from scratch (vectorised)."""
+        ids = self._alive()
+        ids = ids[(self._visible.take(ids) != 0) & (self._locks.take(ids) == 0)]
+        on_cpu = self._tier.take(ids) == _CPU
+        leaf = self._children.take(ids) == 0
+        spill = ids[on_cpu & (self._cpu_children.take(ids) == 0)]
+        drop_cpu, drop_ssd = ids[on_cpu & leaf], ids[~on_cpu & leaf]
+
+        def entries(sel: NodeIds) -> list[_Entry]:
+            out = list(zip(self._tick.take(sel).tolist(), self._seq, sel.tolist(),
+                           self._gen.take(sel).tolist(), strict=False))
+            heapq.heapify(out)
+            return out
+
+        self._spill, self._drop_cpu, self._drop_ssd = (
+            entries(spill), entries(drop_cpu), entries(drop_ssd))
         self._entries = len(self._spill) + len(self._drop_cpu) + len(self._drop_ssd)

@@ -7,7 +7,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from node_agent.backend.base import BoolMask, KVResponse, KVResponseStatus
-from node_agent.backend.index import NodeId
+from node_agent.backend.index import NodeIds
 from node_agent.backend.replication import Direction, TransferPlan
 
 
@@ -31,7 +31,7 @@ class Task:
     id: int
     direction: Direction | None
     mask: BoolMask | None
-    nodes: list[NodeId]
+    nodes: NodeIds
     plan: TransferPlan | None
     deadline: float
     state: TaskState = TaskState.MATCHED
