@@ -88,6 +88,16 @@ class AgentMetrics:
             registry=r,
         )
         self.ready = Gauge("flexkv_agent_ready", "1 when /readyz answers 200", registry=r)
+        self.completed_dropped = Counter(
+            "flexkv_agent_completed_dropped",
+            "Completed store rids dropped unreported (the engine did not poll_completed)",
+            ["group"], registry=r,
+        )
+        self.leader_step_downs = Counter(
+            "flexkv_agent_leader_step_downs",
+            "Times a leader stopped deciding after seeing a newer epoch", ["group"],
+            registry=r,
+        )
 
     def set_role(self, group: str, role: str) -> None:
         """Mark ``role`` (leader or follower) as current for ``group``, the other as 0."""

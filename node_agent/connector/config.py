@@ -30,6 +30,7 @@ class ConnectorConfig:
     leader_timeout_seconds: float = 3.0
     expected_ranks: int = 1
     max_pending: int = 4096
+    max_completed: int = 65536
 
     def __post_init__(self) -> None:
         if not self.group:
@@ -43,6 +44,10 @@ class ConnectorConfig:
                 raise ValueError(
                     f"ConnectorConfig.{key}={v!r} must be a positive number of seconds"
                 )
+        for key in ("max_pending", "max_completed"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"ConnectorConfig.{key}={v!r} must be an int >= 1")
         if self.heartbeat_seconds * 3 > self.leader_timeout_seconds:
             raise ValueError(
                 f"ConnectorConfig.leader_timeout_seconds={self.leader_timeout_seconds} must be at "

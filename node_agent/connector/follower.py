@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,7 +26,7 @@ from node_agent.backend.replication import StageStore
 from node_agent.connector.config import ConnectorConfig
 from node_agent.connector.errors import UnknownRequestError
 from node_agent.connector.inputs import StoreInput, prepare_slots
-from node_agent.connector.tracking import CallCounter, Key, Mailbox
+from node_agent.connector.tracking import CallCounter, CompletedRids, Key, Mailbox
 from node_agent.pp.auth import CurveKeys
 from node_agent.pp.messages import (
     Ack,
@@ -89,7 +89,7 @@ class FollowerRole:
         self._cancelled: OrderedDict[Key, None] = OrderedDict()
         self._gets: OrderedDict[str, tuple[int, Decision]] = OrderedDict()
         self._stored: OrderedDict[Key, None] = OrderedDict()
-        self._completed: deque[str] = deque()
+        self._completed = CompletedRids(cfg.max_completed, stats.completed_dropped)
         self.stream = FollowerStream(
             cfg.group, cfg.pp_rank, keys, stats, apply=self._apply,
             on_unsynced=self._on_unsynced, on_dropped=self._on_dropped,
@@ -179,7 +179,7 @@ class FollowerRole:
             with self._state:
                 self._stored[key] = None
                 while len(self._stored) > self.cfg.max_pending:
-                    self._completed.append(self._stored.popitem(last=False)[0][0])
+                    self._completed.add([self._stored.popitem(last=False)[0][0]])
             self.counters.stores_executed += 1
         else:
             self.counters.store_failures += 1
@@ -190,10 +190,7 @@ class FollowerRole:
 
     def poll_completed(self) -> list[str]:
         """Rids whose store the leader finished (published or discarded)."""
-        with self._state:
-            out = list(self._completed)
-            self._completed.clear()
-            return out
+        return self._completed.drain()
 
     # -- load ------------------------------------------------------------------------------
 
@@ -295,7 +292,7 @@ class FollowerRole:
             return
         with self._state:
             if self._stored.pop(key, "absent") is None:
-                self._completed.append(r.rid)
+                self._completed.add([r.rid])
 
     def _reset_local(self, reason: str) -> None:
         self._gen += 1
@@ -307,7 +304,7 @@ class FollowerRole:
         self.counters.resets += 1
         with self._state:
             self._gets.clear()
-            self._completed.extend(k[0] for k in self._stored)
+            self._completed.add(k[0] for k in self._stored)
             self._stored.clear()
         log.info("Stage flushed", extra={"group": self.cfg.group, "reason": reason})
 
@@ -359,6 +356,8 @@ class FollowerRole:
             "peersConnected": 1 if self.stream.synced else 0,
             "peersExpected": 1,
             "degraded": self.degraded(),
+            "completedQueued": len(self._completed),
+            "completedDropped": self._completed.dropped,
             "counters": dict(vars(self.counters)),
         }
 

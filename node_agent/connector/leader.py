@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,7 +33,7 @@ from node_agent.backend.replication import Direction, ReplicatedBackend, Transfe
 from node_agent.connector.config import ConnectorConfig
 from node_agent.connector.errors import UnknownRequestError
 from node_agent.connector.inputs import StoreInput, prepare_slots
-from node_agent.connector.tracking import AckCollector, CallCounter
+from node_agent.connector.tracking import AckCollector, CallCounter, CompletedRids
 from node_agent.pp.auth import CurveKeys
 from node_agent.pp.messages import (
     Ack,
@@ -85,6 +85,7 @@ class LeaderCounters:
     retrieve_misses: int = 0
     manager_errors: int = 0
     degraded_refusals: int = 0
+    stepped_down_refusals: int = 0
     flushes: int = 0
     moves_sent: int = 0
 
@@ -113,12 +114,16 @@ class LeaderRole:
         self._state = threading.Lock()
         self._puts: dict[int, _Put] = {}
         self._gets: OrderedDict[str, _Get] = OrderedDict()
-        self._completed: deque[str] = deque()
+        self._completed = CompletedRids(cfg.max_completed, stats.completed_dropped)
         self._calls = CallCounter(cfg.max_pending)
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._stats = stats
+        self.newer_epoch: int | None = None
+        """Set once a newer epoch was seen: this leader no longer decides."""
         self.stream = LeaderStream(cfg.group, epoch, keys, stats, self._flush, self._on_ack,
-                                   heartbeat_interval=cfg.heartbeat_seconds)
+                                   heartbeat_interval=cfg.heartbeat_seconds,
+                                   on_newer_epoch=self.step_down)
         self.stream.set_followers(followers)
         self._reaper = threading.Thread(target=self._reap_loop, name=f"reaper-{cfg.group}",
                                         daemon=True)
@@ -142,6 +147,10 @@ class LeaderRole:
                                                  None, error))
 
     def _not_synced(self) -> str | None:
+        if self.newer_epoch is not None:
+            self.counters.stepped_down_refusals += 1
+            return (f"leader of epoch {self.epoch} stepped down: epoch {self.newer_epoch} "
+                    "exists")
         missing = self.stream.unsynced_ranks()
         if not missing:
             return None
@@ -159,7 +168,7 @@ class LeaderRole:
         with self._decide:
             degraded = self._not_synced()
             if degraded is not None:
-                self.counters.degraded_refusals += 1
+                self.counters.degraded_refusals += self.newer_epoch is None
                 self._refuse(Kind.PUT, rid, n, inp.aligned, degraded)
                 return -1
             task_id = -1
@@ -201,10 +210,7 @@ class LeaderRole:
 
     def poll_completed(self) -> list[str]:
         """Rids whose store is terminal on every stage (source slots may be freed)."""
-        with self._state:
-            out = list(self._completed)
-            self._completed.clear()
-            return out
+        return self._completed.drain()
 
     def _on_ack(self, ack: Ack) -> None:
         with self._state:
@@ -244,16 +250,18 @@ class LeaderRole:
                 log.warning("Leader try_wait failed",
                             extra={"group": self.cfg.group, "error": str(exc)})
         now = time.monotonic()
+        stepped_down = self.newer_epoch is not None
         for t in pending:
-            if t.local is not None and t.acks.done():
+            if t.local is not None and t.acks.done() and not stepped_down:
                 self._finish_put(t, t.local is KVResponseStatus.SUCCESS and t.acks.all_ok())
-            elif now > t.deadline:
+            elif stepped_down or now > t.deadline:
                 if t.local is None:
                     # Bounded: the copy may still be running; let it end first.
                     last = self.backend.wait([t.task_id], timeout=self.cfg.transfer_seconds,
                                              completely=True).get(t.task_id)
                     t.local = last.status if last is not None else KVResponseStatus.FAILED
-                log.warning("Store not acked by every follower in time, discarding",
+                log.warning("Store discarded: the leader stepped down" if stepped_down else
+                            "Store not acked by every follower in time, discarding",
                             extra={"group": self.cfg.group, "rid": t.rid,
                                    "missing": t.acks.missing()})
                 self._finish_put(t, False)
@@ -278,7 +286,7 @@ class LeaderRole:
         else:
             self.counters.stores_discarded += 1
         with self._state:
-            self._completed.append(t.rid)
+            self._completed.add([t.rid])
 
     # -- load ------------------------------------------------------------------------------
 
@@ -291,7 +299,7 @@ class LeaderRole:
         with self._decide:
             degraded = self._not_synced()
             if degraded is not None:
-                self.counters.degraded_refusals += 1
+                self.counters.degraded_refusals += self.newer_epoch is None
                 self._refuse(Kind.GET, rid, n, len(tokens), degraded)
                 return 0
             task_id = -1
@@ -347,12 +355,17 @@ class LeaderRole:
         self.counters.retrieves += 1
         if g.task_id < 0:
             return 0
+        if self.newer_epoch is not None:
+            self._end_get(rid, g, ok=False)
+            self.counters.retrieve_misses += 1
+            return 0
         try:
             slots = prepare_slots(slot_mapping, g.hit, self.num_slots)  # type: ignore[arg-type]
         except ValueError:
             self._end_get(rid, g, ok=False)
             raise
         ok = g.acks.wait(self.cfg.fanout_wait_seconds + self.cfg.transfer_seconds)
+        ok = ok and self.newer_epoch is None
         if ok:
             try:
                 ids = self.backend.launch([g.task_id], [slots])
@@ -401,7 +414,7 @@ class LeaderRole:
                 ended = [t.rid for t in self._puts.values()]
                 self._puts.clear()
                 self._gets.clear()
-                self._completed.extend(ended)
+                self._completed.add(ended)
             self.stream.broadcast(Op.RESET, Reset(reason))
         log.info("Group cache flushed", extra={"group": self.cfg.group, "reason": reason,
                                                 "epoch": self.epoch})
@@ -412,11 +425,32 @@ class LeaderRole:
             self.stream.handle(msg)
         else:
             # Another process claims leadership of this group; epochs decide.
-            self.stream.drop("stale_epoch" if msg.env.epoch <= self.epoch else "future_epoch")
+            newer = msg.env.epoch > self.epoch
+            self.stream.drop("future_epoch" if newer else "stale_epoch")
+            if newer:
+                self.step_down(msg.env.epoch)
+
+    def step_down(self, epoch: int) -> None:
+        """Stop deciding: a leader of the newer ``epoch`` exists (its stream or a
+        follower's HELLO/ACK reached this stage before the group view did).
+
+        From now on every engine call answers -1 / a miss at once (followers
+        still on this epoch get an error decision, so none waits), no put is
+        published: each in-flight one is discarded once its local copy ended,
+        and the role stays like this until the connector's view replaces it.
+        Idempotent; safe from any thread.
+        """
+        if epoch <= self.epoch or self.newer_epoch is not None:
+            return
+        self.newer_epoch = epoch
+        self._stats.step_down()
+        log.warning("Leader stepped down: a newer epoch exists",
+                    extra={"group": self.cfg.group, "epoch": self.epoch, "newer_epoch": epoch})
+        self._wake.set()
 
     def degraded(self) -> bool:
-        """True when some follower is not synced."""
-        return not self.stream.all_synced()
+        """True when some follower is not synced or this leader stepped down."""
+        return self.newer_epoch is not None or not self.stream.all_synced()
 
     def status(self) -> dict[str, object]:
         """Role-specific part of the connector's status."""
@@ -437,6 +471,9 @@ class LeaderRole:
             "degraded": self.degraded(),
             "inflightStores": puts,
             "openLookups": gets,
+            "steppedDownFor": self.newer_epoch,
+            "completedQueued": len(self._completed),
+            "completedDropped": self._completed.dropped,
             "counters": {k: v for k, v in vars(self.counters).items() if k != "extra"},
         }
 

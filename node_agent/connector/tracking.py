@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -167,3 +168,46 @@ class AckCollector:
     def missing(self) -> list[int]:
         """Ranks that have not answered."""
         return sorted(self.expected - set(self.acks))
+
+
+class CompletedRids:
+    """Rids whose store is terminal on every stage, until the engine polls them.
+
+    Bounded by ``limit``: an engine that never calls ``poll_completed`` cannot
+    grow it without end. On overflow the oldest rid is dropped unreported and
+    ``on_drop()`` is called once per dropped rid (a metric), and
+    :attr:`dropped` counts them. Thread-safe.
+    """
+
+    def __init__(self, limit: int, on_drop: Callable[[], None] | None = None) -> None:
+        if limit < 1:
+            raise ValueError(f"CompletedRids limit={limit!r} must be >= 1")
+        self._lock = threading.Lock()
+        self._rids: deque[str] = deque()
+        self._limit = limit
+        self._on_drop = on_drop
+        self.dropped = 0
+
+    def add(self, rids: Iterable[str]) -> None:
+        """Queue ``rids`` in order, dropping the oldest beyond the limit."""
+        with self._lock:
+            self._rids.extend(rids)
+            over = len(self._rids) - self._limit
+            for _ in range(max(over, 0)):
+                self._rids.popleft()
+            if over > 0:
+                self.dropped += over
+        if over > 0 and self._on_drop is not None:
+            for _ in range(over):
+                self._on_drop()
+
+    def drain(self) -> list[str]:
+        """Every queued rid, oldest first; the queue is then empty."""
+        with self._lock:
+            out = list(self._rids)
+            self._rids.clear()
+            return out
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._rids)

@@ -58,6 +58,16 @@ class StreamMetrics:
         if self.metrics is not None:
             self.metrics.fanout_dropped.labels(group=self.group, reason=reason).inc()
 
+    def completed_dropped(self) -> None:
+        """Count one completed rid dropped before the engine polled it."""
+        if self.metrics is not None:
+            self.metrics.completed_dropped.labels(group=self.group).inc()
+
+    def step_down(self) -> None:
+        """Count one leader step-down (a newer epoch was seen)."""
+        if self.metrics is not None:
+            self.metrics.leader_step_downs.labels(group=self.group).inc()
+
     def lag(self, seconds: float) -> None:
         """Observe decision-sent to applied latency."""
         if self.metrics is not None:
@@ -80,7 +90,9 @@ class LeaderStream:
     ``flush(reason)`` must reset the leader's backend and call
     :meth:`broadcast` with a RESET; it is called (from the server thread) when a
     follower must be brought in while the group cache is ``dirty``.
-    ``on_ack`` receives follower acks of this epoch.
+    ``on_ack`` receives follower acks of this epoch. ``on_newer_epoch(epoch)``
+    is called when a follower's HELLO or ACK carries a newer epoch (this leader
+    is stale and must step down).
     """
 
     def __init__(
@@ -92,9 +104,11 @@ class LeaderStream:
         flush: Callable[[str], None],
         on_ack: Callable[[Ack], None],
         heartbeat_interval: float = 0.1,
+        on_newer_epoch: Callable[[int], None] | None = None,
     ) -> None:
         self.group = group
         self.epoch = epoch
+        self._on_newer_epoch = on_newer_epoch
         self._keys = keys
         self._stats = stats
         self._flush = flush
@@ -189,7 +203,10 @@ class LeaderStream:
     def handle(self, msg: Message) -> None:
         """A HELLO or ACK from a follower (server thread)."""
         if msg.env.epoch != self.epoch:
-            self._stats.drop("stale_epoch" if msg.env.epoch < self.epoch else "future_epoch")
+            newer = msg.env.epoch > self.epoch
+            self._stats.drop("future_epoch" if newer else "stale_epoch")
+            if newer and self._on_newer_epoch is not None:
+                self._on_newer_epoch(msg.env.epoch)
             return
         body = msg.body
         if isinstance(body, Ack):

@@ -114,6 +114,7 @@ def make_connector(
     endpoint: str | None = "tcp://127.0.0.1:0",
     metrics: AgentMetrics | None = None,
     server: FanoutServer | None = None,
+    max_completed: int = 65536,
     **timeouts: float,
 ) -> Connector:
     """A connector with the real embedded backend (leader) and TierStore (follower)."""
@@ -124,7 +125,7 @@ def make_connector(
         engine_call_seconds=timeouts.get("engine_call_seconds", 5.0),
         fanout_wait_seconds=timeouts.get("fanout_wait_seconds", 3.0),
         transfer_seconds=timeouts.get("transfer_seconds", 3.0),
-        heartbeat_seconds=0.1, leader_timeout_seconds=3.0,
+        heartbeat_seconds=0.1, leader_timeout_seconds=3.0, max_completed=max_completed,
     )
     return Connector(
         cfg, view,

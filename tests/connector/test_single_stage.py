@@ -141,3 +141,37 @@ def test_status_and_ready(single) -> None:  # type: ignore[no-untyped-def]
     assert (s["role"], s["group"], s["epoch"], s["degraded"], s["ready"]) == (
         "leader", GROUP, 1, False, True)
     assert conn.ready()
+
+
+def test_completed_rids_are_bounded_and_overflow_is_counted() -> None:
+    """An engine that never polls cannot grow the completed list without end: the
+    oldest rids are dropped beyond ``max_completed`` and counted (status, metric)."""
+    metrics = AgentMetrics()
+    view = GroupViewSource(GroupView.from_status(GROUP, group_status(1, 0, {0: "tcp://127.0.0.1:1"})))
+    conn = make_connector(0, view, keys=None, endpoint=None, metrics=metrics, max_completed=3)
+    conn.start()
+    bufs = make_buffers()
+    conn.register_kv_buffers(0, bufs)
+    try:
+        rids = [f"r{i}" for i in range(5)]
+        for i, rid in enumerate(rids):  # distinct prompts, so each one is stored
+            tokens = np.arange(1000 * i, 1000 * i + 2 * TPB)
+            assert _store(conn, bufs, rid, tokens, np.arange(2 * TPB) + 10 * i) >= 0
+        deadline = time.monotonic() + 5.0
+        while conn.status()["inflightStores"]:
+            assert time.monotonic() < deadline, "stores never became terminal"
+            time.sleep(0.005)
+        s = conn.status()
+        assert (s["completedQueued"], s["completedDropped"]) == (3, 2)
+        assert metrics.registry.get_sample_value(
+            "flexkv_agent_completed_dropped_total", {"group": GROUP}) == 2.0
+        assert conn.poll_completed() == rids[2:]  # the newest, in completion order
+        assert conn.poll_completed() == []
+    finally:
+        conn.close()
+
+
+def test_max_completed_must_be_positive() -> None:
+    view = GroupViewSource(GroupView.from_status(GROUP, group_status(1, 0, {0: "tcp://127.0.0.1:1"})))
+    with pytest.raises(ValueError, match="max_completed=0 must be an int >= 1"):
+        make_connector(0, view, keys=None, endpoint=None, max_completed=0)
