@@ -18,6 +18,8 @@ FULLNAME = f"{RELEASE}-flexkv-operator"
 AGENT_SOURCE = REPO / "node_agent"
 
 _METHOD = re.compile(r"^(create|read|get|list|patch|replace|delete)_namespaced_(\w+)$")
+# Any request method of the kubernetes client (the rest, e.g. close(), send nothing).
+_REQUEST = re.compile(r"^(create|read|get|list|patch|replace|delete|connect|watch)_\w+$")
 # Python client method prefix -> RBAC verb.
 _VERBS = {"create": "create", "read": "get", "get": "get", "list": "list",
           "patch": "patch", "replace": "update", "delete": "delete"}
@@ -81,7 +83,7 @@ def api_uses(source: str, where: str) -> set[Use]:
         if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
             continue
         func = node.func
-        if id(func) in watched or not _receiver_is_api(func):
+        if id(func) in watched or not _receiver_is_api(func) or not _REQUEST.match(func.attr):
             continue
         method = _METHOD.match(func.attr)
         if method is None:
@@ -131,13 +133,15 @@ def test_the_agent_uses_leases_and_group_watches() -> None:
     }
 
 
-def test_scanner_maps_put_to_update_and_streams_to_watch() -> None:
+def test_scanner_maps_put_to_update_streams_to_watch_and_skips_non_requests() -> None:
     source = (
         "def f(self, w):\n"
         "    self._api.replace_namespaced_lease('n', 'ns', {})\n"
         "    for _ in w.stream(self.api.list_namespaced_lease, 'ns'):\n"
         "        pass\n"
         "    self.api.delete_namespaced_custom_object(GROUP, VERSION, 'ns', PLURAL, 'x')\n"
+        "    self._api.api_client.close()\n"
+        "    self._api.close()\n"
     )
     assert api_uses(source, "snippet") == {
         ("coordination.k8s.io", "leases", "update"),
@@ -151,6 +155,7 @@ def test_scanner_maps_put_to_update_and_streams_to_watch() -> None:
     [
         ("core_api.create_namespaced_event('ns', {})\n", "'event'"),
         ("self._api.list_node()\n", "'list_node'"),
+        ("api.connect_get_namespaced_pod_exec('p', 'ns')\n", "connect_get_namespaced_pod_exec"),
         ("api.get_namespaced_custom_object('g', 'v', 'ns', 'plural', 'x')\n", "custom object"),
         ("w.stream(api.read_namespaced_lease, 'x')\n", "read_namespaced_lease"),
     ],
