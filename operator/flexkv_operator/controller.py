@@ -138,7 +138,11 @@ class Controller:
                 for _, key in ready[: max(0, self.concurrency - len(tasks))]:
                     del self.due[key]
                     tasks[key] = asyncio.create_task(self._run_one(key))
-                pending_due = [at for key, at in self.due.items() if key not in tasks]
+                # Due keys only set a timeout while a slot is free: a due key that
+                # cannot start now waits for a running task to finish (which wakes
+                # the wait), never for a zero timeout (a busy loop).
+                free = len(tasks) < self.concurrency
+                pending_due = [at for key, at in self.due.items() if key not in tasks and free]
                 timeout = max(0.0, min(pending_due) - now) if pending_due else None
                 self._wake.clear()
                 wake = asyncio.ensure_future(self._wake.wait())

@@ -20,7 +20,13 @@ _SUFFIXES: dict[str, int] = {
     "Pi": 2**50,
     "Ei": 2**60,
 }
-_PATTERN = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([KMGTPE]i|[kMGTPE])?$")
+_SUFFIX_LIST = ", ".join(suffix for suffix in _SUFFIXES if suffix)
+# Longest suffixes first, so "Gi" is never read as "G" followed by junk.
+_PATTERN = re.compile(
+    r"^([0-9]+(?:\.[0-9]+)?)("
+    + "|".join(re.escape(s) for s in sorted(_SUFFIXES, key=len, reverse=True) if s)
+    + ")?$"
+)
 
 
 def parse_bytes(value: object, field: str) -> int:
@@ -48,5 +54,5 @@ def parse_bytes(value: object, field: str) -> int:
                 return whole
     raise ValueError(
         f"{field}: {value!r} is not a positive size; give bytes (8589934592) or a "
-        "quantity with a suffix from k, M, G, T, Ki, Mi, Gi, Ti (e.g. 8Gi)"
+        f"quantity with a suffix from {_SUFFIX_LIST} (e.g. 8Gi)"
     )

@@ -153,3 +153,38 @@ async def test_a_pool_found_gone_is_forgotten_without_retries() -> None:
         await asyncio.sleep(60)
     assert calls == ["p"]
     assert ctl.pools == {} and ctl.failures == {} and len(ctl.ctx.tracker) == 0
+
+
+async def test_no_busy_loop_while_more_pools_are_due_than_slots() -> None:
+    """Three pools due, one slot: the loop must sleep until the running reconcile
+    ends instead of spinning on a zero timeout (it reads the clock once per turn)."""
+    turns = 0
+    release = asyncio.Event()
+    started: list[str] = []
+
+    async def reconcile(ctx: OperatorContext, body: dict[str, Any]) -> ReconcileResult:
+        started.append(body["metadata"]["name"])
+        await asyncio.wait_for(release.wait(), timeout=5)
+        return ReconcileResult("Ready", 30.0, 0, 0)
+
+    async with controller(reconcile) as ctl:
+        ctl.concurrency = 1
+        loop_clock = ctl.ctx.clock
+
+        def counting_clock() -> float:
+            nonlocal turns
+            turns += 1
+            return loop_clock()
+
+        ctl.ctx.clock = counting_clock
+        for name in ("a", "b", "c"):
+            ctl.observe_pool("ADDED", pool(name))
+        await asyncio.sleep(0.3)
+        assert started == ["a"]
+        assert turns < 20, f"the controller loop turned {turns} times while waiting for a slot"
+        release.set()
+        for _ in range(100):
+            if len(started) == 3:
+                break
+            await asyncio.sleep(0.01)
+        assert sorted(started) == ["a", "b", "c"]

@@ -55,6 +55,18 @@ def test_bad_quantities_name_field_and_value(value: object) -> None:
     assert str(info.value).startswith("spec.tiers.cpu.size: ")
 
 
+def test_quantity_error_lists_exactly_the_accepted_suffixes() -> None:
+    """Every suffix the message names parses, and every one that parses is named."""
+    with pytest.raises(ValueError) as info:
+        parse_bytes("8GB", "f")
+    listed = str(info.value).split("suffix from ", 1)[1].split(" (e.g.", 1)[0].split(", ")
+    assert {"P", "E", "Pi", "Ei"} <= set(listed)
+    for suffix in listed:
+        assert parse_bytes(f"1{suffix}", "f") > 1
+    for suffix in ("Ki", "Mi", "Gi", "Ti", "Pi", "Ei", "k", "M", "G", "T", "P", "E"):
+        assert suffix in listed
+
+
 # --- Z85 and Curve keys -------------------------------------------------------------
 
 

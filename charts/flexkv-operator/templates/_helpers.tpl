@@ -105,7 +105,7 @@ agent.namespaces, else the watched namespaces, else the release namespace.
 The operator's namespaced permissions, used by its Role in each watched
 namespace or by its ClusterRole in all-namespaces mode. Each verb is one the
 operator uses (docs/helm.md, "RBAC"): kopf watches pools, agent Leases and the
-agents' DaemonSets; the operator writes pool and group status through the
+agents' DaemonSets; every reconcile re-reads its pool by name (get); the operator writes pool and group status through the
 status subresource, creates and merge-patches groups and pool children (never
 PUT, so no "update"), deletes groups whose replica is gone (children go by
 owner reference), and posts Events. tests/chart checks this exact list.
@@ -113,7 +113,7 @@ owner reference), and posts Events. tests/chart checks this exact list.
 {{- define "flexkv-operator.operatorNamespacedRules" -}}
 - apiGroups: ["flexkv.io"]
   resources: ["kvcachepools"]
-  verbs: ["list", "watch"]
+  verbs: ["get", "list", "watch"]
 - apiGroups: ["flexkv.io"]
   resources: ["kvcachepools/status"]
   verbs: ["patch"]
@@ -138,14 +138,4 @@ owner reference), and posts Events. tests/chart checks this exact list.
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
-{{- end }}
-
-{{/* The agents' permissions in their pool's namespace. */}}
-{{- define "flexkv-operator.agentRules" -}}
-- apiGroups: ["coordination.k8s.io"]
-  resources: ["leases"]
-  verbs: ["create", "get", "update", "patch"]
-- apiGroups: ["flexkv.io"]
-  resources: ["kvcachegroups"]
-  verbs: ["get", "list", "watch"]
 {{- end }}
