@@ -116,6 +116,7 @@ class EmbeddedBackend(ReplicatedBackend):
                 store.num_blocks(Tier.CPU), store.num_blocks(Tier.SSD),
                 self.config.high_watermark, self.config.low_watermark,
                 mover=lambda move: store.apply_moves([move]),
+                hash_bits=self._hasher.bits,
             )
             self._pool = ThreadPoolExecutor(self.config.worker_threads,
                                             thread_name_prefix="flexkv-transfer")
@@ -213,7 +214,7 @@ class EmbeddedBackend(ReplicatedBackend):
         with self._lock:
             index = self._require_started()
             self._expire_locked()
-            nodes = index.match(hashes)
+            nodes = index.match(hashes, index.keys(hashes))
             first, last = start // tpb, min(len(nodes), end // tpb)
             if self._metrics is not None:
                 self._metrics.lookup_tokens.inc(max(0, end - start))
@@ -256,10 +257,11 @@ class EmbeddedBackend(ReplicatedBackend):
         with self._lock:
             index = self._require_started()
             self._expire_locked()
-            prefix = index.match(hashes)
+            keys = index.keys(hashes)
+            prefix = index.match(hashes, keys)
             first, last = max(len(prefix), start // tpb), end // tpb
             index.touch(prefix[:first])
-            if first >= last or len(prefix) < start // tpb or hashes[first] in index.nodes:
+            if first >= last or len(prefix) < start // tpb or index.contains(hashes[first]):
                 # Nothing new; or the prefix before the caller's span is not cached
                 # (a block without its parent would be unreachable); or another
                 # put is storing the next block right now.
@@ -268,7 +270,7 @@ class EmbeddedBackend(ReplicatedBackend):
             self._check_capacity_locked()
             moves: list[TierMove] = []
             parent = int(prefix[first - 1]) if first else None
-            created = index.add_pending(parent, hashes[first:last], moves)
+            created = index.add_pending(parent, hashes[first:last], moves, keys[first:last])
             index.enforce_watermarks(moves)
             self._record_moves_locked(moves)
             if not len(created):

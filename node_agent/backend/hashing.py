@@ -45,6 +45,7 @@ class HashAlgorithm(enum.Enum):
 
 
 _NS_PREFIX = b"flexkv-namespace\x00"
+_BITS = {HashAlgorithm.XXH3_64: 64, HashAlgorithm.XXH3_128: 128, HashAlgorithm.BLAKE2B: 256}
 
 
 class BlockHasher:
@@ -63,6 +64,11 @@ class BlockHasher:
                 f"{[a.value for a in HashAlgorithm]}"
             ) from None
         self.tokens_per_block = tokens_per_block
+
+    @property
+    def bits(self) -> int:
+        """Width of this algorithm's hashes in bits."""
+        return _BITS[self.algorithm]
 
     def num_blocks(self, num_tokens: int) -> int:
         """Full blocks in ``num_tokens`` tokens (the trailing partial block is ignored)."""

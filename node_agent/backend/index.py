@@ -25,10 +25,15 @@ returned as a :class:`~.replication.TierMove` (already executed locally) for the
 caller to record and, on a PP leader, to fan out before any later plan.
 
 Representation (struct of arrays): a node is an integer id into numpy arrays
-(parent, child counts, tier, block, pins, visibility, LRU tick, generation), one
-slot per tier block, preallocated. The hash map is a ``dict`` of ints (untracked
-by the garbage collector), and each id's hash sits in one list slot (the same
-int object as the dict key). The per-prompt operations (match, touch, lock,
+(hash key, parent, child counts, tier, block, pins, visibility, LRU tick,
+generation), one slot per tier block, preallocated. Hashes map to ids in a
+:class:`~.key_table.KeyTable` (numpy buckets of 64-bit keys), so no per-block
+Python object exists but the cached :class:`BlockLocation` of each tier block.
+Hashes wider than 64 bits (``hash_bits`` > 64) are filed under their low 64
+bits and checked in full against a per-node list on every match, so a wide
+algorithm keeps its collision resistance; two wide hashes sharing their low 64
+bits cannot both be cached (the second is refused like a collision). The
+per-prompt operations (match, touch, lock,
 unlock, publish, reserving a run of new blocks, removing a pending run) are
 vectorised over the whole prompt; the per-block eviction path reads and writes
 the same arrays through ``memoryview``s, which return plain ints. Node ids are
@@ -48,13 +53,13 @@ import heapq
 import itertools
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from itertools import repeat
 from operator import itemgetter
 
 import numpy as np
 import numpy.typing as npt
 
 from node_agent.backend.block_ring import BlockRing
+from node_agent.backend.key_table import ZERO_STANDIN, Keys, KeyTable, as_keys
 from node_agent.backend.replication import BlockLocation, Tier, TierMove
 
 log = logging.getLogger(__name__)
@@ -90,6 +95,7 @@ class BlockIndex:
         high: float,
         low: float,
         mover: Callable[[TierMove], None] | None = None,
+        hash_bits: int = 64,
     ) -> None:
         self.capacity = {Tier.CPU: cpu_blocks, Tier.SSD: ssd_blocks}
         self.high = high
@@ -100,6 +106,7 @@ class BlockIndex:
         self.epoch = 0
         n = cpu_blocks + ssd_blocks
         self._n = n
+        self._wide = hash_bits > 64
         # One BlockLocation per physical block (CPU blocks, then SSD blocks), made on
         # first use and reused: building a frozen dataclass costs about a microsecond,
         # too much per block of a 2048-block plan. ``_made`` says which exist.
@@ -112,7 +119,7 @@ class BlockIndex:
 
     def _reset_state(self) -> None:
         n = self._n
-        self.nodes: dict[int, NodeId] = {}
+        self._table = KeyTable(n)
         self.free: dict[Tier, BlockRing] = {
             Tier.CPU: BlockRing(self.capacity[Tier.CPU]),
             Tier.SSD: BlockRing(self.capacity[Tier.SSD]),
@@ -121,7 +128,9 @@ class BlockIndex:
         self._free_ids: NodeIds = np.arange(n - 1, -1, -1, dtype=np.int64)
         self._free_ids_v = self._free_ids.data
         self._nfree_ids = n
-        self._hash: list[int] = [0] * n
+        self._key: Keys = np.zeros(n, dtype=np.uint64)
+        self._key_v = self._key.data
+        self._hash: list[int] = [0] * n if self._wide else []  # full wide hashes
         self._parent = np.full(n, -1, dtype=np.int32)
         self._children = np.zeros(n, dtype=np.int32)
         self._cpu_children = np.zeros(n, dtype=np.int32)
@@ -151,7 +160,20 @@ class BlockIndex:
         """Blocks of ``tier`` holding a node (visible or pending)."""
         return self.capacity[tier] - len(self.free[tier])
 
-    def match(self, hashes: Sequence[int]) -> NodeIds:
+    def __len__(self) -> int:
+        """Nodes in the index (visible or pending)."""
+        return self._table.count
+
+    def keys(self, hashes: Sequence[int]) -> Keys:
+        """The table keys of ``hashes``; pass them to :meth:`match` and
+        :meth:`add_pending` with the same hashes to convert only once."""
+        return as_keys(hashes, self._wide)
+
+    def contains(self, h: int) -> bool:
+        """Whether a node (visible or pending) is filed under hash ``h``."""
+        return self._lookup1(h) >= 0
+
+    def match(self, hashes: Sequence[int], keys: Keys | None = None) -> NodeIds:
         """The visible nodes of the longest cached prefix of ``hashes``.
 
         A node is accepted only if its parent is the previous node, so a hash
@@ -161,10 +183,9 @@ class BlockIndex:
         cached prefixes being contiguous.
         """
         n = len(hashes)
-        get = self.nodes.get
-        if not n or get(hashes[0]) is None:
+        if not n or self._lookup1(hashes[0]) < 0:
             return _EMPTY
-        ids = np.fromiter(map(get, hashes, repeat(-1)), dtype=np.int64, count=n)
+        ids = self._lookup(hashes, self.keys(hashes) if keys is None else keys)
         safe = np.maximum(ids, 0)
         ok = (ids >= 0) & (self._visible.take(safe) != 0)
         parent = self._parent.take(safe)
@@ -225,7 +246,8 @@ class BlockIndex:
         self._offer_all(ids)
 
     def add_pending(
-        self, parent: NodeId | None, hashes: Sequence[int], moves: list[TierMove]
+        self, parent: NodeId | None, hashes: Sequence[int], moves: list[TierMove],
+        keys: Keys | None = None,
     ) -> NodeIds:
         """Reserve CPU blocks for ``hashes`` (a chain continuing ``parent``).
 
@@ -235,9 +257,12 @@ class BlockIndex:
         than shadow another block). Eviction decisions are appended to ``moves``.
         """
         k = len(hashes)
-        nodes = self.nodes
-        if any(map(nodes.__contains__, hashes)):
-            k = next(j for j, h in enumerate(hashes) if h in nodes)
+        if not k:
+            return _EMPTY
+        keys = self.keys(hashes) if keys is None else keys
+        present = self._table.lookup(keys) >= 0
+        if present.any():
+            k = int(present.argmax())
         if not k:
             return _EMPTY
         if parent is not None:
@@ -268,12 +293,12 @@ class BlockIndex:
             self._locks[ids] = 1
             self._visible[ids] = 0
             self._tick[ids] = self._clock
-            id_list = ids.tolist()
-            hashes = hashes[:k]
-            hash_ = self._hash
-            for i, h in zip(id_list, hashes, strict=True):
-                hash_[i] = h
-            nodes.update(zip(hashes, id_list, strict=True))
+            self._key[ids] = keys[:k]
+            self._table.insert(keys[:k], ids)
+            if self._wide:
+                hash_ = self._hash
+                for i, h in zip(ids.tolist(), hashes[:k], strict=True):
+                    hash_[i] = h
             if prev >= 0:
                 self._children_v[prev] += 1
                 self._cpu_children_v[prev] += 1
@@ -300,25 +325,24 @@ class BlockIndex:
         ids = as_node_ids(nodes)
         if not len(ids):
             return
-        get, hash_ = self.nodes.get, self._hash
         id_list = ids.tolist()
-        alive = [get(hash_[i]) == i for i in id_list]
+        keys = self._key.take(ids)
+        slots = self._table.find(keys)
+        filed = np.where(slots >= 0, self._table_ids(slots), -1) == ids
         parent = self._parent.take(ids)
-        chain = (all(alive) and bool((parent[1:] == ids[:-1]).all())
+        chain = (bool(filed.all()) and bool((parent[1:] == ids[:-1]).all())
                  and self._children_v[id_list[-1]] == 0
                  and bool((self._children.take(ids[:-1]) == 1).all())
                  and not self._visible.take(ids).any()
                  and not (self._tier.take(ids) != _CPU).any())
         if not chain:  # not one pending run: the general per-node path
             for i in reversed(id_list):
-                if get(hash_[i]) == i:
+                if self._table.get(self._key_v[i]) == i:
                     self._locks_v[i] = 0
                     self._remove(i)
             return
         # One pending run of CPU blocks: remove it at once.
-        pop = self.nodes.pop
-        for i in id_list:
-            pop(hash_[i])
+        self._table.delete_at(slots, keys)
         self.free[Tier.CPU].extend(self._block.take(ids[::-1]).astype(np.int64))
         self._visible[ids] = 0
         self._locks[ids] = 0
@@ -351,21 +375,32 @@ class BlockIndex:
         """Raise ``AssertionError`` naming the first broken invariant (for tests and
         debugging; O(nodes)): every node's parent is cached, child counts are exact,
         no block is held twice or lost, no pin count is negative."""
-        alive = dict(self.nodes)
+        ids = self._table.ids()
+        filed = self._lookup_keys(self._key.take(ids))
+        if not (filed == ids).all():
+            j = int((filed != ids).argmax())
+            raise AssertionError(
+                f"node {int(ids[j])} is filed under {int(self._key[ids[j]]):#x} but a lookup "
+                f"of that key finds {int(filed[j])}"
+            )
+        keys = self._key.tolist()
+        alive = {keys[i]: i for i in ids.tolist()}
         parent, children, cpu_children = (self._parent.tolist(), self._children.tolist(),
                                           self._cpu_children.tolist())
         tier, block, locks = self._tier.tolist(), self._block.tolist(), self._locks.tolist()
         kids: dict[int, int] = {}
         cpu_kids: dict[int, int] = {}
         held: dict[int, set[int]] = {_CPU: set(), _SSD: set()}
-        for h, i in alive.items():
-            if self._hash[i] != h:
+        if len(alive) != len(ids):
+            raise AssertionError(f"{len(ids)} nodes share {len(alive)} keys")
+        for i in alive.values():
+            if self._wide and (self._hash[i] & ((1 << 64) - 1) or ZERO_STANDIN) != keys[i]:
                 raise AssertionError(
-                    f"node {i} is filed under {h:#x} but hashes {self._hash[i]:#x}"
+                    f"node {i} is filed under {keys[i]:#x} but hashes {self._hash[i]:#x}"
                 )
             p = parent[i]
             if p >= 0:
-                if alive.get(self._hash[p]) != p:
+                if alive.get(keys[p]) != p:
                     raise AssertionError(f"node {i} has parent {p}, which is not cached")
                 kids[p] = kids.get(p, 0) + 1
                 if tier[i] == _CPU:
@@ -401,7 +436,30 @@ class BlockIndex:
     # -- eviction -----------------------------------------------------------
 
     def _alive(self) -> NodeIds:
-        return np.fromiter(self.nodes.values(), dtype=np.int64, count=len(self.nodes))
+        return self._table.ids()
+
+    def _table_ids(self, slots: NodeIds) -> NodeIds:
+        return self._table.lookup_slots(slots)
+
+    def _lookup_keys(self, keys: Keys) -> NodeIds:
+        return self._table.lookup(keys)
+
+    def _lookup(self, hashes: Sequence[int], keys: Keys) -> NodeIds:
+        """Ids of ``hashes`` (-1 where absent); wide hashes are checked in full."""
+        ids = self._table.lookup(keys)
+        if self._wide:
+            hash_ = self._hash
+            for j, (i, h) in enumerate(zip(ids.tolist(), hashes, strict=True)):
+                if i >= 0 and hash_[i] != h:
+                    ids[j] = -1
+        return ids
+
+    def _lookup1(self, h: int) -> NodeId:
+        key = h & ((1 << 64) - 1) or ZERO_STANDIN
+        i = self._table.get(key)
+        if i >= 0 and self._wide and self._hash[i] != h:
+            return -1
+        return i
 
     def _location(self, flat: int) -> BlockLocation:
         loc = self._locs[flat]
@@ -453,7 +511,7 @@ class BlockIndex:
         return True
 
     def _remove(self, i: NodeId) -> None:
-        del self.nodes[self._hash[i]]
+        self._table.delete(self._key_v[i])
         code, block = self._tier_v[i], self._block_v[i]
         self.free[_TIER_OF[code]].append(block)
         self._visible_v[i] = 0
@@ -499,7 +557,7 @@ class BlockIndex:
         if drop:
             heapq.heappush(self._drop_cpu if on_cpu else self._drop_ssd, entry)
             self._entries += 1
-        if self._entries > 4 * len(self.nodes) + 4096:
+        if self._entries > 4 * self._table.count + 4096:
             self._rebuild()
 
     def _pop(self, heap: list[_Entry], check: Callable[[NodeId], bool]) -> NodeId | None:
