@@ -524,7 +524,12 @@ class FlexKVBackend(KVBackend):
                             namespace=ns)
             if self._metrics is not None:
                 self._metrics.match_seconds.labels(op=op).observe(time.perf_counter() - started)
-            result = self._check_result_mask(op, int(tid), raw, n)
+            try:
+                result = self._check_result_mask(op, int(tid), raw, n)
+            except KVBackendError:
+                # FlexKV allocated the task and locked its index nodes: roll it back.
+                self._cancel_quietly(int(tid), op)
+                raise
             if not result.any():
                 self._reap_empty(int(tid))
                 return -1, empty
@@ -553,6 +558,16 @@ class FlexKVBackend(KVBackend):
                 f"span of whole {tpb}-token blocks (True at {idx[0]}..{idx[-1]}, {len(idx)} tokens)"
             )
         return result.copy()
+
+    def _cancel_quietly(self, tid: int, op: str) -> None:
+        """Cancel ``tid`` on the way out of a failed match; a failing cancel is logged,
+        never raised over the match's own error."""
+        assert self._manager is not None
+        try:
+            self._manager.cancel([tid])
+        except Exception as exc:
+            log.warning("FlexKV cancel of a refused match failed",
+                        extra={"op": op, "task_id": tid, "error": str(exc)})
 
     def _reap_empty(self, tid: int) -> None:
         """Release a task FlexKV allocated for a match with nothing to move."""

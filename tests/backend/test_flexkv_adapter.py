@@ -682,3 +682,28 @@ def test_concurrent_round_trips_are_serialised_safely(
     assert not any(t.is_alive() for t in threads)
     assert not errors, errors
     assert manager.locked_blocks() == 0 and not manager.live_task_ids()
+
+
+@pytest.mark.parametrize("corrupt", [
+    lambda m: m.astype(np.int8),                      # wrong dtype
+    lambda m: np.concatenate([m, [False]]),           # wrong length
+    lambda m: np.where(np.arange(len(m)) == 1, False, m),  # a hole: not one span
+])
+def test_refused_match_mask_cancels_the_flexkv_task(
+        ready: tuple[FlexKVBackend, Any, Any], corrupt: Any) -> None:
+    b, _, manager = ready
+    ids = tokens(8)
+    store(b, ids, (0, 1))
+    real = manager.get_match
+
+    def bad_mask(*a: Any, **k: Any) -> tuple[int, np.ndarray]:
+        tid, mask = real(*a, **k)
+        return tid, corrupt(mask)
+
+    manager.get_match = bad_mask
+    with pytest.raises(KVBackendError, match="mask"):
+        b.get_match(ids)
+    # The task FlexKV allocated (and the index nodes it locked) were rolled back.
+    assert manager.locked_blocks() == 0
+    assert not manager.live_task_ids()
+    assert "cancel" in manager.call_names()
