@@ -45,7 +45,7 @@ import zmq
 from node_agent.backend.layout import KVLayout, LayoutName
 from node_agent.engine_api import protocol
 from node_agent.engine_api.buffers import CREATED_HERE, cuda_handle, dtype_name
-from node_agent.engine_api.protocol import layout_to_wire
+from node_agent.engine_api.protocol import int64_array, layout_to_wire
 
 
 class EngineAPIError(RuntimeError):
@@ -80,10 +80,6 @@ class RankInfo:
                 "tpRank": self.tp_rank, "tpSize": self.tp_size}
 
 
-def _ints(values: object) -> npt.NDArray[np.int64]:
-    if isinstance(values, torch.Tensor):
-        values = values.detach().cpu().numpy()
-    return np.asarray(values).reshape(-1)
 
 
 class EngineClient:
@@ -214,7 +210,7 @@ class EngineClient:
     def lookup(self, rid: str, token_ids: Sequence[int] | npt.ArrayLike,
                token_mask: npt.ArrayLike | None = None) -> int:
         """Hit tokens: how many leading tokens of ``token_ids`` the cache can load."""
-        arrays: dict[str, Any] = {"token_ids": _ints(token_ids)}
+        arrays: dict[str, Any] = {"token_ids": int64_array("lookup: token_ids", token_ids)}
         if token_mask is not None:
             arrays["token_mask"] = np.asarray(token_mask, dtype=bool).reshape(-1)
         return int(self._call("lookup", {"rid": rid, "rank": self.rank.to_wire()}, arrays))
@@ -223,7 +219,8 @@ class EngineClient:
         """Load the tokens the last ``lookup`` of ``rid`` hit into ``slot_mapping``;
         returns the number of tokens loaded."""
         return int(self._call("retrieve", {"rid": rid, "rank": self.rank.to_wire()},
-                              {"slot_mapping": _ints(slot_mapping)}))
+                              {"slot_mapping": int64_array("retrieve: slot_mapping",
+                                                           slot_mapping)}))
 
     def store_kv(self, rid: str, token_ids: Sequence[int] | npt.ArrayLike,
                  kv_indices: Sequence[int] | npt.ArrayLike) -> int:
@@ -233,7 +230,8 @@ class EngineClient:
         is written. Returns the connector's result (task id, or -1 when nothing
         needed writing).
         """
-        ids, idx = _ints(token_ids), _ints(kv_indices)
+        ids = int64_array("store_kv: token_ids", token_ids)
+        idx = int64_array("store_kv: kv_indices", kv_indices)
         if len(ids) != len(idx):
             raise ValueError(
                 f"store_kv: token_ids has {len(ids)} entries but kv_indices has "

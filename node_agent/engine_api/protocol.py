@@ -121,6 +121,47 @@ def _check_arg(op: str, name: str, kind: str, value: object) -> None:
         )
 
 
+_INT64: Final = np.iinfo(np.int64)
+
+
+def int64_array(where: str, values: object) -> npt.NDArray[np.int64]:
+    """``values`` (a sequence, numpy array or tensor) as a flat int64 array, refusing
+    anything that is not already integer-valued by type.
+
+    Token ids and KV slot indices are parallel arrays: a float (``[0.5, 1.7]``),
+    bool or out-of-range value would otherwise be truncated or wrapped into a
+    different slot silently. Raises ``ValueError`` naming ``where`` (e.g.
+    ``"store_kv: kv_indices"``), the dtype and the fix.
+    """
+    if hasattr(values, "detach") and hasattr(values, "cpu"):  # a torch tensor
+        values = values.detach().cpu().numpy()
+    try:
+        arr = np.asarray(values)
+    except (OverflowError, ValueError) as exc:
+        raise ValueError(f"{where}: cannot be read as an integer array ({exc}); pass a flat "
+                         "sequence of ints or an int64 array") from None
+    arr = arr.reshape(-1)
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    fix = "pass integers (an int64 numpy array or a torch.long tensor), not rounded values"
+    if arr.dtype.kind == "O":
+        if not all(isinstance(v, int | np.integer) and not isinstance(v, bool | np.bool_)
+                   for v in arr):
+            kinds = sorted({type(v).__name__ for v in arr})
+            raise ValueError(f"{where} holds values of type {', '.join(kinds)}; {fix}")
+        if any(int(v) < _INT64.min or int(v) > _INT64.max for v in arr):
+            raise ValueError(f"{where} holds a value outside int64; token ids and slot "
+                             "indices must fit in int64")
+        return arr.astype(np.int64)
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"{where} has dtype {arr.dtype} (not an integer type); {fix}")
+    if arr.dtype.kind == "u" and arr.dtype.itemsize >= 8 and int(arr.max()) > _INT64.max:
+        raise ValueError(f"{where} has dtype {arr.dtype} with value {int(arr.max())} outside "
+                         "int64; token ids and slot indices must fit in int64")
+    return np.ascontiguousarray(arr, dtype=np.int64) if arr.dtype.kind == "i" else \
+        np.ascontiguousarray(arr.astype(np.int64))
+
+
 def encode_request(
     req_id: int,
     op: str,
@@ -138,7 +179,17 @@ def encode_request(
         if value is None:
             continue
         dtype_name = schema.arrays[name][0]
-        arr = np.ascontiguousarray(np.asarray(value).reshape(-1), dtype=_DTYPES[dtype_name])
+        if dtype_name == "int64":
+            arr = int64_array(f"{op}: {name}", value)
+        else:
+            try:
+                arr = np.ascontiguousarray(
+                    np.asarray(value).reshape(-1).astype(_DTYPES[dtype_name], casting="safe"))
+            except TypeError:
+                raise ValueError(
+                    f"{op}: {name} has dtype {np.asarray(value).dtype}, which does not convert "
+                    f"safely to {dtype_name}; pass a {dtype_name} array"
+                ) from None
         descs[name] = {"frame": len(frames) + 1, "dtype": dtype_name, "len": int(arr.shape[0])}
         frames.append(arr.tobytes())
     header["arrays"] = descs
