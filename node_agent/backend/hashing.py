@@ -92,17 +92,14 @@ class BlockHasher:
         blocks: list[bytes] = (np.ascontiguousarray(token_ids[: n * self.tokens_per_block],
                                                     dtype="<i8")
                                .view(np.dtype((np.void, step))).tolist())
-        out: list[int] = []
-        append = out.append
         if self.algorithm is HashAlgorithm.XXH3_64:
             h = 0 if namespace is None else xxhash.xxh3_64_intdigest(
                 _NS_PREFIX + namespace.encode()
             )
             f64 = xxhash.xxh3_64_intdigest
-            for block in blocks:
-                h = f64(block, h)
-                append(h)
-            return out
+            return [h := f64(block, h) for block in blocks]  # no per-block append call
+        out: list[int] = []
+        append = out.append
         if self.algorithm is HashAlgorithm.XXH3_128:
             f128 = xxhash.xxh3_128_digest
             prev = f128(_NS_PREFIX + (b"" if namespace is None else b"\x01" + namespace.encode()))
