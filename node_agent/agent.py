@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -84,20 +85,35 @@ class _EpochWatcher:
         self._period = period
         self._task: asyncio.Task[None] | None = None
 
+    @property
+    def enabled(self) -> bool:
+        """True when a config path is watched."""
+        return self._path is not None
+
     async def start(self) -> None:
         if self._path is not None:
             self._task = asyncio.create_task(self._loop(), name="cache-epoch")
+
+    @property
+    def alive(self) -> bool:
+        """True while the watch loop runs (always True without a config path)."""
+        return self._task is None or not self._task.done()
 
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self._period)
             try:
-                cfg = await asyncio.to_thread(load_config, self._path)
+                await self._step()
             except ConfigError as exc:
                 self._agent.errors.record(self.name, f"config re-read failed: {exc}")
-                continue
-            if cfg.cache_epoch != self._agent.cache_epoch:
-                await asyncio.to_thread(self._agent.flush, cfg.cache_epoch)
+            except Exception as exc:  # keep watching: a flush may work next period
+                log.exception("Cache-epoch check failed", extra={"path": str(self._path)})
+                self._agent.errors.record(self.name, f"cache-epoch check failed: {exc!r}")
+
+    async def _step(self) -> None:
+        cfg = await asyncio.to_thread(load_config, self._path)
+        if cfg.cache_epoch != self._agent.cache_epoch:
+            await asyncio.to_thread(self._agent.flush, cfg.cache_epoch)
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -121,6 +137,7 @@ class Agent:
         self.cache_epoch = cfg.cache_epoch
         self.started_at = time.time()
         self.group_views: dict[str, GroupView] = {}
+        self._views_lock = threading.RLock()
         self._builder = stage_builder
         self.service = EngineService(self._build_stage, cfg.tokens_per_block, status=self.status,
                                      stale_after=cfg.heartbeat.lease_duration_seconds,
@@ -152,13 +169,15 @@ class Agent:
     def attach_stage(self, stage: Stage) -> None:
         """Feed a new multi-stage group the view already known for its replica.
 
-        Called after the stage joined ``service.stages``; ``_on_views`` stores the
-        new views before walking the stages, so no update is missed: an update
-        either finds the stage or is the one read here. A stale push loses to the
-        newer one (epochs never go back)."""
-        view = self.group_views.get(stage.key.replica)
-        if view is not None:
-            self._push_view(stage, view)
+        Called after the stage joined ``service.stages``. The read of
+        ``group_views`` and the push happen under ``_views_lock``, as do
+        ``_on_views``' store and walk, so no update is missed (it either finds the
+        stage or is the one read here) and an older view is never pushed after a
+        newer one (``GroupViewSource.update`` accepts same-epoch views)."""
+        with self._views_lock:
+            view = self.group_views.get(stage.key.replica)
+            if view is not None:
+                self._push_view(stage, view)
 
     def _push_view(self, stage: Stage, view: GroupView) -> None:
         if stage.pp_size == 1 or stage.views is None:
@@ -178,11 +197,12 @@ class Agent:
             self.errors.record("group_view", f"{stage.group}: {exc}")
 
     def _on_views(self, views: dict[str, GroupView]) -> None:
-        self.group_views = views
-        for stage in list(self.service.stages.values()):
-            view = views.get(stage.key.replica)
-            if view is not None:
-                self._push_view(stage, view)
+        with self._views_lock:
+            self.group_views = views
+            for stage in list(self.service.stages.values()):
+                view = views.get(stage.key.replica)
+                if view is not None:
+                    self._push_view(stage, view)
 
     def flush(self, epoch: int) -> None:
         """Apply a new ``cacheEpoch``: reset every stage's connector (drops all tiers)."""
@@ -218,6 +238,8 @@ class Agent:
             comps["group_view"] = self.groups.alive
         if self.heartbeat is not None:
             comps["heartbeat"] = self.heartbeat.alive
+        if self._epoch_watcher.enabled:
+            comps["cache_epoch"] = self._epoch_watcher.alive
         return comps
 
     def _tiers(self) -> dict[str, dict[str, int]]:
@@ -257,17 +279,16 @@ class Agent:
                 "stages": {n: s["role"] for n, (_, s) in statuses.items()}},
         }
         multi = [st for st in stages if st.pp_size > 1]
-        missing = [st.key.replica for st in multi if st.key.replica not in self.group_views
-                   or self.group_views[st.key.replica].leader is None]
+        views = self.group_views  # one snapshot: _on_views may replace it meanwhile
+        mine = {st.key.replica: views.get(st.key.replica) for st in multi}
+        missing = [r for r, v in mine.items() if v is None or v.leader is None]
         # Members the operator reports not ready (their agent's Lease expired: peer lost).
-        unready = [f"{st.key.replica}/pp{m.pp_rank}" for st in multi
-                   for m in (self.group_views[st.key.replica].members
-                             if st.key.replica in self.group_views else ())
-                   if not m.ready]
+        unready = [f"{r}/pp{m.pp_rank}" for r, v in mine.items() if v is not None
+                   for m in v.members if not m.ready]
         comps["group_view"] = {
             "ready": not missing and not unready,
             "source": self.groups.source if self.groups is not None else None,
-            "known": sorted(self.group_views), "missing": missing, "unreadyMembers": unready,
+            "known": sorted(views), "missing": missing, "unreadyMembers": unready,
         }
         fanout: dict[str, Any] = {}
         for n, (st, s) in statuses.items():
