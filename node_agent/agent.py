@@ -32,6 +32,7 @@ from fastapi import FastAPI
 from node_agent import __version__
 from node_agent.backend.layout import KVLayout
 from node_agent.config import AgentConfig, ConfigError, load_config
+from node_agent.engine_api.budget import call_budget
 from node_agent.engine_api.server import EngineServer
 from node_agent.engine_api.service import EngineService, RankRef, Stage
 from node_agent.http.app import create_app
@@ -142,8 +143,11 @@ class Agent:
         self.service = EngineService(self._build_stage, cfg.tokens_per_block, status=self.status,
                                      stale_after=cfg.heartbeat.lease_duration_seconds,
                                      on_stage=self.attach_stage)
+        # The connector's waits end inside engineCallSeconds (engine_api/budget.py);
+        # the server's bound is only a last resort behind them.
+        budget = call_budget(cfg.timeouts.engine_call_seconds, cfg.timeouts.fanout_wait_seconds)
         self.engine = EngineServer(cfg.engine_endpoint, self.service, self.metrics,
-                                   cfg.timeouts.engine_call_seconds, errors=self.errors)
+                                   budget.server_timeout_seconds, errors=self.errors)
         period = cfg.heartbeat.retry_period_seconds
         self.groups: FileGroupSource | KubeGroupSource | None = None
         self.heartbeat: LeaseHeartbeat | None = None

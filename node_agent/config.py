@@ -28,6 +28,8 @@ from typing import Any, TypeVar
 
 import yaml
 
+from node_agent.engine_api.budget import call_budget
+
 ENV_PREFIX = "FLEXKV_"
 # Unix domain socket paths are limited to sizeof(sun_path) - 1 bytes on Linux.
 _MAX_SOCKET_PATH = 107
@@ -334,6 +336,17 @@ def _check(cfg: AgentConfig) -> None:
             f"hold, got {hb.lease_duration_seconds} / {hb.renew_deadline_seconds} / "
             f"{hb.retry_period_seconds}; for example use 15 / 10 / 2"
         )
+    to = cfg.timeouts
+    if not to.fanout_wait_seconds < to.engine_call_seconds:
+        raise ConfigError(
+            f"timeouts.fanoutWaitSeconds: {to.fanout_wait_seconds:g} is not below "
+            f"timeouts.engineCallSeconds {to.engine_call_seconds:g}; a follower's wait must fit "
+            "inside the engine call: use about half of engineCallSeconds (e.g. 5 with 10)"
+        )
+    try:
+        call_budget(to.engine_call_seconds, to.fanout_wait_seconds)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     ev = cfg.eviction
     if not ev.low_watermark < ev.high_watermark:
         raise ConfigError(

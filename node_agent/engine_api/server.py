@@ -2,8 +2,11 @@
 
 Every request is decoded and schema-checked (:mod:`.protocol`) on the event loop,
 then handed to the service callable in a bounded thread pool, because connector
-calls block (transfers, fan-out waits). Each call is bounded by
-``call_timeout``; when it runs out the engine gets a ``TimeoutError`` reply. A
+calls block (transfers, fan-out waits). The connector's own waits end every call
+inside ``engineCallSeconds`` (:mod:`.budget`); ``call_timeout`` is a last resort
+behind them (``engineCallSeconds`` plus a margin): when it runs out the engine
+gets a ``TimeoutError`` reply and the overrun is logged as an internal error,
+because the worker thread cannot be stopped and may still touch the slots. A
 malformed message of any kind gets an error reply (with the request id when it
 could be read) and the server keeps serving. Frames over the size limit make
 ZeroMQ drop that peer's connection instead of buffering them.
@@ -39,6 +42,17 @@ Service = Callable[[protocol.Request], Any]
 
 class NotReadyError(RuntimeError):
     """The agent cannot serve this call yet (e.g. the rank has not registered)."""
+
+
+class _Overran(Exception):
+    """A call outlived the server's last-resort bound (its thread still runs)."""
+
+    def __init__(self, op: str, timeout: float) -> None:
+        super().__init__(
+            f"{op} did not finish within {timeout:g}s (engineCallSeconds plus margin); the "
+            "agent may still be using the call's slots: treat them as busy until "
+            "poll_completed reports the rid or the agent restarts, and report this agent bug"
+        )
 
 
 class ErrorSink(Protocol):
@@ -140,9 +154,11 @@ class EngineServer:
             req = protocol.decode_request(frames)
             op, req_id = req.op, req.id
             loop = asyncio.get_running_loop()
-            result = await asyncio.wait_for(
-                loop.run_in_executor(self._pool, self._service, req), self._timeout
-            )
+            work = loop.run_in_executor(self._pool, self._service, req)
+            done, _ = await asyncio.wait({work}, timeout=self._timeout)
+            if not done:
+                raise _Overran(op, self._timeout)
+            result = work.result()
             reply = protocol.encode_reply(req_id, result)
             outcome = "ok"
         except asyncio.CancelledError:
@@ -156,8 +172,16 @@ class EngineServer:
                         flags=zmq.NOBLOCK,
                     )
             raise
+        except _Overran as exc:
+            # The connector's own waits should have ended the call first: its worker
+            # thread still runs, so this answer cannot promise the slots are idle.
+            reply = protocol.encode_error(req_id, "TimeoutError", str(exc))
+            outcome = "timeout"
+            self._record(op, "InternalError", str(exc))
+            log.error("Engine call overran the server's last-resort bound", extra={
+                "op": op, "request_id": req_id, "timeout_seconds": self._timeout})
         except TimeoutError as exc:
-            msg = str(exc) or f"{op} did not finish within {self._timeout}s (engineCallSeconds)"
+            msg = str(exc) or f"{op} timed out"
             reply = protocol.encode_error(req_id, "TimeoutError", msg)
             outcome = "timeout"
             self._record(op, "TimeoutError", msg)

@@ -8,6 +8,8 @@
 * a multi-stage group starts with an empty view (no leader: calls answer "not
   stored" / miss) that the agent's group-view source fills in, binds the fan-out
   server on ``bindAddress:ports.fanout`` and needs the pool's Curve keys;
+* the connector's waits are split from ``engineCallSeconds`` (:mod:`.budget`),
+  so a call ends before the engine API would answer it with a timeout;
 * the leader's backend is an :class:`EmbeddedBackend` with deferred visibility,
   sized by ``tiers``; a follower keeps a :class:`TierStore` of the same size.
 
@@ -24,6 +26,7 @@ from node_agent.backend.embedded import EmbeddedBackend
 from node_agent.backend.layout import KVLayout
 from node_agent.backend.stage_store import TierStore
 from node_agent.connector import Connector, ConnectorConfig
+from node_agent.engine_api.budget import call_budget
 from node_agent.engine_api.service import RankRef, Stage
 from node_agent.pp.auth import CurveKeys
 from node_agent.pp.group import GroupView, GroupViewSource, Member
@@ -42,6 +45,21 @@ def backend_config(agent: Agent, layout: KVLayout) -> EmbeddedBackendConfig:
         high_watermark=cfg.eviction.high_watermark, low_watermark=cfg.eviction.low_watermark,
         unlaunched_match_seconds=cfg.timeouts.unlaunched_match_seconds,
         deferred_visibility=True,
+    )
+
+
+def connector_config(agent: Agent, rank: RankRef, layout: KVLayout, group: str,
+                     endpoint: str | None) -> ConnectorConfig:
+    """The stage's connector config, its waits split from ``engineCallSeconds`` by
+    :func:`.budget.call_budget` so that every engine call ends inside it."""
+    t = agent.cfg.timeouts
+    budget = call_budget(t.engine_call_seconds, t.fanout_wait_seconds)
+    return ConnectorConfig(
+        group=group, pp_rank=rank.pp_rank, layout=layout, fanout_endpoint=endpoint,
+        engine_call_seconds=t.engine_call_seconds,
+        fanout_wait_seconds=budget.fanout_wait_seconds,
+        transfer_seconds=budget.transfer_seconds,
+        expected_ranks=layout.tp_size,
     )
 
 
@@ -65,13 +83,7 @@ def default_stage_builder(agent: Agent, rank: RankRef, layout: KVLayout) -> Stag
         views = GroupViewSource(GroupView(group, 0, None, ()))
         endpoint = f"tcp://{cfg.bind_address}:{cfg.ports.fanout}"
         keys = CurveKeys.load(cfg.curve_key_dir)
-    ccfg = ConnectorConfig(
-        group=group, pp_rank=rank.pp_rank, layout=layout, fanout_endpoint=endpoint,
-        engine_call_seconds=cfg.timeouts.engine_call_seconds,
-        fanout_wait_seconds=cfg.timeouts.fanout_wait_seconds,
-        transfer_seconds=cfg.timeouts.engine_call_seconds,
-        expected_ranks=layout.tp_size,
-    )
+    ccfg = connector_config(agent, rank, layout, group, endpoint)
     metrics = agent.metrics
     connector = Connector(
         ccfg, views,

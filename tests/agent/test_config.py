@@ -59,7 +59,8 @@ def test_environment_overrides_leaves(tmp_path: Path) -> None:
     path = tmp_path / "agent.yaml"
     path.write_text(CONTRACT_EXAMPLE)
     env = {"FLEXKV_PORTS_HTTP": "9090", "FLEXKV_TIERS_CPU_SIZE": "1.5Gi",
-           "FLEXKV_TIMEOUTS_ENGINE_CALL_SECONDS": "3", "FLEXKV_NODE_NAME": "node-b",
+           "FLEXKV_TIMEOUTS_ENGINE_CALL_SECONDS": "3",
+           "FLEXKV_TIMEOUTS_FANOUT_WAIT_SECONDS": "1.5", "FLEXKV_NODE_NAME": "node-b",
            "FLEXKV_CURVE_PUBLIC_KEY": "not configuration", "FLEXKV_TIERS_SSD_PATHS": "[/a, /b]"}
     cfg = load_config(path, env=env)
     assert cfg.ports.http == 9090
@@ -93,6 +94,13 @@ def test_quantities(text: object, value: int) -> None:
     ({"tiers": {"ssd": {"paths": "/one"}}}, "tiers.ssd.paths: '/one' is not a list of paths"),
     ({"tiers": []}, "tiers: [] is not a mapping"),
     ({"timeouts": {"engineCallSeconds": 0}}, "timeouts.engineCallSeconds: 0 is out of range"),
+    ({"timeouts": {"engineCallSeconds": 4, "fanoutWaitSeconds": 5}},
+     "timeouts.fanoutWaitSeconds: 5 is not below timeouts.engineCallSeconds 4; a follower's "
+     "wait must fit inside the engine call: use about half"),
+    ({"timeouts": {"engineCallSeconds": 5, "fanoutWaitSeconds": 5}},
+     "timeouts.fanoutWaitSeconds: 5 is not below timeouts.engineCallSeconds 5"),
+    ({"timeouts": {"engineCallSeconds": 0.04, "fanoutWaitSeconds": 0.01}},
+     "timeouts.engineCallSeconds 0.04 leaves no time after the"),
 ])
 def test_invalid_values_name_key_value_and_fix(data: dict[str, object], fragment: str) -> None:
     with pytest.raises(ConfigError) as err:

@@ -150,7 +150,9 @@ async def test_server_bounds_slow_calls_and_client_bounds_its_wait(sock_path: Pa
             await asyncio.to_thread(impatient.release, "sleep")
         # The timed-out client reconnects and gets its own answers, not stale ones.
         assert await asyncio.to_thread(impatient.lookup, "x", [5]) == 5
-        assert any("TimeoutError" in e["message"] for e in errors.snapshot())
+        # The server's bound is a last resort: reaching it is an internal error.
+        assert any("InternalError" in e["message"] and "did not finish" in e["message"]
+                   for e in errors.snapshot())
     finally:
         await server.stop()
 
