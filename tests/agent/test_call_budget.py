@@ -4,7 +4,6 @@ and its use by the stage builder and the engine API server."""
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 from hypothesis import given
