@@ -18,7 +18,7 @@ a shared machine. A ``memory`` row reports index bytes per block from
 the RSS growth of the big fill divided by blocks (tier bytes and the benchmark's
 own prompt arrays subtracted).
 
-Run: ``python bench/match.py`` (1M blocks, about a minute on 2 cores) or
+Run: ``python bench/match.py`` (1M blocks, about 10-20 s on 2 cores) or
 ``python bench/match.py --blocks 20000 --iters 50`` for a quick look.
 """
 
