@@ -31,7 +31,14 @@ from collections.abc import Callable
 import zmq
 
 from node_agent.pp.auth import CurveKeys, PoolAuthenticator, make_client, make_server
-from node_agent.pp.messages import MalformedMessage, Message, decode, unpack
+from node_agent.pp.messages import (
+    MalformedMessage,
+    Message,
+    decode,
+    is_batch,
+    unpack,
+    unpack_batch,
+)
 
 log = logging.getLogger(__name__)
 
@@ -143,9 +150,23 @@ class FanoutServer:
                     except zmq.Again:
                         break
                     self.received += 1
-                    self._dispatch(frames)
+                    if len(frames) == 1 and is_batch(frames[0]):
+                        self._dispatch_batch(frames[0])
+                    else:
+                        self._dispatch(frames)
         finally:
             sock.close(0)
+
+    def _dispatch_batch(self, data: bytes) -> None:
+        """Each message of a batch frame, in order, exactly as if sent alone."""
+        try:
+            messages = unpack_batch(data)
+        except MalformedMessage as exc:
+            log.warning("Dropped a malformed fan-out batch", extra={"error": str(exc)})
+            self._drop("?", "malformed")
+            return
+        for m in messages:
+            self._dispatch([m])
 
     def _dispatch(self, frames: list[bytes]) -> None:
         try:

@@ -42,7 +42,9 @@ from node_agent.backend.replication import (
 )
 
 MAGIC = b"FKV1"
-WIRE_VERSION = 1
+WIRE_VERSION = 2
+_RUN_MAX = (1 << 31) - 1
+"""Largest block index or run length on the wire (plan runs travel as int32)."""
 _HEADER = struct.Struct("<4sBBqqd")
 _TIER_CODES = {Tier.CPU: 0, Tier.SSD: 1}
 _TIER_BY_CODE = {v: k for k, v in _TIER_CODES.items()}
@@ -295,7 +297,12 @@ def _encode_decision(d: Decision) -> list[bytes]:
     plan = -1
     if d.runs is not None:
         plan = d.num_blocks
-        extra.append(np.ascontiguousarray(d.runs, dtype="<i8").tobytes())
+        if d.runs.size and int(d.runs.max()) > _RUN_MAX:
+            raise ValueError(
+                f"Plan of {d.rid!r} holds a block index or run above {_RUN_MAX}, the wire "
+                "limit; use fewer, larger blocks per tier"
+            )
+        extra.append(np.ascontiguousarray(d.runs, dtype="<i4").tobytes())
     body = _DECISION.pack(d.n, d.task_id, m.size, start, stop, plan, d.error is not None)
     return [body, d.rid.encode(), (d.error or "").encode(), *extra]
 
@@ -397,6 +404,57 @@ def unpack(data: bytes) -> list[bytes]:
     return out
 
 
+# A batch frame: marker byte 0 (a message frame starts with its section count,
+# 3..16), magic, message count (u32), each message's length (u32), then the
+# messages, each exactly the one frame :func:`encode` makes.
+_BATCH_HEAD = struct.Struct("<B4sI")
+_BATCH_MAGIC = b"FKVB"
+MAX_BATCH = 4096
+
+
+def is_batch(data: bytes) -> bool:
+    """True when ``data`` is a batch frame (:func:`pack_batch`), not one message."""
+    return len(data) > 0 and data[0] == 0
+
+
+def pack_batch(messages: list[bytes]) -> bytes:
+    """Several encoded messages (one frame each) in one frame, in order.
+
+    The receiver decodes and handles each message on its own, exactly as if it
+    had arrived alone; batching only saves per-frame transport costs.
+    """
+    if not 1 <= len(messages) <= MAX_BATCH:
+        raise ValueError(f"A batch holds 1..{MAX_BATCH} messages, got {len(messages)}")
+    lengths = struct.pack(f"<{len(messages)}I", *map(len, messages))
+    return b"".join([_BATCH_HEAD.pack(0, _BATCH_MAGIC, len(messages)), lengths, *messages])
+
+
+def unpack_batch(data: bytes) -> list[bytes]:
+    """Inverse of :func:`pack_batch`: the message frames, in order.
+
+    Raises :class:`MalformedMessage` on a bad head, count or length table; the
+    messages themselves are checked by :func:`decode`.
+    """
+    if len(data) < _BATCH_HEAD.size:
+        raise MalformedMessage(f"Batch frame of {len(data)} bytes is shorter than its head")
+    marker, magic, count = _BATCH_HEAD.unpack_from(data)
+    if marker != 0 or magic != _BATCH_MAGIC or not 1 <= count <= MAX_BATCH:
+        raise MalformedMessage(f"Bad batch head: magic {magic!r}, count {count}")
+    pos = _BATCH_HEAD.size + 4 * count
+    if len(data) < pos:
+        raise MalformedMessage(f"Batch of {count} messages has no room for its length table")
+    lengths = struct.unpack_from(f"<{count}I", data, _BATCH_HEAD.size)
+    if pos + sum(lengths) != len(data):
+        raise MalformedMessage(
+            f"Batch lengths add up to {pos + sum(lengths)} bytes, the frame has {len(data)}"
+        )
+    out = []
+    for ln in lengths:
+        out.append(data[pos:pos + ln])
+        pos += ln
+    return out
+
+
 def encode_sections(env: Envelope, body: Body) -> list[bytes]:
     """Encode a message as its logical sections. Raises ``ValueError`` for a body that does not
     match ``env.op`` or a group name that is empty or too long."""
@@ -491,9 +549,9 @@ def _expect_frames(frames: list[bytes], n: int, op: Op) -> None:
 
 
 def _decode_runs(count: int, frame: bytes) -> npt.NDArray[np.int64]:
-    if len(frame) % 24:
-        raise MalformedMessage(f"Plan frame length {len(frame)} is not a multiple of 24")
-    flat = np.frombuffer(frame, dtype="<i8")
+    if len(frame) % 12:
+        raise MalformedMessage(f"Plan frame length {len(frame)} is not a multiple of 12")
+    flat = np.frombuffer(frame, dtype="<i4")
     if flat.size:
         counts = flat[2::3]
         if flat.min() < 0 or flat[0::3].max() >= len(_TIER_BY_CODE) or counts.min() <= 0:
@@ -505,7 +563,7 @@ def _decode_runs(count: int, frame: bytes) -> npt.NDArray[np.int64]:
         covered = 0
     if covered != count:
         raise MalformedMessage(f"Plan runs cover {covered} blocks, header says {count}")
-    return flat.reshape(-1, 3)
+    return flat.astype(np.int64).reshape(-1, 3)
 
 
 def _decode_body(op: Op, fields: dict[str, Any], arrays: list[bytes]) -> Body:

@@ -29,6 +29,7 @@ from node_agent.metrics import AgentMetrics
 from node_agent.pp.auth import CurveKeys
 from node_agent.pp.channel import Sender
 from node_agent.pp.messages import (
+    MAX_BATCH,
     Ack,
     Body,
     Envelope,
@@ -38,9 +39,16 @@ from node_agent.pp.messages import (
     Op,
     Sync,
     encode,
+    pack_batch,
 )
 
 log = logging.getLogger(__name__)
+
+DEFAULT_COALESCE_SECONDS = 50e-6
+"""A stream message broadcast within this time of the previous one is queued and
+sent with the messages that follow it as one batch frame (0 disables batching)."""
+DEFAULT_MAX_BATCH = 64
+"""A batch is sent as soon as it holds this many messages."""
 
 
 class StreamMetrics:
@@ -105,6 +113,8 @@ class LeaderStream:
         on_ack: Callable[[Ack], None],
         heartbeat_interval: float = 0.1,
         on_newer_epoch: Callable[[int], None] | None = None,
+        coalesce_seconds: float = DEFAULT_COALESCE_SECONDS,
+        max_batch: int = DEFAULT_MAX_BATCH,
     ) -> None:
         self.group = group
         self.epoch = epoch
@@ -120,8 +130,19 @@ class LeaderStream:
         self._hb_interval = heartbeat_interval
         self._resync_after = max(1.0, 10 * heartbeat_interval)
         self._stop = threading.Event()
+        self._window = coalesce_seconds
+        self._max_batch = max(1, min(max_batch, MAX_BATCH))
+        self._outbox: list[bytes] = []
+        self._last_broadcast = 0.0
+        self._pending = threading.Event()
+        self.batches = 0
+        """Batch frames sent (each carries 2 or more stream messages)."""
         self._hb = threading.Thread(target=self._heartbeats, name=f"hb-{group}", daemon=True)
         self._hb.start()
+        self._flusher = threading.Thread(target=self._flush_loop, name=f"flush-{group}",
+                                         daemon=True)
+        if self._window > 0:
+            self._flusher.start()
 
     # -- membership -------------------------------------------------------------------
 
@@ -182,17 +203,58 @@ class LeaderStream:
                 self.dirty = True
             elif op is Op.RESET:
                 self.dirty = False
-            frames = encode(Envelope(op, self.group, self.epoch, self.seq), body)
-            for p in self._peers.values():
-                if p.synced and not p.sender.send(frames):
-                    p.synced = False
-                    log.warning("Fan-out queue full, follower must resync",
-                                extra={"group": self.group, "rank": p.rank})
+            frame = encode(Envelope(op, self.group, self.epoch, self.seq), body)[0]
+            now = time.monotonic()
+            burst = now - self._last_broadcast < self._window
+            self._last_broadcast = now
+            if not self._outbox and not burst:
+                self._send_to_synced(frame)
+            else:
+                self._outbox.append(frame)
+                if len(self._outbox) >= self._max_batch:
+                    self._send_outbox()
+                else:
+                    self._pending.set()
             return self.seq
+
+    def _send_outbox(self) -> None:
+        """Send the queued stream messages as one frame (lock held)."""
+        if not self._outbox:
+            return
+        queued, self._outbox = self._outbox, []
+        if len(queued) == 1:
+            self._send_to_synced(queued[0])
+        else:
+            self.batches += 1
+            self._send_to_synced(pack_batch(queued))
+
+    def _send_to_synced(self, frame: bytes) -> None:
+        for p in self._peers.values():
+            if p.synced and not p.sender.send([frame]):
+                p.synced = False
+                log.warning("Fan-out queue full, follower must resync",
+                            extra={"group": self.group, "rank": p.rank})
+
+    def flush(self) -> None:
+        """Send every queued stream message now."""
+        with self._lock:
+            self._send_outbox()
+
+    def _flush_loop(self) -> None:
+        # Waits are bounded so close() is noticed; a queued message waits at most
+        # the coalescing window plus thread scheduling.
+        while not self._stop.is_set():
+            if not self._pending.wait(0.25):
+                continue
+            self._pending.clear()
+            time.sleep(self._window)  # let a burst fill the batch
+            with self._lock:
+                self._send_outbox()
 
     def _heartbeats(self) -> None:
         while not self._stop.wait(self._hb_interval):
             with self._lock:
+                self._send_outbox()  # the heartbeat's seq must not run ahead of the stream
                 frames = encode(Envelope(Op.HEARTBEAT, self.group, self.epoch, self.seq),
                                 Heartbeat())
                 for p in self._peers.values():
@@ -242,6 +304,7 @@ class LeaderStream:
             p = self._peers.get(h.rank)
             if p is None:
                 return
+            self._send_outbox()  # everything up to the SYNC's seq goes out first
             p.session, p.gen, p.sync_sent_at = h.session, gen, time.monotonic()
             frames = encode(Envelope(Op.SYNC, self.group, self.epoch, self.seq),
                             Sync(h.rank, gen))
@@ -252,9 +315,12 @@ class LeaderStream:
     def close(self) -> None:
         """Stop heartbeats and close every sender."""
         self._stop.set()
-        if self._hb.is_alive() and self._hb is not threading.current_thread():
-            self._hb.join(timeout=2.0)
+        self._pending.set()
+        for t in (self._hb, self._flusher):
+            if t.is_alive() and t is not threading.current_thread():
+                t.join(timeout=2.0)
         with self._lock:
+            self._send_outbox()
             for p in self._peers.values():
                 p.sender.close()
             self._peers.clear()

@@ -6,6 +6,7 @@ import contextlib
 import json
 import pickle
 import struct
+from typing import Any
 
 import numpy as np
 import pytest
@@ -32,6 +33,9 @@ from node_agent.pp.messages import (
     decode_sections,
     encode,
     encode_sections,
+    is_batch,
+    pack_batch,
+    unpack_batch,
 )
 
 
@@ -110,7 +114,7 @@ def _frames(op: Op, body: object) -> list[bytes]:
         (lambda f: [f[0], f[1], f[2][:-1], *f[3:]], "byte body"),
         (lambda f: [f[0], f[1], f[2], b"\xff\xfe", *f[4:]], "not UTF-8"),
         (lambda f: [*f, b"extra"], "one plan frame"),
-        (lambda f: [*f[:5], f[5][:-1]], "multiple of 24"),
+        (lambda f: [*f[:5], f[5][:-1]], "multiple of 12"),
         (lambda f: [*f[:5]], "one plan frame"),
     ],
 )
@@ -207,3 +211,42 @@ def test_any_plan_round_trips(blocks: list[int], skip: int) -> None:
     out = _roundtrip(Op.PUT, d)
     assert isinstance(out, Decision)
     assert out.plan == d.plan and np.array_equal(out.mask, d.mask)
+
+
+def test_batch_round_trips_in_order_and_is_told_apart_from_a_message() -> None:
+    frames = [encode(Envelope(Op.RELEASE, "g", 1, i), Release(f"r{i}"))[0] for i in range(1, 6)]
+    batch = pack_batch(frames)
+    assert is_batch(batch) and not any(is_batch(f) for f in frames)
+    assert unpack_batch(batch) == frames
+    assert [decode([f]).env.seq for f in unpack_batch(batch)] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize(
+    "mutate, reason",
+    [
+        (lambda b: b[:-1], "add up to"),
+        (lambda b: b + b"x", "add up to"),
+        (lambda b: b[:5], "shorter than its head"),
+        (lambda b: b[:1] + b"XXXX" + b[5:], "Bad batch head"),
+        (lambda b: b[:5] + (0).to_bytes(4, "little") + b[9:], "Bad batch head"),
+        (lambda b: b[:5] + (1000).to_bytes(4, "little") + b[9:], "length table"),
+    ],
+)
+def test_malformed_batch_frames_are_refused(mutate: Any, reason: str) -> None:
+    frames = [encode(Envelope(Op.RELEASE, "g", 1, i), Release("r"))[0] for i in (1, 2)]
+    with pytest.raises(MalformedMessage, match=reason):
+        unpack_batch(mutate(pack_batch(frames)))
+
+
+def test_batch_size_is_bounded() -> None:
+    with pytest.raises(ValueError, match=r"1\.\.4096"):
+        pack_batch([])
+
+
+def test_plan_index_beyond_the_wire_limit_is_refused_at_encode() -> None:
+    mask = np.zeros(8, dtype=np.bool_)
+    mask[:4] = True
+    runs = np.array([[0, 1 << 31, 1]], dtype=np.int64)
+    d = Decision(Direction.STORE, "big", 0, 1, mask, runs)
+    with pytest.raises(ValueError, match="above 2147483647, the wire limit"):
+        encode(Envelope(Op.PUT, "g", 1, 1), d)

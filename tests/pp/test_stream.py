@@ -12,7 +12,7 @@ import pytest
 from node_agent.metrics import AgentMetrics
 from node_agent.pp.auth import CurveKeys
 from node_agent.pp.channel import FanoutServer, FaultPlan, Sender
-from node_agent.pp.messages import Ack, Envelope, Kind, Op, Release, Reset, encode
+from node_agent.pp.messages import Ack, Envelope, Kind, Op, Release, Reset, encode, pack_batch
 from node_agent.pp.stream import FollowerStream, LeaderStream, StreamMetrics
 
 GROUP = "g0"
@@ -46,10 +46,23 @@ class Pair:
 
 @pytest.fixture
 def pair() -> Iterator[Pair]:
+    """One message per frame (batching off): faults hit single messages."""
+    yield from _pair(coalesce_seconds=0.0)
+
+
+@pytest.fixture
+def batched_pair() -> Iterator[Pair]:
+    """A wide coalescing window: a burst of broadcasts travels as batch frames."""
+    yield from _pair(coalesce_seconds=0.05)
+
+
+def _pair(coalesce_seconds: float) -> Iterator[Pair]:
     keys = CurveKeys.generate()
     lead_srv = FanoutServer("tcp://127.0.0.1:0", keys).start()
-    fol_srv = FanoutServer("tcp://127.0.0.1:0", keys).start()
     f_metrics = AgentMetrics()
+    f_stats = StreamMetrics(GROUP, f_metrics)
+    fol_srv = FanoutServer("tcp://127.0.0.1:0", keys,
+                           on_drop=lambda g, r: f_stats.drop(r)).start()
     holder: dict[str, Pair] = {}
 
     def flush(reason: str) -> None:
@@ -57,9 +70,10 @@ def pair() -> Iterator[Pair]:
         holder["p"].leader.broadcast(Op.RESET, Reset(reason))
 
     leader = LeaderStream(GROUP, 5, keys, StreamMetrics(GROUP, None), flush,
-                          on_ack=lambda a: holder["p"].acks.append(a))
+                          on_ack=lambda a: holder["p"].acks.append(a),
+                          coalesce_seconds=coalesce_seconds, max_batch=16)
     follower = FollowerStream(
-        GROUP, 1, keys, StreamMetrics(GROUP, f_metrics),
+        GROUP, 1, keys, f_stats,
         apply=lambda m: holder["p"].applied.append((m.env.seq, m.env.op.name)),
         on_unsynced=lambda r: holder["p"].unsynced.append(r),
         on_dropped=lambda m: None,
@@ -168,3 +182,79 @@ def test_new_epoch_resyncs_and_fences_the_old_leader(pair: Pair) -> None:
     _send(pair, 3)
     wait_for(lambda: pair.dropped("stale_epoch") >= 3)
     assert len(pair.applied) == 2
+
+
+# -- batches: several stream messages in one frame ------------------------------------
+
+
+def test_a_burst_travels_in_batches_and_applies_in_order(batched_pair: Pair) -> None:
+    p = batched_pair
+    sent = _send(p, 100)
+    wait_for(lambda: len(p.applied) == 100)
+    assert _seqs(p) == sent == list(range(1, 101))
+    assert p.leader.batches >= 100 // 16 - 1  # full batches went out, not single frames
+
+
+def test_a_lone_message_is_not_held_back(batched_pair: Pair) -> None:
+    p = batched_pair
+    time.sleep(0.1)  # outside the coalescing window of anything before
+    before = p.leader.batches
+    _send(p, 1)
+    wait_for(lambda: len(p.applied) == 1, timeout=1.0)
+    assert p.leader.batches == before
+
+
+def test_a_duplicated_batch_is_dropped_message_by_message(batched_pair: Pair) -> None:
+    p = batched_pair
+    _send(p, 1)  # sent alone; the next burst is queued behind it
+    wait_for(lambda: len(p.applied) == 1)
+    time.sleep(0.1)
+    _faults(p).duplicate(2)
+    _send(p, 6)  # seq 2 alone, then 3..7 as one batch; both frames arrive twice
+    wait_for(lambda: len(p.applied) == 7 and p.dropped("duplicate") == 6)
+    assert _seqs(p) == list(range(1, 8)) and p.follower.synced
+
+
+def test_a_lost_batch_makes_the_follower_resync_never_skip(batched_pair: Pair) -> None:
+    p = batched_pair
+    _send(p, 2)
+    wait_for(lambda: len(p.applied) == 2)
+    p.leader.dirty = True
+    time.sleep(0.1)
+    _faults(p).drop(2)
+    _send(p, 8)  # seq 3 alone and the batch 4..10 are lost
+    wait_for(lambda: p.flushes != [] and p.follower.synced)
+    applied = _seqs(p)
+    assert applied == [1, 2] and p.dropped("gap") >= 1
+    more = _send(p, 20)
+    wait_for(lambda: _seqs(p)[-1] == more[-1])
+    assert _seqs(p)[-20:] == more
+
+
+def test_reordered_batches_are_never_applied_out_of_order(batched_pair: Pair) -> None:
+    p = batched_pair
+    time.sleep(0.1)
+    _faults(p).reorder()
+    _send(p, 40)  # seq 1 alone is held and arrives after the first batch
+    wait_for(lambda: p.dropped("gap") >= 1 and p.follower.synced)
+    applied = _seqs(p)
+    assert applied == sorted(applied) and 1 not in applied
+    assert len(applied) == len(set(applied))
+
+
+def test_a_malformed_message_inside_a_batch_is_dropped_and_counted(pair: Pair) -> None:
+    target = pair.leader.peer(1)
+    assert target is not None
+    seq = pair.follower.last_seq
+    good = [encode(Envelope(Op.RELEASE, GROUP, 5, seq + i), Release(f"x{i}"))[0]
+            for i in (1, 2)]
+    bad = good[1][:-3]
+    rogue = Sender(target.endpoint, pair.keys)
+    try:
+        rogue.send([pack_batch([good[0], bad])])
+        wait_for(lambda: pair.dropped("malformed") == 1 and len(pair.applied) == 1)
+        rogue.send([pack_batch([good[1]])[:-1]])  # a truncated batch frame
+        wait_for(lambda: pair.dropped("malformed") == 2)
+    finally:
+        rogue.close()
+    assert _seqs(pair) == [seq + 1]
