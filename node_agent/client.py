@@ -3,11 +3,17 @@
 :class:`EngineClient` has the connector's signatures and contract
 (``lookup`` / ``retrieve`` / ``store_kv`` / ``release`` / ``poll_completed``) and
 forwards them over the agent's ``ipc://`` engine socket. Every call is bounded by
-``timeout`` seconds. Errors:
+``timeout`` seconds in all, including the transparent re-registration and retry
+after an agent restart (one deadline per call). Errors:
 
 * :class:`AgentUnavailableError` when no agent listens on the socket (the message
   names the path and how to start one);
-* :class:`AgentTimeoutError` when the agent did not answer in time;
+* :class:`AgentTimeoutError` when the agent did not answer in time. The agent
+  ends every call inside its ``engineCallSeconds``, so an agent ``TimeoutError``
+  answer means the call is over; after a client-side timeout (no answer) treat
+  the call's slots as possibly in use for ``engineCallSeconds`` plus the margin
+  of docs/agent.md from when the call was sent (a ``store_kv``'s source slots
+  until ``poll_completed`` reports the rid);
 * ``ValueError`` for a rejected argument, carrying the agent's message (for
   example ``store_kv: token_ids has 3 entries but kv_indices has 2 entries``);
 * :class:`EngineAPIError` for anything else the agent reports.
@@ -31,7 +37,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -115,30 +121,48 @@ class EngineClient:
 
     def _call(self, op: str, args: Mapping[str, Any] | None = None,
               arrays: Mapping[str, Any] | None = None, timeout: float | None = None) -> Any:
+        budget = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + budget  # one deadline for the call and its retry
         try:
-            return self._call_once(op, args, arrays, timeout)
+            return self._call_once(op, args, arrays, deadline, budget)
         except EngineAPIError as exc:
             # A restarted agent has forgotten this rank: register again, retry once.
             if (exc.error_type != "NotReady" or self._registration is None
                     or op == "register" or "has not registered" not in str(exc)):
                 raise
-            self._call_once("register", self._registration, None, timeout)
-            return self._call_once(op, args, arrays, timeout)
+            self._call_once("register", self._registration, None, deadline, budget)
+            return self._call_once(op, args, arrays, deadline, budget)
+
+    @contextlib.contextmanager
+    def _locked(self, op: str, deadline: float, budget: float) -> Iterator[None]:
+        """The client's lock, waited for within the call's deadline."""
+        if not self._lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+            raise AgentTimeoutError(
+                f"{op}: another call on this client held it for the whole {budget}s; use one "
+                "client per thread or raise the client timeout"
+            )
+        try:
+            yield
+        finally:
+            self._lock.release()
 
     def _call_once(self, op: str, args: Mapping[str, Any] | None,
-                   arrays: Mapping[str, Any] | None, timeout: float | None) -> Any:
+                   arrays: Mapping[str, Any] | None, deadline: float, budget: float) -> Any:
         if not self.socket_path.exists():
             raise AgentUnavailableError(
                 f"no flexkv agent at ipc://{self.socket_path}: the socket does not exist. "
                 "Start the agent (flexkv-agent run --config agent.yaml) or point the client at "
                 "the agent's engineSocket"
             )
-        budget = self.timeout if timeout is None else timeout
-        with self._lock:
+        if time.monotonic() >= deadline:
+            raise AgentTimeoutError(
+                f"{op}: the call's {budget}s were used up before it could be sent (a "
+                "re-registration took them); retry the call or raise the client timeout"
+            )
+        with self._locked(op, deadline, budget):
             req_id = next(self._ids)
             frames = protocol.encode_request(req_id, op, args, arrays)
             sock = self._socket()
-            deadline = time.monotonic() + budget
             try:
                 sock.send_multipart(frames, flags=zmq.NOBLOCK)
             except zmq.Again:

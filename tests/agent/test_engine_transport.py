@@ -32,9 +32,10 @@ from node_agent.client import (
 )
 from node_agent.engine_api import protocol
 from node_agent.engine_api.buffers import HandleError, open_buffer
-from node_agent.engine_api.server import EngineServer
+from node_agent.engine_api.server import EngineServer, NotReadyError
 from node_agent.http.state import RecentErrors
 from node_agent.metrics import AgentMetrics
+from tests.agent.harness import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 RANK = RankInfo(replica="r0", pp_rank=0, pp_size=1)
@@ -162,8 +163,7 @@ async def test_stop_finishes_inflight_calls_within_grace(sock_path: Path) -> Non
     client = EngineClient(sock_path, RANK, timeout=5)
     call = asyncio.create_task(asyncio.to_thread(client._call, "release",
                                                  {"rid": "slow", "rank": RANK.to_wire()}))
-    await asyncio.sleep(0.1)
-    assert server.inflight == 1
+    await wait_for(lambda: server.inflight == 1, 5, "the slow call in flight")
     await server.stop(grace=5.0)
     assert await call == "finished"
     client.close()
@@ -173,11 +173,51 @@ async def test_stop_answers_calls_cut_short_by_the_grace(sock_path: Path) -> Non
     server, _, _ = await _serve(sock_path)
     client = EngineClient(sock_path, RANK, timeout=5)
     call = asyncio.create_task(asyncio.to_thread(client.release, "sleep"))
-    await asyncio.sleep(0.1)
+    await wait_for(lambda: server.inflight == 1, 5, "the sleeping call in flight")
     await server.stop(grace=0.1)
     with pytest.raises(EngineAPIError, match="agent is shutting down"):
         await call
     client.close()
+
+
+class ForgetfulAgent:
+    """A service that, like a restarted agent, has forgotten the rank: the first
+    call answers NotReady, re-registration and the retry each take ``pause`` s."""
+
+    def __init__(self, pause: float) -> None:
+        self.pause = pause
+        self.ops: list[str] = []
+
+    def __call__(self, req: protocol.Request) -> Any:
+        self.ops.append(req.op)
+        if req.op == "register":
+            time.sleep(self.pause)
+            return {"stage": "r0/pp0"}
+        if len(self.ops) == 1:
+            raise NotReadyError("rank r0/pp0/tp0 has not registered its KV buffers")
+        time.sleep(self.pause)
+        return 7
+
+
+async def test_reregistration_and_retry_share_the_calls_deadline(sock_path: Path) -> None:
+    service = ForgetfulAgent(pause=0.6)
+    server = EngineServer(f"ipc://{sock_path}", service, AgentMetrics(), call_timeout=5.0)
+    await server.start()
+    client = EngineClient(sock_path, RANK, timeout=1.0)
+    client._registration = {"rank": RANK.to_wire(), "layout": {}, "buffers": []}
+    try:
+        # register (0.6 s) + retry (0.6 s) do not fit in one 1.0 s call budget.
+        with pytest.raises(AgentTimeoutError, match=r"lookup: .*1\.0s"):
+            await asyncio.to_thread(client.lookup, "x", [1, 2])
+        assert service.ops[:2] == ["lookup", "register"]
+        # With enough time the same sequence succeeds, within one call.
+        service.ops.clear()
+        client.timeout = 5.0
+        assert await asyncio.to_thread(client.lookup, "x", [1, 2]) == 7
+        assert service.ops == ["lookup", "register", "lookup"]
+    finally:
+        client.close()
+        await server.stop(grace=2.0)
 
 
 def test_client_names_socket_when_agent_is_down(tmp_path: Path) -> None:
