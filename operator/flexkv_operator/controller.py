@@ -80,6 +80,8 @@ class Controller:
         self.last_result.pop(key, None)
         self.ctx.tracker.forget_pool(*key)
         self.ctx.group_names.pop(key, None)
+        if self.ctx.groups is not None:
+            self.ctx.groups.forget_pool(*key)
 
     def observe_lease(self, event_type: str | None, body: dict[str, Any]) -> None:
         meta = body.get("metadata") or {}
@@ -89,9 +91,12 @@ class Controller:
             if record is not None:
                 self._mark((namespace, record.pool))
             return
+        before = self.ctx.tracker.pool_of(namespace, str(meta.get("name")))
         if self.ctx.tracker.observe(body):
             pool = ((meta.get("labels") or {}).get(names.LABEL_POOL)) or ""
             self._mark((namespace, pool))
+            if before is not None and before != pool:
+                self._mark((namespace, before))  # the pool that lost the Lease
 
     def observe_owned(self, body: dict[str, Any]) -> None:
         """A child (the agents' DaemonSet) changed: its pool may change phase."""

@@ -2,7 +2,14 @@
 
 Every status write is a merge patch carrying the ``metadata.resourceVersion``
 the decision was made from, so it only lands if nobody wrote in between. A 409
-makes the publisher re-read the group and decide again (bounded attempts).
+makes the publisher re-read the group and decide again (bounded attempts); a 404
+(the group was deleted meanwhile) makes it create the group again.
+
+A group's identity is its exact ``(spec.poolRef, spec.replica)`` pair, which is
+never patched: when the object under a group's name holds another pair (two
+pairs whose names sanitise alike), that group fails with an error naming both.
+A re-created group starts above ``epoch_floor`` (the epoch the pool's status
+last recorded for it), so its epoch never decreases.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from typing import Any
 from flexkv_operator import crds, names
 from flexkv_operator.conditions import Condition, merge_conditions
 from flexkv_operator.election import Candidate, Decision, Published, decide
-from flexkv_operator.kube import Conflict, KubeClient, api_path
+from flexkv_operator.kube import Conflict, KubeClient, NotFound, api_path
 from flexkv_operator.membership import AgentView
 
 logger = logging.getLogger(__name__)
@@ -51,6 +58,7 @@ class GroupOutcome:
     previous_leader: str | None = None
     attempts: int = 0
     conflicts: int = field(default=0)
+    error: str | None = None
 
 
 @dataclass
@@ -60,7 +68,9 @@ class GroupCache:
 
     Deciding from the cache is safe: every write is conditional on the cached
     resourceVersion, so a stale entry costs one 409 and a re-read, never a wrong
-    publication. It saves one GET per group per reconcile when nothing changed."""
+    publication. It saves one GET per group per reconcile when nothing changed.
+    Only objects just read from or written to the API server are put, so an
+    entry expires ``ttl`` seconds after the last real exchange (it never slides)."""
 
     clock: Callable[[], float]
     ttl: float = 30.0
@@ -77,6 +87,12 @@ class GroupCache:
 
     def drop(self, key: str) -> None:
         self._entries.pop(key, None)
+
+    def forget_pool(self, namespace: str, pool: str) -> None:
+        """Drop every entry of ``pool``'s groups (the pool was deleted)."""
+        for key, (_, obj) in list(self._entries.items()):
+            if key.startswith(f"{namespace}/") and (obj.get("spec") or {}).get("poolRef") == pool:
+                del self._entries[key]
 
 
 def plan_groups(agents: list[AgentView]) -> list[GroupPlan]:
@@ -218,9 +234,13 @@ async def publish_group(
     heartbeat_slack: float,
     now: datetime.datetime,
     cache: GroupCache | None = None,
+    epoch_floor: int = 0,
 ) -> GroupOutcome:
     """Create the group if needed, decide its leader from the live status, write it back
-    conditionally; retries on 409 with a fresh read."""
+    conditionally; retries on 409 with a fresh read and on 404 by creating it again.
+
+    Returns an outcome with ``error`` set (and nothing written) when the object under
+    the group's name belongs to another ``(poolRef, replica)`` pair."""
     pool_meta = pool_body["metadata"]
     namespace, pool = pool_meta["namespace"], pool_meta["name"]
     name = names.group_name(pool, plan.replica)
@@ -230,6 +250,7 @@ async def publish_group(
     key = f"{namespace}/{name}"
     for attempt in range(1, MAX_ATTEMPTS + 1):
         live = cache.get(key) if cache is not None else None
+        fetched = live is None
         if live is None:
             live = await client.get_or_none(path)
         if live is None:
@@ -251,14 +272,27 @@ async def publish_group(
             except Conflict:
                 conflicts += 1
                 continue
-        elif live.get("spec") != spec:
-            live = await client.patch(path, {"spec": spec})
-        if cache is not None:
+        else:
+            live_spec = live.get("spec") or {}
+            owner = (live_spec.get("poolRef"), live_spec.get("replica"))
+            if owner != (pool, plan.replica):
+                if cache is not None:
+                    cache.drop(key)
+                return _collision(name, namespace, plan, owner, pool)
+            if live_spec.get("ppSize") != plan.pp_size:
+                try:
+                    live = await client.patch(path, {"spec": {"ppSize": plan.pp_size}})
+                except NotFound:
+                    if cache is not None:
+                        cache.drop(key)
+                    continue
+                fetched = True
+        if cache is not None and fetched:
             cache.put(key, live)
         live_status = live.get("status") or {}
         leader = live_status.get("leader") or {}
         published = Published(
-            epoch=int(live_status.get("epoch") or 0),
+            epoch=max(int(live_status.get("epoch") or 0), epoch_floor),
             leader_node=leader.get("node"),
             leader_rank=leader.get("ppRank"),
         )
@@ -294,6 +328,15 @@ async def publish_group(
                 extra={"group": name, "namespace": namespace, "attempt": attempt},
             )
             continue
+        except NotFound:
+            if cache is not None:
+                cache.drop(key)
+            logger.info(
+                "Group deleted while deciding; creating it again",
+                extra={"group": name, "namespace": namespace, "epoch_floor": decision.epoch},
+            )
+            epoch_floor = max(epoch_floor, published.epoch)
+            continue
         if cache is not None:
             cache.put(key, written)
         outcome.written = True
@@ -301,4 +344,27 @@ async def publish_group(
     raise RuntimeError(
         f"KVCacheGroup {namespace}/{name}: {MAX_ATTEMPTS} conditional writes conflicted; "
         "another writer keeps changing it, will retry on the next reconcile"
+    )
+
+
+def _collision(
+    name: str, namespace: str, plan: GroupPlan, owner: tuple[object, object], pool: str
+) -> GroupOutcome:
+    message = (
+        f"KVCacheGroup {namespace}/{name} belongs to poolRef={owner[0]!r} replica={owner[1]!r}, "
+        f"but poolRef={pool!r} replica={plan.replica!r} maps to the same name; rename one "
+        "replica (or pool) so that their lowercased, '-'-joined names differ"
+    )
+    logger.warning(
+        "Group name taken by another replica",
+        extra={"group": name, "namespace": namespace, "replica": plan.replica, "pool": pool},
+    )
+    return GroupOutcome(
+        name=name,
+        replica=plan.replica,
+        epoch=0,
+        leader=None,
+        members=[f"{m.candidate.node}/{m.candidate.pp_rank}" for m in plan.members],
+        written=False,
+        error=message,
     )

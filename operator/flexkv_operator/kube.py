@@ -23,6 +23,7 @@ import aiohttp
 logger = logging.getLogger(__name__)
 
 RETRIED_STATUSES = frozenset({429, 500, 502, 503, 504})
+USER_AGENT = "flexkv-operator"  # names the operator's own requests in audit logs
 MERGE_PATCH = "application/merge-patch+json"
 
 
@@ -138,7 +139,7 @@ class KubeClient:
         """Send one request, retrying transient failures; return the JSON answer."""
         if self._session is None:
             raise RuntimeError("KubeClient is not open; use 'async with KubeClient(...)'")
-        headers = {"Accept": "application/json"}
+        headers = {"Accept": "application/json", "User-Agent": USER_AGENT}
         token = self._conn.token_provider()
         if token:
             headers["Authorization"] = f"Bearer {token}"
@@ -208,8 +209,17 @@ class KubeClient:
         """JSON merge patch; put ``metadata.resourceVersion`` in ``body`` to make it conditional."""
         return await self.request("PATCH", path, body=body, content_type=MERGE_PATCH)
 
-    async def delete(self, path: str) -> dict[str, Any] | None:
+    async def delete(self, path: str, resource_version: str | None = None) -> dict[str, Any] | None:
+        """Delete; None when already gone. With ``resource_version`` the delete is
+        conditional (409 :class:`Conflict` when the object changed since)."""
+        body = None
+        if resource_version:
+            body = {
+                "apiVersion": "v1",
+                "kind": "DeleteOptions",
+                "preconditions": {"resourceVersion": resource_version},
+            }
         try:
-            return await self.request("DELETE", path)
+            return await self.request("DELETE", path, body=body)
         except NotFound:
             return None

@@ -19,8 +19,9 @@ from flexkv_operator.children import PoolIdentity, config_hash, render_all
 from flexkv_operator.conditions import condition_status
 from flexkv_operator.context import OperatorContext
 from flexkv_operator.events import NORMAL, WARNING, post_event
-from flexkv_operator.groups import GroupOutcome, plan_groups, publish_group
-from flexkv_operator.kube import KubeClient, NotFound, api_path
+from flexkv_operator.groups import GroupCache, GroupOutcome, plan_groups, publish_group
+from flexkv_operator.kube import Conflict, KubeClient, NotFound, api_path
+from flexkv_operator.membership import AgentView, removed_agents
 from flexkv_operator.sizing import matching_nodes, sizing_condition
 from flexkv_operator.spec import ConfigInvalid, PoolConfig, parse_pool_spec
 from flexkv_operator.status import invalid_status, pool_status
@@ -98,6 +99,7 @@ async def _publish_groups(
     plans = plan_groups(agents)
     semaphore = asyncio.Semaphore(GROUP_CONCURRENCY)
     now = ctx.wall_clock()
+    floors = epoch_floors(body.get("status") or {})
 
     async def one(plan: Any) -> GroupOutcome:
         async with semaphore:
@@ -109,6 +111,7 @@ async def _publish_groups(
                 heartbeat_slack=float(config.timings.renew_deadline),
                 now=now,
                 cache=ctx.groups,
+                epoch_floor=floors.get(names.group_name(body["metadata"]["name"], plan.replica), 0),
             )
 
     outcomes = list(await asyncio.gather(*(one(p) for p in plans)))
@@ -154,12 +157,24 @@ async def _publish_groups(
         or checked[1] != current
         or ctx.clock() - checked[0] >= ctx.settings.resync_seconds
     ):
-        await _delete_stale_groups(ctx.client, body, set(current))
+        await _delete_stale_groups(ctx.client, body, set(current), ctx.groups)
         ctx.group_names[key] = (ctx.clock(), current)
     return outcomes
 
 
-async def _delete_stale_groups(client: KubeClient, body: dict[str, Any], keep: set[str]) -> None:
+def epoch_floors(status: dict[str, Any]) -> dict[str, int]:
+    """Per group name, the epoch the pool's status last recorded: a group created
+    again (deleted by hand, or by garbage collection) starts above it."""
+    floors: dict[str, int] = {}
+    for entry in status.get("groups") or []:
+        if isinstance(entry, dict) and isinstance(entry.get("epoch"), int):
+            floors[str(entry.get("name"))] = int(entry["epoch"])
+    return floors
+
+
+async def _delete_stale_groups(
+    client: KubeClient, body: dict[str, Any], keep: set[str], cache: GroupCache | None
+) -> None:
     """Delete this pool's groups that no agent Lease mentions any more."""
     meta = body["metadata"]
     path = api_path(crds.API_VERSION, crds.GROUP_PLURAL, meta["namespace"])
@@ -167,9 +182,43 @@ async def _delete_stale_groups(client: KubeClient, body: dict[str, Any], keep: s
         name = group["metadata"]["name"]
         if name not in keep and (group.get("spec") or {}).get("poolRef") == meta["name"]:
             logger.info("Deleting group without members", extra={"group": name})
+            if cache is not None:
+                cache.drop(f"{meta['namespace']}/{name}")
             await client.delete(
                 api_path(crds.API_VERSION, crds.GROUP_PLURAL, meta["namespace"], name)
             )
+
+
+async def _drop_removed_nodes(
+    ctx: OperatorContext, nodes: list[dict[str, Any]] | None, agents: list[AgentView]
+) -> list[AgentView]:
+    """``agents`` without those of nodes that left the cluster; their Leases are deleted
+    (conditional on the resourceVersion seen, so a renewal in between keeps it)."""
+    node_names = (
+        None if nodes is None else {str((n.get("metadata") or {}).get("name")) for n in nodes}
+    )
+    gone = []
+    for view in removed_agents(agents, node_names, ctx.settings.removed_node_lease_durations):
+        record = view.record
+        try:
+            await ctx.client.delete(
+                api_path("coordination.k8s.io/v1", "leases", record.namespace, record.lease),
+                resource_version=record.resource_version or None,
+            )
+        except Conflict:
+            continue  # renewed meanwhile: the watch brings the new version
+        gone.append(view)
+        logger.info(
+            "Forgetting the agent of a removed node",
+            extra={
+                "node": record.node,
+                "lease": record.lease,
+                "namespace": record.namespace,
+                "silent_seconds": round(view.silent_for, 1),
+            },
+        )
+        ctx.tracker.forget(record.namespace, record.lease)
+    return [v for v in agents if v not in gone]
 
 
 class PoolGone(Exception):
@@ -215,7 +264,9 @@ async def reconcile_pool(ctx: OperatorContext, seen: dict[str, Any]) -> Reconcil
     rollout_done, scheduled = _rollout(ds.live, ds.action != "unchanged")
 
     nodes = await ctx.nodes.get(ctx.client)
-    agents = ctx.tracker.agents(namespace, name, config.timings.lease_duration)
+    agents = await _drop_removed_nodes(
+        ctx, nodes, ctx.tracker.agents(namespace, name, config.timings.lease_duration)
+    )
     if scheduled is not None:
         desired = scheduled
     elif nodes is not None:
@@ -246,6 +297,7 @@ async def reconcile_pool(ctx: OperatorContext, seen: dict[str, Any]) -> Reconcil
         config_hash=config_hash(pool, config),
         sizing=sizing_condition(nodes, config),
         now=ctx.wall_clock(),
+        overlaps=ctx.tracker.overlaps(namespace, name),
     )
     if status != previous:
         await _write_status(ctx.client, body, status)

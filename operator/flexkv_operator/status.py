@@ -37,6 +37,7 @@ def group_entries(outcomes: list[GroupOutcome]) -> list[dict[str, Any]]:
             "members": o.members,
         }
         for o in outcomes
+        if o.error is None
     ]
 
 
@@ -53,19 +54,33 @@ def pool_status(
     config_hash: str,
     sizing: Condition,
     now: datetime.datetime,
+    overlaps: list[str] | None = None,
 ) -> dict[str, Any]:
     """Status of a valid pool. Ready: children current, rollout done, every desired agent
-    fresh, ready and on the current cacheEpoch; Degraded: a known agent lost its heartbeat
-    or a group has no leader."""
+    fresh, ready and on the current cacheEpoch; Degraded: another pool claims one of this
+    pool's nodes (``overlaps``, reason PoolsOverlap), a group's name belongs to another
+    replica (GroupNameConflict), a known agent lost its heartbeat (HeartbeatLost) or a
+    group has no leader (GroupWithoutLeader), in that order of precedence."""
     ready = [v for v in agents if v.fresh and v.record.ready]
     epoch_lag = [v for v in ready if v.record.cache_epoch not in (None, cache_epoch)]
     lost = [v for v in agents if not v.fresh]
-    leaderless = [g for g in groups if g.leader is None]
+    conflicted = [g for g in groups if g.error is not None]
+    published = [g for g in groups if g.error is None]
+    leaderless = [g for g in published if g.leader is None]
     ready_count = len(ready) - len(epoch_lag)
     all_ready = desired_agents > 0 and ready_count >= desired_agents
     progressing = not children_current or not rollout_done or not all_ready
-    degraded = bool(lost or leaderless)
-    if degraded:
+    degraded = bool(overlaps or conflicted or lost or leaderless)
+    if overlaps:
+        degraded_condition = Condition("Degraded", True, "PoolsOverlap", "; ".join(overlaps[:5]))
+    elif conflicted:
+        degraded_condition = Condition(
+            "Degraded",
+            True,
+            "GroupNameConflict",
+            "; ".join(str(g.error) for g in conflicted[:5]),
+        )
+    elif degraded:
         degraded_condition = Condition(
             "Degraded",
             True,
@@ -119,7 +134,7 @@ def pool_status(
         "phase": phase,
         "desiredAgents": desired_agents,
         "readyAgents": ready_count,
-        "groupCount": len(groups),
+        "groupCount": len(published),
         "cacheEpoch": cache_epoch,
         "configHash": config_hash,
         "agents": agent_entries(agents),

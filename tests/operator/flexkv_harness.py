@@ -43,6 +43,7 @@ async def running_operator(
     image: str = "registry.example/flexkv:1.0",
     resync: float = 30.0,
     startup_timeout: float = 15.0,
+    **extra_settings: Any,
 ) -> AsyncIterator[None]:
     """Run one operator instance in its own thread and event loop, as a separate
     process would be; stop it (bounded) on exit, even on failure.
@@ -57,6 +58,7 @@ async def running_operator(
         default_image=image,
         service_account="flexkv-agent",
         resync_seconds=resync,
+        **extra_settings,
     )
 
     def target() -> None:
