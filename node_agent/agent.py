@@ -327,7 +327,8 @@ class Agent:
             "engineSocket": self.cfg.engine_endpoint,
             "tiers": self._tiers(), "stages": stages,
             "groups": {k: v.to_json() for k, v in self.group_views.items()},
-            "engineApi": {"served": self.engine.served, "inflight": self.engine.inflight},
+            "engineApi": {"served": self.engine.served, "inflight": self.engine.inflight,
+                          "refusedBusy": self.engine.refused_busy},
             "heartbeat": None if self.heartbeat is None else {
                 "lease": self.heartbeat.lease_name, "healthy": self.heartbeat.healthy,
                 "renewals": self.heartbeat.renewals},

@@ -8,8 +8,18 @@ behind them (``engineCallSeconds`` plus a margin): when it runs out the engine
 gets a ``TimeoutError`` reply and the overrun is logged as an internal error,
 because the worker thread cannot be stopped and may still touch the slots. A
 malformed message of any kind gets an error reply (with the request id when it
-could be read) and the server keeps serving. Frames over the size limit make
-ZeroMQ drop that peer's connection instead of buffering them.
+could be read) and the server keeps serving.
+
+What is bounded: calls in flight (``max_inflight``, default 4 x the worker
+threads; a message beyond it is answered ``NotReady: agent busy`` at once,
+without decoding it); the thread pool (``max_workers``); each frame
+(``MAXMSGSIZE``: libzmq drops the peer's connection instead of buffering a
+larger one); messages queued in libzmq (``RCVHWM``); and what this process keeps
+of one message (``MAX_FRAMES`` + 1 frames and ``MAX_MESSAGE_BYTES`` plus one
+frame; the rest is read and dropped, then the message is refused). Not bounded
+here: libzmq delivers a multipart message whole, so it buffers every frame of
+one message (each at most ``MAXMSGSIZE``) before this process sees any; only
+the socket's file mode (engines of the agent's UID/GID) limits who can send.
 
 Shutdown (:meth:`EngineServer.stop`) stops taking requests, lets in-flight calls
 finish within a grace period, answers the rest with an error, and closes the
@@ -38,6 +48,8 @@ from node_agent.metrics import AgentMetrics
 log = logging.getLogger(__name__)
 
 Service = Callable[[protocol.Request], Any]
+_RCVHWM = 256
+"""Messages libzmq queues for the server (beyond it, senders block or drop)."""
 
 
 class NotReadyError(RuntimeError):
@@ -89,6 +101,7 @@ class EngineServer:
         call_timeout: float,
         errors: ErrorSink | None = None,
         max_workers: int = 8,
+        max_inflight: int | None = None,
     ) -> None:
         if not endpoint.startswith("ipc://"):
             raise ValueError(f"engine endpoint {endpoint!r} must be ipc://<path>")
@@ -99,6 +112,8 @@ class EngineServer:
         self._timeout = call_timeout
         self._errors = errors
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="engine-call")
+        self.max_inflight = max_inflight if max_inflight is not None else 4 * max_workers
+        self.refused_busy = 0
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
         self._recv_task: asyncio.Task[None] | None = None
@@ -121,7 +136,8 @@ class EngineServer:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)  # per frame, in libzmq
+        sock.setsockopt(zmq.RCVHWM, _RCVHWM)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         sock.bind(self.endpoint)
         with contextlib.suppress(OSError):
@@ -134,7 +150,7 @@ class EngineServer:
         assert self._sock is not None
         while not self._closing:
             try:
-                msg = await self._sock.recv_multipart(copy=True)
+                msg = await self._recv_bounded(self._sock)
             except (zmq.ZMQError, asyncio.CancelledError):
                 if self._closing:
                     return
@@ -142,9 +158,40 @@ class EngineServer:
             if len(msg) < 2:
                 continue  # ROUTER always prepends the identity; nothing to answer to
             ident, frames = msg[0], msg[1:]
+            if len(self._inflight) >= self.max_inflight:
+                await self._refuse_busy(ident, frames)
+                continue
             task = asyncio.create_task(self._serve(ident, frames))
             self._inflight.add(task)
             task.add_done_callback(self._inflight.discard)
+
+    @staticmethod
+    async def _recv_bounded(sock: zmq.asyncio.Socket) -> list[bytes]:
+        """One message, keeping at most one frame past ``MAX_FRAMES`` and one frame
+        past ``MAX_MESSAGE_BYTES`` (enough for the decoder to name the excess);
+        further frames are read and dropped, never kept."""
+        kept = [await sock.recv(copy=True)]
+        total = 0
+        while sock.getsockopt(zmq.RCVMORE):
+            frame = await sock.recv(copy=True)
+            # kept[0] is the peer identity; the decoder limits the rest.
+            if len(kept) <= protocol.MAX_FRAMES + 1 and total <= protocol.MAX_MESSAGE_BYTES:
+                kept.append(frame)
+                total += len(frame)
+        return kept
+
+    async def _refuse_busy(self, ident: bytes, frames: list[bytes]) -> None:
+        self.refused_busy += 1
+        self._metrics.engine_requests.labels(op="busy", outcome="error").inc()
+        reply = protocol.encode_error(
+            protocol.peek_id(frames), "NotReady",
+            f"agent busy: {len(self._inflight)} engine calls in flight (limit "
+            f"{self.max_inflight}); retry after a short back-off")
+        assert self._sock is not None
+        try:
+            await self._sock.send_multipart([ident, *reply], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("Busy reply not sent", extra={"error": str(exc)})
 
     async def _serve(self, ident: bytes, frames: list[bytes]) -> None:
         start = time.perf_counter()

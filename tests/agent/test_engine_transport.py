@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -336,3 +337,67 @@ def test_cuda_handle_round_trip_in_process() -> None:
     out = subprocess.run([sys.executable, "-c", code], input=json.dumps(cuda_handle(t)),
                          capture_output=True, text=True, timeout=60, check=True).stdout
     assert float(out) == float(t.sum())
+
+
+async def test_calls_beyond_the_inflight_limit_are_refused_at_once(sock_path: Path) -> None:
+    gate = threading.Event()
+
+    def blocking(req: protocol.Request) -> Any:
+        if req.op == "release":
+            gate.wait(10)
+        return "done"
+
+    metrics = AgentMetrics()
+    server = EngineServer(f"ipc://{sock_path}", blocking, metrics, call_timeout=20,
+                          max_workers=1, max_inflight=2)
+    await server.start()
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(f"ipc://{sock_path}")
+    try:
+        for i in (1, 2):  # one runs, one waits for the single worker
+            raw.send_multipart(protocol.encode_request(i, "release", {"rid": "r", "rank": {}}))
+        await wait_for(lambda: server.inflight == 2, 5, "two calls in flight")
+        raw.send_multipart(protocol.encode_request(3, "release", {"rid": "r", "rank": {}}))
+        assert await asyncio.to_thread(raw.poll, 5000), "the busy call got no answer"
+        busy = protocol.decode_reply(raw.recv_multipart())
+        assert (busy.id, busy.ok, busy.error_type) == (3, False, "NotReady")
+        assert "agent busy" in (busy.error_message or "")
+        assert server.refused_busy == 1 and server.inflight == 2
+        assert metrics.engine_requests.labels(op="busy", outcome="error")._value.get() == 1
+        gate.set()
+        got = set()
+        for _ in (1, 2):
+            assert await asyncio.to_thread(raw.poll, 5000)
+            reply = protocol.decode_reply(raw.recv_multipart())
+            assert reply.ok and reply.result == "done"
+            got.add(reply.id)
+        assert got == {1, 2}
+    finally:
+        gate.set()
+        raw.close()
+        ctx.term()
+        await server.stop(grace=2.0)
+
+
+async def test_frames_past_the_limit_are_dropped_and_the_message_refused(
+        sock_path: Path) -> None:
+    server, _, _ = await _serve(sock_path)
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(f"ipc://{sock_path}")
+    try:
+        raw.send_multipart([b'{"v": 1, "id": 21, "op": "ping"}'] + [b"y" * 1024] * 500)
+        assert await asyncio.to_thread(raw.poll, 5000)
+        reply = protocol.decode_reply(raw.recv_multipart())
+        assert (reply.id, reply.error_type) == (21, "ProtocolError")
+        assert f"{protocol.MAX_FRAMES + 1} frames exceed the limit" in (reply.error_message or "")
+        raw.send_multipart(protocol.encode_request(22, "ping"))
+        assert await asyncio.to_thread(raw.poll, 5000)
+        assert protocol.decode_reply(raw.recv_multipart()).ok
+    finally:
+        raw.close()
+        ctx.term()
+        await server.stop()
