@@ -16,6 +16,7 @@ owns and unlinks the memory).
 from __future__ import annotations
 
 import base64
+import binascii
 import contextlib
 import math
 from dataclasses import dataclass
@@ -97,7 +98,73 @@ def _b64(b: bytes) -> str:
 def _unb64(v: object, key: str) -> bytes:
     if not isinstance(v, str):
         raise HandleError(f"handle field {key!r} must be base64 text, got {type(v).__name__}")
-    return base64.b64decode(v.encode("ascii"), validate=True)
+    try:
+        return base64.b64decode(v.encode("ascii"), validate=True)
+    except (UnicodeEncodeError, binascii.Error) as exc:
+        raise HandleError(
+            f"handle field {key!r} is not valid base64 ({exc}); send the bytes cuda_handle() "
+            "exported, unchanged"
+        ) from None
+
+
+def _int_field(h: dict[str, Any], key: str, lo: int = 0, default: int | None = None) -> int:
+    """``h[key]`` as an int >= ``lo``; ``HandleError`` naming the field, the bad value
+    and the fix when it is missing (without a default) or of another type."""
+    v = h.get(key, default)
+    if v is None:
+        raise HandleError(f"cuda_ipc handle has no {key!r} field; send the handle "
+                          "cuda_handle() exported, unchanged")
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+        raise HandleError(f"cuda_ipc handle field {key!r} is {v!r}; it must be an int >= {lo} "
+                          "(send the handle cuda_handle() exported, unchanged)")
+    return v
+
+
+@dataclass(frozen=True)
+class CudaHandleFields:
+    """A ``cuda_ipc`` handle's fields, checked (no GPU needed to check them)."""
+
+    device: int
+    handle: bytes
+    storage_size: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    tensor_offset: int
+
+
+def cuda_handle_fields(h: dict[str, Any]) -> CudaHandleFields:
+    """Check every field of a ``cuda_ipc`` handle; ``HandleError`` names the first bad
+    one, its value and the fix."""
+    dtype, shape = _dtype(h.get("dtype")), _shape(h.get("shape"))
+    stride = h.get("stride")
+    if (not isinstance(stride, list) or len(stride) != len(shape)
+            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
+                       for s in stride)):
+        raise HandleError(f"cuda_ipc handle stride {stride!r} must be a list of ints >= 0, "
+                          f"one per dimension of shape {list(shape)}")
+    event = h.get("eventHandle") or ""
+    sync = h.get("eventSyncRequired", False)
+    if not isinstance(sync, bool):
+        raise HandleError(f"cuda_ipc handle field 'eventSyncRequired' is {sync!r}; it must be "
+                          "true or false")
+    return CudaHandleFields(
+        device=_int_field(h, "device"),
+        handle=_unb64(h.get("handle"), "handle"),
+        storage_size=_int_field(h, "storageSize", lo=1),
+        storage_offset_bytes=_int_field(h, "storageOffsetBytes"),
+        ref_counter_handle=_unb64(h.get("refCounterHandle"), "refCounterHandle"),
+        ref_counter_offset=_int_field(h, "refCounterOffset"),
+        event_handle=_unb64(event, "eventHandle") if event else b"",
+        event_sync_required=sync,
+        dtype=dtype, shape=shape, stride=tuple(stride),
+        tensor_offset=_int_field(h, "tensorOffset", default=0),
+    )
 
 
 #: Segments this process created (their owner's tracker entry must stay).
@@ -154,27 +221,24 @@ def _open_shm(h: dict[str, Any]) -> OpenedBuffer:
 
 
 def _open_cuda(h: dict[str, Any]) -> OpenedBuffer:
+    f = cuda_handle_fields(h)
     if not torch.cuda.is_available():
         raise HandleError(
             "cuda_ipc handle received but CUDA is not available to the agent; run the "
             "agent on the GPU node with the NVIDIA runtime, or share CPU buffers (shm)"
         )
-    dtype, shape = _dtype(h.get("dtype")), _shape(h.get("shape"))
-    stride = h.get("stride")
-    if not isinstance(stride, list) or len(stride) != len(shape):
-        raise HandleError(f"cuda_ipc handle stride {stride!r} must match shape {list(shape)}")
-    storage = torch.UntypedStorage._new_shared_cuda(
-        int(h["device"]),
-        _unb64(h["handle"], "handle"),
-        int(h["storageSize"]),
-        int(h["storageOffsetBytes"]),
-        _unb64(h["refCounterHandle"], "refCounterHandle"),
-        int(h["refCounterOffset"]),
-        _unb64(h["eventHandle"], "eventHandle") if h.get("eventHandle") else b"",
-        bool(h.get("eventSyncRequired", False)),
-    )
-    t = torch.empty(0, dtype=dtype, device=storage.device)
-    t.set_(storage, int(h.get("tensorOffset", 0)), shape, tuple(int(s) for s in stride))
+    try:
+        storage = torch.UntypedStorage._new_shared_cuda(
+            f.device, f.handle, f.storage_size, f.storage_offset_bytes,
+            f.ref_counter_handle, f.ref_counter_offset, f.event_handle, f.event_sync_required,
+        )
+        t = torch.empty(0, dtype=f.dtype, device=storage.device)
+        t.set_(storage, f.tensor_offset, f.shape, f.stride)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise HandleError(
+            f"cuda_ipc handle for device {f.device} ({f.storage_size} bytes) cannot be opened: "
+            f"{exc}; the exporting engine must keep the tensor alive and run on this node"
+        ) from exc
     return OpenedBuffer(tensor=t, _keep=storage)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -32,7 +33,7 @@ from node_agent.client import (
     SharedKVBuffers,
 )
 from node_agent.engine_api import protocol
-from node_agent.engine_api.buffers import HandleError, open_buffer
+from node_agent.engine_api.buffers import HandleError, cuda_handle_fields, open_buffer
 from node_agent.engine_api.server import EngineServer, NotReadyError
 from node_agent.http.state import RecentErrors
 from node_agent.metrics import AgentMetrics
@@ -317,6 +318,56 @@ def test_shared_memory_buffers_alias_across_processes() -> None:
 def test_bad_handles_are_refused(handle: object, fragment: str) -> None:
     with pytest.raises(HandleError, match=fragment):
         open_buffer(handle)
+
+
+_GOOD_CUDA = {
+    "kind": "cuda_ipc", "device": 0, "handle": "AAAA", "storageSize": 64,
+    "storageOffsetBytes": 0, "refCounterHandle": "AAAA", "refCounterOffset": 0,
+    "eventHandle": "", "eventSyncRequired": False, "dtype": "float16", "shape": [4, 8],
+    "stride": [8, 1], "tensorOffset": 0,
+}
+
+
+@pytest.mark.parametrize(("change", "fragment"), [
+    ({"device": None}, "has no 'device' field"),
+    ({"device": "0"}, "field 'device' is '0'; it must be an int >= 0"),
+    ({"storageSize": 0}, "field 'storageSize' is 0; it must be an int >= 1"),
+    ({"refCounterOffset": 1.5}, "field 'refCounterOffset' is 1.5"),
+    ({"tensorOffset": True}, "field 'tensorOffset' is True"),
+    ({"handle": "not base64!"}, "field 'handle' is not valid base64"),
+    ({"handle": 17}, "field 'handle' must be base64 text, got int"),
+    ({"refCounterHandle": "ü"}, "field 'refCounterHandle' is not valid base64"),
+    ({"stride": [8]}, "stride [8] must be a list of ints >= 0, one per dimension"),
+    ({"stride": [8, "1"]}, "stride [8, '1'] must be a list"),
+    ({"eventSyncRequired": "yes"}, "'eventSyncRequired' is 'yes'; it must be true or false"),
+    ({"dtype": "int64"}, "dtype 'int64' is not supported"),
+])
+def test_bad_cuda_handle_fields_are_named(change: dict[str, Any], fragment: str) -> None:
+    handle = {k: v for k, v in {**_GOOD_CUDA, **change}.items() if v is not None}
+    with pytest.raises(HandleError) as err:
+        cuda_handle_fields(handle)
+    assert fragment in str(err.value)
+    # open_buffer checks the fields before it needs a GPU.
+    with pytest.raises(HandleError, match=re.escape(fragment)):
+        open_buffer(handle)
+
+
+def test_well_formed_cuda_handle_fields_parse() -> None:
+    f = cuda_handle_fields(dict(_GOOD_CUDA))
+    assert (f.device, f.storage_size, f.shape, f.stride) == (0, 64, (4, 8), (8, 1))
+    assert f.handle == b"\x00\x00\x00" and f.event_handle == b""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
+def test_cuda_handle_without_cuda_names_the_fix() -> None:
+    with pytest.raises(HandleError, match="CUDA is not available to the agent"):
+        open_buffer(dict(_GOOD_CUDA))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_unopenable_cuda_handle_is_a_handle_error() -> None:
+    with pytest.raises(HandleError, match="cannot be opened"):
+        open_buffer(dict(_GOOD_CUDA))
 
 
 def test_handle_larger_than_segment_is_refused() -> None:
