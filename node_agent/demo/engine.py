@@ -5,7 +5,10 @@ Per request it does what an engine with a KV connector does: ``lookup`` the
 prompt, ``retrieve`` the hit into fresh slots (and checks every loaded value
 bit-exactly), "prefill" the rest by writing :func:`.workload.kv_values` into the
 slots, ``store_kv`` prompt + reply, wait until ``poll_completed`` reports the
-request (its slots are then free) and ``release`` it.
+request (its slots are then free) and ``release`` it. When that wait times out
+the request's slots are quarantined (the agent may still read them) until a
+later ``poll_completed`` reports it; when no free run of slots is left the run
+fails naming the quarantined requests.
 
 Protocol with the runner, one JSON object per line on stdout:
 ``{"registered": rank}`` once the buffers are registered (then it waits for a
@@ -47,20 +50,53 @@ class DemoEngine:
                        "stored_tokens": 0, "mismatched_tokens": 0, "store_timeouts": 0}
         self._next = 0
         self._completed: set[str] = set()
+        self._quarantine: dict[str, np.ndarray] = {}
+        self._blocked = np.zeros(num_slots, dtype=np.bool_)
 
     def register(self) -> dict[str, Any]:
         """Register the shared buffers with the agent."""
         return self.client.register_kv_buffers(self.layout, self.bufs.handles)
 
     def _slots(self, n: int) -> np.ndarray:
+        """``n`` consecutive slots, round robin, never a quarantined one."""
         if n > self.num_slots:
             raise ValueError(f"request of {n} tokens exceeds the engine's {self.num_slots} "
                              "slots; raise --num-slots")
-        if self._next + n > self.num_slots:
-            self._next = 0
-        slots = np.arange(self._next, self._next + n, dtype=np.int64)
-        self._next += n
-        return slots
+        for attempt in range(2):
+            if attempt and self._quarantine:
+                self._poll()  # a late completion may have freed quarantined slots
+            for start in (self._next, 0):
+                first = self._free_run(start, n)
+                if first is not None:
+                    self._next = first + n
+                    return np.arange(first, first + n, dtype=np.int64)
+        raise RuntimeError(
+            f"no {n} consecutive slots are free: {int(self._blocked.sum())} of "
+            f"{self.num_slots} are quarantined by stores that did not complete within "
+            f"{self.store_wait}s ({', '.join(sorted(self._quarantine))}); the agent may still "
+            "read them. Raise --timeout or --num-slots, or check the agents' /status"
+        )
+
+    def _free_run(self, start: int, n: int) -> int | None:
+        p = start
+        while p + n <= self.num_slots:
+            busy = np.flatnonzero(self._blocked[p:p + n])
+            if not len(busy):
+                return p
+            p += int(busy[-1]) + 1
+        return None
+
+    def _quarantine_slots(self, rid: str, slots: np.ndarray) -> None:
+        """A store of ``rid`` did not complete in time: its source slots may still be
+        read, so they are not reused until ``poll_completed`` reports ``rid``."""
+        self._quarantine[rid] = slots
+        self._blocked[slots] = True
+
+    def _poll(self) -> None:
+        self._completed.update(self.client.poll_completed())
+        for rid in [r for r in self._quarantine if r in self._completed]:
+            self._blocked[self._quarantine.pop(rid)] = False
+            self._completed.discard(rid)
 
     def _bits(self, plane: torch.Tensor) -> torch.Tensor:
         """The plane as integers of the same width: copies and compares are bit-exact
@@ -106,6 +142,7 @@ class DemoEngine:
         task = int(self._timed("store_kv", self.client.store_kv, req.rid, full, slots))
         if task >= 0 and not self._wait_stored(req.rid):
             self.counts["store_timeouts"] += 1
+            self._quarantine_slots(req.rid, slots)
         self.latencies["store_done"].append(time.perf_counter() - t0)
         self.client.release(req.rid)
         self.counts["requests"] += 1
@@ -118,7 +155,7 @@ class DemoEngine:
         deadline = time.monotonic() + self.store_wait
         pause = 0.0005
         while rid not in self._completed:
-            self._completed.update(self.client.poll_completed())
+            self._poll()
             if rid in self._completed:
                 break
             if time.monotonic() > deadline:
