@@ -35,6 +35,7 @@ from node_agent.pp.messages import (
     MalformedMessage,
     Message,
     decode,
+    decode_many,
     is_batch,
     unpack,
     unpack_batch,
@@ -165,23 +166,32 @@ class FanoutServer:
             log.warning("Dropped a malformed fan-out batch", extra={"error": str(exc)})
             self._drop("?", "malformed")
             return
-        for m in messages:
-            self._dispatch([m])
+        for frame, msg in zip(messages, decode_many(messages), strict=True):
+            if isinstance(msg, MalformedMessage):
+                self._malformed([frame], msg)
+            else:
+                self._deliver(msg)
 
     def _dispatch(self, frames: list[bytes]) -> None:
         try:
             msg = decode(frames)
         except MalformedMessage as exc:
-            group = "?"
-            try:
-                if len(frames) == 1:
-                    group = unpack(frames[0])[1].decode(errors="replace")[:64] or "?"
-            except MalformedMessage:
-                pass
-            log.warning("Dropped a malformed fan-out message",
-                        extra={"group": group, "error": str(exc)})
-            self._drop(group, "malformed")
+            self._malformed(frames, exc)
             return
+        self._deliver(msg)
+
+    def _malformed(self, frames: list[bytes], exc: MalformedMessage) -> None:
+        group = "?"
+        try:
+            if len(frames) == 1:
+                group = unpack(frames[0])[1].decode(errors="replace")[:64] or "?"
+        except MalformedMessage:
+            pass
+        log.warning("Dropped a malformed fan-out message",
+                    extra={"group": group, "error": str(exc)})
+        self._drop(group, "malformed")
+
+    def _deliver(self, msg: Message) -> None:
         with self._lock:
             handler = self._handlers.get(msg.env.group)
         if handler is None:

@@ -307,7 +307,14 @@ def _encode_decision(d: Decision) -> list[bytes]:
     return [body, d.rid.encode(), (d.error or "").encode(), *extra]
 
 
-def _decode_decision(op: Op, frames: list[bytes]) -> Decision:
+_Deferred = list[tuple[int, bytes]]
+"""Plan-run frames decoded without their value checks: ``(plan count, frame)``."""
+
+
+def _decode_decision(op: Op, frames: list[bytes], defer: _Deferred | None = None) -> Decision:
+    """``defer``: when given, the plan runs' value checks are left to the caller
+    (:func:`decode_many` runs them for many messages at once); the frame is
+    appended to it."""
     if len(frames) < 3 or len(frames[0]) != _DECISION.size:
         raise MalformedMessage(f"{op.name} needs a {_DECISION.size}-byte body, rid and error")
     n, task_id, length, start, stop, plan, flags = _DECISION.unpack(frames[0])
@@ -336,7 +343,11 @@ def _decode_decision(op: Op, frames: list[bytes]) -> Decision:
     if plan >= 0:
         if len(arrays) != 1:
             raise MalformedMessage(f"{op.name} with a plan needs one plan frame")
-        runs = _decode_runs(plan, arrays[0])
+        if defer is None:
+            runs = _decode_runs(plan, arrays[0])
+        else:
+            runs = _runs_array(arrays[0])
+            defer.append((plan, arrays[0]))
         if (plan == 0) != (total == 0) or (plan and total % plan):
             raise MalformedMessage(f"Mask of {total} tokens cannot cover {plan} plan blocks")
     elif plan != -1 or arrays:
@@ -548,6 +559,13 @@ def _expect_frames(frames: list[bytes], n: int, op: Op) -> None:
         raise MalformedMessage(f"{op.name} needs {n} frames, got {len(frames)}")
 
 
+def _runs_array(frame: bytes) -> npt.NDArray[np.int64]:
+    """The runs of a plan frame, unchecked but for the frame length."""
+    if len(frame) % 12:
+        raise MalformedMessage(f"Plan frame length {len(frame)} is not a multiple of 12")
+    return np.frombuffer(frame, dtype="<i4").astype(np.int64).reshape(-1, 3)
+
+
 def _decode_runs(count: int, frame: bytes) -> npt.NDArray[np.int64]:
     if len(frame) % 12:
         raise MalformedMessage(f"Plan frame length {len(frame)} is not a multiple of 12")
@@ -616,8 +634,64 @@ def _decode_body(op: Op, fields: dict[str, Any], arrays: list[bytes]) -> Body:
     )
 
 
-def decode_sections(frames: list[bytes]) -> Message:
-    """Decode sections into a :class:`Message`; raises :class:`MalformedMessage`."""
+def decode_many(frames: list[bytes]) -> list[Message | MalformedMessage]:
+    """Decode each frame exactly as :func:`decode` would (one message per frame).
+
+    Each result is the :class:`Message`, or the :class:`MalformedMessage` that
+    :func:`decode` would raise for that frame; one bad frame never spoils the
+    others. The plan runs' value checks (tier codes, indices, non-empty runs,
+    block totals) run once over all frames together, which is what makes a
+    batch cheaper to decode than its messages one by one.
+    """
+    out: list[Message | MalformedMessage] = []
+    deferred: list[tuple[int, int, bytes]] = []
+    pending: _Deferred = []
+    for f in frames:
+        try:
+            msg = decode_sections(unpack(f), pending)
+        except MalformedMessage as exc:
+            pending.clear()
+            out.append(exc)
+            continue
+        if pending:
+            plan, raw = pending.pop()
+            deferred.append((len(out), plan, raw))
+        out.append(msg)
+    if deferred:
+        _check_runs_together(out, deferred)
+    return out
+
+
+def _check_runs_together(out: list[Message | MalformedMessage],
+                         deferred: list[tuple[int, int, bytes]]) -> None:
+    """The checks of :func:`_decode_runs` over many plan frames at once; a
+    message whose runs fail becomes the :class:`MalformedMessage` in ``out``."""
+    flat = np.frombuffer(b"".join(raw for _, _, raw in deferred), dtype="<i4")
+    counts = flat[2::3]
+    valid = not flat.size or (
+        flat.min() >= 0 and flat[0::3].max() < len(_TIER_BY_CODE) and counts.min() > 0
+    )
+    if not valid:  # rare: find the culprits one by one
+        for i, plan, raw in deferred:
+            try:
+                _decode_runs(plan, raw)
+            except MalformedMessage as exc:
+                out[i] = exc
+        return
+    rows = np.fromiter((len(raw) // 12 for _, _, raw in deferred), np.int64, len(deferred))
+    starts = np.cumsum(rows) - rows
+    covered = np.zeros(len(deferred), dtype=np.int64)
+    nonempty = rows > 0
+    if nonempty.any():
+        covered[nonempty] = np.add.reduceat(counts, starts[nonempty], dtype=np.int64)
+    for (i, plan, _), c in zip(deferred, covered.tolist(), strict=True):
+        if c != plan:
+            out[i] = MalformedMessage(f"Plan runs cover {c} blocks, header says {plan}")
+
+
+def decode_sections(frames: list[bytes], defer: _Deferred | None = None) -> Message:
+    """Decode sections into a :class:`Message`; raises :class:`MalformedMessage`.
+    ``defer``: see :func:`_decode_decision`."""
     if len(frames) < 3:
         raise MalformedMessage(f"A message has at least 3 frames, got {len(frames)}")
     if len(frames[0]) != _HEADER.size:
@@ -638,7 +712,7 @@ def decode_sections(frames: list[bytes]) -> Message:
         raise MalformedMessage(f"Group name {group!r} is empty or too long")
     env = Envelope(op, group, epoch, seq, sent_at)
     if op is Op.PUT or op is Op.GET:
-        return Message(env, _decode_decision(op, frames[2:]))
+        return Message(env, _decode_decision(op, frames[2:], defer))
     try:
         fields = json.loads(frames[2].decode())
     except (UnicodeDecodeError, ValueError) as exc:

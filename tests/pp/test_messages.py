@@ -23,6 +23,7 @@ from node_agent.pp.messages import (
     Hello,
     Kind,
     MalformedMessage,
+    Message,
     Moves,
     Op,
     Release,
@@ -30,11 +31,14 @@ from node_agent.pp.messages import (
     Result,
     Sync,
     decode,
+    decode_many,
     decode_sections,
     encode,
     encode_sections,
     is_batch,
+    pack,
     pack_batch,
+    unpack,
     unpack_batch,
 )
 
@@ -250,3 +254,45 @@ def test_plan_index_beyond_the_wire_limit_is_refused_at_encode() -> None:
     d = Decision(Direction.STORE, "big", 0, 1, mask, runs)
     with pytest.raises(ValueError, match="above 2147483647, the wire limit"):
         encode(Envelope(Op.PUT, "g", 1, 1), d)
+
+
+def test_decode_many_gives_each_frame_what_decode_gives_it() -> None:
+    """The shared plan checks of a batch find exactly the frames decode() refuses."""
+    good = [encode(Envelope(Op.PUT, "g", 1, i), _decision(Direction.STORE, [3, 4, 9, 10 + i]))[0]
+            for i in range(4)]
+    sections = unpack(good[0])
+    runs = np.frombuffer(sections[-1], dtype="<i4").copy()
+    neg = runs.copy()
+    neg[1] = -5  # a negative block index
+    short = runs.copy()
+    short[2] -= 1  # the runs cover fewer blocks than the header says
+    bad_tier = runs.copy()
+    bad_tier[0] = 7
+    bad = [pack([*sections[:-1], r.tobytes()]) for r in (neg, short, bad_tier)]
+    frames = [good[0], bad[0], good[1], bad[1], b"\x03junk", good[2], bad[2], good[3]]
+    results = decode_many(frames)
+    for frame, got in zip(frames, results, strict=True):
+        try:
+            want: object = decode([frame])
+        except MalformedMessage as exc:
+            assert isinstance(got, MalformedMessage), frame[:16]
+            assert str(got) == str(exc)
+            continue
+        assert isinstance(got, Message)
+        assert got.env == want.env  # type: ignore[attr-defined]
+        assert isinstance(got.body, Decision)
+        np.testing.assert_array_equal(got.body.runs, want.body.runs)  # type: ignore[attr-defined]
+        np.testing.assert_array_equal(got.body.mask, want.body.mask)  # type: ignore[attr-defined]
+    assert [isinstance(r, Message) for r in results] == [True, False, True, False, False,
+                                                         True, False, True]
+
+
+def test_decode_many_with_only_valid_plans_checks_their_totals() -> None:
+    frames = [encode(Envelope(Op.PUT, "g", 1, i), _decision(Direction.STORE, list(range(i))))[0]
+              for i in range(1, 5)]
+    frames.append(encode(Envelope(Op.PUT, "g", 1, 9),
+                         Decision(Direction.STORE, "empty", 0, 3, np.zeros(8, np.bool_),
+                                  np.zeros((0, 3), np.int64)))[0])
+    results = decode_many(frames)
+    assert all(isinstance(r, Message) for r in results)
+    assert [r.body.num_blocks for r in results] == [1, 2, 3, 4, 0]  # type: ignore[union-attr]
