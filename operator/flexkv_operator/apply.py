@@ -3,12 +3,23 @@
 A child is current when its ``flexkv.io/spec-hash`` annotation equals the hash of
 the new rendering; only then is no write made. This avoids comparing fields the
 API server defaults, and keeps a steady-state reconcile free of writes.
+
+A JSON merge patch only sets what it names, so a map key dropped from the
+rendering (a nodeSelector entry, the scrape annotations, a service label) would
+stay on the live object. Every create and patch therefore records the rendering
+in the ``flexkv.io/last-applied`` annotation (as ``kubectl apply`` does), and the
+next patch sends ``null`` for every map key that rendering had and the new one
+lacks. Lists are replaced whole by a merge patch, so they need nothing. A child
+without the annotation (written by an older operator) gets no removals once, and
+the annotation from then on.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import copy
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +29,8 @@ from flexkv_operator.children import ANNOTATION_SPEC_HASH, PoolIdentity, render_
 from flexkv_operator.kube import Conflict, KubeClient, api_path
 
 logger = logging.getLogger(__name__)
+
+ANNOTATION_LAST_APPLIED = "flexkv.io/last-applied"
 
 _PLURALS = {
     "ConfigMap": "configmaps",
@@ -46,9 +59,53 @@ def object_path(manifest: dict[str, Any], with_name: bool = True) -> str:
     )
 
 
+def removal_patch(last: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """``new`` as a merge patch over an object last written from ``last``: every map
+    key of ``last`` missing from ``new`` (at any depth of nested maps) becomes None."""
+    patch: dict[str, Any] = {}
+    for key, value in new.items():
+        before = last.get(key)
+        if isinstance(value, dict) and isinstance(before, dict):
+            patch[key] = removal_patch(before, value)
+        else:
+            patch[key] = value
+    for key in last:
+        if key not in new:
+            patch[key] = None
+    return patch
+
+
+def _last_applied(live: dict[str, Any]) -> dict[str, Any] | None:
+    text = ((live.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_LAST_APPLIED)
+    if not isinstance(text, str):
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        logger.warning(
+            "Ignoring unreadable last-applied annotation",
+            extra={"kind": live.get("kind"), "child": (live.get("metadata") or {}).get("name")},
+        )
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _with_last_applied(manifest: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``manifest`` recording its rendering (without apiVersion and kind)
+    in the last-applied annotation."""
+    rendering = {k: v for k, v in manifest.items() if k not in ("apiVersion", "kind")}
+    stamped = copy.deepcopy(manifest)
+    stamped["metadata"].setdefault("annotations", {})[ANNOTATION_LAST_APPLIED] = json.dumps(
+        rendering, sort_keys=True, separators=(",", ":")
+    )
+    return stamped
+
+
 async def apply_child(client: KubeClient, manifest: dict[str, Any]) -> ApplyResult:
-    """Create the child, or merge-patch it when its spec hash differs."""
+    """Create the child, or merge-patch it when its spec hash differs, removing the
+    map keys the previous rendering had and this one lacks (module docstring)."""
     kind, name = manifest["kind"], manifest["metadata"]["name"]
+    manifest = _with_last_applied(manifest)
     live = await client.get_or_none(object_path(manifest))
     if live is None:
         try:
@@ -61,7 +118,9 @@ async def apply_child(client: KubeClient, manifest: dict[str, Any]) -> ApplyResu
     have = ((live.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_SPEC_HASH)
     if have == wanted:
         return ApplyResult(kind, name, "unchanged", live)
-    patch = {key: value for key, value in manifest.items() if key not in ("apiVersion", "kind")}
+    new = {key: value for key, value in manifest.items() if key not in ("apiVersion", "kind")}
+    last = _last_applied(live)
+    patch = removal_patch(last, new) if last is not None else new
     patched = await client.patch(object_path(manifest), patch)
     return ApplyResult(kind, name, "updated", patched)
 

@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 ENV_AGENT_IMAGE = "FLEXKV_AGENT_IMAGE"
 ENV_AGENT_SERVICE_ACCOUNT = "FLEXKV_AGENT_SERVICE_ACCOUNT"
 ENV_OPERATOR_ID = "FLEXKV_OPERATOR_ID"
+ENV_REMOVED_NODE_LEASES = "FLEXKV_REMOVED_NODE_LEASE_DURATIONS"
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,9 @@ class OperatorSettings:
     service_account: str
     resync_seconds: float = 30.0
     node_cache_seconds: float = 60.0
+    # An agent whose node left the cluster is dropped (and its Lease deleted) once
+    # its Lease has been silent for more than this many lease durations.
+    removed_node_lease_durations: float = 10.0
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> OperatorSettings:
@@ -39,7 +43,21 @@ class OperatorSettings:
             identity=env.get(ENV_OPERATOR_ID) or env.get("POD_NAME") or socket.gethostname(),
             default_image=env.get(ENV_AGENT_IMAGE, ""),
             service_account=env.get(ENV_AGENT_SERVICE_ACCOUNT) or "flexkv-agent",
+            removed_node_lease_durations=_positive(env, ENV_REMOVED_NODE_LEASES, 10.0),
         )
+
+
+def _positive(env: dict[str, str], name: str, default: float) -> float:
+    text = env.get(name)
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if value <= 0:
+        raise ValueError(f"{name}={text!r} must be a positive number (default {default})")
+    return value
 
 
 @dataclass

@@ -6,6 +6,11 @@ resourceVersion) change within the last ``leaseDurationSeconds`` of the
 operator's clock; the holder's timestamps are never compared with that clock.
 After an operator restart every Lease counts as just seen, so a dead holder is
 declared lost one lease duration later, never earlier.
+
+One pool per node: the Lease name holds only the node, so two pools in one
+namespace on one node share (and keep flipping) one Lease, and two pools in
+different namespaces collide on the node's engine socket and shared memory.
+:meth:`LeaseTracker.overlaps` reports both cases for the pool's status.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class AgentRecord:
     lease_duration: int | None
     renew_marker: str
     problems: tuple[str, ...] = ()
+    resource_version: str = ""
 
     def significant(self) -> tuple[Any, ...]:
         """Everything except the heartbeat itself: a change here needs a reconcile."""
@@ -125,6 +131,7 @@ def parse_lease(body: dict[str, Any]) -> AgentRecord | None:
         lease_duration=int(duration) if isinstance(duration, int) and duration > 0 else None,
         renew_marker=f"{spec.get('renewTime')}|{meta.get('resourceVersion')}",
         problems=tuple(problems),
+        resource_version=str(meta.get("resourceVersion") or ""),
     )
 
 
@@ -143,6 +150,32 @@ class AgentView:
     fresh: bool
     expires_at: float
     last_heartbeat: datetime.datetime
+    silent_for: float = 0.0  # seconds since the operator last saw the Lease change
+    duration: float = 0.0  # the lease duration it was judged with
+
+
+def removed_agents(
+    agents: list[AgentView], node_names: set[str] | None, stale_durations: float
+) -> list[AgentView]:
+    """Agents of nodes that left the cluster: silent for more than ``stale_durations``
+    lease durations and on a node not in ``node_names``. None (nodes unreadable)
+    removes nothing: a node is only judged gone when the list says so."""
+    if node_names is None:
+        return []
+    return [
+        view
+        for view in agents
+        if not view.fresh
+        and view.silent_for > stale_durations * view.duration
+        and view.record.node not in node_names
+    ]
+
+
+@dataclass(frozen=True)
+class _Flip:
+    old_pool: str
+    new_pool: str
+    at: float
 
 
 @dataclass
@@ -153,7 +186,14 @@ class LeaseTracker:
     wall_clock: Callable[[], datetime.datetime] = field(
         default=lambda: datetime.datetime.now(datetime.UTC)
     )
+    flip_memory: float = 300.0
     _seen: dict[tuple[str, str], _Seen] = field(default_factory=dict)
+    _flips: dict[tuple[str, str], _Flip] = field(default_factory=dict)
+
+    def pool_of(self, namespace: str, lease: str) -> str | None:
+        """The pool a tracked Lease named last, or None."""
+        seen = self._seen.get((namespace, lease))
+        return seen.record.pool if seen else None
 
     def observe(self, body: dict[str, Any]) -> bool:
         """Record a Lease as seen now; return True if a reconcile is needed
@@ -171,12 +211,25 @@ class LeaseTracker:
             previous.changed_wall = self.wall_clock()
         significant = previous.record.significant() != record.significant()
         revived = previous.record.pool != record.pool
+        if revived:
+            self._flips[key] = _Flip(previous.record.pool, record.pool, self.clock())
+            logger.warning(
+                "Agent Lease changed pool; two pools run on one node",
+                extra={
+                    "lease": record.lease,
+                    "namespace": record.namespace,
+                    "node": record.node,
+                    "old_pool": previous.record.pool,
+                    "new_pool": record.pool,
+                },
+            )
         previous.record = record
         return significant or revived
 
     def forget(self, namespace: str, lease: str) -> AgentRecord | None:
         """Drop a deleted Lease; return what it was, so its pool can be reconciled."""
         seen = self._seen.pop((namespace, lease), None)
+        self._flips.pop((namespace, lease), None)
         return seen.record if seen else None
 
     def forget_pool(self, namespace: str, pool: str) -> None:
@@ -194,8 +247,48 @@ class LeaseTracker:
                 continue
             duration = seen.record.lease_duration or default_duration
             expires = seen.changed_at + duration
-            views.append(AgentView(seen.record, now < expires, expires, seen.changed_wall))
+            views.append(
+                AgentView(
+                    seen.record,
+                    now < expires,
+                    expires,
+                    seen.changed_wall,
+                    silent_for=now - seen.changed_at,
+                    duration=float(duration),
+                )
+            )
         return sorted(views, key=lambda v: (v.record.node, v.record.lease))
+
+    def overlaps(self, namespace: str, pool: str) -> list[str]:
+        """Messages naming every other pool that claims a node of ``pool``: a Lease of
+        another namespace on the same node, or a Lease whose pool label flipped
+        between ``pool`` and another within the last ``flip_memory`` seconds."""
+        found: dict[tuple[str, str, str], str] = {}
+        mine = {
+            s.record.node
+            for (ns, _), s in self._seen.items()
+            if ns == namespace and s.record.pool == pool
+        }
+        for (ns, _), seen in self._seen.items():
+            other = (ns, seen.record.pool)
+            if other != (namespace, pool) and seen.record.node in mine:
+                found[(*other, seen.record.node)] = f"Lease {ns}/{seen.record.lease}"
+        now = self.clock()
+        for (ns, lease), flip in self._flips.items():
+            if ns != namespace or now - flip.at >= self.flip_memory:
+                continue
+            if pool not in (flip.old_pool, flip.new_pool):
+                continue
+            other_pool = flip.new_pool if flip.old_pool == pool else flip.old_pool
+            holder = self._seen.get((ns, lease))
+            node = holder.record.node if holder else lease
+            found[(ns, other_pool, node)] = f"Lease {ns}/{lease} switches between both pools"
+        return [
+            f"Pools {namespace}/{pool} and {ns}/{other} both run an agent on node {node} "
+            f"({how}); run one pool per node: give the pools disjoint "
+            "spec.placement.nodeSelector"
+            for (ns, other, node), how in sorted(found.items())
+        ]
 
     def __len__(self) -> int:
         return len(self._seen)

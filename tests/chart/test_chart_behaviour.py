@@ -35,7 +35,8 @@ OPERATOR_RULES = [
      "verbs": ["get", "create", "patch"]},
     {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"],
      "verbs": ["get", "create", "patch"]},
-    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["list", "watch"]},
+    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+     "verbs": ["list", "watch", "delete"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
 ]
 # Cluster-wide: listing nodes for sizing. kopf's CRD/namespace scanning is off.

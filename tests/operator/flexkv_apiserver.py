@@ -9,7 +9,8 @@ behaves, plus fault injection:
   ``resourceVersion``; ``status`` is dropped for resources with a status
   subresource (flexkv.io kinds);
 * patch: a ``metadata.resourceVersion`` in the body is a precondition (409
-  ``Conflict`` when stale); every accepted patch gets a new resourceVersion; a
+  ``Conflict`` when stale); so is ``preconditions.resourceVersion`` in the
+  DeleteOptions body of a delete; every accepted patch gets a new resourceVersion; a
   patch of ``/status`` changes only ``status``; a patch of the main resource
   ignores ``status`` for flexkv.io kinds and bumps ``generation`` when ``spec``
   changes;
@@ -189,6 +190,20 @@ class ApiServer(kmock.KubernetesEmulator, DirectRouting):
             data["metadata"]["generation"] = int(current["metadata"].get("generation", 1)) + 1
         data["metadata"]["resourceVersion"] = str(next(self._versions))
 
+    def _check_delete_precondition(self, request: kmock.Request) -> None:
+        wanted = (request.data.get("preconditions") or {}).get("resourceVersion")
+        key = (request.resource, request.namespace, request.name)
+        if wanted is None or key not in self.objects or self.objects[key].deleted:
+            return
+        have = self.objects[key].raw.get("metadata", {}).get("resourceVersion")
+        if wanted != have:
+            self.conflicts += 1
+            raise KubernetesError(
+                status=409,
+                reason="Conflict",
+                message=f"Precondition failed: resourceVersion {wanted} != {have}",
+            )
+
     def _trim_history(self) -> None:
         limit = self.history_limit
         if limit is not None and len(self._requests) > 2 * limit:
@@ -200,6 +215,10 @@ class ApiServer(kmock.KubernetesEmulator, DirectRouting):
             return await super()._handle(request)
         self._check_faults(request)
         action = request.action
+        if action == kmock.action.DELETE and isinstance(request.data, dict):
+            async with self._write_lock:
+                self._check_delete_precondition(request)
+                return await super()._handle(request)
         if action in (kmock.action.CREATE, kmock.action.UPDATE) and isinstance(request.data, dict):
             async with self._write_lock:
                 if action == kmock.action.CREATE:

@@ -53,6 +53,22 @@ async def test_stale_resource_version_precondition_is_a_409(api: ApiServer) -> N
     assert api.conflicts == 1
 
 
+async def test_delete_with_a_stale_resource_version_precondition_is_a_409(
+    api: ApiServer,
+) -> None:
+    first = await create(api, POOLS, {"metadata": {"name": "p"}, "spec": {}})
+    rv = first["metadata"]["resourceVersion"]
+    await patch(api, POOLS, "p", {"spec": {"a": 1}})
+    options = {"kind": "DeleteOptions", "preconditions": {"resourceVersion": rv}}
+    stale = await api.delete(f"{POOL_PATH}/p", json=options)
+    assert stale.status == 409 and api.stored(POOLS, NS, "p") is not None
+    current = api.stored(POOLS, NS, "p")["metadata"]["resourceVersion"]  # type: ignore[index]
+    options["preconditions"] = {"resourceVersion": current}
+    ok = await api.delete(f"{POOL_PATH}/p", json=options)
+    assert ok.status == 200 and api.stored(POOLS, NS, "p") is None
+    assert api.conflicts == 1
+
+
 async def test_injected_faults_answer_before_touching_state(api: ApiServer) -> None:
     fault = api.fail(500, action="create", plural="kvcachepools", times=2)
     for _ in range(2):

@@ -105,10 +105,12 @@ agent.namespaces, else the watched namespaces, else the release namespace.
 The operator's namespaced permissions, used by its Role in each watched
 namespace or by its ClusterRole in all-namespaces mode. Each verb is one the
 operator uses (docs/helm.md, "RBAC"): kopf watches pools, agent Leases and the
-agents' DaemonSets; every reconcile re-reads its pool by name (get); the operator writes pool and group status through the
-status subresource, creates and merge-patches groups and pool children (never
-PUT, so no "update"), deletes groups whose replica is gone (children go by
-owner reference), and posts Events. tests/chart checks this exact list.
+agents' DaemonSets; every reconcile re-reads its pool by name (get); the
+operator writes pool and group status through the status subresource,
+creates and merge-patches groups and pool children (never PUT, so no
+"update"), deletes groups whose replica is gone (children go by
+owner reference), deletes the Leases of agents whose node left the cluster,
+and posts Events. tests/chart checks this exact list.
 */}}
 {{- define "flexkv-operator.operatorNamespacedRules" -}}
 - apiGroups: ["flexkv.io"]
@@ -134,7 +136,7 @@ owner reference), and posts Events. tests/chart checks this exact list.
   verbs: ["get", "create", "patch"]
 - apiGroups: ["coordination.k8s.io"]
   resources: ["leases"]
-  verbs: ["list", "watch"]
+  verbs: ["list", "watch", "delete"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
