@@ -34,7 +34,8 @@ SLOTS = 8
 _MASK64 = (1 << 64) - 1
 #: What key 0 is stored as (0 marks an empty slot).
 ZERO_STANDIN = 0x9E3779B97F4A7C15
-_SHIFT = np.log2(np.float64(256))  # bits per byte of the match mask
+# Multiplying a single set byte 2^(8c) by this puts c in the top byte.
+_BYTE_INDEX = np.uint64(0x0001020304050607)
 
 
 def as_keys(hashes: Sequence[int], wide: bool = False) -> Keys:
@@ -48,11 +49,15 @@ def as_keys(hashes: Sequence[int], wide: bool = False) -> Keys:
     return keys
 
 
-def _first_set_byte(rows: npt.NDArray[np.bool_]) -> npt.NDArray[np.intp]:
-    """Per row of an ``(m, 8)`` bool array with a True, the column of its first True."""
-    bits = rows.view("<u8").ravel()
+def _row_bits(rows: npt.NDArray[np.bool_]) -> Keys:
+    """Each row of an ``(m, 8)`` bool array as one uint64, column ``c`` in byte ``c``."""
+    return rows.view("<u8").ravel()
+
+
+def _first_set_byte(bits: Keys) -> npt.NDArray[np.intp]:
+    """For non-zero :func:`_row_bits` values, the column of the row's first True."""
     lowest = bits & (~bits + np.uint64(1))
-    return (np.log2(lowest.astype(np.float64)) / _SHIFT).astype(np.intp)
+    return ((lowest * _BYTE_INDEX) >> np.uint64(56)).astype(np.intp)
 
 
 class KeyTable:
@@ -87,10 +92,10 @@ class KeyTable:
         idx = np.arange(n)
         b = (keys & np.uint64(self._bmask)).astype(np.intp)
         for _ in range(self._bmask + 1):  # at most one pass over every bucket
-            eq = self._keys.take(b, axis=0) == keys[:, None]
-            hit = eq.view("<u8").ravel() != 0
+            bits = _row_bits(self._keys.take(b, axis=0) == keys[:, None])
+            hit = bits != 0
             if hit.any():
-                out[idx[hit]] = b[hit] * SLOTS + _first_set_byte(eq[hit])
+                out[idx[hit]] = b[hit] * SLOTS + _first_set_byte(bits[hit])
             more = ~hit & (self._over.take(b) > 0)
             if not more.any():
                 break
@@ -131,21 +136,22 @@ class KeyTable:
         b = (keys & np.uint64(self._bmask)).astype(np.intp)
         while len(idx):
             self._claim[b] = idx  # several keys of one bucket: one of them wins this round
-            win = self._claim.take(b) == idx
+            win = np.flatnonzero(self._claim.take(b) == idx)
             wb = b[win]
-            free = self._vals.take(wb, axis=0) < 0
-            has = free.view("<u8").ravel() != 0
-            slot = wb[has] * SLOTS + _first_set_byte(free[has])
-            placed = idx[win][has]
+            bits = _row_bits(self._vals.take(wb, axis=0) < 0)
+            has = bits != 0
+            done = win[has]
+            placed = idx[done]
+            slot = wb[has] * SLOTS + _first_set_byte(bits[has])
             self._kflat[slot] = keys[placed]
             self._vflat[slot] = ids[placed]
-            full = wb[~has]  # distinct buckets (one winner each): move on, counted
-            self._over[full] += 1
-            nb = b.copy()
-            nb[np.flatnonzero(win)[~has]] = (full + 1) & self._bmask
-            keep = ~win
-            keep[np.flatnonzero(win)[~has]] = True
-            idx, b = idx[keep], nb[keep]
+            moved = win[~has]  # home full: distinct buckets (one winner each), counted
+            if len(moved):
+                self._over[b[moved]] += 1
+                b[moved] = (b[moved] + 1) & self._bmask
+            keep = np.ones(len(idx), dtype=np.bool_)
+            keep[done] = False
+            idx, b = idx[keep], b[keep]
         self.count += n
 
     def delete_at(self, slots: Ids, keys: Keys) -> None:
