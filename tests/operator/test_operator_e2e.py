@@ -288,6 +288,9 @@ async def test_two_racing_operators_never_publish_two_leaders_for_one_epoch(api:
                 LEASE + RETRY + 8,
                 f"leader after losing {lost}",
             )
+    # The race really happened: conditional group writes were refused with 409 and
+    # the losing operator re-read and decided again.
+    assert api.conflicts > 0, "no conditional write conflicted; the race was not exercised"
     by_epoch = leaders_by_epoch(api)
     assert all(len(leaders) == 1 for leaders in by_epoch.values()), by_epoch
     epochs = sorted(by_epoch)
@@ -312,9 +315,12 @@ async def test_restart_resumes_without_duplicates_or_new_epochs(api: ApiServer) 
         secret = api.stored("v1/secrets", NS, "pool-curve")
         ds_version = api.stored(DAEMONSETS, NS, "pool-agent")["metadata"]["resourceVersion"]  # type: ignore[index]
         creates_before = len(api[kmock.action.CREATE])
+        # Only the operator lists groups (at the end of its first reconcile of a pool),
+        # so a new list proves the second operator reconciled the pool itself.
+        group_lists_before = group_lists(api)
         async with running_operator(api, "second"):
             await wait_for(
-                lambda: status(api).get("agents") and len(api[kmock.action.FETCH]) > 0, 10, "resync"
+                lambda: group_lists(api) > group_lists_before, 10, "the second operator's reconcile"
             )
             await asyncio.sleep(LEASE + RETRY)  # past one lease duration: nothing expires
             assert group(api)["epoch"] == 1 and group(api)["leader"]["node"] == "node-a"
@@ -326,6 +332,14 @@ async def test_restart_resumes_without_duplicates_or_new_epochs(api: ApiServer) 
         ]
         for plural, names in CHILDREN.items():
             assert api.names(plural, NS) == names
+
+
+def group_lists(api: ApiServer) -> int:
+    return sum(
+        1
+        for r in api[kmock.action.LIST]
+        if r.resource is not None and r.resource.plural == "kvcachegroups"
+    )
 
 
 async def test_api_errors_409_and_500_are_retried(api: ApiServer) -> None:

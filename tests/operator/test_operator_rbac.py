@@ -1,0 +1,238 @@
+"""The operator's RBAC is exactly what it uses: every request the real operator (kopf
+and its own client) sends to the emulated API server during a full lifecycle is
+checked against the Role and ClusterRole that ``helm template`` renders, and every
+verb those grant is used at least once.
+
+Requests map to RBAC verbs as the API server maps them: GET on a name is ``get``,
+GET on a collection ``list``, ``?watch`` ``watch``, POST ``create``, PATCH
+``patch``, PUT ``update``, DELETE on a name ``delete`` (on a collection
+``deletecollection``). The test's own requests (kmock's client) are told apart
+by their User-Agent.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import kmock
+import pytest
+import yaml
+from flexkv_apiserver import ApiServer
+from flexkv_harness import (
+    DAEMONSETS,
+    GROUPS,
+    NS,
+    POOLS,
+    FakeAgent,
+    create,
+    delete,
+    heartbeating,
+    patch,
+    pool_manifest,
+    running_operator,
+    wait_for,
+)
+from flexkv_operator import names
+from reconcile_harness import LEASES, add_node
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "flexkv-operator"
+RELEASE = "kv"
+OPERATOR_AGENTS = ("kopf/", "flexkv-operator")
+FAST = {
+    "leaderElection": {
+        "leaseDurationSeconds": 3,
+        "renewDeadlineSeconds": 2,
+        "retryPeriodSeconds": 1,
+    }
+}
+
+Permission = tuple[str, str, str]  # (apiGroup, resource[/subresource], verb)
+
+
+def helm_binary() -> str:
+    found = shutil.which("helm")
+    local = REPO / ".tools" / "bin" / "helm"
+    if found is None and local.is_file() and os.access(local, os.X_OK):
+        found = str(local)
+    if found is None:
+        pytest.skip("helm binary not found on PATH or in .tools/bin (run `make test` to fetch it)")
+    return found
+
+
+def rendered_rules() -> tuple[set[Permission], set[Permission]]:
+    """(namespaced grants of the operator Role in NS, cluster-wide grants)."""
+    proc = subprocess.run(
+        [helm_binary(), "template", RELEASE, str(CHART), "--namespace", NS],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    fullname = f"{RELEASE}-flexkv-operator"
+
+    def grants(kind: str, name: str) -> set[Permission]:
+        (role,) = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+        assert role["metadata"].get("namespace", NS) == NS
+        return {
+            (group, resource, verb)
+            for rule in role["rules"]
+            for group in rule["apiGroups"]
+            for resource in rule["resources"]
+            for verb in rule["verbs"]
+        }
+
+    return grants("Role", f"{fullname}-operator"), grants(
+        "ClusterRole", f"{fullname}-operator-cluster"
+    )
+
+
+def rbac_verb(request: kmock.Request) -> str:
+    method = str(getattr(request.method, "value", request.method)).upper()
+    watching = str(request.params.get("watch", "")).lower() in ("1", "true")
+    if request.action == kmock.action.WATCH or (method == "GET" and watching):
+        return "watch"
+    if method == "GET":
+        return "get" if request.name else "list"
+    if method == "DELETE":
+        return "delete" if request.name else "deletecollection"
+    return {"POST": "create", "PATCH": "patch", "PUT": "update"}[method]
+
+
+def operator_requests(api: ApiServer) -> list[tuple[Permission, bool, str]]:
+    """(permission, namespaced request, description) of each operator request."""
+    found = []
+    for request in list(api._requests):
+        agent = str(request.headers.get("User-Agent", ""))
+        if not agent.startswith(OPERATOR_AGENTS):
+            continue  # the test's own requests
+        if request.resource is None or not request.resource.plural:
+            continue  # API discovery: allowed to every authenticated user
+        resource = request.resource.plural
+        if request.subresource:
+            resource = f"{resource}/{request.subresource}"
+        permission = (request.resource.group or "", resource, rbac_verb(request))
+        found.append((permission, request.namespace is not None, f"{request.method} {request.url}"))
+    return found
+
+
+async def test_every_operator_request_is_granted_and_every_grant_is_used(
+    api: ApiServer,
+) -> None:
+    role, cluster = rendered_rules()
+    for node in ("node-a", "node-b"):
+        await add_node(api, node)
+    agents = [
+        FakeAgent(api, "pool", "node-a", [{"replica": "r0", "ppRank": 0, "ppSize": 2}]),
+        FakeAgent(api, "pool", "node-b", [{"replica": "r0", "ppRank": 1, "ppSize": 2}]),
+        FakeAgent(api, "pool", "node-x", [{"replica": "r1", "ppRank": 0, "ppSize": 1}]),
+    ]
+    for agent in agents:
+        await agent.start()
+    async with (
+        running_operator(
+            api,
+            resync=2.0,
+            node_cache_seconds=0.5,
+            removed_node_lease_durations=1.0,
+        ),
+        heartbeating(agents, 0.25) as alive,
+    ):
+        await create(api, POOLS, pool_manifest(**FAST))
+
+        def group(name: str) -> dict[str, Any]:
+            return api.stored(GROUPS, NS, name) or {}
+
+        await wait_for(
+            lambda: (group("pool-r0").get("status") or {}).get("leader") and group("pool-r1"),
+            15,
+            "both groups",
+        )
+        # Every child is patched: image and maxUnavailable (DaemonSet, PDB), service
+        # labels (Services), cacheEpoch (ConfigMap), a broken key pair (Secret).
+        await patch(
+            api,
+            POOLS,
+            "pool",
+            {
+                "spec": {
+                    "cacheEpoch": 1,
+                    "agent": {"image": "img:2", "maxUnavailable": 2},
+                    "monitoring": {"serviceLabels": {"team": "kv"}},
+                }
+            },
+        )
+        await patch(api, "v1/secrets", "pool-curve", {"data": {"curve-secret.key": "AAAA"}})
+        await wait_for(
+            lambda: (
+                (api.stored("policy/v1/poddisruptionbudgets", NS, "pool-agent") or {})
+                .get("spec", {})
+                .get("maxUnavailable")
+                == 2
+            ),
+            15,
+            "PDB patched",
+        )
+        await wait_for(
+            lambda: (
+                (api.stored("v1/secrets", NS, "pool-curve") or {})["data"]["curve-secret.key"]
+                != "AAAA"
+            ),
+            15,
+            "Secret repaired",
+        )
+        # node-x is not a node of the cluster: its silent Lease is deleted, and its
+        # group with it.
+        alive["node-x"] = False
+        await wait_for(
+            lambda: (
+                names.lease_name("node-x") not in api.names(LEASES, NS)
+                and "pool-r1" not in api.names(GROUPS, NS)
+            ),
+            20,
+            "node-x's Lease and group deleted",
+        )
+        # A larger ppSize is patched into the group's spec.
+        agents[1].memberships = [{"replica": "r0", "ppRank": 1, "ppSize": 3}]
+        await wait_for(lambda: group("pool-r0")["spec"]["ppSize"] == 3, 15, "ppSize patched")
+        ds = api.stored(DAEMONSETS, NS, "pool-agent") or {}
+        assert ds["spec"]["template"]["spec"]["containers"][0]["image"] == "img:2"
+        # A group deleted by hand is re-created.
+        old_uid = group("pool-r0")["metadata"]["uid"]
+        await delete(api, GROUPS, "pool-r0")
+        await wait_for(
+            lambda: group("pool-r0").get("metadata", {}).get("uid") not in (None, old_uid),
+            15,
+            "group re-created",
+        )
+        assert base64.b64decode(
+            (api.stored("v1/secrets", NS, "pool-curve") or {})["data"]["curve-public.key"]
+        )
+
+    requests = operator_requests(api)
+    assert {agent for agent in OPERATOR_AGENTS} == {
+        agent
+        for agent in OPERATOR_AGENTS
+        for r in api._requests
+        if str(r.headers.get("User-Agent", "")).startswith(agent)
+    }, "both kopf and the operator's own client must have been seen"
+    denied = sorted(
+        {
+            (permission, what)
+            for permission, namespaced, what in requests
+            if permission not in (cluster | role if namespaced else cluster)
+        }
+    )
+    assert not denied, "requests the rendered operator RBAC does not allow:\n" + "\n".join(
+        f"{p} <- {w}" for p, w in denied[:20]
+    )
+    used = {permission for permission, _, _ in requests}
+    unused = sorted((role | cluster) - used)
+    assert not unused, f"granted but never used by the operator: {unused}"
