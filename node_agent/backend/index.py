@@ -75,7 +75,6 @@ _Entry = tuple[int, int, int, int]
 #: No nodes (read-only).
 NO_NODES: NodeIds = np.empty(0, dtype=np.int64)
 NO_NODES.flags.writeable = False
-_EMPTY = NO_NODES
 
 
 def as_node_ids(nodes: NodeIds | Iterable[NodeId]) -> NodeIds:
@@ -184,7 +183,7 @@ class BlockIndex:
         """
         n = len(hashes)
         if not n or self._lookup1(hashes[0]) < 0:
-            return _EMPTY
+            return NO_NODES
         ids = self._lookup(hashes, self.keys(hashes) if keys is None else keys)
         safe = np.maximum(ids, 0)
         ok = (ids >= 0) & (self._visible.take(safe) != 0)
@@ -258,13 +257,13 @@ class BlockIndex:
         """
         k = len(hashes)
         if not k:
-            return _EMPTY
+            return NO_NODES
         keys = self.keys(hashes) if keys is None else keys
         present = self._table.lookup(keys) >= 0
         if present.any():
             k = int(present.argmax())
         if not k:
-            return _EMPTY
+            return NO_NODES
         if parent is not None:
             self._locks_v[parent] += 1  # the parent must survive the evictions below
         try:
@@ -273,7 +272,7 @@ class BlockIndex:
                 pass
             k = min(k, len(free))
             if not k:
-                return _EMPTY
+                return NO_NODES
             blocks = free.take(k)
             top = self._nfree_ids
             ids = self._free_ids[top - k:top][::-1].copy()  # never short: a node per block
@@ -328,7 +327,7 @@ class BlockIndex:
         id_list = ids.tolist()
         keys = self._key.take(ids)
         slots = self._table.find(keys)
-        filed = np.where(slots >= 0, self._table_ids(slots), -1) == ids
+        filed = np.where(slots >= 0, self._table.lookup_slots(np.maximum(slots, 0)), -1) == ids
         parent = self._parent.take(ids)
         chain = (bool(filed.all()) and bool((parent[1:] == ids[:-1]).all())
                  and self._children_v[id_list[-1]] == 0
@@ -376,7 +375,7 @@ class BlockIndex:
         debugging; O(nodes)): every node's parent is cached, child counts are exact,
         no block is held twice or lost, no pin count is negative."""
         ids = self._table.ids()
-        filed = self._lookup_keys(self._key.take(ids))
+        filed = self._table.lookup(self._key.take(ids))
         if not (filed == ids).all():
             j = int((filed != ids).argmax())
             raise AssertionError(
@@ -437,12 +436,6 @@ class BlockIndex:
 
     def _alive(self) -> NodeIds:
         return self._table.ids()
-
-    def _table_ids(self, slots: NodeIds) -> NodeIds:
-        return self._table.lookup_slots(slots)
-
-    def _lookup_keys(self, keys: Keys) -> NodeIds:
-        return self._table.lookup(keys)
 
     def _lookup(self, hashes: Sequence[int], keys: Keys) -> NodeIds:
         """Ids of ``hashes`` (-1 where absent); wide hashes are checked in full."""
