@@ -13,8 +13,10 @@
 * the leader's backend is an :class:`EmbeddedBackend` with deferred visibility,
   sized by ``tiers``; a follower keeps a :class:`TierStore` of the same size.
 
-``backend: flexkv`` is refused here: the PP connector needs a backend that can
-replay its decisions on followers, which the FlexKV adapter does not offer.
+``backend: flexkv`` serves one-stage groups: FlexKV's ``KVManager`` (through
+:class:`FlexKVBackend`) behind :class:`SingleStageBackend`. A group of several
+stages is refused with an error that says why: its followers must replay the
+leader's physical decisions, which only the embedded backend produces.
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ from typing import TYPE_CHECKING
 
 from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.embedded import EmbeddedBackend
+from node_agent.backend.flexkv_adapter import start_flexkv_backend
 from node_agent.backend.layout import KVLayout
+from node_agent.backend.replication import ReplicatedBackend
+from node_agent.backend.single_stage import SingleStageBackend
 from node_agent.backend.stage_store import TierStore
 from node_agent.connector import Connector, ConnectorConfig
 from node_agent.engine_api.budget import call_budget
@@ -68,10 +73,12 @@ def default_stage_builder(agent: Agent, rank: RankRef, layout: KVLayout) -> Stag
     from node_agent.agent import group_name
 
     cfg = agent.cfg
-    if cfg.backend != "embedded":
+    if cfg.backend == "flexkv" and rank.pp_size > 1:
         raise ValueError(
-            f"backend {cfg.backend!r} cannot serve the PP connector (it needs a backend that "
-            "replays leader decisions on followers); set backend: embedded"
+            f"backend 'flexkv' serves one-stage groups only, but replica {rank.replica!r} has "
+            f"ppSize {rank.pp_size}: its followers must replay the leader's physical "
+            "decisions, which only the embedded backend makes; set backend: embedded in "
+            "the pool for pipeline-parallel engines that span nodes"
         )
     group = group_name(cfg.pool, rank.replica)
     bcfg = backend_config(agent, layout)  # validates sizes against the layout
@@ -85,9 +92,15 @@ def default_stage_builder(agent: Agent, rank: RankRef, layout: KVLayout) -> Stag
         keys = CurveKeys.load(cfg.curve_key_dir)
     ccfg = connector_config(agent, rank, layout, group, endpoint)
     metrics = agent.metrics
+
+    def leader_backend() -> ReplicatedBackend:
+        if cfg.backend == "flexkv":
+            return SingleStageBackend(start_flexkv_backend(cfg, layout, metrics))
+        return EmbeddedBackend(bcfg, metrics=metrics)
+
     connector = Connector(
         ccfg, views,
-        backend_factory=lambda: EmbeddedBackend(bcfg, metrics=metrics),
+        backend_factory=leader_backend,
         store_factory=lambda: TierStore(bcfg),
         keys=keys, metrics=metrics,
     ).start()

@@ -1,0 +1,84 @@
+"""``backend: flexkv`` in the agent: a one-stage group runs on FlexKV's manager (the
+checking fake here), a multi-stage group is refused with an error that says why."""
+
+from __future__ import annotations
+
+import importlib
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from node_agent.agent import Agent
+from node_agent.engine_api.service import RankRef
+from node_agent.engine_api.stages import default_stage_builder
+from tests.agent.harness import LAYOUT, NUM_SLOTS, TPB, agent_mapping, cfg_of, short_dir
+
+FAKES = Path(__file__).resolve().parents[1] / "fakes"
+
+
+def _drop_flexkv_modules() -> None:
+    for name in [m for m in sys.modules if m == "flexkv" or m.startswith("flexkv.")]:
+        del sys.modules[name]
+
+
+@pytest.fixture
+def flexkv_agent(monkeypatch: pytest.MonkeyPatch) -> Iterator[Agent]:
+    _drop_flexkv_modules()
+    monkeypatch.syspath_prepend(str(FAKES))
+    fake = importlib.import_module("flexkv._fake")
+    fake.reset()
+    fake.Knobs.require_cuda = False
+    work = short_dir("fkvstage")
+    try:
+        yield Agent(cfg_of(agent_mapping(work, "node-0", backend="flexkv")),
+                    default_stage_builder)
+    finally:
+        fake.reset()
+        _drop_flexkv_modules()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _buffers() -> list[list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(3)
+    return [[torch.randn(NUM_SLOTS, LAYOUT.heads_per_rank, LAYOUT.head_size, generator=gen)
+             .to(LAYOUT.dtype.torch_dtype) for _ in range(LAYOUT.num_layers)]
+            for _ in range(LAYOUT.kv_dim)]
+
+
+def test_one_stage_group_round_trips_through_flexkv(flexkv_agent: Agent) -> None:
+    import flexkv._fake as fake  # the fake on sys.path; records every manager
+
+    stage = default_stage_builder(flexkv_agent, RankRef("rep", 0, 1, 0, 1), LAYOUT)
+    conn = stage.connector
+    try:
+        bufs = _buffers()
+        conn.register_kv_buffers(0, bufs)
+        tokens = np.arange(4 * TPB, dtype=np.int64) + 100
+        src = np.arange(4 * TPB, dtype=np.int64)            # pages 0..3
+        assert conn.store_kv("a", tokens, torch.as_tensor(src)) >= 0
+        deadline = time.monotonic() + 5
+        done: list[str] = []
+        while "a" not in done:
+            assert time.monotonic() < deadline, "store never completed"
+            done += conn.poll_completed()
+            time.sleep(0.005)
+        assert conn.lookup("b", tokens) == 4 * TPB
+        dst = np.arange(8 * TPB, 12 * TPB, dtype=np.int64)  # pages 8..11
+        assert conn.retrieve("b", dst) == 4 * TPB
+        for plane in (0, 1):
+            for layer in range(LAYOUT.num_layers):
+                assert torch.equal(bufs[plane][layer][dst], bufs[plane][layer][src])
+        assert len(fake.MANAGERS) == 1  # FlexKV's manager did the work, not another backend
+    finally:
+        conn.close()
+
+
+def test_multi_stage_group_is_refused_naming_the_fix(flexkv_agent: Agent) -> None:
+    with pytest.raises(ValueError, match=r"one-stage groups only.*ppSize 2.*backend: embedded"):
+        default_stage_builder(flexkv_agent, RankRef("rep", 0, 2, 0, 1), LAYOUT)
