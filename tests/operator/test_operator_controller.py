@@ -188,3 +188,24 @@ async def test_no_busy_loop_while_more_pools_are_due_than_slots() -> None:
                 break
             await asyncio.sleep(0.01)
         assert sorted(started) == ["a", "b", "c"]
+
+
+def test_a_lease_switching_pools_marks_both_pools_due() -> None:
+    """The pool that lost the Lease must be reconciled too (it reports PoolsOverlap)."""
+    clock = [0.0]
+    ctx = OperatorContext(
+        client=KubeClient(Connection(server="http://127.0.0.1:9")),
+        settings=OperatorSettings(identity="t", default_image="i", service_account="s"),
+        clock=lambda: clock[0],
+        tracker=LeaseTracker(clock=lambda: clock[0]),
+        nodes=NodeCache(ttl=60, clock=lambda: clock[0]),
+    )
+    ctl = Controller(ctx)
+    ctl.observe_pool("ADDED", pool("p"))
+    ctl.observe_pool("ADDED", pool("q"))
+    ctl.observe_lease("ADDED", lease("n1", "r1"))
+    ctl.due.clear()
+    moved = lease("n1", "r2")
+    moved["metadata"]["labels"]["flexkv.io/pool"] = "q"
+    ctl.observe_lease("MODIFIED", moved)
+    assert set(ctl.due) == {("ns", "p"), ("ns", "q")}
