@@ -165,6 +165,22 @@ def parse_pool_spec(spec: dict[str, Any] | None, default_image: str) -> PoolConf
             )
         )
 
+    timeouts = raw.get("timeouts") or {}
+    call = timeouts.get("engineCallSeconds", 10)
+    wait = timeouts.get("fanoutWaitSeconds", 5)
+    if (
+        isinstance(call, int | float)
+        and isinstance(wait, int | float)
+        and not wait < call
+    ):
+        problems.append(
+            ConfigProblem(
+                "timeouts",
+                f"fanoutWaitSeconds ({wait}) must be below engineCallSeconds ({call}): a "
+                "follower's wait for the leader is part of every engine call; e.g. 5 < 10",
+            )
+        )
+
     epoch = raw.get("cacheEpoch", 0)
     if not isinstance(epoch, int) or epoch < 0:
         problems.append(ConfigProblem("cacheEpoch", f"{epoch!r} must be an integer >= 0"))

@@ -17,8 +17,9 @@ OPERATOR_SA = f"{FULLNAME}-operator"
 AGENT_SA = f"{FULLNAME}-agent"
 
 # The operator's permissions in each namespace it watches, each verb one that
-# flexkv_operator uses: every reconcile re-reads its pool (get); kopf watches pools, agent Leases and DaemonSets (event
-# handlers only, no finalizers, so kopf never patches pools); status goes
+# flexkv_operator uses: every reconcile re-reads its pool (get); kopf watches
+# pools, agent Leases and DaemonSets (event handlers only, no finalizers, so
+# kopf never patches pools); status goes
 # through the status subresource; groups and children are created and
 # merge-patched (never PUT: no "update"); stale groups are deleted; Events
 # are posted.

@@ -10,7 +10,9 @@ unknown fields, which the API server would otherwise prune silently.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
+from types import ModuleType
 from typing import Any
 
 import jsonschema
@@ -51,7 +53,7 @@ def test_chart_crd_is_byte_identical_to_the_source(name: str) -> None:
     assert copy_path.is_file(), f"{copy_path.relative_to(REPO)} is missing; copy {name} there"
     assert copy_path.read_bytes() == source, (
         f"{copy_path.relative_to(REPO)} differs from {(SOURCE / name).relative_to(REPO)}; "
-        f"run: cp {(SOURCE / name).relative_to(REPO)} {copy_path.relative_to(REPO)}"
+        "run: python scripts/sync_chart.py"
     )
 
 
@@ -64,27 +66,16 @@ def _crds() -> dict[str, dict[str, Any]]:
     return out
 
 
-def strict_schema(schema: dict[str, Any]) -> dict[str, Any]:
-    """A copy of ``schema`` in which structural objects reject unknown fields."""
-    result = copy.deepcopy(schema)
+def _sync_chart() -> ModuleType:
+    """scripts/sync_chart.py, which generates the chart's CRD copies and values schema."""
+    spec = importlib.util.spec_from_file_location("sync_chart", REPO / "scripts" / "sync_chart.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-    def walk(node: Any) -> None:
-        if isinstance(node, dict):
-            if (
-                node.get("type") == "object"
-                and "properties" in node
-                and "additionalProperties" not in node
-                and not node.get("x-kubernetes-preserve-unknown-fields")
-            ):
-                node["additionalProperties"] = False
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
 
-    walk(result)
-    return result
+strict_schema = _sync_chart().strict_schema
 
 
 def validate_custom_resource(obj: dict[str, Any]) -> list[str]:
@@ -148,8 +139,7 @@ def test_values_schema_of_example_pool_is_the_crd_spec_schema() -> None:
     spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     assert in_values == strict_schema(spec), (
         "values.schema.json examplePool.spec is out of date with the KVCachePool CRD; "
-        "replace it with the CRD's spec schema with additionalProperties: false added "
-        "to each object that has properties"
+        "run python scripts/sync_chart.py"
     )
 
 

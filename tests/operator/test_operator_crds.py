@@ -196,6 +196,11 @@ BAD_BY_CEL = [
     ),
     ("same ports", {"agent": {"ports": {"http": 9000, "fanout": 9000}}}, "must differ"),
     (
+        "fan-out wait not below the engine call",
+        {"timeouts": {"engineCallSeconds": 5, "fanoutWaitSeconds": 5}},
+        "fanoutWaitSeconds must be below",
+    ),
+    (
         "flexkv unpinned",
         {"backend": "flexkv", "tiers": {"cpu": {"size": "1Gi", "pinned": False}}},
         "pinned",

@@ -116,6 +116,11 @@ def test_spec_defaults_from_the_crd() -> None:
             "leaderElection",
         ),
         ({"tiers": {"cpu": {"size": "huge"}}}, "tiers.cpu.size"),
+        (
+            {"tiers": {"cpu": {"size": "1Gi"}},
+             "timeouts": {"engineCallSeconds": 2, "fanoutWaitSeconds": 3}},
+            "timeouts",
+        ),
         ({"tiers": {}}, "tiers.cpu.size"),
         (
             {"tiers": {"cpu": {"size": 1}}, "agent": {"ports": {"http": 1, "fanout": 1}}},
