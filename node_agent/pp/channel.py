@@ -5,9 +5,10 @@ thread (or a lock) and every send a direct call without a thread hop:
 
 * :class:`FanoutServer` binds the agent's fan-out endpoint with a PULL socket
   (a Curve server when keys are given), decodes each message on its own thread
-  and hands it to the handler registered for the message's group. Malformed
-  messages and messages for unknown groups are dropped and reported through
-  ``on_drop``.
+  and hands it to the handler registered for the message's group. A batch
+  frame (:func:`~node_agent.pp.messages.pack_batch`) is split and each of its
+  messages handled in order as if sent alone. Malformed messages and messages
+  for unknown groups are dropped and reported through ``on_drop``.
 * :class:`Sender` is a PUSH socket connected to one peer's server (a Curve
   client). ``send`` never blocks: a full queue (SNDHWM) returns False and the
   caller treats the peer as out of sync. LINGER is 0 so closing never waits.

@@ -26,6 +26,7 @@ from __future__ import annotations
 import enum
 import json
 import struct
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,6 +115,9 @@ class Envelope:
 @dataclass(frozen=True, eq=False)
 class Decision:
     """A put or get decision (``Op.PUT`` / ``Op.GET``).
+
+    A decoded decision's ``mask`` is read-only (it may share memory with other
+    decoded masks).
 
     ``n`` counts the calls of this kind for ``rid`` since its last release, so a
     follower pairs its own n-th call with the leader's n-th decision. ``mask``
@@ -307,6 +311,54 @@ def _encode_decision(d: Decision) -> list[bytes]:
     return [body, d.rid.encode(), (d.error or "").encode(), *extra]
 
 
+class _SpanMasks:
+    """Read-only masks of one contiguous span, as views of two shared arrays.
+
+    A put's mask is a suffix span (the cached prefix is skipped) and a get's a
+    prefix span, so decoding them needs no new array: ``after`` is ``size``
+    False then ``size`` True, ``before`` the opposite, and the mask of
+    ``[start, length)`` is the window of ``after`` that starts ``start`` before
+    its middle. Other spans get a fresh array. The arrays grow (doubling) to
+    the longest mask seen; the views stay valid because an older array lives
+    as long as a view of it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._size = 0
+        self._after = np.zeros(0, dtype=np.bool_)
+        self._before = np.zeros(0, dtype=np.bool_)
+
+    def _arrays(self, length: int) -> tuple[int, npt.NDArray[np.bool_], npt.NDArray[np.bool_]]:
+        size, after, before = self._size, self._after, self._before
+        if length <= size:
+            return size, after, before
+        with self._lock:
+            if length > self._size:
+                size = max(4096, 1 << (length - 1).bit_length())
+                after = np.zeros(2 * size, dtype=np.bool_)
+                after[size:] = True
+                before = ~after
+                after.flags.writeable = False
+                before.flags.writeable = False
+                self._size, self._after, self._before = size, after, before
+            return self._size, self._after, self._before
+
+    def get(self, length: int, start: int, stop: int) -> npt.NDArray[np.bool_]:
+        """The mask of ``length`` tokens, True exactly on ``[start, stop)``."""
+        if stop == length or start == 0:
+            size, after, before = self._arrays(length)
+            if stop == length:
+                return after[size - start:size - start + length]
+            return before[size - stop:size - stop + length]
+        mask = np.zeros(length, dtype=np.bool_)
+        mask[start:stop] = True
+        mask.flags.writeable = False
+        return mask
+
+
+_span_mask = _SpanMasks().get
+
 _Deferred = list[tuple[int, bytes]]
 """Plan-run frames decoded without their value checks: ``(plan count, frame)``."""
 
@@ -327,15 +379,16 @@ def _decode_decision(op: Op, frames: list[bytes], defer: _Deferred | None = None
             f"{op.name} fields out of range: n={n} task_id={task_id} mask_len={length}"
         )
     arrays = frames[3:]
-    mask = np.zeros(length, dtype=np.bool_)
     if start == -1 and stop == -1:
         if not arrays or len(arrays[0]) != (length + 7) // 8:
             raise MalformedMessage(f"Packed mask frame must hold {(length + 7) // 8} bytes")
+        mask = np.zeros(length, dtype=np.bool_)
         mask[:] = np.unpackbits(np.frombuffer(arrays[0], dtype=np.uint8), count=length)
+        mask.flags.writeable = False
         total = int(np.count_nonzero(mask))
         arrays = arrays[1:]
     elif 0 <= start <= stop <= length:
-        mask[start:stop] = True
+        mask = _span_mask(length, start, stop)
         total = stop - start
     else:
         raise MalformedMessage(f"Mask span [{start}, {stop}) is not within {length} tokens")

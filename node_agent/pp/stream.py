@@ -9,6 +9,13 @@ cache may already hold blocks the new follower lacks (the leader is
 backend and broadcast RESET), so every stage again holds the same blocks.
 Heartbeats carry the last seq so a follower notices a lost tail.
 
+Batching: a stream message broadcast within ``coalesce_seconds`` of the
+previous one is queued; the queue goes out as one batch frame when it holds
+``max_batch`` messages, when the flusher thread wakes (right after the window),
+or before any heartbeat or SYNC (whose seq must not run ahead of what was sent).
+A lone message is sent at once, so paced decisions pay no extra latency. The
+follower handles each message of a batch exactly as if it had come alone.
+
 Follower (:class:`FollowerStream`): accepts stream messages only of its
 epoch, strictly at ``last + 1``; older epochs are dropped (``stale_epoch``),
 repeats dropped (``duplicate``), and a jump makes it unsynced (``gap``): it

@@ -296,3 +296,21 @@ def test_decode_many_with_only_valid_plans_checks_their_totals() -> None:
     results = decode_many(frames)
     assert all(isinstance(r, Message) for r in results)
     assert [r.body.num_blocks for r in results] == [1, 2, 3, 4, 0]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("length, start, stop", [
+    (32768, 4096, 32768), (32768, 0, 8192), (32768, 0, 32768), (32768, 0, 0),
+    (32768, 32768, 32768), (40, 8, 24), (100_000, 16, 100_000), (3, 0, 3),
+])
+def test_span_masks_decode_exactly_and_read_only(length: int, start: int, stop: int) -> None:
+    """Prefix and suffix spans decode as read-only views of shared arrays; every
+    span decodes to exactly its tokens, whatever the length seen before."""
+    mask = np.zeros(length, dtype=np.bool_)
+    mask[start:stop] = True
+    d = Decision(Direction.STORE, "s", 0, 1 if stop > start else -1, mask, None)
+    got = decode(encode(Envelope(Op.PUT, "g", 1, 1), d))
+    assert isinstance(got.body, Decision)
+    np.testing.assert_array_equal(got.body.mask, mask)
+    assert got.body.mask.shape == (length,) and got.body.mask.dtype == np.bool_
+    with pytest.raises(ValueError):
+        got.body.mask[0] = not got.body.mask[0]  # no decoder output can be changed in place
