@@ -3,8 +3,10 @@
 Measures, in one run and on the same machine:
 
 * ``zmq-curve``: this project's stream (LeaderStream -> FollowerStream over
-  CurveZMQ PUSH/PULL on loopback): encode once, send to each follower, decode
-  with strict checks, order check, hand to the follower's decision mailbox;
+  CurveZMQ PUSH/PULL on loopback): encode once, send to each follower (a burst
+  is coalesced into batch frames; a paced decision goes out alone at once),
+  decode with strict checks, order check, hand to the follower's decision
+  mailbox;
 * ``gloo-pickle``: the baseline SGLang uses today, torch.distributed gloo
   point-to-point ``send``/``recv`` of the pickled decision (size, then bytes),
   unpickled on the follower.

@@ -146,7 +146,8 @@ class LeaderRole:
         self.stream.broadcast(op, self._decision(kind, rid, n, -1, np.zeros(length, bool),
                                                  None, error))
 
-    def _not_synced(self) -> str | None:
+    def _refusal(self) -> str | None:
+        """Why this leader cannot decide now (None when it can); counts the refusal."""
         if self.newer_epoch is not None:
             self.counters.stepped_down_refusals += 1
             return (f"leader of epoch {self.epoch} stepped down: epoch {self.newer_epoch} "
@@ -154,6 +155,7 @@ class LeaderRole:
         missing = self.stream.unsynced_ranks()
         if not missing:
             return None
+        self.counters.degraded_refusals += 1
         return f"group degraded: followers {missing} are not synced with the leader"
 
     # -- store -----------------------------------------------------------------------------
@@ -166,10 +168,9 @@ class LeaderRole:
             self._refuse(Kind.PUT, rid, n, 0, "")
             return -1
         with self._decide:
-            degraded = self._not_synced()
-            if degraded is not None:
-                self.counters.degraded_refusals += self.newer_epoch is None
-                self._refuse(Kind.PUT, rid, n, inp.aligned, degraded)
+            refusal = self._refusal()
+            if refusal is not None:
+                self._refuse(Kind.PUT, rid, n, inp.aligned, refusal)
                 return -1
             task_id = -1
             try:
@@ -297,10 +298,9 @@ class LeaderRole:
         self.counters.lookups += 1
         self._cancel_get(rid)
         with self._decide:
-            degraded = self._not_synced()
-            if degraded is not None:
-                self.counters.degraded_refusals += self.newer_epoch is None
-                self._refuse(Kind.GET, rid, n, len(tokens), degraded)
+            refusal = self._refusal()
+            if refusal is not None:
+                self._refuse(Kind.GET, rid, n, len(tokens), refusal)
                 return 0
             task_id = -1
             try:
