@@ -116,6 +116,30 @@ class TaskNotFoundError(KVBackendError, KeyError):
     """A task id passed to ``launch`` or ``cancel`` is not a live, un-launched task."""
 
 
+def launch_task_ids(task_ids: Sequence[object], slot_mappings: Sequence[object]) -> list[int]:
+    """The ids of a ``launch`` call as ints, checked against its slot mappings.
+
+    Raises ``ValueError`` naming the bad value when an id is not an integer, when
+    the counts differ, or when an id repeats; backends call it before touching
+    any task, so a refused call launches nothing.
+    """
+    ids = []
+    for t in task_ids:
+        if isinstance(t, bool) or not isinstance(t, int | np.integer):
+            raise ValueError(
+                f"launch: task id {t!r} is not an integer; pass the id a match returned"
+            )
+        ids.append(int(t))
+    if len(slot_mappings) != len(ids):
+        raise ValueError(
+            f"launch: {len(ids)} task ids but {len(slot_mappings)} slot mappings; pass one "
+            "slot mapping per task"
+        )
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"launch: task ids {ids} repeat an id; launch each task once")
+    return ids
+
+
 class KVBackend(abc.ABC):
     """Abstract FlexKV-shaped KV cache manager for one PP stage of one node.
 

@@ -38,6 +38,7 @@ from node_agent.backend.base import (
     TaskNotFoundError,
     TierStats,
     TokenArray,
+    launch_task_ids,
 )
 from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.hashing import BlockHasher
@@ -297,14 +298,7 @@ class EmbeddedBackend(ReplicatedBackend):
         slot_mappings: Sequence[SlotArray],
         as_batch: bool = False,
     ) -> list[int]:
-        ids = [int(t) for t in task_ids]
-        if len(ids) != len(slot_mappings):
-            raise ValueError(
-                f"launch got {len(ids)} task ids but {len(slot_mappings)} slot mappings; pass "
-                "one mapping per task"
-            )
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"launch got task ids {ids} with duplicates; launch each task once")
+        ids = launch_task_ids(task_ids, slot_mappings)
         with self._lock:
             self._require_started()
             self._expire_locked()

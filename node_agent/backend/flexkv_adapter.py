@@ -64,6 +64,7 @@ from node_agent.backend.base import (
     TaskNotFoundError,
     TierStats,
     TokenArray,
+    launch_task_ids,
 )
 from node_agent.backend.layout import KVLayout, LayoutName, register_buffers
 
@@ -584,14 +585,7 @@ class FlexKVBackend(KVBackend):
         slot_mappings: Sequence[SlotArray],
         as_batch: bool = False,
     ) -> list[int]:
-        ids = [_task_id(t) for t in task_ids]
-        if len(slot_mappings) != len(ids):
-            raise ValueError(
-                f"launch: {len(ids)} task ids but {len(slot_mappings)} slot mappings; pass one "
-                "slot mapping per task"
-            )
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"launch: task ids {ids} repeat an id; launch each task once")
+        ids = launch_task_ids(task_ids, slot_mappings)
         with self._lock:
             manager = self._require_started("launch")
             self._expire_unlaunched()

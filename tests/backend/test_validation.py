@@ -66,7 +66,7 @@ def test_one_bad_mapping_leaves_every_task_of_the_call_unlaunched() -> None:
             b.launch([t1, t2], [GOOD, GOOD + 3])
         with pytest.raises(ValueError, match="2 task ids but 1 slot mappings"):
             b.launch([t1, t2], [GOOD])
-        with pytest.raises(ValueError, match="duplicates"):
+        with pytest.raises(ValueError, match="repeat an id"):
             b.launch([t1, t1], [GOOD, GOOD + 20])
         assert _same(before, _snapshot(b, bufs))
         ids = b.launch([t1, t2], [GOOD, GOOD + 20])
