@@ -3,12 +3,9 @@ checking fake here), a multi-stage group is refused with an error that says why.
 
 from __future__ import annotations
 
-import importlib
 import shutil
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,29 +15,17 @@ from node_agent.agent import Agent
 from node_agent.engine_api.service import RankRef
 from node_agent.engine_api.stages import default_stage_builder
 from tests.agent.harness import LAYOUT, NUM_SLOTS, TPB, agent_mapping, cfg_of, short_dir
-
-FAKES = Path(__file__).resolve().parents[1] / "fakes"
-
-
-def _drop_flexkv_modules() -> None:
-    for name in [m for m in sys.modules if m == "flexkv" or m.startswith("flexkv.")]:
-        del sys.modules[name]
+from tests.fake_flexkv import load_fake_flexkv
 
 
 @pytest.fixture
 def flexkv_agent(monkeypatch: pytest.MonkeyPatch) -> Iterator[Agent]:
-    _drop_flexkv_modules()
-    monkeypatch.syspath_prepend(str(FAKES))
-    fake = importlib.import_module("flexkv._fake")
-    fake.reset()
-    fake.Knobs.require_cuda = False
     work = short_dir("fkvstage")
     try:
-        yield Agent(cfg_of(agent_mapping(work, "node-0", backend="flexkv")),
-                    default_stage_builder)
+        with load_fake_flexkv(monkeypatch):
+            yield Agent(cfg_of(agent_mapping(work, "node-0", backend="flexkv")),
+                        default_stage_builder)
     finally:
-        fake.reset()
-        _drop_flexkv_modules()
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -8,7 +8,6 @@ so each test here also proves the adapter's calls are well-formed.
 from __future__ import annotations
 
 import importlib
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -30,27 +29,16 @@ from node_agent.backend.flexkv_adapter import (
 )
 from node_agent.backend.layout import KVDtype, KVLayout, LayoutName
 from node_agent.metrics import AgentMetrics
+from tests.fake_flexkv import load_fake_flexkv
 
-FAKES = Path(__file__).resolve().parents[1] / "fakes"
 TPB = 4
-
-
-def _drop_flexkv_modules() -> None:
-    for name in [m for m in sys.modules if m == "flexkv" or m.startswith("flexkv.")]:
-        del sys.modules[name]
 
 
 @pytest.fixture
 def fake_flexkv(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
     """The fake package on sys.path, CPU tensors allowed (CI has no GPU)."""
-    _drop_flexkv_modules()
-    monkeypatch.syspath_prepend(str(FAKES))
-    fake = importlib.import_module("flexkv._fake")
-    fake.reset()
-    fake.Knobs.require_cuda = False
-    yield fake
-    fake.reset()
-    _drop_flexkv_modules()
+    with load_fake_flexkv(monkeypatch) as fake:
+        yield fake
 
 
 class Clock:

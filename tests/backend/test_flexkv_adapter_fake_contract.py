@@ -7,9 +7,7 @@ would fail here: they prove the adapter tests run against a real check.
 from __future__ import annotations
 
 import importlib
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -17,19 +15,15 @@ import numpy as np
 import pytest
 import torch
 
-FAKES = Path(__file__).resolve().parents[1] / "fakes"
+from tests.fake_flexkv import FAKES, drop_flexkv_modules
+
 TPB = 4
-
-
-def _drop_flexkv_modules() -> None:
-    for name in [m for m in sys.modules if m == "flexkv" or m.startswith("flexkv.")]:
-        del sys.modules[name]
 
 
 @pytest.fixture
 def fk(monkeypatch: pytest.MonkeyPatch) -> Iterator[SimpleNamespace]:
     """The fake's public modules, imported from tests/fakes on a temporary sys.path."""
-    _drop_flexkv_modules()
+    drop_flexkv_modules()
     monkeypatch.syspath_prepend(str(FAKES))
     ns = SimpleNamespace(
         fake=importlib.import_module("flexkv._fake"),
@@ -42,7 +36,7 @@ def fk(monkeypatch: pytest.MonkeyPatch) -> Iterator[SimpleNamespace]:
     ns.fake.reset()
     yield ns
     ns.fake.reset()
-    _drop_flexkv_modules()
+    drop_flexkv_modules()
 
 
 def make_manager(fk: SimpleNamespace, start: bool = True, tp: int = 1) -> Any:

@@ -5,11 +5,8 @@ the replication hooks behave as the one-stage case requires."""
 
 from __future__ import annotations
 
-import importlib
-import sys
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +19,7 @@ from node_agent.backend.replication import Direction
 from node_agent.backend.single_stage import SingleStageBackend
 from node_agent.connector import Connector, ConnectorConfig
 from node_agent.pp.group import GroupView, GroupViewSource, Member
+from tests.fake_flexkv import load_fake_flexkv
 
 from .harness import (
     GROUP,
@@ -33,25 +31,13 @@ from .harness import (
     write_slots,
 )
 
-FAKES = Path(__file__).resolve().parents[1] / "fakes"
 TPB = LAYOUT.tokens_per_block
-
-
-def _drop_flexkv_modules() -> None:
-    for name in [m for m in sys.modules if m == "flexkv" or m.startswith("flexkv.")]:
-        del sys.modules[name]
 
 
 @pytest.fixture
 def fake_flexkv(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    _drop_flexkv_modules()
-    monkeypatch.syspath_prepend(str(FAKES))
-    fake = importlib.import_module("flexkv._fake")
-    fake.reset()
-    fake.Knobs.require_cuda = False
-    yield
-    fake.reset()
-    _drop_flexkv_modules()
+    with load_fake_flexkv(monkeypatch):
+        yield
 
 
 def _embedded() -> KVBackend:
