@@ -95,7 +95,10 @@ class EngineClient:
                  timeout: float = 15.0) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout {timeout} must be > 0 seconds")
-        self.socket_path = Path(socket_path)
+        # Accept the agent's engineSocket as written in agent.yaml or as the
+        # ipc:// endpoint the agent logs and reports in /status.
+        path = os.fspath(socket_path)
+        self.socket_path = Path(path.removeprefix("ipc://"))
         self.rank = rank
         self.timeout = timeout
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()

@@ -230,6 +230,14 @@ def test_client_names_socket_when_agent_is_down(tmp_path: Path) -> None:
     assert "flexkv-agent run --config" in str(err.value)
 
 
+def test_client_takes_the_ipc_endpoint_form_of_the_socket(tmp_path: Path) -> None:
+    """The agent reports its socket as ipc://PATH (/status, logs); both forms work."""
+    client = EngineClient(f"ipc://{tmp_path}/agent.sock", RANK, timeout=0.5)
+    assert client.socket_path == tmp_path / "agent.sock"
+    with pytest.raises(AgentUnavailableError, match=f"no flexkv agent at ipc://{tmp_path}/agent"):
+        client.lookup("r", [1])
+
+
 async def test_garbage_gets_error_replies_and_server_keeps_serving(sock_path: Path) -> None:
     server, errors, _ = await _serve(sock_path)
     ctx = zmq.Context()
