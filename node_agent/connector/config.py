@@ -17,6 +17,10 @@ class ConnectorConfig:
     ``timeouts``: ``engine_call_seconds`` bounds every engine-facing call,
     ``fanout_wait_seconds`` a follower's wait for the leader's decision and the
     leader's wait for followers' acks, ``transfer_seconds`` one stage's copy.
+    The longest chain of waits in one engine call is ``fanout_wait_seconds +
+    3 * transfer_seconds`` and must stay below ``engine_call_seconds``
+    (``node_agent.engine_api.budget.call_budget`` computes such a split; the
+    defaults are its split of 10 s).
     """
 
     group: str
@@ -24,8 +28,8 @@ class ConnectorConfig:
     layout: KVLayout
     fanout_endpoint: str | None = None
     engine_call_seconds: float = 10.0
-    fanout_wait_seconds: float = 5.0
-    transfer_seconds: float = 5.0
+    fanout_wait_seconds: float = 4.5
+    transfer_seconds: float = 1.5
     heartbeat_seconds: float = 0.1
     leader_timeout_seconds: float = 3.0
     expected_ranks: int = 1
@@ -48,6 +52,15 @@ class ConnectorConfig:
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"ConnectorConfig.{key}={v!r} must be an int >= 1")
+        chain = self.fanout_wait_seconds + 3 * self.transfer_seconds
+        if chain >= self.engine_call_seconds:
+            raise ValueError(
+                f"ConnectorConfig: fanout_wait_seconds={self.fanout_wait_seconds:g} + 3 x "
+                f"transfer_seconds={self.transfer_seconds:g} = {chain:g} must be below "
+                f"engine_call_seconds={self.engine_call_seconds:g} (the longest chain of "
+                "waits in one engine call); derive both from engine_call_seconds with "
+                "node_agent.engine_api.budget.call_budget"
+            )
         if self.heartbeat_seconds * 3 > self.leader_timeout_seconds:
             raise ValueError(
                 f"ConnectorConfig.leader_timeout_seconds={self.leader_timeout_seconds} must be at "

@@ -121,10 +121,11 @@ def make_connector(
     cfg = ConnectorConfig(
         group=view.view.group, pp_rank=rank, layout=LAYOUT, fanout_endpoint=endpoint,
         # Generous against stalls on a shared 2-core machine; the waits that end
-        # tests early (dead stages, lost messages) are bounded by these.
-        engine_call_seconds=timeouts.get("engine_call_seconds", 5.0),
-        fanout_wait_seconds=timeouts.get("fanout_wait_seconds", 3.0),
-        transfer_seconds=timeouts.get("transfer_seconds", 3.0),
+        # tests early (dead stages, lost messages) are bounded by these. They keep
+        # fanout_wait + 3 x transfer below engine_call (ConnectorConfig checks it).
+        engine_call_seconds=timeouts.get("engine_call_seconds", 6.0),
+        fanout_wait_seconds=timeouts.get("fanout_wait_seconds", 2.5),
+        transfer_seconds=timeouts.get("transfer_seconds", 1.1),
         heartbeat_seconds=0.1, leader_timeout_seconds=3.0, max_completed=max_completed,
     )
     return Connector(

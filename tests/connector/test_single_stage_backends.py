@@ -53,8 +53,8 @@ def _connector(inner: Callable[[], KVBackend]) -> Connector:
     me = Member(node="node-0", pp_rank=0, fanout_endpoint="")
     view = GroupViewSource(GroupView(GROUP, 0, me, (me,)))
     cfg = ConnectorConfig(group=GROUP, pp_rank=0, layout=LAYOUT, fanout_endpoint=None,
-                          engine_call_seconds=5.0, fanout_wait_seconds=3.0,
-                          transfer_seconds=3.0)
+                          engine_call_seconds=6.0, fanout_wait_seconds=2.5,
+                          transfer_seconds=1.1)
     return Connector(cfg, view, backend_factory=lambda: SingleStageBackend(inner()),
                      store_factory=lambda: pytest.fail("a one-stage group has no follower"))
 
