@@ -29,11 +29,12 @@ from node_agent.connector.errors import UnknownRequestError
 from node_agent.connector.follower import FollowerRole
 from node_agent.connector.inputs import prepare_store, token_array
 from node_agent.connector.leader import LeaderRole
+from node_agent.connector.tracking import CompletedRids
 from node_agent.metrics import AgentMetrics
 from node_agent.pp.auth import CurveKeys
 from node_agent.pp.channel import FanoutServer
 from node_agent.pp.group import GroupView, GroupViewSource
-from node_agent.pp.messages import Message, Op
+from node_agent.pp.messages import Kind, Message, Op
 from node_agent.pp.stream import StreamMetrics
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,8 @@ class Connector:
         self._stats = StreamMetrics(config.group, metrics)
         self._lock = threading.RLock()
         self._role: Role | None = None
+        self._completed = CompletedRids(config.max_completed, self._stats.completed_dropped)
+        """Rids of ended roles the engine has not polled yet (see ``_end_role``)."""
         self._store: StageStore | None = None
         self._buffers: dict[int, Sequence[Sequence[torch.Tensor]]] = {}
         self._num_slots: int | None = None
@@ -216,6 +219,10 @@ class Connector:
         role, self._role = self._role, None
         if role is not None:
             role.close()
+            # close() waited for the role's copies: its queued rids and its
+            # in-flight stores no longer read the engine's source slots, and no
+            # later role will report them.
+            self._completed.add(role.take_unreported())
         # A follower store is kept across follower epochs until the connector closes.
         if self._closed and self._store is not None:
             _close_store(self._store)
@@ -260,7 +267,12 @@ class Connector:
         length 0, a degraded group, a timeout, a failure on this stage).
         ``poll_completed`` later reports ``rid`` once every stage is terminal.
         """
-        inp = prepare_store(token_ids, kv_indices, self.cfg.tokens_per_block, self._num_slots)
+        try:
+            inp = prepare_store(token_ids, kv_indices, self.cfg.tokens_per_block,
+                                self._num_slots)
+        except ValueError:
+            self._reject(rid, Kind.PUT)
+            raise
         role = self._role
         if role is None:
             return -1
@@ -275,19 +287,30 @@ class Connector:
         """Tokens of ``token_ids`` every stage can load (a block-aligned prefix
         span); 0 on a miss, a timeout or a degraded group. A later lookup for
         the same rid cancels this one."""
-        tokens = token_array(token_ids)
-        mask = None
-        if token_mask is not None:
-            mask = np.asarray(token_mask, dtype=np.bool_)
-            if mask.shape != tokens.shape:
-                raise ValueError(
-                    f"lookup: token_mask has shape {mask.shape} but token_ids has "
-                    f"{tokens.shape}; pass one flag per token"
-                )
+        try:
+            tokens = token_array(token_ids)
+            mask = None
+            if token_mask is not None:
+                mask = np.asarray(token_mask, dtype=np.bool_)
+                if mask.shape != tokens.shape:
+                    raise ValueError(
+                        f"lookup: token_mask has shape {mask.shape} but token_ids has "
+                        f"{tokens.shape}; pass one flag per token"
+                    )
+        except ValueError:
+            self._reject(rid, Kind.GET)
+            raise
         role = self._role
         if role is None:
             return 0
         return role.lookup(rid, tokens, mask)
+
+    def _reject(self, rid: str, kind: Kind) -> None:
+        """Inputs failed validation: the call still takes its call number, so the
+        n-th call of every stage keeps pairing with the leader's n-th decision."""
+        role = self._role
+        if role is not None:
+            role.reject(rid, kind)
 
     def retrieve(self, rid: str, slot_mapping: torch.Tensor | npt.NDArray[np.integer]) -> int:
         """Load the span found by ``lookup(rid)`` into ``slot_mapping`` (one slot
@@ -307,9 +330,13 @@ class Connector:
 
     def poll_completed(self) -> list[str]:
         """Rids whose store is terminal on every stage; the engine may free their
-        source slots only now."""
+        source slots only now. Rids of a role that ended (a new epoch or
+        leader) are reported too: its close waited for their copies."""
+        out = self._completed.drain()
         role = self._role
-        return [] if role is None else role.poll_completed()
+        if role is not None:
+            out += role.poll_completed()
+        return out
 
     def reset(self) -> None:
         """Flush: the leader flushes the whole group; a follower its pending state."""

@@ -80,15 +80,20 @@ class FollowerRole:
         self.store = store
         self.num_slots = num_slots
         self.counters = FollowerCounters()
-        self._decisions: Mailbox[Decision] = Mailbox(cfg.max_pending)
+        # Each decision is stamped with the stream generation it was delivered
+        # under (in stream order), so a decision that a RESET or resync made
+        # stale is refused even when its engine call takes it afterwards.
+        self._decisions: Mailbox[tuple[int, Decision]] = Mailbox(cfg.max_pending)
         self._results: Mailbox[Result] = Mailbox(cfg.max_pending)
         self._calls = CallCounter(cfg.max_pending)
         self._exec = threading.Lock()
         self._state = threading.Lock()
         self._gen = 0
         self._cancelled: OrderedDict[Key, None] = OrderedDict()
-        self._gets: OrderedDict[str, tuple[int, Decision]] = OrderedDict()
+        self._gets: OrderedDict[str, tuple[int, int, Decision]] = OrderedDict()
         self._stored: OrderedDict[Key, None] = OrderedDict()
+        self._missed: OrderedDict[str, None] = OrderedDict()
+        """Rids whose last lookup answered 0: their retrieve answers 0 (a miss)."""
         self._completed = CompletedRids(cfg.max_completed, stats.completed_dropped)
         self.stream = FollowerStream(
             cfg.group, cfg.pp_rank, keys, stats, apply=self._apply,
@@ -112,15 +117,22 @@ class FollowerRole:
     def _wait_s(self) -> float:
         return min(self.cfg.fanout_wait_seconds, self.cfg.engine_call_seconds)
 
-    def _execute(self, key: Key, d: Decision, slots: npt.NDArray[np.int64]) -> str | None:
-        """Run ``d``'s plan with ``slots``; None on success, else the error."""
-        gen = self._gen
+    def _execute(self, key: Key, gen: int, d: Decision,
+                 slots: npt.NDArray[np.int64]) -> str | None:
+        """Run ``d`` (delivered under stream generation ``gen``) with ``slots``;
+        None on success, else the error. Refused when a reset or resync came
+        after the decision, or the leader cancelled it."""
         if not self._exec.acquire(timeout=self.cfg.transfer_seconds):
-            return "another copy on this stage did not finish in time"
+            return (f"another copy on this stage held the copy lock for more than "
+                    f"transfer_seconds={self.cfg.transfer_seconds:g}s; raise "
+                    "timeouts.engineCallSeconds (transfer_seconds is split from it) or "
+                    "look for a stuck tier")
         timed_out = False
         try:
-            if gen != self._gen or key in self._cancelled:
-                return "the leader cancelled the task or the stream was resynced"
+            if gen != self._gen:
+                return "the stream was reset or resynced after the leader's decision"
+            if key in self._cancelled:
+                return "the leader cancelled the task"
             plan = d.plan
             assert plan is not None
             self.store.execute(plan, slots, timeout=self.cfg.transfer_seconds)
@@ -137,8 +149,9 @@ class FollowerRole:
                 self.stream.request_resync("copy timed out")
 
     def _fence(self) -> bool:
-        """Wait until no copy runs (bounded); False when one is stuck."""
-        if self._exec.acquire(timeout=self.cfg.transfer_seconds + 1.0):
+        """Wait until no copy runs (bounded by ``transfer_seconds``: it may run
+        on the agent-wide fan-out server thread); False when one is stuck."""
+        if self._exec.acquire(timeout=self.cfg.transfer_seconds):
             self._exec.release()
             return True
         return False
@@ -159,10 +172,11 @@ class FollowerRole:
         if inp.aligned == 0 or not self.stream.synced:
             self._decisions.abandon(key)
             return -1
-        d = self._decisions.take(key, self._wait_s())
-        if d is None:
+        taken = self._decisions.take(key, self._wait_s())
+        if taken is None:
             self.counters.decision_timeouts += 1
             return -1
+        gen, d = taken
         if not d.active or d.error:
             return -1
         tpb = self.cfg.tokens_per_block
@@ -174,7 +188,13 @@ class FollowerRole:
             error = (f"decision mask covers {int(np.count_nonzero(d.mask))} tokens but its "
                      f"plan has {d.num_blocks} blocks of {tpb}")
         else:
-            error = self._execute(key, d, inp.slots[d.mask])
+            error = self._execute(key, gen, d, inp.slots[d.mask])
+        if error is None and gen != self._gen:
+            error = "the stream was reset or resynced while the copy ran"
+        if gen != self._gen:
+            # The reset ended the leader's task: report the rid so the engine
+            # frees its source slots (the copy no longer reads them).
+            self._completed.add([rid])
         if error is None:
             with self._state:
                 self._stored[key] = None
@@ -202,14 +222,18 @@ class FollowerRole:
         self.counters.lookups += 1
         with self._state:
             self._gets.pop(rid, None)
+            self._missed[rid] = None  # until a hit replaces it
+            while len(self._missed) > self.cfg.max_pending:
+                self._missed.popitem(last=False)
         if not self.stream.synced:
             self._decisions.abandon(key)
             return 0
-        d = self._decisions.take(key, self._wait_s())
-        if d is None:
+        taken = self._decisions.take(key, self._wait_s())
+        if taken is None:
             self.counters.decision_timeouts += 1
             return 0  # a late decision is answered with a failure ack on arrival
-        if not d.active or d.error:
+        gen, d = taken
+        if not d.active or d.error or gen != self._gen:
             return 0
         if len(d.mask) != len(tokens):
             self._ack(Kind.GET, rid, n, d.task_id, False,
@@ -217,7 +241,8 @@ class FollowerRole:
                       f"but the leader matched {len(d.mask)}")
             return 0
         with self._state:
-            self._gets[rid] = (n, d)
+            self._missed.pop(rid, None)
+            self._gets[rid] = (n, gen, d)
             while len(self._gets) > self.cfg.max_pending:
                 self._gets.popitem(last=False)
         return int(np.count_nonzero(d.mask))
@@ -227,8 +252,12 @@ class FollowerRole:
         with self._state:
             entry = self._gets.pop(rid, None)
         if entry is None:
-            raise UnknownRequestError(rid, "retrieve", "call lookup first (or it was a miss)")
-        n, d = entry
+            with self._state:
+                missed = self._missed.pop(rid, "absent") is None
+            if missed:
+                return 0  # the lookup missed: same answer as the leader
+            raise UnknownRequestError(rid, "retrieve", "call lookup first")
+        n, gen, d = entry
         key: Key = (rid, Kind.GET, n)
         self.counters.retrieves += 1
         hit = int(np.count_nonzero(d.mask))
@@ -237,7 +266,7 @@ class FollowerRole:
         except ValueError as exc:
             self._ack(Kind.GET, rid, n, d.task_id, False, str(exc))
             raise
-        error = self._execute(key, d, slots)
+        error = self._execute(key, gen, d, slots)
         self._ack(Kind.GET, rid, n, d.task_id, error is None, error)
         verdict = None
         if error is None:
@@ -251,21 +280,40 @@ class FollowerRole:
     # -- stream ----------------------------------------------------------------------------
 
     def _apply(self, msg: Message) -> None:
+        """Apply one in-order message; any failure makes the stage resync (the
+        leader flushes the group on the HELLO) instead of staying synced on a
+        state that no longer matches the leader's."""
+        try:
+            self._apply_one(msg)
+        except Exception as exc:
+            log.exception("Stage failed to apply a leader message, resyncing",
+                          extra={"group": self.cfg.group, "op": msg.env.op.name})
+            self.stream.request_resync(
+                f"applying {msg.env.op.name} failed: {type(exc).__name__}: {exc}")
+
+    def _apply_one(self, msg: Message) -> None:
         body = msg.body
         if isinstance(body, Decision):
             kind = Kind.PUT if msg.env.op is Op.PUT else Kind.GET
-            if not self._decisions.put((body.rid, kind, body.n), body) and body.active:
+            stamped = (self._gen, body)
+            if not self._decisions.put((body.rid, kind, body.n), stamped) and body.active:
                 # This stage's call already gave up: answer now so the leader
                 # ends the task at once instead of at its deadline.
                 self._ack(kind, body.rid, body.n, body.task_id, False,
                           f"the stage's {kind.value} call gave up before the decision arrived")
         elif isinstance(body, Moves):
-            if not self._exec.acquire(timeout=self.cfg.transfer_seconds + 1.0):
+            if not self._exec.acquire(timeout=self.cfg.transfer_seconds):
                 self.stream.request_resync("moves could not wait for a running copy")
                 return
             try:
                 self.store.apply_moves(body.moves)
                 self.counters.moves_applied += len(body.moves)
+            except Exception as exc:
+                # This stage no longer holds the leader's blocks: stop applying
+                # and have the leader flush the group (its answer to the HELLO).
+                log.warning("Stage failed to apply moves, resyncing",
+                            extra={"group": self.cfg.group, "error": str(exc)})
+                self.stream.request_resync(f"moves failed: {type(exc).__name__}: {exc}")
             finally:
                 self._exec.release()
         elif isinstance(body, Result):
@@ -330,6 +378,7 @@ class FollowerRole:
         self._decisions.discard_rid(rid)
         with self._state:
             self._gets.pop(rid, None)
+            self._missed.pop(rid, None)
 
     def reset(self) -> None:
         """Local part of an engine reset (the leader flushes the group)."""
@@ -362,8 +411,31 @@ class FollowerRole:
         }
 
     def close(self) -> None:
-        """Stop the stream; pending calls end empty-handed."""
+        """Stop the stream; pending calls end empty-handed; wait (bounded) for a
+        running copy to end."""
         self.stream.close()
         self._gen += 1
         self._decisions.fail_waiters()
         self._results.fail_waiters()
+        if not self._fence():
+            log.error("A copy did not end before the role closed",
+                      extra={"group": self.cfg.group, "epoch": self.epoch})
+
+    def reject(self, rid: str, kind: Kind) -> None:
+        """An engine call of ``kind`` for ``rid`` failed input validation on this
+        stage: consume its call number so later calls still pair with the
+        leader's decisions, and refuse that decision when it arrives."""
+        n = self._calls.next(rid, kind)
+        self._decisions.abandon((rid, kind, n))
+        if kind is Kind.GET:
+            with self._state:
+                self._gets.pop(rid, None)
+                self._missed.pop(rid, None)
+
+    def take_unreported(self) -> list[str]:
+        """After :meth:`close`: rids the engine was never told are complete
+        (queued ones and stores executed here but not yet finished by the leader)."""
+        with self._state:
+            out = self._completed.drain() + [k[0] for k in self._stored]
+            self._stored.clear()
+        return out

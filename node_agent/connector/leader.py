@@ -51,6 +51,10 @@ from node_agent.pp.stream import LeaderStream, StreamMetrics
 
 log = logging.getLogger(__name__)
 
+STOP_WAIT_SECONDS = 2.0
+"""How long a timed-out copy gets to end after its cancel before the leader gives up."""
+_RUNNING = (KVResponseStatus.TIMEOUT, KVResponseStatus.UNREADY)
+
 
 @dataclass
 class _Put:
@@ -258,14 +262,35 @@ class LeaderRole:
             elif stepped_down or now > t.deadline:
                 if t.local is None:
                     # Bounded: the copy may still be running; let it end first.
-                    last = self.backend.wait([t.task_id], timeout=self.cfg.transfer_seconds,
-                                             completely=True).get(t.task_id)
-                    t.local = last.status if last is not None else KVResponseStatus.FAILED
+                    t.local = self._end_copy(t.rid, t.task_id, self.cfg.transfer_seconds)
+                    if t.local is None:
+                        continue  # still reading source slots: not completed yet
                 log.warning("Store discarded: the leader stepped down" if stepped_down else
                             "Store not acked by every follower in time, discarding",
                             extra={"group": self.cfg.group, "rid": t.rid,
                                    "missing": t.acks.missing()})
                 self._finish_put(t, False)
+
+    def _end_copy(self, rid: str, task_id: int, timeout: float) -> KVResponseStatus | None:
+        """Wait up to ``timeout`` for the launched ``task_id``; when it is still
+        running, cancel it and wait up to :data:`STOP_WAIT_SECONDS` more.
+
+        Returns the terminal status, or None when the copy may still touch the
+        engine's slots (the caller must not answer the engine / report the rid
+        as if it were done).
+        """
+        last = self.backend.wait([task_id], timeout=timeout, completely=True).get(task_id)
+        if last is not None and last.status not in _RUNNING:
+            return last.status
+        self.backend.cancel([task_id])
+        last = self.backend.wait([task_id], timeout=STOP_WAIT_SECONDS,
+                                 completely=True).get(task_id)
+        if last is not None and last.status not in _RUNNING:
+            return last.status
+        log.error("A copy did not end after its cancel",
+                  extra={"group": self.cfg.group, "rid": rid, "task_id": task_id,
+                         "waited_seconds": timeout + STOP_WAIT_SECONDS})
+        return None
 
     def _finish_put(self, t: _Put, ok: bool) -> None:
         with self._decide:
@@ -301,6 +326,7 @@ class LeaderRole:
             refusal = self._refusal()
             if refusal is not None:
                 self._refuse(Kind.GET, rid, n, len(tokens), refusal)
+                self._remember_miss(rid, n)
                 return 0
             task_id = -1
             try:
@@ -314,6 +340,7 @@ class LeaderRole:
                 if task_id >= 0:
                     self.backend.cancel([task_id])
                 self._refuse(Kind.GET, rid, n, len(tokens), f"leader get_match failed: {exc}")
+                self._remember_miss(rid, n)
                 return 0
             if moves:
                 self.counters.moves_sent += len(moves)
@@ -331,6 +358,13 @@ class LeaderRole:
                     self.stream.broadcast(Op.CANCEL, Cancel(old_rid, Kind.GET, g.n, g.task_id))
         self.counters.hit_tokens += hit
         return hit
+
+    def _remember_miss(self, rid: str, n: int) -> None:
+        """A lookup that answered 0 without a task: its retrieve answers 0."""
+        with self._state:
+            self._gets[rid] = _Get(n, -1, 0, AckCollector(frozenset()))
+            while len(self._gets) > self.cfg.max_pending:
+                self._gets.popitem(last=False)
 
     def _cancel_get(self, rid: str) -> None:
         """Cancel ``rid``'s un-used load task (a second lookup, or a release)."""
@@ -352,6 +386,9 @@ class LeaderRole:
                 raise UnknownRequestError(rid, "retrieve", "its lookup was already retrieved; "
                                           "call lookup again")
             g.used = True
+            if g.task_id < 0:
+                # The lookup missed: a miss, like every follower answers.
+                del self._gets[rid]
         self.counters.retrieves += 1
         if g.task_id < 0:
             return 0
@@ -369,8 +406,8 @@ class LeaderRole:
         if ok:
             try:
                 ids = self.backend.launch([g.task_id], [slots])
-                resp = self.backend.wait(ids, timeout=self.cfg.transfer_seconds, completely=True)
-                ok = all(r.status is KVResponseStatus.SUCCESS for r in resp.values())
+                ok = all(self._end_copy(rid, tid, self.cfg.transfer_seconds)
+                         is KVResponseStatus.SUCCESS for tid in ids)
             except Exception as exc:
                 log.warning("Leader load failed", extra={"group": self.cfg.group, "rid": rid,
                                                          "error": str(exc)})
@@ -401,6 +438,25 @@ class LeaderRole:
         self._calls.release(rid)
         with self._decide:
             self.stream.broadcast(Op.RELEASE, Release(rid))
+
+    def reject(self, rid: str, kind: Kind) -> None:
+        """An engine call of ``kind`` for ``rid`` failed input validation on this
+        stage: consume its call number and broadcast an error decision for it, so
+        every stage's n-th call still pairs with the leader's n-th decision."""
+        n = self._calls.next(rid, kind)
+        if kind is Kind.GET:
+            self._cancel_get(rid)  # as the rejected lookup would have
+        with self._decide:
+            self._refuse(kind, rid, n, 0, f"the leader stage rejected the {kind.value} "
+                         "call's inputs")
+
+    def take_unreported(self) -> list[str]:
+        """After :meth:`close`: rids the engine was never told are complete (queued
+        ones and stores still in flight, whose copies the backend shutdown ended)."""
+        with self._state:
+            out = self._completed.drain() + [t.rid for t in self._puts.values()]
+            self._puts.clear()
+        return out
 
     def reset(self) -> None:
         """Flush the whole group's cache."""
