@@ -45,11 +45,6 @@ class CallCounter:
             for kind in Kind:
                 self._next.pop((rid, kind), None)
 
-    def clear(self) -> None:
-        """Forget every counter."""
-        with self._lock:
-            self._next.clear()
-
 
 class Mailbox(Generic[V]):
     """Values keyed by :data:`Key`, delivered to at most one waiter each.
@@ -92,11 +87,6 @@ class Mailbox(Generic[V]):
                     return None
                 self._cond.wait(left)
             return self._items.pop(key)
-
-    def peek(self, key: Key) -> V | None:
-        """The value for ``key`` if present, without removing it."""
-        with self._cond:
-            return self._items.get(key)
 
     def abandon(self, key: Key) -> None:
         """Nobody will take ``key``: drop it now or refuse it when it comes."""
