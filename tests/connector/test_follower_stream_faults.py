@@ -1,0 +1,119 @@
+"""A follower role driven message by message in stream order, with a real
+TierStore: failed MOVES resync, decisions made stale by a RESET, rejected
+inputs keeping the call pairing, and retrieve after a missed lookup."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from node_agent.backend.replication import BlockLocation, Direction, Tier, TierMove, TransferPlan
+from node_agent.backend.stage_store import TierStore
+from node_agent.connector import ConnectorConfig, UnknownRequestError
+from node_agent.connector.follower import FollowerRole
+from node_agent.connector.inputs import prepare_store
+from node_agent.pp.messages import Decision, Envelope, Kind, Message, Moves, Op, Reset, Sync
+from node_agent.pp.stream import StreamMetrics
+
+from .harness import GROUP, LAYOUT, NUM_SLOTS, backend_config, make_buffers
+
+TPB = LAYOUT.tokens_per_block
+EPOCH = 1
+
+
+class Driven:
+    """A follower role fed by hand: ``send`` delivers the next in-order message."""
+
+    def __init__(self) -> None:
+        cfg = ConnectorConfig(group=GROUP, pp_rank=1, layout=LAYOUT, engine_call_seconds=2.0,
+                              fanout_wait_seconds=0.5, transfer_seconds=0.4)
+        self.store = TierStore(backend_config(8, True))
+        self.store.register_kv_buffers(0, make_buffers())
+        self.role = FollowerRole(cfg, EPOCH, None, self.store, None,
+                                 StreamMetrics(GROUP, None), NUM_SLOTS)
+        self.role.start()
+        self.seq = 10
+        self.role.handle(Message(Envelope(Op.SYNC, GROUP, EPOCH, self.seq), Sync(1, 1)))
+        assert self.role.stream.synced, "the follower must sync on the SYNC answer"
+
+    def send(self, op: Op, body: object) -> None:
+        self.seq += 1
+        self.role.handle(Message(Envelope(op, GROUP, EPOCH, self.seq), body))  # type: ignore[arg-type]
+
+    def put_decision(self, rid: str, n: int, task_id: int, blocks: int) -> None:
+        plan = TransferPlan(Direction.STORE,
+                            tuple(BlockLocation(Tier.CPU, i) for i in range(blocks)))
+        self.send(Op.PUT, Decision.build(Direction.STORE, rid, n, task_id,
+                                         np.ones(blocks * TPB, bool), plan))
+
+
+@pytest.fixture
+def driven() -> Iterator[Driven]:
+    d = Driven()
+    try:
+        yield d
+    finally:
+        d.role.close()
+        d.store.close()
+
+
+def _input(blocks: int) -> object:
+    return prepare_store(np.arange(blocks * TPB), np.arange(blocks * TPB), TPB, NUM_SLOTS)
+
+
+def test_failed_moves_make_the_follower_resync_not_stay_synced(
+        driven: Driven, caplog: pytest.LogCaptureFixture) -> None:
+    bad = TierMove(BlockLocation(Tier.CPU, 10_000), BlockLocation(Tier.CPU, 0))
+    with caplog.at_level(logging.WARNING):
+        driven.send(Op.MOVES, Moves((bad,)))
+    assert not driven.role.stream.synced
+    assert driven.role.degraded()
+    assert driven.role.counters.moves_applied == 0
+    assert any("moves" in r.getMessage().lower() for r in caplog.records)
+
+
+def test_put_decided_before_a_reset_is_refused_and_reported(driven: Driven) -> None:
+    driven.put_decision("a", 0, task_id=5, blocks=2)
+    take = driven.role._decisions.take
+
+    def take_then_reset(key: tuple[str, Kind, int], timeout: float) -> object:
+        # The interleaving under test: the engine thread took the decision, then
+        # the server thread applies the leader's RESET before the copy starts.
+        got = take(key, timeout)
+        driven.send(Op.RESET, Reset("engine reset"))
+        return got
+
+    driven.role._decisions.take = take_then_reset  # type: ignore[method-assign,assignment]
+    assert driven.role.store_kv("a", _input(2)) == -1  # type: ignore[arg-type]
+    assert driven.role.counters.stores_executed == 0
+    assert driven.role.counters.store_failures == 1
+    assert driven.role.poll_completed() == ["a"]
+
+
+def test_put_decided_after_a_reset_executes(driven: Driven) -> None:
+    driven.send(Op.RESET, Reset("engine reset"))
+    driven.put_decision("a", 0, task_id=6, blocks=2)
+    assert driven.role.store_kv("a", _input(2)) == 6  # type: ignore[arg-type]
+    assert driven.role.counters.stores_executed == 1
+
+
+def test_rejected_store_keeps_the_next_call_paired_with_its_decision(driven: Driven) -> None:
+    driven.role.reject("r", Kind.PUT)  # call 0 failed validation on this stage
+    driven.send(Op.PUT, Decision.build(Direction.STORE, "r", 0, -1, np.zeros(0, bool), None,
+                                       "the leader stage rejected the put call's inputs"))
+    driven.put_decision("r", 1, task_id=9, blocks=1)
+    assert driven.role.store_kv("r", _input(1)) == 9  # type: ignore[arg-type]
+
+
+def test_retrieve_after_a_missed_lookup_is_a_miss_once(driven: Driven) -> None:
+    driven.send(Op.GET, Decision.build(Direction.LOAD, "m", 0, -1, np.zeros(2 * TPB, bool),
+                                       None))
+    assert driven.role.lookup("m", np.arange(2 * TPB), None) == 0
+    assert driven.role.retrieve("m", np.zeros(0, np.int64)) == 0
+    with pytest.raises(UnknownRequestError):
+        driven.role.retrieve("m", np.zeros(0, np.int64))
+    with pytest.raises(UnknownRequestError):
+        driven.role.retrieve("never-looked-up", np.zeros(0, np.int64))
