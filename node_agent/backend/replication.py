@@ -112,8 +112,15 @@ class StageStore(abc.ABC):
         Validates ``slot_mapping`` first (1-D integer, length
         ``len(plan.blocks) * tokens_per_block``, in range, non-negative, no
         duplicates) and raises ``ValueError`` naming the bad value with nothing
-        copied. Raises ``TimeoutError`` when the copy does not finish in
-        ``timeout`` seconds; the caller must then treat the blocks as not stored.
+        copied.
+
+        Copies are stoppable: when the copy does not finish in ``timeout`` seconds,
+        ``execute`` requests it to stop, waits until it has stopped (it checks
+        between run / plane copies), and only then raises ``TimeoutError``. After
+        ``execute`` returns or raises, nothing writes the engine slots or the
+        plan's blocks any more. After a LOAD timed out the slots hold undefined
+        data and must not be used; after a STORE timed out the blocks are not
+        stored (the leader discards the put).
         """
 
     @abc.abstractmethod

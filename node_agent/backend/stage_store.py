@@ -33,6 +33,17 @@ log = logging.getLogger(__name__)
 
 #: How long ``apply_moves`` waits for a timed-out copy still writing a moved block.
 FENCE_SECONDS = 30.0
+#: How long ``execute`` waits, after its timeout, for the aborted copy to stop. A
+#: copy checks its abort flag before every run / plane copy, so it stops within one
+#: of those (milliseconds); only a hung device can exceed this bound.
+STOP_SECONDS = 10.0
+
+
+def _describe(blocks: Sequence[BlockLocation], limit: int = 4) -> str:
+    """``blocks cpu:3, cpu:4, ssd:7``: text naming up to ``limit`` blocks."""
+    shown = ", ".join(f"{b.tier.value}:{b.index}" for b in blocks[:limit])
+    more = f" and {len(blocks) - limit} more" if len(blocks) > limit else ""
+    return f"blocks {shown}{more}"
 
 
 class TierStore(StageStore):
@@ -120,19 +131,25 @@ class TierStore(StageStore):
                     f"{self.num_blocks(loc.tier)}; every stage of a group needs the same tier sizes"
                 )
 
-    def copy(self, plan: TransferPlan, slots: torch.Tensor) -> None:
-        """Run ``plan`` with already validated ``slots`` in the calling thread."""
+    def copy(self, plan: TransferPlan, slots: torch.Tensor,
+             abort: threading.Event | None = None) -> None:
+        """Run ``plan`` with already validated ``slots`` in the calling thread.
+
+        Raises :class:`~.transfer.CopyAborted` once ``abort`` is set (checked before
+        every run / plane copy); what the copy wrote by then is undefined."""
         bufs = self.buffers()
         if plan.direction is Direction.STORE:
-            self.copier.store(bufs, [b.index for b in plan.blocks], slots)
+            self.copier.store(bufs, [b.index for b in plan.blocks], slots, abort)
         else:
-            self.copier.load(bufs, plan.blocks, slots)
+            self.copier.load(bufs, plan.blocks, slots, abort)
 
     def execute(self, plan: TransferPlan, slot_mapping: object, timeout: float) -> None:
-        """See :meth:`StageStore.execute`. A copy that times out keeps running (a torch
-        copy cannot be interrupted); its blocks stay *fenced*: a later plan or move
-        touching them first waits for it (within its own timeout), so a late copy can
-        never overwrite a block the leader has reused since."""
+        """See :meth:`StageStore.execute`. On timeout the copy's abort flag is set and
+        its thread joined (it stops within one run / plane copy) before
+        ``TimeoutError`` is raised, so nothing writes the plan's slots or blocks
+        afterwards. Only when the copy does not stop within ``STOP_SECONDS`` (a hung
+        device) does it keep running: its blocks then stay *fenced* (a later plan or
+        move touching them first waits for it) and the error says so."""
         deadline = time.monotonic() + timeout
         self.check_plan(plan)
         slots = validate_slot_mapping(
@@ -140,10 +157,11 @@ class TierStore(StageStore):
         )
         self._await_fences(plan.blocks, deadline)
         outcome: list[BaseException | None] = []
+        abort = threading.Event()
 
         def run() -> None:
             try:
-                self.copy(plan, slots)
+                self.copy(plan, slots, abort)
                 outcome.append(None)
             except BaseException as e:  # handed to the waiting caller
                 outcome.append(e)
@@ -151,16 +169,31 @@ class TierStore(StageStore):
         worker = threading.Thread(target=run, name="flexkv-stage-copy", daemon=True)
         worker.start()
         worker.join(max(0.0, deadline - time.monotonic()))
+        if not worker.is_alive():
+            if outcome and outcome[0] is not None:
+                raise outcome[0]
+            return
+        abort.set()
+        worker.join(STOP_SECONDS)
+        what = (f"{plan.direction.value} of {len(plan.blocks)} blocks "
+                f"({_describe(plan.blocks)}) did not finish in {timeout} s")
+        if plan.direction is Direction.LOAD:
+            consequence = ("the engine slots hold undefined data and must not be used; "
+                           "recompute their KV")
+        else:
+            consequence = "the blocks are not stored; discard the put"
         if worker.is_alive():
             with self._lock:
                 for loc in plan.blocks:
                     self._fences[loc] = worker
+            log.error("Aborted copy still running", extra={
+                "direction": plan.direction.value, "blocks": len(plan.blocks),
+                "stop_seconds": STOP_SECONDS})
             raise TimeoutError(
-                f"{plan.direction.value} of {len(plan.blocks)} blocks did not finish in "
-                f"{timeout} s; treat the blocks as not stored"
+                f"{what} and did not stop within {STOP_SECONDS} s of the abort (hung "
+                f"device?); it may still write; {consequence}"
             )
-        if outcome and outcome[0] is not None:
-            raise outcome[0]
+        raise TimeoutError(f"{what}; the copy was stopped; {consequence}")
 
     def apply_moves(self, moves: Sequence[TierMove]) -> None:
         """See :meth:`StageStore.apply_moves`; waits (up to ``FENCE_SECONDS``) for a
@@ -181,8 +214,10 @@ class TierStore(StageStore):
         for worker in waits:
             worker.join(max(0.0, deadline - time.monotonic()))
             if worker.is_alive():
+                fenced = [b for b in blocks if self._fences.get(b) is worker]
                 raise TimeoutError(
-                    "an earlier copy into these blocks timed out and is still running; "
+                    f"an earlier copy into {_describe(fenced)} timed out, ignored its abort "
+                    f"and was still running after this call waited until its deadline; "
                     "retry later or treat the blocks as not stored"
                 )
         with self._lock:

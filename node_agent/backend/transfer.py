@@ -15,12 +15,18 @@ Otherwise they are indexed by token. Both give the same bytes.
 The same calls work for CUDA engine buffers (the gather happens on the device,
 then one copy crosses to or from the host) and for CPU tensors; a CUDA device is
 synchronised before a copy reports done.
+
+Stopping: ``store`` and ``load`` take an optional ``abort`` event and check it
+before every run / plane / SSD block copy; once it is set they synchronise the
+devices (no queued write is still in flight) and raise :class:`CopyAborted`. A
+copy therefore stops within one run or plane copy of the request; the bytes it
+already wrote (engine slots for a load, tier blocks for a store) are undefined.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -33,6 +39,10 @@ from node_agent.backend.ssd_tier import SsdTier
 MAX_RUNS = 8
 #: SSD loads go through a per-thread staging buffer of about this many bytes.
 STAGING_BYTES = 64 * 1024 * 1024
+
+
+class CopyAborted(RuntimeError):
+    """A copy stopped early because its abort event was set; what it wrote is undefined."""
 
 
 def block_runs(positions: Sequence[int], blocks: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -140,6 +150,17 @@ class BlockCopier:
         self.cpu = cpu
         self.ssd = ssd
         self._local = threading.local()
+        #: Called with the copy's abort event (or None) at every checkpoint, before
+        #: the event is checked: a seam for tests that need a copy paused mid-way.
+        self.checkpoint_hook: Callable[[threading.Event | None], None] | None = None
+
+    def _checkpoint(self, abort: threading.Event | None) -> None:
+        """Raise :class:`CopyAborted` when ``abort`` is set (after the hook ran)."""
+        hook = self.checkpoint_hook
+        if hook is not None:
+            hook(abort)
+        if abort is not None and abort.is_set():
+            raise CopyAborted("copy stopped on request; the bytes it wrote are undefined")
 
     def _units(self, buffers: Mapping[int, RegisteredBuffers], slots: torch.Tensor,
                ) -> dict[torch.device, _Units]:
@@ -154,49 +175,66 @@ class BlockCopier:
         return region.view(self.cpu.num_blocks * units, -1)
 
     def store(
-        self, buffers: Mapping[int, RegisteredBuffers], blocks: Sequence[int], slots: torch.Tensor
+        self, buffers: Mapping[int, RegisteredBuffers], blocks: Sequence[int],
+        slots: torch.Tensor, abort: threading.Event | None = None,
     ) -> None:
-        """Copy the tokens at ``slots`` (token order) into CPU ``blocks`` (block order)."""
+        """Copy the tokens at ``slots`` (token order) into CPU ``blocks`` (block order).
+
+        Raises :class:`CopyAborted` (blocks undefined) once ``abort`` is set."""
         lay = self.layout
         runs = block_runs(range(len(blocks)), blocks)
         gathered = len(runs) > MAX_RUNS
         prepared = self._units(buffers, slots)
         rows: dict[int, torch.Tensor] = {}
-        for r in range(lay.stored_ranks):
-            buf = buffers[r]
-            units = prepared[buf.device]
-            for p in range(lay.num_planes):
-                src, idx, u = units.pick(_widest_view(buf.planes[p]))
-                region = self._region(r, p, src.dtype, u)
-                if not gathered:
-                    for pos, b0, n in runs:
-                        _gather_into(src, idx[pos * u : (pos + n) * u],
-                                     region[b0 * u : (b0 + n) * u])
-                else:
-                    if u not in rows:
-                        rows[u] = unit_rows(blocks, u)
-                    region.index_copy_(0, rows[u], src.index_select(0, idx).to(region.device))
-        _synchronize(set(prepared))
+        try:
+            for r in range(lay.stored_ranks):
+                buf = buffers[r]
+                units = prepared[buf.device]
+                for p in range(lay.num_planes):
+                    src, idx, u = units.pick(_widest_view(buf.planes[p]))
+                    region = self._region(r, p, src.dtype, u)
+                    if not gathered:
+                        for pos, b0, n in runs:
+                            self._checkpoint(abort)
+                            _gather_into(src, idx[pos * u : (pos + n) * u],
+                                         region[b0 * u : (b0 + n) * u])
+                    else:
+                        self._checkpoint(abort)
+                        if u not in rows:
+                            rows[u] = unit_rows(blocks, u)
+                        region.index_copy_(0, rows[u],
+                                           src.index_select(0, idx).to(region.device))
+        finally:
+            _synchronize(set(prepared))
 
     def load(
         self,
         buffers: Mapping[int, RegisteredBuffers],
         locations: Sequence[BlockLocation],
         slots: torch.Tensor,
+        abort: threading.Event | None = None,
     ) -> None:
         """Copy ``locations`` (token order, any tier) into the engine slots ``slots``
-        of every registered rank."""
+        of every registered rank.
+
+        Raises :class:`CopyAborted` (slots undefined) once ``abort`` is set; every
+        device is synchronised first, so nothing writes the slots afterwards."""
         cpu_pos = [i for i, loc in enumerate(locations) if loc.tier is Tier.CPU]
         ssd_pos = [i for i, loc in enumerate(locations) if loc.tier is Tier.SSD]
         prepared = self._units(buffers, slots)
-        if cpu_pos:
-            self._load_cpu(buffers, cpu_pos, [locations[i].index for i in cpu_pos], prepared)
-        ssd_blk = [locations[i].index for i in ssd_pos]
-        if ssd_pos and not self._load_ssd_direct(buffers, ssd_pos, ssd_blk, prepared):
-            step = max(1, STAGING_BYTES // self.layout.bytes_per_block)
-            for c in range(0, len(ssd_pos), step):
-                self._load_ssd(buffers, ssd_pos[c : c + step], ssd_blk[c : c + step], prepared)
-        _synchronize(set(prepared))
+        try:
+            if cpu_pos:
+                self._load_cpu(buffers, cpu_pos, [locations[i].index for i in cpu_pos],
+                               prepared, abort)
+            ssd_blk = [locations[i].index for i in ssd_pos]
+            if ssd_pos and not self._load_ssd_direct(buffers, ssd_pos, ssd_blk, prepared,
+                                                     abort):
+                step = max(1, STAGING_BYTES // self.layout.bytes_per_block)
+                for c in range(0, len(ssd_pos), step):
+                    self._load_ssd(buffers, ssd_pos[c : c + step], ssd_blk[c : c + step],
+                                   prepared, abort)
+        finally:
+            _synchronize(set(prepared))
 
     def _load_cpu(
         self,
@@ -204,6 +242,7 @@ class BlockCopier:
         positions: Sequence[int],
         blocks: Sequence[int],
         prepared: dict[torch.device, _Units],
+        abort: threading.Event | None,
     ) -> None:
         lay = self.layout
         runs = block_runs(positions, blocks)
@@ -218,9 +257,11 @@ class BlockCopier:
                 region = self._region(sr, p, dst.dtype, u)
                 if not gathered:
                     for pos, b0, n in runs:
+                        self._checkpoint(abort)
                         dst.index_copy_(0, idx[pos * u : (pos + n) * u],
                                         region[b0 * u : (b0 + n) * u].to(dst.device))
                 else:
+                    self._checkpoint(abort)
                     if u not in rows:
                         rows[u] = unit_rows(blocks, u)
                     dst.index_copy_(0, subsets.of(idx, u),
@@ -232,6 +273,7 @@ class BlockCopier:
         positions: Sequence[int],
         blocks: Sequence[int],
         prepared: dict[torch.device, _Units],
+        abort: threading.Event | None,
     ) -> bool:
         """Read SSD ``blocks`` straight into the engine's pages, one ``preadv`` per block.
 
@@ -259,6 +301,7 @@ class BlockCopier:
         page_of = units.pages.tolist()
         for pos, b in zip(positions, blocks, strict=True):
             g = page_of[pos]
+            self._checkpoint(abort)
             self.ssd.read(b, [arr[g].data for arr in pages])
         return True
 
@@ -268,6 +311,7 @@ class BlockCopier:
         positions: Sequence[int],
         blocks: Sequence[int],
         prepared: dict[torch.device, _Units],
+        abort: threading.Event | None,
     ) -> None:
         """Read ``blocks`` into this thread's staging buffer, then scatter them."""
         if self.ssd is None:
@@ -285,6 +329,7 @@ class BlockCopier:
                 dst, idx, u = units.pick(_widest_view(buf.planes[p]))
                 k = sr * lay.num_planes + p
                 data = staging[k, : len(blocks)].view(dst.dtype).view(len(blocks) * u, -1)
+                self._checkpoint(abort)
                 dst.index_copy_(0, subsets.of(idx, u), data.to(dst.device))
 
     def _staging(self, blocks: int) -> torch.Tensor:

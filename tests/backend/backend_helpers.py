@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -113,3 +114,28 @@ def load(b: EmbeddedBackend, toks: np.ndarray, slots: np.ndarray,
     res = b.wait([wid], timeout=10)[wid]
     assert res.status.value == "success", res
     return mask
+
+
+class PauseAt:
+    """Checkpoint hook: at checkpoint ``n`` (1-based) signal ``entered`` and block
+    until the copy is aborted; records every checkpoint reached afterwards."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.calls = 0
+        self.entered = threading.Event()
+        self.after_abort = 0
+
+    def __call__(self, abort: threading.Event | None) -> None:
+        self.calls += 1
+        if abort is not None and abort.is_set():
+            self.after_abort += 1
+        if self.calls == self.n:
+            self.entered.set()
+            assert abort is not None and abort.wait(5), "the copy was never aborted"
+
+
+def planes(bufs: Sequence[Sequence[torch.Tensor]], slots: np.ndarray) -> list[torch.Tensor]:
+    """Copies of the rows at ``slots`` of every plane (layer-slot-head layout)."""
+    idx = torch.as_tensor(slots, dtype=torch.int64)
+    return [t.index_select(0, idx).clone() for group in bufs for t in group]

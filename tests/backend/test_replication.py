@@ -196,32 +196,40 @@ def test_stage_store_execute_validates_before_copying(tmp_path: Path) -> None:
     assert not st.cpu.pool.equal(before)
 
 
-def test_stage_store_times_out_a_stuck_copy_and_fences_its_blocks() -> None:
+def test_stage_store_fences_the_blocks_of_a_copy_that_ignores_its_abort(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hung-device fallback: a copy that does not stop within STOP_SECONDS of
+    its abort keeps its blocks fenced until it ends."""
+    import node_agent.backend.stage_store as stage_store
+
+    monkeypatch.setattr(stage_store, "STOP_SECONDS", 0.05)
     layout = small_layout()
     release = threading.Event()
     order: list[str] = []
 
     class StuckStore(TierStore):
-        def copy(self, plan: TransferPlan, slots: torch.Tensor) -> None:
+        def copy(self, plan: TransferPlan, slots: torch.Tensor,
+                 abort: threading.Event | None = None) -> None:
             if plan.blocks[0].index == 0 and not order:
                 order.append("stuck started")
-                release.wait(10)
+                release.wait(10)  # ignores the abort, like a hung device
                 order.append("stuck finished")
             else:
                 order.append(f"copy {plan.blocks[0].index}")
-                super().copy(plan, slots)
+                super().copy(plan, slots, abort)
 
     st = StuckStore(config(layout, cpu_blocks=4))
     st.register_kv_buffers(0, make_buffers(layout, 32, 0))
     plan = TransferPlan(Direction.STORE, (BlockLocation(Tier.CPU, 0),))
     try:
-        with pytest.raises(TimeoutError, match=r"did not finish in 0\.2 s"):
+        with pytest.raises(TimeoutError, match=r"store of 1 blocks \(blocks cpu:0\) did not "
+                           r"finish in 0\.2 s and did not stop within 0\.05 s .* not stored"):
             st.execute(plan, np.arange(4), timeout=0.2)
         # another block is not fenced
         st.execute(TransferPlan(Direction.STORE, (BlockLocation(Tier.CPU, 1),)),
                    np.arange(4), timeout=5)
         # the fenced block refuses a new copy while the late one still runs
-        with pytest.raises(TimeoutError, match="earlier copy into these blocks timed out"):
+        with pytest.raises(TimeoutError, match="earlier copy into blocks cpu:0 timed out"):
             st.execute(plan, np.arange(4, 8), timeout=0.1)
         threading.Timer(0.2, release.set).start()
         st.execute(plan, np.arange(4, 8), timeout=5)  # waits for the late copy, then runs
@@ -233,7 +241,8 @@ def test_stage_store_times_out_a_stuck_copy_and_fences_its_blocks() -> None:
 def test_failed_copy_ends_failed_and_frees_the_put(tmp_path: Path) -> None:
     b, _ = started(config(small_layout(), cpu_blocks=4))
     try:
-        def broken(plan: TransferPlan, slots: torch.Tensor) -> None:
+        def broken(plan: TransferPlan, slots: torch.Tensor,
+                   abort: threading.Event | None = None) -> None:
             raise OSError("disk on fire")
 
         b.store.copy = broken  # type: ignore[method-assign]
