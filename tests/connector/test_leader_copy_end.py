@@ -1,0 +1,166 @@
+"""A one-stage group (leader, real embedded backend): a copy that outlives its
+wait is cancelled and ended before the engine is answered or the rid reported;
+a role change reports every store the engine had not polled; rejected inputs
+consume the call number; retrieve after a missed lookup is a miss."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from node_agent.connector import UnknownRequestError
+from node_agent.connector.leader import LeaderRole
+from node_agent.pp.group import GroupView, GroupViewSource
+from node_agent.pp.messages import Kind
+
+from .harness import (
+    GROUP,
+    LAYOUT,
+    group_status,
+    kv_content,
+    make_buffers,
+    make_connector,
+    write_slots,
+)
+
+TPB = LAYOUT.tokens_per_block
+Bufs = tuple[list[torch.Tensor], list[torch.Tensor]]
+
+
+class Single:
+    def __init__(self, **timeouts: float) -> None:
+        self.view = GroupViewSource(GroupView.from_status(
+            GROUP, group_status(1, 0, {0: "tcp://127.0.0.1:1"})))
+        self.conn = make_connector(0, self.view, keys=None, endpoint=None, **timeouts)
+        self.conn.start()
+        self.bufs: Bufs = make_buffers()
+        self.conn.register_kv_buffers(0, self.bufs)
+        self.events: list[str] = []
+
+    @property
+    def leader(self) -> LeaderRole:
+        role = self.conn._role
+        assert isinstance(role, LeaderRole)
+        return role
+
+    def store(self, rid: str, tokens: np.ndarray, slots: np.ndarray) -> int:
+        write_slots(self.bufs, slots, kv_content(0, tokens))
+        return self.conn.store_kv(rid, tokens, torch.as_tensor(slots))
+
+    def poll_until(self, rid: str, timeout: float = 10.0) -> list[str]:
+        deadline = time.monotonic() + timeout
+        done: list[str] = []
+        while rid not in done:
+            assert time.monotonic() < deadline, f"{rid} never completed"
+            done += self.conn.poll_completed()
+            time.sleep(0.005)
+        return done
+
+    def gate_copies(self) -> threading.Event:
+        """Hold the backend's copies until the leader cancels; log both events."""
+        backend: Any = self.leader.backend
+        gate = threading.Event()
+        copy, cancel = backend._store.copy, backend.cancel
+
+        def gated_copy(*args: Any, **kwargs: Any) -> None:
+            try:
+                assert gate.wait(10.0), "the leader never cancelled the copy"
+                copy(*args, **kwargs)
+            finally:
+                self.events.append("copy-ended")
+
+        def logged_cancel(task_ids: Any) -> None:
+            self.events.append("cancel")
+            cancel(task_ids)
+            gate.set()
+
+        backend._store.copy = gated_copy
+        backend.cancel = logged_cancel
+        return gate
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+@pytest.fixture
+def fast() -> Iterator[Single]:
+    s = Single(engine_call_seconds=1.0, fanout_wait_seconds=0.3, transfer_seconds=0.2)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture
+def single() -> Iterator[Single]:
+    s = Single()
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def test_timed_out_load_is_ended_before_retrieve_answers(fast: Single) -> None:
+    tokens = np.arange(2 * TPB)
+    assert fast.store("src", tokens, np.arange(2 * TPB)) >= 0
+    fast.poll_until("src")
+    assert fast.conn.lookup("dst", tokens) == 2 * TPB
+    fast.gate_copies()
+    got = fast.conn.retrieve("dst", torch.arange(100, 100 + 2 * TPB))
+    fast.events.append("answered")
+    assert got == 0  # cancelled: a miss, the slots are garbage
+    # (a miss cancels the task once more on its way out: harmless, it ended)
+    assert fast.events[:2] == ["cancel", "copy-ended"]
+    assert fast.events.index("copy-ended") < fast.events.index("answered")
+
+
+def test_timed_out_store_is_reported_only_after_its_copy_ended(fast: Single) -> None:
+    fast.gate_copies()
+    assert fast.store("slow", np.arange(2 * TPB), np.arange(2 * TPB)) >= 0
+    fast.poll_until("slow")
+    fast.events.append("reported")
+    assert fast.events == ["cancel", "copy-ended", "reported"]
+    assert fast.conn.lookup("again", np.arange(2 * TPB)) == 0  # nothing was published
+
+
+def test_role_change_reports_unpolled_completions(single: Single) -> None:
+    assert single.store("r1", np.arange(2 * TPB), np.arange(2 * TPB)) >= 0
+    for _ in range(1000):  # terminal, not yet polled
+        if single.leader.status()["completedQueued"] == 1:
+            break
+        time.sleep(0.005)
+    assert single.leader.status()["completedQueued"] == 1
+    single.view.update(GroupView.from_status(GROUP, group_status(2, 0, {0: "tcp://127.0.0.1:1"})))
+    assert single.conn.poll_completed() == ["r1"]
+
+
+def test_role_change_reports_stores_in_flight(single: Single) -> None:
+    gate = single.gate_copies()
+    assert single.store("r2", np.arange(2 * TPB), np.arange(2 * TPB)) >= 0
+    assert single.leader.status()["inflightStores"] == 1
+    gate.set()  # the backend shutdown of the closing role ends the copy
+    single.view.update(GroupView.from_status(GROUP, group_status(2, 0, {0: "tcp://127.0.0.1:1"})))
+    assert single.conn.poll_completed() == ["r2"]
+    assert "copy-ended" in single.events
+
+
+def test_rejected_store_consumes_the_leaders_call_number(single: Single) -> None:
+    with pytest.raises(ValueError, match="token_ids has 8 entries but kv_indices has 7"):
+        single.conn.store_kv("r", np.arange(2 * TPB), torch.arange(2 * TPB - 1))
+    assert single.leader._calls.next("r", Kind.PUT) == 1
+    with pytest.raises(ValueError, match="token_mask"):
+        single.conn.lookup("r", np.arange(2 * TPB), np.ones(3, bool))
+    assert single.leader._calls.next("r", Kind.GET) == 1
+
+
+def test_retrieve_after_a_missed_lookup_is_a_miss_once(single: Single) -> None:
+    assert single.conn.lookup("m", np.arange(2 * TPB)) == 0
+    assert single.conn.retrieve("m", torch.zeros(0, dtype=torch.int64)) == 0
+    with pytest.raises(UnknownRequestError):
+        single.conn.retrieve("m", torch.zeros(0, dtype=torch.int64))
