@@ -264,5 +264,14 @@ class KVBackend(abc.ABC):
 
     @abc.abstractmethod
     def cancel(self, task_ids: Sequence[int]) -> None:
-        """Roll back un-launched tasks: unlock matched blocks, release reserved
-        space. Launched tasks are not interrupted; unknown ids are ignored."""
+        """Roll back un-launched tasks (unlock matched blocks, release reserved
+        space; they end CANCELLED at once) and stop launched, unfinished ones.
+
+        A launched task's copy is asked to stop (it checks between run / plane
+        copies); the task then ends CANCELLED as soon as the copy stopped, and
+        ``wait`` answers that terminal status. A cancelled put's blocks never
+        become visible and their space is freed; a cancelled get's slots hold
+        undefined data. Once ``wait`` has answered CANCELLED nothing writes the
+        task's slots or blocks. Finished and unknown ids are ignored. A backend
+        whose transfer engine cannot be interrupted (the FlexKV adapter) leaves
+        launched tasks running and says so in its own docstring."""

@@ -24,6 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 
 import numpy as np
 import torch
@@ -55,12 +56,15 @@ from node_agent.backend.replication import (
 from node_agent.backend.slots import validate_slot_mapping
 from node_agent.backend.stage_store import TierStore
 from node_agent.backend.tasks import Task, TaskState
+from node_agent.backend.transfer import CopyAborted
 from node_agent.metrics import AgentMetrics
 
 log = logging.getLogger(__name__)
 
-#: How long ``reset`` / ``shutdown`` wait for copies already running.
-DRAIN_SECONDS = 60.0
+#: How long ``reset`` waits for the copies it aborted to stop. A copy checks its
+#: abort flag before every run / plane copy, so it stops within milliseconds; only
+#: a hung device exceeds this, and ``reset`` then raises instead of clearing.
+STOP_SECONDS = 10.0
 
 
 class EmbeddedBackend(ReplicatedBackend):
@@ -141,6 +145,7 @@ class EmbeddedBackend(ReplicatedBackend):
             self._closed = True
             self._stopping.set()
             self._cancel_unlaunched_locked()
+            self._abort_running_locked()
             pool, store = self._pool, self._store
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
@@ -154,31 +159,43 @@ class EmbeddedBackend(ReplicatedBackend):
         log.info("Embedded backend shut down")
 
     def reset(self) -> None:
-        with self._lock:
-            self._require_started()
-            self._cancel_unlaunched_locked()
-            running = [t.future for t in [*self._tasks.values(), *self._members.values()]
-                       if t.future is not None and t.status is None]
-        deadline = time.monotonic() + DRAIN_SECONDS
-        for f in running:
-            try:
-                f.result(timeout=max(0.0, deadline - time.monotonic()))
-            except Exception:
-                log.exception("A copy still running at reset did not finish cleanly")
-        with self._cond:
-            for t in self._tasks.values():
-                if t.status is None:
-                    self._finish_locked(t, KVResponseStatus.CANCELLED, "cache reset")
-            index = self._require_started()
-            index.clear()
-            self._unpublished.clear()
-            self._members.clear()
-            self._moves.clear()
-            assert self._store is not None
-            self._store.reset()
-            self._update_gauges()
-            self._cond.notify_all()
+        """See :meth:`KVBackend.reset`. Running copies are aborted and waited for (up
+        to ``STOP_SECONDS``; they stop within one run / plane copy) before the index
+        is cleared, so no copy writes a block after ``reset`` returns. Raises
+        ``KVBackendError`` (nothing cleared) when a copy does not stop in time."""
+        deadline = time.monotonic() + STOP_SECONDS
+        while True:
+            with self._cond:
+                self._require_started()
+                self._cancel_unlaunched_locked()
+                running = self._abort_running_locked()
+                if not running:
+                    self._clear_locked()
+                    break
+            futures = [t.future for t in running if t.future is not None]
+            _, late = futures_wait(futures, max(0.0, deadline - time.monotonic()))
+            if late:
+                ids = [t.id for t in running if t.future in late]
+                raise KVBackendError(
+                    f"reset: copies of tasks {ids[:5]} did not stop within {STOP_SECONDS} s "
+                    "of their abort (hung device?); nothing was cleared; retry reset"
+                )
         log.info("Embedded backend reset: every cached block dropped")
+
+    def _clear_locked(self) -> None:
+        """Cancel every unfinished task and forget every block (no copy is running)."""
+        for t in self._tasks.values():
+            if t.status is None:
+                self._finish_locked(t, KVResponseStatus.CANCELLED, "cache reset")
+        index = self._require_started()
+        index.clear()
+        self._unpublished.clear()
+        self._members.clear()
+        self._moves.clear()
+        assert self._store is not None
+        self._store.reset()
+        self._update_gauges()
+        self._cond.notify_all()
 
     # -- registration ----------------------------------------------------------
 
@@ -394,12 +411,19 @@ class EmbeddedBackend(ReplicatedBackend):
         return out
 
     def cancel(self, task_ids: Sequence[int]) -> None:
+        """See :meth:`KVBackend.cancel`: an un-launched task ends CANCELLED (and is
+        forgotten) at once; a launched, unfinished task (or batch, or batch member)
+        has its copy aborted and ends CANCELLED when the copy stopped."""
         with self._cond:
             for i in (int(t) for t in task_ids):
-                t = self._tasks.get(i)
-                if t is not None and t.state is TaskState.MATCHED and not t.members:
+                t = self._tasks.get(i) or self._members.get(i)
+                if t is None or t.status is not None:
+                    continue
+                if t.state is TaskState.MATCHED and not t.members:
                     self._finish_locked(t, KVResponseStatus.CANCELLED, "cancelled")
                     del self._tasks[i]
+                else:
+                    self._abort_locked(t)
             self._cond.notify_all()
 
     # -- replication (PP leader) -------------------------------------------------
@@ -442,11 +466,26 @@ class EmbeddedBackend(ReplicatedBackend):
                 self._metrics.stored_tokens.inc(len(done) * self.tokens_per_block)
 
     def discard(self, task_id: int) -> None:
-        with self._lock:
+        """See :meth:`ReplicatedBackend.discard`. A put (or batch) still copying is
+        marked discard-on-finish and its copy aborted: when it ends, its pending
+        blocks are freed instead of waiting for publish; an un-launched one is
+        cancelled."""
+        with self._cond:
             nodes = self._unpublished.pop(task_id, None)
             if nodes and self._index is not None:
                 self._index.remove_pending(np.concatenate(nodes))
                 self._update_gauges()
+            t = self._tasks.get(task_id) or self._members.get(task_id)
+            if t is None or t.status is not None:
+                return
+            if t.state is TaskState.MATCHED and not t.members:
+                self._finish_locked(t, KVResponseStatus.CANCELLED, "discarded")
+                del self._tasks[task_id]
+            else:
+                for m in t.members or [t]:
+                    m.discarded = True
+                self._abort_locked(t)
+            self._cond.notify_all()
 
     # -- stats ---------------------------------------------------------------
 
@@ -528,15 +567,29 @@ class EmbeddedBackend(ReplicatedBackend):
                 self._metrics.evictions.labels(tier=m.src.tier.value).inc()
 
     def _run(self, task: Task, slots: torch.Tensor) -> None:
-        """Worker: run one task's copy, then record its outcome."""
+        """Worker: run one task's copy, then record its outcome.
+
+        A task whose abort flag is set when the copy ends (checked under the lock
+        that cancel / discard / reset set it under) finishes CANCELLED, even when
+        the copy got past its last check: it is never published."""
         t0 = time.perf_counter()
         status, error = KVResponseStatus.SUCCESS, None
         try:
             assert self._store is not None and task.plan is not None
-            self._store.copy(task.plan, slots)
+            self._store.copy(task.plan, slots, task.abort)
+        except CopyAborted:
+            pass  # the abort flag is set: recorded as CANCELLED below
         except Exception as e:
             status, error = KVResponseStatus.FAILED, f"{type(e).__name__}: {e}"
             log.exception("KV transfer failed", extra={"task_id": task.id})
+        with self._cond:
+            if task.abort.is_set() and status is KVResponseStatus.SUCCESS:
+                status = KVResponseStatus.CANCELLED
+                error = ("cancelled while copying; the blocks are not stored" if task.is_put
+                         else "cancelled while copying; the slots hold undefined data")
+            if task.status is None:
+                self._finish_locked(task, status, error)
+            self._cond.notify_all()
         if self._metrics is not None and task.plan is not None:
             d = task.plan.direction.value
             self._metrics.transfer_seconds.labels(direction=d).observe(time.perf_counter() - t0)
@@ -547,10 +600,6 @@ class EmbeddedBackend(ReplicatedBackend):
                     if k:
                         self._metrics.transfer_bytes.labels(direction=d, tier=tier.value).inc(
                             k * bpb)
-        with self._cond:
-            if task.status is None:
-                self._finish_locked(task, status, error)
-            self._cond.notify_all()
 
     def _finish_locked(self, task: Task, status: KVResponseStatus, error: str | None) -> None:
         """Record a terminal status and release or publish the task's blocks."""
@@ -561,7 +610,7 @@ class EmbeddedBackend(ReplicatedBackend):
         if index is not None and len(task.nodes) and task.epoch == index.epoch:
             if not task.is_put:
                 index.unlock(task.nodes)
-            elif status is not KVResponseStatus.SUCCESS:
+            elif status is not KVResponseStatus.SUCCESS or task.discarded:
                 index.remove_pending(task.nodes)
             elif self.config.deferred_visibility:
                 key = task.batch.id if task.batch is not None else task.id
@@ -586,6 +635,19 @@ class EmbeddedBackend(ReplicatedBackend):
         for m in task.members:
             self._members.pop(m.id, None)
         return task.response()
+
+    def _abort_locked(self, task: Task) -> None:
+        """Ask ``task``'s copy (every member's, for a batch) to stop."""
+        for m in task.members or [task]:
+            m.abort.set()
+
+    def _abort_running_locked(self) -> list[Task]:
+        """Abort every launched, unfinished copy; returns those tasks."""
+        running = [t for t in [*self._tasks.values(), *self._members.values()]
+                   if t.future is not None and t.status is None]
+        for t in running:
+            t.abort.set()
+        return running
 
     def _cancel_unlaunched_locked(self) -> None:
         for t in list(self._tasks.values()):

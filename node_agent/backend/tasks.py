@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -43,6 +44,11 @@ class Task:
     future: Future[None] | None = None
     epoch: int = 0
     """The index epoch the nodes belong to; after a reset they are void."""
+    abort: threading.Event = field(default_factory=threading.Event)
+    """Set to stop the task's copy (cancel, discard, reset, shutdown); a task whose
+    flag is set when its copy ends finishes CANCELLED."""
+    discarded: bool = False
+    """A put discarded while copying: its pending blocks are freed when it ends."""
 
     @property
     def is_put(self) -> bool:

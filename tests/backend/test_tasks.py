@@ -252,36 +252,41 @@ def test_shutdown_cancels_unlaunched_tasks() -> None:
     assert r.status is S.CANCELLED
 
 
-def test_copy_outliving_a_reset_leaves_the_new_index_alone(monkeypatch: pytest.MonkeyPatch,
-                                                           ) -> None:
+def test_reset_refuses_while_a_copy_ignores_its_abort(monkeypatch: pytest.MonkeyPatch,
+                                                      ) -> None:
+    """A copy that does not stop (a hung device) makes reset raise with nothing
+    cleared: a block must never be reused under a live write."""
     import node_agent.backend.embedded as embedded
 
-    monkeypatch.setattr(embedded, "DRAIN_SECONDS", 0.2)
-    b, _ = started(config(small_layout(), cpu_blocks=4))
-    release = threading.Event()
-    real_copy = b.store.copy
+    monkeypatch.setattr(embedded, "STOP_SECONDS", 0.05)
+    b, _ = started(config(small_layout(), cpu_blocks=8))
+    release, entered = threading.Event(), threading.Event()
 
-    def stuck_copy(plan: object, slots: object) -> None:
-        release.wait(10)
-        real_copy(plan, slots)  # type: ignore[arg-type]
+    def stuck(abort: threading.Event | None) -> None:
+        entered.set()
+        release.wait(10)  # ignores the abort
 
     try:
-        b.store.copy = stuck_copy  # type: ignore[method-assign]
+        cached = tokens(2 * TPB, seed=3)
+        store(b, cached, np.arange(2 * TPB, dtype=np.int64))
+        b.store.copier.checkpoint_hook = stuck
         tid, _ = b.put_match(tokens(2 * TPB, seed=1))
-        [w] = b.launch([tid], [np.arange(2 * TPB, dtype=np.int64)])
-        b.reset()  # gives up waiting after 0.2 s; the copy is still running
-        b.store.copy = real_copy  # type: ignore[method-assign]
-        fresh = tokens(4 * TPB, seed=2)
-        store(b, fresh, np.arange(10, 10 + 4 * TPB, dtype=np.int64))  # reuses the node ids
+        [w] = b.launch([tid], [np.arange(10, 10 + 2 * TPB, dtype=np.int64)])
+        assert entered.wait(5)
+        with pytest.raises(KVBackendError, match=rf"copies of tasks \[{w}\] did not stop"):
+            b.reset()
+        gid, mask = b.get_match(cached)  # nothing was cleared
+        assert mask.all()
+        b.cancel([gid])
         release.set()
         assert b.wait([w], timeout=5)[w].status is S.CANCELLED
+        b.store.copier.checkpoint_hook = None
+        b.reset()
+        assert b.get_match(cached)[0] == -1
         index = b._index
         assert index is not None
         index.check_consistency()
         assert index.locked() == 0
-        gid, mask = b.get_match(fresh)
-        assert mask.all()
-        b.cancel([gid])
     finally:
         release.set()
         b.shutdown()
