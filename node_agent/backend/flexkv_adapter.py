@@ -757,6 +757,9 @@ class FlexKVBackend(KVBackend):
         return still
 
     def cancel(self, task_ids: Sequence[int]) -> None:
+        """Roll back un-launched tasks through FlexKV's ``cancel``. Unlike the embedded
+        backend, launched tasks are not stopped: they run to their end in FlexKV's
+        transfer engine (see :meth:`KVBackend.cancel`)."""
         ids = [_task_id(t) for t in task_ids]
         with self._lock:
             manager = self._require_started("cancel")
