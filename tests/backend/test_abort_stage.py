@@ -8,13 +8,20 @@ run / plane copy); nothing here synchronises by sleeping.
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from backend_helpers import TPB, PauseAt, config, make_buffers, planes, small_layout
 
-from node_agent.backend.replication import BlockLocation, Direction, Tier, TransferPlan
+from node_agent.backend.replication import (
+    BlockLocation,
+    Direction,
+    Tier,
+    TierMove,
+    TransferPlan,
+)
 from node_agent.backend.stage_store import TierStore
 
 
@@ -101,3 +108,36 @@ def test_many_runs_copy_checks_the_abort_per_plane(
     after = planes(bufs, slots)
     assert not torch.equal(after[0], before[0])
     assert all(torch.equal(a, b) for a, b in zip(after[1:], before[1:], strict=True))
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["direct-pages", "staged"])
+def test_timed_out_ssd_load_stops_mid_copy(tmp_path: Path, aligned: bool) -> None:
+    """SSD loads check per block (pages read straight into the engine) or per plane
+    (through the staging buffer)."""
+    layout = small_layout()
+    st = TierStore(config(layout, cpu_blocks=4, ssd_blocks=4, ssd_dir=tmp_path))
+    try:
+        bufs = make_buffers(layout, 64, 3)
+        st.register_kv_buffers(0, bufs)
+        cpu = (BlockLocation(Tier.CPU, 0), BlockLocation(Tier.CPU, 1))
+        st.execute(TransferPlan(Direction.STORE, cpu), np.arange(2 * TPB), timeout=5)
+        ssd = (BlockLocation(Tier.SSD, 2), BlockLocation(Tier.SSD, 3))
+        st.apply_moves([TierMove(cpu[0], ssd[0]), TierMove(cpu[1], ssd[1])])
+        # aligned: each block one engine page (direct preadv); else token slots
+        target = np.arange(32, 32 + 2 * TPB) if aligned else np.arange(33, 33 + 2 * TPB)
+        source = planes(bufs, np.arange(2 * TPB))
+        before = planes(bufs, target)
+        hook = PauseAt(2)
+        st.copier.checkpoint_hook = hook
+        with pytest.raises(TimeoutError, match=r"blocks ssd:2, ssd:3\).*undefined data"):
+            st.execute(TransferPlan(Direction.LOAD, ssd), target, timeout=0.05)
+        after = planes(bufs, target)
+        assert hook.calls == 2
+        if aligned:  # block 0 read into its page in every plane, block 1 not
+            for a, s, b in zip(after, source, before, strict=True):
+                assert torch.equal(a[:TPB], s[:TPB]) and torch.equal(a[TPB:], b[TPB:])
+        else:  # plane 0 scattered, the others not
+            assert torch.equal(after[0], source[0])
+            assert all(torch.equal(a, b) for a, b in zip(after[1:], before[1:], strict=True))
+    finally:
+        st.close()
