@@ -538,7 +538,9 @@ class LeaderRole:
         self._stop.set()
         self._wake.set()
         if self._reaper.is_alive():
-            self._reaper.join(timeout=2.0)
+            # Bounded by the reaper's longest step (wait, cancel, wait) so that
+            # take_unreported sees every put it did not finish.
+            self._reaper.join(timeout=self.cfg.transfer_seconds + STOP_WAIT_SECONDS + 1.0)
         self.stream.close()
         if shutdown_backend:
             self.backend.shutdown()

@@ -1,0 +1,85 @@
+"""A two-stage group in one process (two connectors, two fan-out servers on
+loopback, real embedded backend and TierStore): an engine call whose inputs
+only one stage rejects still consumes its call number on every stage, so the
+next calls pair with the same leader decision."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from node_agent.connector import Connector
+from node_agent.pp.group import GroupView, GroupViewSource
+
+from .harness import (
+    GROUP,
+    LAYOUT,
+    group_status,
+    kv_content,
+    make_buffers,
+    make_connector,
+    write_slots,
+)
+
+TPB = LAYOUT.tokens_per_block
+
+
+def _wait_for(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[Connector, Connector]]:
+    views = [GroupViewSource(GroupView(GROUP, 0, None, ())) for _ in range(2)]
+    conns = [make_connector(r, views[r], keys=None) for r in range(2)]
+    try:
+        for c in conns:
+            c.start()
+            c.register_kv_buffers(0, make_buffers())
+        eps = {r: c.fanout_endpoint or "" for r, c in enumerate(conns)}
+        for v in views:
+            v.update_from_status(group_status(1, 0, eps))
+        _wait_for(lambda: all(c.ready() for c in conns), "both stages ready")
+        yield conns[0], conns[1]
+    finally:
+        for c in reversed(conns):
+            c.close()
+
+
+def _valid(conn: Connector, rid: str, blocks: int, base: int) -> int:
+    tokens = np.arange(base, base + blocks * TPB)
+    slots = np.arange(blocks * TPB)
+    bufs = conn._buffers[0]
+    write_slots(bufs, slots, kv_content(conn.cfg.pp_rank, tokens))  # type: ignore[arg-type]
+    return conn.store_kv(rid, tokens, torch.as_tensor(slots))
+
+
+def test_leader_only_rejection_keeps_follower_calls_paired(
+        pair: tuple[Connector, Connector]) -> None:
+    leader, follower = pair
+    with pytest.raises(ValueError, match="kv_indices has"):
+        leader.store_kv("r", np.arange(2 * TPB), torch.arange(2 * TPB - 1))
+    # The follower's first call pairs with the leader's error decision: -1 at once.
+    assert _valid(follower, "r", 2, 0) == -1
+    task = _valid(leader, "r", 2, 1000)
+    assert task >= 0
+    assert _valid(follower, "r", 2, 1000) == task
+
+
+def test_follower_only_rejection_keeps_its_calls_paired(
+        pair: tuple[Connector, Connector]) -> None:
+    leader, follower = pair
+    first = _valid(leader, "r", 1, 0)
+    assert first >= 0
+    with pytest.raises(ValueError, match="kv_indices has"):
+        follower.store_kv("r", np.arange(TPB), torch.arange(TPB - 1))
+    second = _valid(leader, "r", 1, 2000)
+    assert second >= 0 and second != first
+    assert _valid(follower, "r", 1, 2000) == second
