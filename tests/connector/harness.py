@@ -12,7 +12,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -35,6 +37,25 @@ LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=4, kv_dim=2,
 NUM_SLOTS = 512
 GROUP = "pool-replica-0"
 _MOD = 65521
+
+
+def wait_for(cond: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
+    """Poll ``cond`` until it holds; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what} not within {timeout}s"
+        time.sleep(0.005)
+
+
+def wait_completed(conn: Connector, rid: str, timeout: float = 5.0) -> None:
+    """Poll ``conn.poll_completed()`` until it reports ``rid``."""
+    done: list[str] = []
+
+    def reported() -> bool:
+        done.extend(conn.poll_completed())
+        return rid in done
+
+    wait_for(reported, f"store {rid} completed", timeout)
 
 
 def prefix_hashes(tokens: npt.ArrayLike) -> npt.NDArray[np.int64]:

@@ -5,8 +5,7 @@ next calls pair with the same leader decision."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -22,17 +21,11 @@ from .harness import (
     kv_content,
     make_buffers,
     make_connector,
+    wait_for,
     write_slots,
 )
 
 TPB = LAYOUT.tokens_per_block
-
-
-def _wait_for(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 @pytest.fixture
@@ -46,7 +39,7 @@ def pair() -> Iterator[tuple[Connector, Connector]]:
         eps = {r: c.fanout_endpoint or "" for r, c in enumerate(conns)}
         for v in views:
             v.update_from_status(group_status(1, 0, eps))
-        _wait_for(lambda: all(c.ready() for c in conns), "both stages ready")
+        wait_for(lambda: all(c.ready() for c in conns), "both stages ready")
         yield conns[0], conns[1]
     finally:
         for c in reversed(conns):

@@ -22,6 +22,7 @@ from .harness import (
     make_buffers,
     make_connector,
     read_slots,
+    wait_completed,
     write_slots,
 )
 
@@ -44,15 +45,6 @@ def single() -> Iterator[tuple[Connector, tuple[list[torch.Tensor], list[torch.T
 def _store(conn: Connector, bufs: object, rid: str, tokens: np.ndarray, slots: np.ndarray) -> int:
     write_slots(bufs, slots, kv_content(0, tokens))  # type: ignore[arg-type]
     return conn.store_kv(rid, tokens, torch.as_tensor(slots))
-
-
-def _wait_completed(conn: Connector, rid: str, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    done: list[str] = []
-    while rid not in done:
-        assert time.monotonic() < deadline, f"{rid} never completed"
-        done += conn.poll_completed()
-        time.sleep(0.005)
 
 
 def test_seed_mismatch_raises_naming_both_counts_and_writes_nothing(single) -> None:  # type: ignore[no-untyped-def]
@@ -91,7 +83,7 @@ def test_round_trip_into_other_slots_is_bit_exact(single) -> None:  # type: igno
     src = np.arange(50, 50 + len(tokens))
     task = _store(conn, bufs, "a", tokens, src)
     assert task >= 0
-    _wait_completed(conn, "a")
+    wait_completed(conn, "a")
     assert conn.lookup("b", tokens) == 4 * TPB
     dst = np.arange(300, 300 + 4 * TPB)
     write_slots(bufs, dst, np.zeros((len(dst), LAYOUT.num_planes, LAYOUT.row_elems), np.float32))
@@ -103,7 +95,7 @@ def test_cached_prefix_is_skipped_and_short_input_returns_minus_one(single) -> N
     conn, bufs = single
     tokens = np.arange(2 * TPB)
     assert _store(conn, bufs, "a", tokens, np.arange(2 * TPB)) >= 0
-    _wait_completed(conn, "a")
+    wait_completed(conn, "a")
     assert _store(conn, bufs, "b", tokens, np.arange(10, 10 + 2 * TPB)) == -1
     assert conn.store_kv("c", np.arange(TPB - 1), np.arange(TPB - 1)) == -1
 
@@ -112,7 +104,7 @@ def test_second_lookup_replaces_the_first_and_unknown_rid_is_named(single) -> No
     conn, bufs = single
     tokens = np.arange(3 * TPB)
     assert _store(conn, bufs, "a", tokens, np.arange(3 * TPB)) >= 0
-    _wait_completed(conn, "a")
+    wait_completed(conn, "a")
     assert conn.lookup("q", tokens) == 3 * TPB
     assert conn.lookup("q", tokens[: 2 * TPB]) == 2 * TPB  # cancels the first task
     dst = np.arange(200, 200 + 2 * TPB)
@@ -129,7 +121,7 @@ def test_retrieve_with_wrong_slot_count_raises(single) -> None:  # type: ignore[
     conn, bufs = single
     tokens = np.arange(2 * TPB)
     _store(conn, bufs, "a", tokens, np.arange(2 * TPB))
-    _wait_completed(conn, "a")
+    wait_completed(conn, "a")
     assert conn.lookup("q", tokens) == 2 * TPB
     with pytest.raises(ValueError, match="selects 8 tokens"):
         conn.retrieve("q", np.arange(3))

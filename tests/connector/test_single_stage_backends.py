@@ -5,7 +5,6 @@ the replication hooks behave as the one-stage case requires."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -28,6 +27,7 @@ from .harness import (
     kv_content,
     make_buffers,
     read_slots,
+    wait_completed,
     write_slots,
 )
 
@@ -63,15 +63,6 @@ def _pages(*ids: int) -> np.ndarray:
     return np.concatenate([np.arange(p * TPB, (p + 1) * TPB) for p in ids]).astype(np.int64)
 
 
-def _wait_completed(conn: Connector, rid: str) -> None:
-    deadline = time.monotonic() + 5.0
-    done: list[str] = []
-    while rid not in done:
-        assert time.monotonic() < deadline, f"{rid} never completed"
-        done += conn.poll_completed()
-        time.sleep(0.005)
-
-
 @pytest.mark.parametrize("inner", [_embedded, _flexkv], ids=["embedded", "flexkv"])
 def test_one_stage_round_trip_is_bit_exact(inner: Callable[[], KVBackend],
                                            fake_flexkv: None) -> None:
@@ -83,7 +74,7 @@ def test_one_stage_round_trip_is_bit_exact(inner: Callable[[], KVBackend],
         src = _pages(2, 3, 4, 5, 6, 7, 8)[: len(tokens)]
         write_slots(bufs, src, kv_content(0, tokens))
         assert conn.store_kv("a", tokens, torch.as_tensor(src)) >= 0
-        _wait_completed(conn, "a")
+        wait_completed(conn, "a")
 
         # The trailing partial block was not stored; the six full ones come back.
         hit = conn.lookup("b", tokens)

@@ -34,17 +34,11 @@ from .harness import (
     kv_content,
     make_buffers,
     make_connector,
+    wait_for,
     write_slots,
 )
 
 TPB = LAYOUT.tokens_per_block
-
-
-def wait_for(cond: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"{what} not within {timeout}s"
-        time.sleep(0.005)
 
 
 @dataclass
