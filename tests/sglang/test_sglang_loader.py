@@ -16,18 +16,9 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PYTHON = REPO / ".venv-sglang" / "bin" / "python"
 PROBE = REPO / "tests" / "sglang" / "loader_probe.py"
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-
-
-@pytest.fixture(scope="module")
-def sglang_python() -> Path:
-    """.venv-sglang, created on first use (stamp-cached; a no-op afterwards)."""
-    subprocess.run(["bash", str(REPO / "scripts" / "sglang_venv.sh")], cwd=REPO, check=True,
-                   timeout=540)
-    return PYTHON
 
 
 def _probe(python: Path, **env: str) -> dict[str, Any]:

@@ -85,10 +85,10 @@ class AgentRadixCache(RadixCache):
         _, hit = self.flexkv_connector.lookup_kv(token_ids, mask, req.cache_request_handle)
         if hit <= 0:
             return base
-        # The live key aliases req.fill_ids, which keeps growing: keep a copy.
-        snapshot = RadixKey(token_ids.tolist(), key.extra_key, key.is_bigram,
-                            cache_salt=key.cache_salt)
-        self._held[req.cache_request_handle] = (snapshot, device_len)
+        # The live key aliases req.fill_ids, which keeps growing; the cut key holds a
+        # slice (a copy of the same sequence type: RadixKey.match_at asserts that the
+        # keys it compares store their tokens in the same type).
+        self._held[req.cache_request_handle] = (key, device_len)
         node = base.last_device_node
         return MatchResult(device_prefix_len=device_len, last_device_node=node,
                            last_host_node=node, best_match_node=node, host_hit_length=hit)
@@ -172,9 +172,8 @@ class AgentRadixCache(RadixCache):
     def evict(self, params: EvictParams) -> EvictResult:
         if self.disable:
             return EvictResult()
+        # Stores reported complete no longer read their slots: unlock before evicting.
         self._unlock(self.flexkv_connector.check_completed_stores())
-        if torch.cuda.is_available():
-            torch.cuda.current_stream().synchronize()
         return super().evict(params)
 
     def check_hicache_events(self) -> None:
