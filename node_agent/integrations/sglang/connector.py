@@ -43,11 +43,11 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -57,6 +57,7 @@ from node_agent.client import AgentTimeoutError, AgentUnavailableError, EngineAP
 from node_agent.engine_api.protocol import int64_array
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: Errors that mean "the agent did not serve this call"; each degrades to a miss.
 AGENT_ERRORS = (AgentUnavailableError, AgentTimeoutError, EngineAPIError, ConnectionError)
@@ -123,6 +124,8 @@ class AgentKVConnector:
     def __init__(self, client: AgentClient, layout: KVLayout, buffers: Any, *,
                  page_size: int, retry_seconds: float = 5.0,
                  orphan_store_seconds: float = 120.0,
+                 tp_rank: int = 0, tp_size: int = 1,
+                 tp_broadcast: Callable[[Any], Any] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if page_size != layout.tokens_per_block:
             raise ValueError(
@@ -135,8 +138,18 @@ class AgentKVConnector:
                 f"retry_seconds={retry_seconds} and orphan_store_seconds="
                 f"{orphan_store_seconds} must both be > 0 seconds"
             )
+        if tp_size > 1 and tp_broadcast is None:
+            raise ValueError(
+                f"tp_size={tp_size} needs tp_broadcast (TP rank 0's answers reach the other "
+                "TP ranks through it, e.g. SGLang's tp_group.broadcast_object)"
+            )
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank={tp_rank} is outside tp_size={tp_size}")
         self.client = client
         self.layout = layout
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self._tp_broadcast = tp_broadcast
         self.page_size = page_size
         self.retry_seconds = retry_seconds
         self.orphan_store_seconds = orphan_store_seconds
@@ -234,6 +247,39 @@ class AgentKVConnector:
     def _refused(self, op: str, exc: ValueError) -> None:
         log.error("Node agent refused a call", extra={"op": op, "error": str(exc)})
 
+    # -- tensor parallelism ----------------------------------------------------------------
+
+    def _tp(self, leader: Callable[[], T]) -> T:
+        """Run ``leader`` on TP rank 0 only and give its result to every TP rank.
+
+        The agent serves data calls from TP rank 0 (one call moves the KV of every
+        TP rank of the stage), so the other ranks take rank 0's answers; SGLang's
+        TP schedulers make the same calls in the same order. A ``ValueError`` on
+        rank 0 is raised on every rank. Other ranks only keep their own buffers
+        registered."""
+        if self.tp_size == 1:
+            return leader()
+        assert self._tp_broadcast is not None
+        if self.tp_rank == 0:
+            try:
+                shared: tuple[str, Any] = ("ok", leader())
+            except ValueError as exc:
+                shared = ("ValueError", str(exc))
+            except Exception as exc:
+                shared = ("error", f"{type(exc).__name__}: {exc}")
+                self._tp_broadcast(shared)
+                raise
+            self._tp_broadcast(shared)
+        else:
+            self._available()
+            shared = self._tp_broadcast(None)
+        kind, value = shared
+        if kind == "ValueError":
+            raise ValueError(value)
+        if kind != "ok":
+            raise RuntimeError(f"TP rank 0 failed: {value}")
+        return cast(T, value)
+
     # -- loads --------------------------------------------------------------------------
 
     def lookup_kv(self, token_ids: Sequence[int] | Any, token_mask: Any = None,
@@ -243,69 +289,82 @@ class AgentKVConnector:
         miss or when the agent does not serve the call. Without a handle nothing can
         be held, so the lookup is not made (SGLang's MP mode always passes one)."""
         with self._lock:
-            if handle is None or not self._available():
+            if handle is None:
                 return -1, 0
-            rid = agent_rid(handle)
             self._pending.pop(handle, None)
-            try:
-                tokens = _cpu_int64("lookup_kv: token_ids", token_ids)
-                mask = None
-                if token_mask is not None:
-                    if hasattr(token_mask, "detach"):
-                        token_mask = token_mask.detach().cpu().numpy()
-                    mask = np.asarray(token_mask, dtype=bool).reshape(-1)
-                hit = int(self.client.lookup(rid, tokens, mask))
-            except ValueError as exc:
-                self._refused("lookup", exc)
-                return -1, 0
-            except AGENT_ERRORS as exc:
-                self._degraded("lookup", exc)
-                return -1, 0
-            if hit <= 0:
-                return -1, 0
-            if hit % self.page_size:
-                # The agent matches whole blocks of tokensPerBlock == page_size, so this
-                # means a misconfiguration; a partial page can never be loaded.
-                log.error("Agent hit is not a whole number of pages; treated as a miss",
-                          extra={"rid": rid, "hit": hit, "pageSize": self.page_size})
-                self._release(rid)
-                return -1, 0
-            task_id = next(self._task_ids)
-            self._pending[handle] = _Pending(task_id, hit)
+            task_id, hit = self._tp(lambda: self._lookup(handle, token_ids, token_mask))
+            if hit > 0:
+                self._pending[handle] = _Pending(task_id, hit)
             return task_id, hit
+
+    def _lookup(self, handle: Hashable, token_ids: Any, token_mask: Any) -> tuple[int, int]:
+        if not self._available():
+            return -1, 0
+        rid = agent_rid(handle)
+        try:
+            tokens = _cpu_int64("lookup_kv: token_ids", token_ids)
+            mask = None
+            if token_mask is not None:
+                if hasattr(token_mask, "detach"):
+                    token_mask = token_mask.detach().cpu().numpy()
+                mask = np.asarray(token_mask, dtype=bool).reshape(-1)
+            hit = int(self.client.lookup(rid, tokens, mask))
+        except ValueError as exc:
+            self._refused("lookup", exc)
+            return -1, 0
+        except AGENT_ERRORS as exc:
+            self._degraded("lookup", exc)
+            return -1, 0
+        if hit <= 0:
+            return -1, 0
+        if hit % self.page_size:
+            # The agent matches whole blocks of tokensPerBlock == page_size, so this
+            # means a misconfiguration; a partial page can never be loaded.
+            log.error("Agent hit is not a whole number of pages; treated as a miss",
+                      extra={"rid": rid, "hit": hit, "pageSize": self.page_size})
+            self._release(rid)
+            return -1, 0
+        return next(self._task_ids), hit
 
     def retrieve_kv(self, handle: Hashable, slot_mapping: Any) -> int:
         """Load the held hit into ``slot_mapping`` (one slot per hit token).
 
         Returns ``len(slot_mapping)`` when every stage of the group loaded, else 0
         (the slots hold garbage and may be freed at once: the agent answered, or
-        the client's timeout, which exceeds the agent's call bound, ran out)."""
+        the client's timeout, which exceeds the agent's call bound, ran out). With
+        TP, rank 0's slot mapping is used for every TP rank (SGLang's TP ranks
+        allocate the same slots)."""
         with self._lock:
             pending = self._pending.pop(handle, None)
-            if pending is None or not self._available():
+            if pending is None:
                 return 0
-            rid = agent_rid(handle)
-            try:
-                slots = _cpu_int64("retrieve_kv: slot_mapping", slot_mapping)
-            except ValueError as exc:
-                self._refused("retrieve", exc)
-                self._release(rid)
-                return 0
-            if len(slots) != pending.hit:
-                log.error("retrieve_kv got a slot mapping that does not match the held hit",
-                          extra={"rid": rid, "slots": len(slots), "hit": pending.hit})
-                self._release(rid)
-                return 0
-            try:
-                loaded = int(self.client.retrieve(rid, slots))
-            except ValueError as exc:
-                self._refused("retrieve", exc)
-                return 0
-            except AGENT_ERRORS as exc:
-                self._degraded("retrieve", exc)
-                return 0
-            # All or nothing: anything but the whole promised span counts as nothing.
-            return loaded if loaded == len(slots) else 0
+            return self._tp(lambda: self._retrieve(handle, pending, slot_mapping))
+
+    def _retrieve(self, handle: Hashable, pending: _Pending, slot_mapping: Any) -> int:
+        if not self._available():
+            return 0
+        rid = agent_rid(handle)
+        try:
+            slots = _cpu_int64("retrieve_kv: slot_mapping", slot_mapping)
+        except ValueError as exc:
+            self._refused("retrieve", exc)
+            self._release(rid)
+            return 0
+        if len(slots) != pending.hit:
+            log.error("retrieve_kv got a slot mapping that does not match the held hit",
+                      extra={"rid": rid, "slots": len(slots), "hit": pending.hit})
+            self._release(rid)
+            return 0
+        try:
+            loaded = int(self.client.retrieve(rid, slots))
+        except ValueError as exc:
+            self._refused("retrieve", exc)
+            return 0
+        except AGENT_ERRORS as exc:
+            self._degraded("retrieve", exc)
+            return 0
+        # All or nothing: anything but the whole promised span counts as nothing.
+        return loaded if loaded == len(slots) else 0
 
     def release_pending(self, handle: Hashable) -> None:
         """No load will follow ``lookup_kv(handle)``: the agent drops the held lookup.
@@ -314,8 +373,11 @@ class AgentKVConnector:
         stage makes the same calls for a request whatever its local state."""
         with self._lock:
             self._pending.pop(handle, None)
-            if self._available():
-                self._release(agent_rid(handle))
+            self._tp(lambda: self._release_now(handle))
+
+    def _release_now(self, handle: Hashable) -> None:
+        if self._available():
+            self._release(agent_rid(handle))
 
     def _release(self, rid: str) -> None:
         try:
@@ -356,31 +418,33 @@ class AgentKVConnector:
                 f"has {len(kv_indices)} entries"
             )
         aligned = (n // self.page_size) * self.page_size
+        if aligned == 0:
+            return -1
         with self._lock:
-            if aligned == 0 or not self._available():
-                return -1
-            ids = _cpu_int64("store_kv: token_ids", token_ids)[:aligned]
-            idx = _cpu_int64("store_kv: kv_indices", kv_indices)[:aligned]
-            rid = agent_rid(handle)
-            started = self._clock()
-            try:
-                task_id = int(self.client.store_kv(rid, ids, idx))
-            except AgentTimeoutError as exc:
-                # No answer: the agent may still read the slots until it reports the
-                # rid. Keep them locked like a launched store (see check_completed_stores).
-                self._degraded("store_kv", exc)
-                task_id = next(self._task_ids)
-                self._track_store(rid, handle, started)
-                return task_id
-            except AGENT_ERRORS as exc:
-                self._degraded("store_kv", exc)
-                return -1
-            if task_id >= 0:
-                self._track_store(rid, handle, started)
+            task_id, track = self._tp(lambda: self._store(handle, token_ids, kv_indices,
+                                                          aligned))
+            if track:
+                rid = agent_rid(handle)
+                self._stores.setdefault(rid, deque()).append(_Store(handle, self._clock()))
             return task_id
 
-    def _track_store(self, rid: str, handle: Hashable, started: float) -> None:
-        self._stores.setdefault(rid, deque()).append(_Store(handle, started))
+    def _store(self, handle: Hashable, token_ids: Any, kv_indices: Any,
+               aligned: int) -> tuple[int, bool]:
+        if not self._available():
+            return -1, False
+        ids = _cpu_int64("store_kv: token_ids", token_ids)[:aligned]
+        idx = _cpu_int64("store_kv: kv_indices", kv_indices)[:aligned]
+        try:
+            task_id = int(self.client.store_kv(agent_rid(handle), ids, idx))
+        except AgentTimeoutError as exc:
+            # No answer: the agent may still read the slots until it reports the
+            # rid. Keep them locked like a launched store (see check_completed_stores).
+            self._degraded("store_kv", exc)
+            return next(self._task_ids), True
+        except AGENT_ERRORS as exc:
+            self._degraded("store_kv", exc)
+            return -1, False
+        return task_id, task_id >= 0
 
     def check_completed_stores(self) -> list[Hashable]:
         """Handles whose stores are terminal on every stage (their source slots are
@@ -389,37 +453,47 @@ class AgentKVConnector:
         with self._lock:
             if not self._stores:
                 return []
-            done: list[Hashable] = []
-            rids: list[str] = []
-            if self._available():
-                try:
-                    rids = self.client.poll_completed()
-                except AGENT_ERRORS as exc:
-                    self._degraded("poll_completed", exc)
-            if not rids and self._agent_gone():
-                # The agent process is gone: nothing reads these slots any more.
-                rids = [r for r, q in self._stores.items() for _ in q]
-            for rid in rids:
-                queue = self._stores.get(rid)
-                if queue:
-                    done.append(queue.popleft().handle)
-                    if not queue:
-                        del self._stores[rid]
-            done += self._expire_orphans()
-            return done
+            return self._pop(self._tp(self._done_rids))
 
-    def _expire_orphans(self) -> list[Hashable]:
+    def _done_rids(self, counted: Counter[str] | None = None) -> list[str]:
+        """TP rank 0: the rids (one per finished store) that may be reported now,
+        beyond ``counted``: reported by the agent, all of them when the agent process
+        is gone (its socket file removed), or older than ``orphan_store_seconds``."""
+        counted = counted or Counter()
+        left = {r: len(q) - counted[r] for r, q in self._stores.items()}
+        polled: list[str] = []
+        if self._available():
+            try:
+                polled = self.client.poll_completed()
+            except AGENT_ERRORS as exc:
+                self._degraded("poll_completed", exc)
+        if self._agent_gone():
+            return [r for r, n in left.items() for _ in range(n)]
+        out: list[str] = []
+        for rid in polled:
+            if left.get(rid, 0) > 0:
+                out.append(rid)
+                left[rid] -= 1
         limit = self._clock() - self.orphan_store_seconds
-        out: list[Hashable] = []
-        for rid in list(self._stores):
-            queue = self._stores[rid]
-            while queue and queue[0].started <= limit:
+        for rid, queue in self._stores.items():
+            for store in list(queue)[len(queue) - left[rid]:]:
+                if store.started > limit:
+                    break
                 log.warning("Store never reported by the agent; releasing its slots",
                             extra={"rid": rid, "afterSeconds": self.orphan_store_seconds})
-                out.append(queue.popleft().handle)
-            if not queue:
-                del self._stores[rid]
+                out.append(rid)
         return out
+
+    def _pop(self, rids: list[str]) -> list[Hashable]:
+        """Stop tracking one store per rid (oldest first); their handles."""
+        done: list[Hashable] = []
+        for rid in rids:
+            queue = self._stores.get(rid)
+            if queue:
+                done.append(queue.popleft().handle)
+                if not queue:
+                    del self._stores[rid]
+        return done
 
     def stores_in_flight(self) -> int:
         """Stores not yet reported by ``check_completed_stores``."""
@@ -433,21 +507,26 @@ class AgentKVConnector:
         timeout for stores in flight. Returns the handles that completed; the
         agent's cache is kept (SGLang's ``reset`` does not flush FlexKV either)."""
         with self._lock:
-            for handle in list(self._pending):
-                self.release_pending(handle)
-            deadline = self._clock() + self.client.timeout
-            done: list[Hashable] = []
-            while self._stores and self._clock() < deadline:
-                done += self.check_completed_stores()
-                if self._stores:
-                    time.sleep(0.01)
-            if self._stores:
-                log.warning("Flush went ahead with stores still in flight",
-                            extra={"stores": self.stores_in_flight()})
-                for queue in self._stores.values():
-                    done += [s.handle for s in queue]
-                self._stores.clear()
-            return done
+            held = list(self._pending)
+            self._pending.clear()
+            return self._pop(self._tp(lambda: self._reset(held)))
+
+    def _reset(self, held: list[Hashable]) -> list[str]:
+        for handle in held:
+            self._release_now(handle)
+        total = sum(len(q) for q in self._stores.values())
+        done: list[str] = []
+        deadline = self._clock() + self.client.timeout
+        while len(done) < total and self._clock() < deadline:
+            done += self._done_rids(Counter(done))
+            if len(done) < total:
+                time.sleep(0.01)
+        if len(done) < total:
+            log.warning("Flush went ahead with stores still in flight",
+                        extra={"stores": total - len(done)})
+            left = Counter({r: len(q) for r, q in self._stores.items()}) - Counter(done)
+            done += list(left.elements())
+        return done
 
     def shutdown(self) -> None:
         """Close the agent socket (SGLang's exit)."""

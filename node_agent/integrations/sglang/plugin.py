@@ -61,11 +61,21 @@ def _pp_position() -> tuple[int, int]:
         return int(group.rank_in_group), int(group.world_size)
 
 
+def _attn_tp_size(tp_size: int) -> int:
+    """Attention TP width from SGLang's runtime context (``tp_size`` when unknown)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    try:
+        return int(get_parallel().attn_tp_size)
+    except (AttributeError, RuntimeError, AssertionError, TypeError):
+        return tp_size
+
+
 def build_radix_cache(ctx: Any) -> Any:
     """SGLang's radix-cache factory for ``--radix-cache-backend flexkv-agent``.
 
     ``ctx`` is SGLang's ``TreeCacheBuildContext``. Configuration errors (settings,
-    an unsupported KV pool, tensor parallelism, a layout the agent refuses) raise
+    an unsupported KV pool, DP attention, a layout the agent refuses) raise
     at start-up; an absent agent does not (SGLang serves from its radix cache and
     the connector keeps trying)."""
     from node_agent.client import EngineClient, RankInfo
@@ -74,28 +84,42 @@ def build_radix_cache(ctx: Any) -> Any:
     from node_agent.integrations.sglang.radix_cache import AgentRadixCache
 
     settings = PluginSettings.from_env()
-    if ctx.tp_size != 1:
-        raise ValueError(
-            f"--radix-cache-backend {BACKEND_NAME} serves one TP rank per PP stage; this "
-            f"replica runs tp_size={ctx.tp_size}. Use --tp-size 1 with pipeline parallelism, "
-            "or --enable-flexkv with FlexKV's own connector"
-        )
     pp_rank, pp_size = _pp_position()
+    tp_rank, tp_size = int(ctx.tp_rank), int(ctx.tp_size)
+    attn_tp = _attn_tp_size(tp_size)
+    if attn_tp != tp_size:
+        raise ValueError(
+            f"--radix-cache-backend {BACKEND_NAME} needs every TP rank to serve the same "
+            f"requests, but attention TP size is {attn_tp} of tp_size={tp_size} (DP "
+            "attention); drop --enable-dp-attention or use --enable-flexkv with FlexKV's "
+            "own connector"
+        )
     replica = settings.replica_for(pp_size)
     page_size = int(ctx.params.page_size)
+    # TP rank 0 alone makes the agent's data calls (they move every TP rank's KV);
+    # the other TP ranks take its answers over SGLang's own TP CPU group, as every
+    # scheduler step already does for the requests themselves.
+    broadcast = None
+    if tp_size > 1:
+        group = ctx.tp_group
+
+        def broadcast(obj: Any) -> Any:
+            return group.broadcast_object(obj, src=0)
 
     def make_connector(kv_pool: Any) -> AgentKVConnector:
-        layout, buffers = layout_from_kv_pool(kv_pool, page_size, tp_size=1)
-        client = EngineClient(settings.socket, RankInfo(replica=replica, pp_rank=pp_rank,
-                                                        pp_size=pp_size),
+        layout, buffers = layout_from_kv_pool(kv_pool, page_size, tp_size=tp_size)
+        client = EngineClient(settings.socket,
+                              RankInfo(replica=replica, pp_rank=pp_rank, pp_size=pp_size,
+                                       tp_rank=tp_rank, tp_size=tp_size),
                               timeout=settings.timeout)
         conn = AgentKVConnector(client, layout, buffers, page_size=page_size,
                                 retry_seconds=settings.retry_seconds,
-                                orphan_store_seconds=settings.orphan_store_seconds)
+                                orphan_store_seconds=settings.orphan_store_seconds,
+                                tp_rank=tp_rank, tp_size=tp_size, tp_broadcast=broadcast)
         if conn.connect():
             log.info("Registered KV buffers with the node agent",
                      extra={"socket": settings.socket, "replica": replica,
-                            "ppRank": pp_rank, "ppSize": pp_size})
+                            "ppRank": pp_rank, "ppSize": pp_size, "tpRank": tp_rank})
         return conn
 
     return AgentRadixCache(ctx.params, make_connector)
