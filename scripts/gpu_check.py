@@ -150,7 +150,7 @@ def check_sglang(work: Path) -> None:
     model_dir = work / "tiny-llama"
     cfg = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=512,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=4096, torch_dtype="bfloat16")
+                      max_position_embeddings=4096)
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(model_dir)
     with agent(work) as (sock, agent_url):
@@ -162,7 +162,8 @@ def check_sglang(work: Path) -> None:
             [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir),
              "--port", str(port), "--host", "127.0.0.1", "--skip-tokenizer-init",
              "--radix-cache-backend", "flexkv-agent", "--enable-flexkv",
-             "--page-size", str(TPB), "--tp-size", "1", "--disable-cuda-graph",
+             "--page-size", str(TPB), "--tp-size", "1", "--dtype", "bfloat16",
+             "--disable-cuda-graph",
              "--mem-fraction-static", "0.3"],
             stdout=log, stderr=subprocess.STDOUT, env=env)
         try:

@@ -3,9 +3,9 @@
 # request through the flexkv-agent plugin with a small generated model.
 #   GPU_PYTHON=/path/to/python bash scripts/gpu_check.sh
 # GPU_PYTHON (default python3) must have a CUDA build of torch (and SGLang for the
-# second part). The check builds .venv-gpu on top of it (--system-site-packages,
-# the project installed editable with the agent extra) and exits 0 with SKIP lines
-# where there is no GPU or no SGLang.
+# second part). The check builds .venv-gpu on top of it (--system-site-packages;
+# the project installed editable with the agent, sglang-plugin and dev extras)
+# and exits 0 with SKIP lines where there is no GPU or no SGLang.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${GPU_PYTHON:-python3}"
@@ -21,8 +21,7 @@ stamp=$venv/.installed-$(cat pyproject.toml scripts/gpu_check.sh | sha1sum | cut
 if [ ! -f "$stamp" ]; then
   rm -rf "$venv"
   "$PY" -m venv --system-site-packages "$venv"
-  "$venv/bin/python" -m pip install -q --disable-pip-version-check -e '.[agent,sglang-plugin]' \
-    pytest pytest-timeout pytest-asyncio httpx
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check -e '.[agent,sglang-plugin,dev]'
   touch "$stamp"
 fi
 
