@@ -108,3 +108,35 @@ def test_agent_absent_then_present_then_gone_then_back(work: Path) -> None:
         if agent is not None:
             stop_process(agent)
         bufs.close()
+
+
+def test_a_layout_the_agent_refuses_fails_start_up_then_only_logs(work: Path) -> None:
+    """--page-size other than the pool's tokensPerBlock: the factory's connect()
+    raises the agent's ValueError (SGLang does not start misconfigured); if the
+    agent refuses later (a restarted agent with another configuration), calls
+    degrade to misses instead of failing the scheduler."""
+    from node_agent.backend.layout import KVLayout
+
+    data = agent_mapping(work, "solo")
+    path = work / "agent.yaml"
+    path.write_text(yaml.safe_dump(data))
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_size=8, dtype=LAYOUT.dtype,
+                      tokens_per_block=2 * LAYOUT.tokens_per_block)
+    bufs = SharedKVBuffers.for_layout(layout, 64)
+    clock = _Clock()
+    client = EngineClient(str(data["engineSocket"]), RankInfo(replica="solo-0"), timeout=10)
+    conn = AgentKVConnector(client, layout, bufs.handles, page_size=layout.tokens_per_block,
+                            retry_seconds=5, clock=clock)
+    agent = start_agent_process(path, work / "agent.log")
+    try:
+        wait_healthy(f"http://127.0.0.1:{data['ports']['http']}", agent)
+        with pytest.raises(ValueError, match="tokensPerBlock 8 differs from the pool's"):
+            conn.connect()
+        clock.now += 5
+        assert conn.lookup_kv(list(range(16)), None, Handle("x", 0)) == (-1, 0)
+        assert conn.store_kv(Handle("x", 0), list(range(16)), torch.arange(16)) == -1
+        assert conn.connected is False
+    finally:
+        conn.shutdown()
+        stop_process(agent)
+        bufs.close()

@@ -179,9 +179,9 @@ class AgentKVConnector:
         """
         with self._lock:
             self._next_try = 0.0
-            return self._available()
+            return self._available(refusal_raises=True)
 
-    def _available(self) -> bool:
+    def _available(self, refusal_raises: bool = False) -> bool:
         """Whether to send this call to the agent at all.
 
         Not registered: register, at most once per ``retry_seconds``. Suspended after
@@ -199,6 +199,13 @@ class AgentKVConnector:
                 self.client.register_kv_buffers(self.layout, self._buffers)
             except AGENT_ERRORS as exc:
                 self._degraded("register", exc)
+                return False
+            except ValueError as exc:
+                if refusal_raises:
+                    raise
+                # A (restarted) agent refused this rank's layout: keep serving from
+                # the radix cache and try again later; the log names the mismatch.
+                self._refused("register", exc)
                 return False
             self._registered = True
             self._suspended_until = 0.0
