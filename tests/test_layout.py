@@ -55,3 +55,37 @@ def test_node_agent_never_imports_kopf() -> None:
         if mods & {"kopf", "flexkv_operator"}
     }
     assert offenders == {}
+
+
+def test_only_the_sglang_integration_imports_sglang() -> None:
+    """SGLang is imported by node_agent/integrations/sglang alone (docs/sglang.md)."""
+    sglang_pkg = REPO / "node_agent" / "integrations" / "sglang"
+    offenders = {
+        str(p.relative_to(REPO)): mods & {"sglang"}
+        for p, mods in _imports(REPO / "node_agent").items()
+        if "sglang" in mods and not p.is_relative_to(sglang_pkg)
+    }
+    assert offenders == {}
+    importers = {p.name for p, mods in _imports(sglang_pkg).items() if "sglang" in mods}
+    assert importers == {"radix_cache.py", "plugin.py"}, importers
+    assert all("sglang" not in mods for mods in _imports(REPO / "operator").values())
+
+
+def test_sglang_plugin_modules_import_without_sglang() -> None:
+    """The entry point's module and the connector load in a venv without SGLang; the
+    entry point itself then fails with an error that says what to do."""
+    code = (
+        "import importlib.util, sys\n"
+        "assert importlib.util.find_spec('sglang') is None, 'sglang must not be in .venv'\n"
+        "import node_agent.integrations.sglang.connector, node_agent.integrations.sglang.kv_pool\n"
+        "from node_agent.integrations.sglang import plugin\n"
+        "assert 'sglang' not in sys.modules\n"
+        "try:\n"
+        "    plugin.register()\n"
+        "except ImportError as exc:\n"
+        "    print(exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                         text=True, check=True).stdout
+    assert "needs SGLang" in out and "pip install 'sglang==0.5.23'" in out, out
+    assert "SGLANG_PLUGINS" in out, out

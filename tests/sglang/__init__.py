@@ -1,0 +1,1 @@
+"""Tests of the SGLang plugin (node_agent/integrations/sglang)."""
