@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from flexkv_operator.events import EventRecorder
 from flexkv_operator.groups import GroupCache
 from flexkv_operator.kube import ApiError, KubeClient, api_path
 from flexkv_operator.membership import LeaseTracker
@@ -95,6 +96,25 @@ class OperatorContext:
     wall_clock: Callable[[], datetime.datetime] = field(
         default=lambda: datetime.datetime.now(datetime.UTC)
     )
+    events: EventRecorder | None = None
+    # One lock per pool around its group election and publication: the controller's
+    # failover timer and a full reconcile never publish one pool's groups at once.
+    group_locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.events is None:
+            self.events = EventRecorder(self.client, self.settings.identity)
+
+    @property
+    def recorder(self) -> EventRecorder:
+        assert self.events is not None  # set in __post_init__
+        return self.events
+
+    def group_lock(self, key: tuple[str, str]) -> asyncio.Lock:
+        lock = self.group_locks.get(key)
+        if lock is None:
+            lock = self.group_locks[key] = asyncio.Lock()
+        return lock
 
     @classmethod
     def create(cls, client: KubeClient, settings: OperatorSettings) -> OperatorContext:

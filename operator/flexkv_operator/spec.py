@@ -232,3 +232,29 @@ def parse_pool_spec(spec: dict[str, Any] | None, default_image: str) -> PoolConf
         agent_group=ids["runAsGroup"],
         placement=dict(raw.get("placement") or {}),
     )
+
+
+DEFAULT_TIMINGS = Timings(15, 10, 2)
+
+
+def election_timings(spec: dict[str, Any] | None) -> Timings:
+    """The leader-election timings of a spec, whatever else is wrong with it.
+
+    Failover must not stop while a pool's spec is invalid, so the group election
+    reads only ``spec.leaderElection``; a missing or inconsistent set of values
+    falls back to the CRD defaults (15 > 10 > 2) as a whole. Agents' own
+    ``leaseDurationSeconds`` still take precedence when judging their Leases."""
+    election = (spec or {}).get("leaderElection")
+    if not isinstance(election, dict):
+        return DEFAULT_TIMINGS
+    values = (
+        election.get("leaseDurationSeconds", DEFAULT_TIMINGS.lease_duration),
+        election.get("renewDeadlineSeconds", DEFAULT_TIMINGS.renew_deadline),
+        election.get("retryPeriodSeconds", DEFAULT_TIMINGS.retry_period),
+    )
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values):
+        return DEFAULT_TIMINGS
+    lease, renew, retry = (int(v) for v in values)
+    if not lease > renew > retry:
+        return DEFAULT_TIMINGS
+    return Timings(lease, renew, retry)

@@ -55,6 +55,7 @@ def pool_status(
     sizing: Condition,
     now: datetime.datetime,
     overlaps: list[str] | None = None,
+    reconcile_errors: list[str] | None = None,
 ) -> dict[str, Any]:
     """Status of a valid pool. Ready: children current, rollout done, every desired agent
     fresh, ready and on the current cacheEpoch; Degraded: another pool claims one of this
@@ -70,8 +71,12 @@ def pool_status(
     ready_count = len(ready) - len(epoch_lag)
     all_ready = desired_agents > 0 and ready_count >= desired_agents
     progressing = not children_current or not rollout_done or not all_ready
-    degraded = bool(overlaps or conflicted or lost or leaderless)
-    if overlaps:
+    degraded = bool(reconcile_errors or overlaps or conflicted or lost or leaderless)
+    if reconcile_errors:
+        degraded_condition = Condition(
+            "Degraded", True, "ReconcileError", "; ".join(reconcile_errors[:5])
+        )
+    elif overlaps:
         degraded_condition = Condition("Degraded", True, "PoolsOverlap", "; ".join(overlaps[:5]))
     elif conflicted:
         degraded_condition = Condition(
@@ -93,7 +98,11 @@ def pool_status(
         )
     else:
         degraded_condition = Condition("Degraded", False, "AllHeartbeatsFresh", "")
-    if all_ready and not progressing:
+    if reconcile_errors:
+        ready_condition = Condition(
+            "Ready", False, "ReconcileError", "The API server refused children of the pool"
+        )
+    elif all_ready and not progressing:
         ready_condition = Condition("Ready", True, "AgentsReady", f"{ready_count} agents ready")
     else:
         why = []

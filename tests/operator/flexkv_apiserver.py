@@ -15,7 +15,8 @@ behaves, plus fault injection:
   ignores ``status`` for flexkv.io kinds and bumps ``generation`` when ``spec``
   changes;
 * :meth:`fail` makes the next N matching requests answer an error status before
-  touching any state;
+  touching any state (optionally only requests whose ``User-Agent`` starts with a
+  prefix: an outage seen by one client, e.g. the operator's own requests);
 * ``history_limit`` (None by default: keep all, for assertions) bounds kmock's
   request log, for long runs (the benchmark).
 
@@ -64,6 +65,7 @@ class Fault:
     status: int
     remaining: int
     hits: int = 0
+    user_agent: str | None = None
 
 
 class DirectRouting(KubernetesScaffold):
@@ -110,11 +112,19 @@ class ApiServer(kmock.KubernetesEmulator, DirectRouting):
         self.history_limit: int | None = None
 
     def fail(
-        self, status: int, *, action: str | None = None, plural: str | None = None, times: int = 1
+        self,
+        status: int,
+        *,
+        action: str | None = None,
+        plural: str | None = None,
+        times: int = 1,
+        user_agent: str | None = None,
     ) -> Fault:
         """Answer ``status`` to the next ``times`` requests of ``action`` (list, watch,
-        fetch, create, update, delete; None for any) on ``plural`` (None for any)."""
-        fault = Fault(action, plural, status, times)
+        fetch, create, update, delete; None for any) on ``plural`` (None for any), from
+        clients whose User-Agent starts with ``user_agent`` (None for any). Setting the
+        returned fault's ``remaining`` to 0 ends it."""
+        fault = Fault(action, plural, status, times, user_agent=user_agent)
         self.faults.append(fault)
         return fault
 
@@ -141,6 +151,10 @@ class ApiServer(kmock.KubernetesEmulator, DirectRouting):
             if fault.remaining <= 0:
                 continue
             if fault.action not in (None, action) or fault.plural not in (None, plural):
+                continue
+            if fault.user_agent is not None and not str(
+                request.headers.get("User-Agent", "")
+            ).startswith(fault.user_agent):
                 continue
             fault.remaining -= 1
             fault.hits += 1
