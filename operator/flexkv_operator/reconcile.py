@@ -90,21 +90,22 @@ async def _reject(
 
 
 def _rollout(ds: dict[str, Any], changed: bool) -> tuple[bool, int | None]:
-    """(rollout done, desiredNumberScheduled) from a live DaemonSet's status."""
+    """(rollout done, desiredNumberScheduled) from a live DaemonSet's status. A
+    DaemonSet whose controller has not reported on its current generation yet is
+    still rolling out."""
     status = ds.get("status") or {}
     desired = status.get("desiredNumberScheduled")
-    if desired is None:
-        return (not changed, None)
     generation = (ds.get("metadata") or {}).get("generation")
     observed = status.get("observedGeneration")
-    current = observed is None or generation is None or observed >= generation
+    current = observed is not None and (generation is None or observed >= generation)
     done = (
         current
         and not changed
+        and desired is not None
         and status.get("updatedNumberScheduled", desired) >= desired
         and status.get("numberUnavailable", 0) == 0
     )
-    return (done, int(desired))
+    return (bool(done), None if desired is None else int(desired))
 
 
 async def _publish_groups(
@@ -202,7 +203,10 @@ async def _delete_stale_groups(
 
 
 async def _drop_removed_nodes(
-    ctx: OperatorContext, nodes: list[dict[str, Any]] | None, agents: list[AgentView]
+    ctx: OperatorContext,
+    body: dict[str, Any],
+    nodes: list[dict[str, Any]] | None,
+    agents: list[AgentView],
 ) -> list[AgentView]:
     """``agents`` without those of nodes that left the cluster; their Leases are deleted
     (conditional on the resourceVersion seen, so a renewal in between keeps it)."""
@@ -230,7 +234,44 @@ async def _drop_removed_nodes(
             },
         )
         ctx.tracker.forget(record.namespace, record.lease)
+        await ctx.recorder.post(
+            body,
+            NORMAL,
+            "AgentRemoved",
+            f"Node {record.node} left the cluster; its agent (Lease {record.lease}, silent "
+            f"{round(view.silent_for)} s) was dropped from the pool and its groups",
+        )
     return [v for v in agents if v not in gone]
+
+
+# (condition type, status, reason or None for any) that deserve a Warning Event when a
+# pool enters them, with the Event's reason.
+_WARN_ON = (
+    ("Degraded", "True", "PoolsOverlap", "PoolsOverlap"),
+    ("SizingValid", "False", None, "SizingInvalid"),
+)
+
+
+async def _condition_events(
+    ctx: OperatorContext, body: dict[str, Any], previous: dict[str, Any], status: dict[str, Any]
+) -> None:
+    """A Warning Event when the pool enters an overlap or an invalid sizing (or its
+    message changes): once per change, not once per reconcile."""
+    before = {c.get("type"): c for c in previous.get("conditions") or []}
+    for condition in status.get("conditions") or []:
+        for type_, value, reason, event_reason in _WARN_ON:
+            if condition["type"] != type_ or condition["status"] != value:
+                continue
+            if reason is not None and condition["reason"] != reason:
+                continue
+            old = before.get(type_) or {}
+            if (old.get("status"), old.get("reason"), old.get("message")) == (
+                condition["status"],
+                condition["reason"],
+                condition["message"],
+            ):
+                continue
+            await ctx.recorder.post(body, WARNING, event_reason, str(condition["message"]))
 
 
 class PoolGone(Exception):
@@ -345,7 +386,7 @@ async def reconcile_pool(ctx: OperatorContext, seen: dict[str, Any]) -> Reconcil
 
     nodes = await ctx.nodes.get(ctx.client)
     agents = await _drop_removed_nodes(
-        ctx, nodes, ctx.tracker.agents(namespace, name, config.timings.lease_duration)
+        ctx, body, nodes, ctx.tracker.agents(namespace, name, config.timings.lease_duration)
     )
     if scheduled is not None:
         desired = scheduled
@@ -386,6 +427,7 @@ async def reconcile_pool(ctx: OperatorContext, seen: dict[str, Any]) -> Reconcil
     )
     if status != previous:
         await _write_status(ctx.client, body, status)
+        await _condition_events(ctx, body, previous, status)
 
     # Lease expiries are the controller's failover timer's job (sync_groups); a full
     # reconcile is due at the resync, or every retry period during a rollout.

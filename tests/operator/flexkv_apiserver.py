@@ -66,6 +66,7 @@ class Fault:
     remaining: int
     hits: int = 0
     user_agent: str | None = None
+    lost_reply: bool = False  # apply the request, then answer ``status`` (a lost reply)
 
 
 class DirectRouting(KubernetesScaffold):
@@ -119,12 +120,14 @@ class ApiServer(kmock.KubernetesEmulator, DirectRouting):
         plural: str | None = None,
         times: int = 1,
         user_agent: str | None = None,
+        lost_reply: bool = False,
     ) -> Fault:
         """Answer ``status`` to the next ``times`` requests of ``action`` (list, watch,
         fetch, create, update, delete; None for any) on ``plural`` (None for any), from
-        clients whose User-Agent starts with ``user_agent`` (None for any). Setting the
-        returned fault's ``remaining`` to 0 ends it."""
-        fault = Fault(action, plural, status, times, user_agent=user_agent)
+        clients whose User-Agent starts with ``user_agent`` (None for any). With
+        ``lost_reply`` the request takes effect first and only its answer is the error
+        (a reply lost on the way back). Setting ``remaining`` to 0 ends the fault."""
+        fault = Fault(action, plural, status, times, user_agent=user_agent, lost_reply=lost_reply)
         self.faults.append(fault)
         return fault
 
@@ -144,13 +147,15 @@ class ApiServer(kmock.KubernetesEmulator, DirectRouting):
                 result.append(name)
         return sorted(result)
 
-    def _check_faults(self, request: kmock.Request) -> None:
+    def _check_faults(self, request: kmock.Request, lost_reply: bool = False) -> None:
         action = str(request.action.value).lower() if request.action is not None else None
         plural = request.resource.plural if request.resource is not None else None
         for fault in self.faults:
             if fault.remaining <= 0:
                 continue
             if fault.action not in (None, action) or fault.plural not in (None, plural):
+                continue
+            if fault.lost_reply != lost_reply:
                 continue
             if fault.user_agent is not None and not str(
                 request.headers.get("User-Agent", "")
@@ -228,6 +233,11 @@ class ApiServer(kmock.KubernetesEmulator, DirectRouting):
         if request.resource is None:
             return await super()._handle(request)
         self._check_faults(request)
+        answer = await self._apply(request)
+        self._check_faults(request, lost_reply=True)
+        return answer
+
+    async def _apply(self, request: kmock.Request) -> Any:
         action = request.action
         if action == kmock.action.DELETE and isinstance(request.data, dict):
             async with self._write_lock:
