@@ -100,6 +100,9 @@ class OperatorContext:
     # One lock per pool around its group election and publication: the controller's
     # failover timer and a full reconcile never publish one pool's groups at once.
     group_locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
+    # Pools whose Leases were listed once: before that the Lease watch may not have
+    # delivered them all, and a group must not lose members for that.
+    leases_listed: set[tuple[str, str]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if self.events is None:

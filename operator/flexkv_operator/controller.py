@@ -120,6 +120,7 @@ class Controller:
         ):
             table.pop(key, None)
         self.ctx.group_locks.pop(key, None)
+        self.ctx.leases_listed.discard(key)
         self.ctx.tracker.forget_pool(*key)
         self.ctx.group_names.pop(key, None)
         if self.ctx.groups is not None:
@@ -191,8 +192,12 @@ class Controller:
         if body is None:
             return
         failed_before = self.group_failures.get(key, 0)
+        # The first pass of a pool, and the first after a failure, read the pool's Leases
+        # first: the Lease watch may not have delivered them all yet (startup) or may
+        # have missed renewals (outage), and a group must not lose its members for that.
+        relist = failed_before > 0 or key not in self.group_signature
         try:
-            sync = await self.group_syncer(self.ctx, body, failed_before > 0)
+            sync = await self.group_syncer(self.ctx, body, relist)
         except asyncio.CancelledError:
             raise
         except Exception as exc:

@@ -301,13 +301,15 @@ async def sync_groups(
     Needs nothing from the pool but its name, its status' epoch floors and its
     election timings (``timings``, else read leniently from the spec), so an invalid
     spec or a child the API server refuses never stops a failover. Runs under the
-    pool's group lock; ``relist`` re-reads the pool's Leases first."""
+    pool's group lock; ``relist`` (and the first pass of a pool) re-reads the pool's
+    Leases first."""
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     timings = timings or election_timings(body.get("spec"))
     async with ctx.group_lock((namespace, name)):
-        if relist:
+        if relist or (namespace, name) not in ctx.leases_listed:
             await refresh_leases(ctx, namespace, name)
+            ctx.leases_listed.add((namespace, name))
         if agents is None:
             agents = ctx.tracker.agents(namespace, name, timings.lease_duration)
         outcomes = await _publish_groups(ctx, body, timings, agents)
@@ -385,6 +387,10 @@ async def reconcile_pool(ctx: OperatorContext, seen: dict[str, Any]) -> Reconcil
         rollout_done, scheduled = _rollout(ds.live, ds.action != "unchanged")
 
     nodes = await ctx.nodes.get(ctx.client)
+    if (namespace, name) not in ctx.leases_listed:
+        async with ctx.group_lock((namespace, name)):
+            await refresh_leases(ctx, namespace, name)
+            ctx.leases_listed.add((namespace, name))
     agents = await _drop_removed_nodes(
         ctx, body, nodes, ctx.tracker.agents(namespace, name, config.timings.lease_duration)
     )

@@ -14,6 +14,9 @@ behaves, plus fault injection:
   patch of ``/status`` changes only ``status``; a patch of the main resource
   ignores ``status`` for flexkv.io kinds and bumps ``generation`` when ``spec``
   changes;
+* delete: objects whose ``metadata.ownerReferences`` name the deleted object's
+  uid are deleted too, in the background and recursively (the garbage
+  collector's background propagation), unless another owner remains;
 * :meth:`fail` makes the next N matching requests answer an error status before
   touching any state (optionally only requests whose ``User-Agent`` starts with a
   prefix: an outage seen by one client, e.g. the operator's own requests);
@@ -111,6 +114,8 @@ class ApiServer(kmock.KubernetesEmulator, DirectRouting):
         self.faults: list[Fault] = []
         self.conflicts = 0
         self.history_limit: int | None = None
+        self._collectors: set[asyncio.Task[None]] = set()
+        self.collected: list[tuple[str, str, str]] = []
 
     def fail(
         self,
@@ -138,6 +143,36 @@ class ApiServer(kmock.KubernetesEmulator, DirectRouting):
             return None
         raw: dict[str, Any] = copy.deepcopy(self.objects[key].raw)
         return raw
+
+    def stored_key(self, key: Any) -> dict[str, Any] | None:
+        if key not in self.objects or self.objects[key].deleted:
+            return None
+        raw: dict[str, Any] = copy.deepcopy(self.objects[key].raw)
+        return raw
+
+    async def _collect_dependents(self, owner_uid: str) -> None:
+        """Delete every live object owned by ``owner_uid`` and no other live owner."""
+        live_uids = {
+            (obj.raw.get("metadata") or {}).get("uid")
+            for obj in self.objects.values()
+            if not obj.deleted
+        }
+        for (resource, namespace, name), obj in list(self.objects.items()):
+            if obj.deleted:
+                continue
+            owners = (obj.raw.get("metadata") or {}).get("ownerReferences") or []
+            uids = {o.get("uid") for o in owners if isinstance(o, dict)}
+            if owner_uid not in uids or uids & live_uids:
+                continue
+            base = (
+                f"/apis/{resource.group}/{resource.version}"
+                if resource.group
+                else f"/api/{resource.version}"
+            )
+            scope = f"/namespaces/{namespace}" if namespace else ""
+            response = await self.delete(f"{base}{scope}/{resource.plural}/{name}")
+            self.collected.append((str(resource.plural), str(namespace), str(name)))
+            assert response.status < 300 or response.status == 404, await response.text()
 
     def names(self, plural_path: str, namespace: str | None = None) -> list[str]:
         result = []
@@ -239,10 +274,18 @@ class ApiServer(kmock.KubernetesEmulator, DirectRouting):
 
     async def _apply(self, request: kmock.Request) -> Any:
         action = request.action
-        if action == kmock.action.DELETE and isinstance(request.data, dict):
+        if action == kmock.action.DELETE:
             async with self._write_lock:
-                self._check_delete_precondition(request)
-                return await super()._handle(request)
+                if isinstance(request.data, dict):
+                    self._check_delete_precondition(request)
+                gone = self.stored_key((request.resource, request.namespace, request.name))
+                answer = await super()._handle(request)
+            uid = ((gone or {}).get("metadata") or {}).get("uid")
+            if uid:
+                task = asyncio.create_task(self._collect_dependents(str(uid)))
+                self._collectors.add(task)
+                task.add_done_callback(self._collectors.discard)
+            return answer
         if action in (kmock.action.CREATE, kmock.action.UPDATE) and isinstance(request.data, dict):
             async with self._write_lock:
                 if action == kmock.action.CREATE:

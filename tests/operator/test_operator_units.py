@@ -223,6 +223,7 @@ def test_daemon_set_carries_the_agent_contract() -> None:
     assert [e["name"] for e in container["env"]] == [
         "NODE_NAME",
         "POD_NAME",
+        "POD_UID",
         "POD_IP",
         "POD_NAMESPACE",
     ]
