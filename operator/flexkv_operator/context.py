@@ -22,6 +22,8 @@ ENV_AGENT_IMAGE = "FLEXKV_AGENT_IMAGE"
 ENV_AGENT_SERVICE_ACCOUNT = "FLEXKV_AGENT_SERVICE_ACCOUNT"
 ENV_OPERATOR_ID = "FLEXKV_OPERATOR_ID"
 ENV_REMOVED_NODE_LEASES = "FLEXKV_REMOVED_NODE_LEASE_DURATIONS"
+ENV_LEADER_ELECTION = "FLEXKV_LEADER_ELECTION"
+ENV_LEADER_ELECTION_NAMESPACE = "FLEXKV_LEADER_ELECTION_NAMESPACE"
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,14 @@ class OperatorSettings:
     # An agent whose node left the cluster is dropped (and its Lease deleted) once
     # its Lease has been silent for more than this many lease durations.
     removed_node_lease_durations: float = 10.0
+    # Active/passive replicas (leadership.py): off by default here (tests, a single
+    # process); from_env turns it on unless FLEXKV_LEADER_ELECTION=false.
+    leader_election: bool = False
+    election_namespace: str = ""  # empty: the first served namespace, else "default"
+    election_lease: str = "flexkv-operator"
+    election_lease_duration: float = 15.0
+    election_renew_deadline: float = 10.0
+    election_retry_period: float = 2.0
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> OperatorSettings:
@@ -45,6 +55,10 @@ class OperatorSettings:
             default_image=env.get(ENV_AGENT_IMAGE, ""),
             service_account=env.get(ENV_AGENT_SERVICE_ACCOUNT) or "flexkv-agent",
             removed_node_lease_durations=_positive(env, ENV_REMOVED_NODE_LEASES, 10.0),
+            leader_election=env.get(ENV_LEADER_ELECTION, "true").lower()
+            not in ("false", "0", "no", "off"),
+            election_namespace=env.get(ENV_LEADER_ELECTION_NAMESPACE)
+            or env.get("POD_NAMESPACE", ""),
         )
 
 

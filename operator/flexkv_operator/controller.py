@@ -78,7 +78,17 @@ class Controller:
     group_failures: dict[PoolKey, int] = field(default_factory=dict)
     group_signature: dict[PoolKey, tuple[object, ...]] = field(default_factory=dict)
     last_error: dict[PoolKey, str] = field(default_factory=dict)
+    # Whether this replica may act (holds the operator Lease); a standby only watches.
+    active: Callable[[], bool] = lambda: True
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def leadership_changed(self, active: bool) -> None:
+        """Called by the operator's leader election: a replica that becomes active
+        looks at every pool at once (its watches kept the view current)."""
+        if active:
+            for key in list(self.pools):
+                self._mark_both(key)
+        self._wake.set()
 
     def _mark(self, key: PoolKey, delay: float = 0.0, *, groups: bool = False) -> None:
         """Make the pool's full reconcile (or, with ``groups``, its group pass) due in
@@ -247,6 +257,14 @@ class Controller:
         tasks: dict[TaskKey, asyncio.Task[None]] = {}
         try:
             while True:
+                if not self.active():
+                    # Standby (or lost the Lease): act on nothing, stop what runs.
+                    for task in tasks.values():
+                        task.cancel()
+                    tasks.clear()
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
                 now = self.ctx.clock()
                 nexts = [
                     at

@@ -90,8 +90,10 @@ class KubeClient:
         retries: int = 5,
         backoff: float = 0.1,
         max_backoff: float = 2.0,
+        user_agent: str = USER_AGENT,
     ) -> None:
         self._conn = connection
+        self._user_agent = user_agent
         self._timeout = aiohttp.ClientTimeout(total=request_timeout)
         self._retries = retries
         self._backoff = backoff
@@ -139,7 +141,7 @@ class KubeClient:
         """Send one request, retrying transient failures; return the JSON answer."""
         if self._session is None:
             raise RuntimeError("KubeClient is not open; use 'async with KubeClient(...)'")
-        headers = {"Accept": "application/json", "User-Agent": USER_AGENT}
+        headers = {"Accept": "application/json", "User-Agent": self._user_agent}
         token = self._conn.token_provider()
         if token:
             headers["Authorization"] = f"Bearer {token}"

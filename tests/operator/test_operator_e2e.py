@@ -311,6 +311,10 @@ async def test_restart_resumes_without_duplicates_or_new_epochs(api: ApiServer) 
         async with running_operator(api, "first"):
             await create(api, POOLS, pool_manifest(**FAST))
             await wait_for(lambda: group(api).get("epoch") == 1, 10, "first election")
+            # Groups are published on their own timer: wait for the children as well.
+            await wait_for(
+                lambda: all(api.names(k, NS) == v for k, v in CHILDREN.items()), 10, "children"
+            )
         secret = api.stored("v1/secrets", NS, "pool-curve")
         ds_version = api.stored(DAEMONSETS, NS, "pool-agent")["metadata"]["resourceVersion"]  # type: ignore[index]
         creates_before = len(api[kmock.action.CREATE])
