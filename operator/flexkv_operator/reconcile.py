@@ -380,6 +380,16 @@ async def reconcile_pool(ctx: OperatorContext, seen: dict[str, Any]) -> Reconcil
                 "action": result.action,
             },
         )
+    for result in changed:
+        if result.action == "corrected":
+            await ctx.recorder.post(
+                body,
+                WARNING,
+                "DriftCorrected",
+                f"{result.kind} {result.name} was changed outside the pool's spec "
+                f"({', '.join(result.drift[:5])}); reverted to the rendering. Change the "
+                "KVCachePool instead",
+            )
     ds = next((r for r in results if r.kind == "DaemonSet"), None)
     if ds is None:
         rollout_done, scheduled = False, None
