@@ -15,6 +15,7 @@ from flexkv_operator.events import EventRecorder
 from flexkv_operator.groups import GroupCache
 from flexkv_operator.kube import ApiError, KubeClient, api_path
 from flexkv_operator.membership import LeaseTracker
+from flexkv_operator.metrics import OperatorMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,8 @@ class OperatorSettings:
     # An agent whose node left the cluster is dropped (and its Lease deleted) once
     # its Lease has been silent for more than this many lease durations.
     removed_node_lease_durations: float = 10.0
+    # GET /metrics and /readyz of the operator itself (0: not served).
+    metrics_port: int = 0
     # Active/passive replicas (leadership.py): off by default here (tests, a single
     # process); from_env turns it on unless FLEXKV_LEADER_ELECTION=false.
     leader_election: bool = False
@@ -111,6 +114,7 @@ class OperatorContext:
         default=lambda: datetime.datetime.now(datetime.UTC)
     )
     events: EventRecorder | None = None
+    metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
     # One lock per pool around its group election and publication: the controller's
     # failover timer and a full reconcile never publish one pool's groups at once.
     group_locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
@@ -121,6 +125,8 @@ class OperatorContext:
     def __post_init__(self) -> None:
         if self.events is None:
             self.events = EventRecorder(self.client, self.settings.identity)
+        if self.client.on_error is None:
+            self.client.on_error = self.metrics.api_error
 
     @property
     def recorder(self) -> EventRecorder:

@@ -131,6 +131,7 @@ class Controller:
             table.pop(key, None)
         self.ctx.group_locks.pop(key, None)
         self.ctx.leases_listed.discard(key)
+        self.ctx.metrics.set_group_phases(key, None)
         self.ctx.tracker.forget_pool(*key)
         self.ctx.group_names.pop(key, None)
         if self.ctx.groups is not None:
@@ -165,8 +166,13 @@ class Controller:
         body = self.pools.get(key)
         if body is None:
             return
+        metrics = self.ctx.metrics
+        started = self.ctx.clock()
         try:
-            result = await self.reconciler(self.ctx, body)
+            try:
+                result = await self.reconciler(self.ctx, body)
+            finally:
+                metrics.reconcile_seconds.labels("pool").observe(self.ctx.clock() - started)
         except asyncio.CancelledError:
             raise
         except PoolGone:
@@ -174,6 +180,7 @@ class Controller:
                 self.forget_pool(key)
             return
         except Exception as exc:
+            metrics.reconciles.labels("pool", "error").inc()
             count = self.failures.get(key, 0) + 1
             self.failures[key] = count
             delay = self._backoff(count)
@@ -185,6 +192,7 @@ class Controller:
             self._mark(key, delay)
             return
         self.last_result[key] = result
+        metrics.reconciles.labels("pool", "error" if result.errors else "success").inc()
         if result.errors:
             # Reported in the pool's status and Events by the reconcile; retried with
             # the same capped backoff (the group pass is not affected).
@@ -206,11 +214,17 @@ class Controller:
         # first: the Lease watch may not have delivered them all yet (startup) or may
         # have missed renewals (outage), and a group must not lose its members for that.
         relist = failed_before > 0 or key not in self.group_signature
+        metrics = self.ctx.metrics
+        started = self.ctx.clock()
         try:
-            sync = await self.group_syncer(self.ctx, body, relist)
+            try:
+                sync = await self.group_syncer(self.ctx, body, relist)
+            finally:
+                metrics.reconcile_seconds.labels("groups").observe(self.ctx.clock() - started)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
+            metrics.reconciles.labels("groups", "error").inc()
             count = failed_before + 1
             self.group_failures[key] = count
             delay = min(0.25 * 2 ** (count - 1), self.group_retry_max)
@@ -220,6 +234,12 @@ class Controller:
             )
             self._mark(key, delay, groups=True)
             return
+        metrics.reconciles.labels("groups", "success").inc()
+        phases: dict[str, int] = {}
+        for outcome in sync.outcomes:
+            if outcome.phase:
+                phases[outcome.phase] = phases.get(outcome.phase, 0) + 1
+        metrics.set_group_phases(key, phases)
         self.group_failures.pop(key, None)
         if failed_before and self.failures.get(key):
             # The API server answers again: the full reconcile need not wait out its backoff.

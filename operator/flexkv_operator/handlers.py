@@ -21,6 +21,7 @@ from flexkv_operator.context import OperatorContext, OperatorSettings
 from flexkv_operator.controller import Controller
 from flexkv_operator.kube import USER_AGENT, Connection, KubeClient
 from flexkv_operator.leadership import LeaderElection
+from flexkv_operator.metrics import Readiness, serve
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,20 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         memo["election"] = election
         memo["election_task"] = asyncio.create_task(election.run(), name="flexkv-election")
     memo["controller_task"] = asyncio.create_task(controller.run(), name="flexkv-controller")
+    ctx.metrics.active.set_function(lambda: 1.0 if controller.active() else 0.0)
+
+    def running() -> bool:
+        task: asyncio.Task[None] | None = memo.get("controller_task")
+        return task is not None and not task.done()
+
+    readiness = Readiness(
+        clock=ctx.clock, controller_running=running, tracked_leases=lambda: len(ctx.tracker)
+    )
+    memo["readiness"] = readiness
+    if operator_settings.metrics_port:
+        memo["metrics_runner"] = await serve(
+            ctx.metrics, readiness, "0.0.0.0", operator_settings.metrics_port
+        )
     logger.info(
         "Operator started",
         extra={
@@ -82,6 +97,9 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
     election: LeaderElection | None = memo.get("election")
     if election is not None:
         await asyncio.wait_for(election.release(), timeout=10)
+    runner = memo.get("metrics_runner")
+    if runner is not None:
+        await runner.cleanup()
     client: KubeClient | None = memo.get("client")
     if client is not None:
         await client.close()
@@ -92,6 +110,9 @@ def pool_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
 
 
 def lease_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
+    readiness: Readiness | None = memo.get("readiness")
+    if readiness is not None:
+        readiness.lease_event()
     memo["controller"].observe_lease(event.get("type"), dict(event["object"]))
 
 

@@ -140,6 +140,13 @@ async def _publish_groups(
             "metadata": {"name": outcome.name, "namespace": body["metadata"]["namespace"]},
         }
         leader = decision.leader.node if decision.leader else "none"
+        if decision.failover and decision.leader is not None:
+            lost = next(
+                (v for v in agents if v.record.node == outcome.previous_leader and not v.fresh),
+                None,
+            )
+            if lost is not None:
+                ctx.metrics.failover_seconds.observe(max(0.0, ctx.clock() - lost.expires_at))
         if decision.failover:
             reason, kind = "Failover", WARNING
             message = (

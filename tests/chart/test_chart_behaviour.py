@@ -119,12 +119,18 @@ def test_operator_runs_non_root_read_only_without_capabilities(
     assert {m["mountPath"] for m in container["volumeMounts"]} == {"/tmp"}
 
 
-def test_operator_probes_its_liveness_endpoint(default_render: Render) -> None:
+def test_operator_probes_liveness_and_readiness_apart(default_render: Render) -> None:
+    """Liveness: kopf's /healthz; readiness: /readyz, which also fails on a stale watch."""
     container = _container(default_render)
     assert "--liveness-port=8081" in container["args"]
-    assert container["ports"] == [{"name": "liveness", "containerPort": 8081, "protocol": "TCP"}]
+    assert "--metrics-port=8080" in container["args"]
+    assert container["ports"] == [
+        {"name": "liveness", "containerPort": 8081, "protocol": "TCP"},
+        {"name": "metrics", "containerPort": 8080, "protocol": "TCP"},
+    ]
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "liveness"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
     for probe in ("livenessProbe", "readinessProbe"):
-        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "liveness"}
         assert container[probe]["timeoutSeconds"] > 0
 
 
@@ -197,7 +203,7 @@ def test_all_namespaces_mode(renders: dict[str, Render]) -> None:
     assert {r["metadata"]["name"] for r in roles} == {f"{FULLNAME}-agent"}
     assert {r["metadata"]["namespace"] for r in roles} == {"inference-a", "inference-b"}
     assert render.one("Role", ELECTION_ROLE)["metadata"]["namespace"] == NAMESPACE
-    monitor = render.one("PodMonitor")
+    monitor = render.one("PodMonitor", f"{FULLNAME}-agents")
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["inference-a", "inference-b"]}
 
 
@@ -284,8 +290,18 @@ def test_monitoring_and_example_pool_are_off_by_default(default_render: Render) 
     assert default_render.of_kind("ConfigMap") == []
 
 
+def test_operator_pod_monitor_scrapes_its_metrics_port(renders: dict[str, Render]) -> None:
+    render = renders["monitoring-values.yaml"]
+    monitor = render.one("PodMonitor", f"{FULLNAME}-operator")
+    assert monitor["spec"]["selector"]["matchLabels"] == (
+        _operator(render)["spec"]["selector"]["matchLabels"]
+    )
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
+
+
 def test_pod_monitor_scrapes_agent_http_port(renders: dict[str, Render]) -> None:
-    monitor = renders["monitoring-values.yaml"].one("PodMonitor")
+    monitor = renders["monitoring-values.yaml"].one("PodMonitor", f"{FULLNAME}-agents")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     assert monitor["spec"]["selector"] == {
