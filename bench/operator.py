@@ -15,8 +15,23 @@ the other agents carry a long lease duration and renew slowly, so the emulated
 server is not saturated by heartbeats on a 2-core machine (their Leases are still
 watched, tracked and reported on every reconcile).
 
-    python bench/operator.py            # 10, 100, 1000 agents (about 1-2 minutes)
+    python bench/operator.py            # 10, 100, 1000 agents, then the failover cases
     python bench/operator.py --quick    # 10 and 100 agents, shorter leases
+    python bench/operator.py --cases    # only the failover cases
+
+Failover cases (one PP group of two agents, lease 3 s, each line
+``"bench": "operator-failover"``): the leader's agent stops renewing and the time
+to its successor being published is measured while
+
+* ``plain``: nothing else happens;
+* ``invalid-spec``: the pool's spec is invalid (``tiers.cpu.size: 0Gi``);
+* ``child-refused``: the API server refuses the pool's DaemonSet (422);
+* ``api-outage``: the operator's own requests fail (503) from the loss until 3 s
+  after the lease expired (and a spec change sends its reconcile into backoff);
+  also measured from the API coming back (goal <= 2 s);
+* ``active-killed``: two operator replicas (operator lease 3 s); the active one
+  is cut off from the API server at the same moment; bound lease + 2 s + the
+  operator lease.
 """
 
 from __future__ import annotations
@@ -44,6 +59,7 @@ from flexkv_harness import (  # noqa: E402
     FakeAgent,
     api_server,
     create,
+    heartbeating,
     patch,
     pool_manifest,
     running_operator,
@@ -175,7 +191,106 @@ async def run_size(count: int, timings: dict[str, int], timeout: float) -> dict[
     }
 
 
-async def main_async(quick: bool) -> None:
+CASE_LEASE = 3
+CASE_TIMINGS = {
+    "leaseDurationSeconds": CASE_LEASE,
+    "renewDeadlineSeconds": 2,
+    "retryPeriodSeconds": 1,
+}
+OPERATOR_LEASE = 3.0
+ELECTION = {
+    "leader_election": True,
+    "election_lease_duration": OPERATOR_LEASE,
+    "election_renew_deadline": 2.0,
+    "election_retry_period": 0.5,
+}
+
+
+async def run_case(case: str, timeout: float = 60.0) -> dict[str, Any]:
+    """One failover case (module docstring)."""
+    async with api_server() as api:
+        agents = [
+            FakeAgent(
+                api,
+                "pool",
+                node,
+                [{"replica": "r0", "ppRank": rank, "ppSize": 2}],
+                lease_duration=CASE_LEASE,
+            )
+            for rank, node in enumerate(["node-a", "node-b"])
+        ]
+        for agent in agents:
+            await agent.start()
+        if case == "child-refused":
+            api.fail(422, action="create", plural="daemonsets", times=10**6)
+        operators = [("operator-a", ELECTION if case == "active-killed" else {})]
+        if case == "active-killed":
+            operators.append(("operator-b", ELECTION))
+        async with contextlib.AsyncExitStack() as stack:
+            alive = await stack.enter_async_context(heartbeating(agents, 0.25))
+            for identity, extra in operators:
+                await stack.enter_async_context(running_operator(api, identity, **extra))
+            await create(api, POOLS, pool_manifest(leaderElection=CASE_TIMINGS))
+
+            def leader() -> str | None:
+                status = (api.stored(GROUPS, NS, "pool-r0") or {}).get("status") or {}
+                return (status.get("leader") or {}).get("node")
+
+            await wait_for(lambda: leader() == "node-a", timeout, "first leader")
+            if case == "invalid-spec":
+                await patch(api, POOLS, "pool", {"spec": {"tiers": {"cpu": {"size": "0Gi"}}}})
+                await asyncio.sleep(1.0)
+            await asyncio.sleep(1.0)
+            alive["node-a"] = False
+            await agents[0].beat()  # the last heartbeat: the loss starts now
+            lost_at = time.monotonic()
+            back_at = None
+            if case == "api-outage":
+                outage = api.fail(503, times=10**6, user_agent="flexkv-operator")
+                await patch(api, POOLS, "pool", {"spec": {"cacheEpoch": 1}})
+                await asyncio.sleep(CASE_LEASE + 3.0)
+                outage.remaining = 0
+                back_at = time.monotonic()
+            if case == "active-killed":
+                api.fail(503, times=10**6, user_agent="flexkv-operator/operator-a")
+            await wait_for(
+                lambda: leader() not in ("node-a", None), timeout, "new leader", interval=0.02
+            )
+            done = time.monotonic()
+    failover_s = done - lost_at
+    bound = CASE_LEASE + 2.0 + (OPERATOR_LEASE if case == "active-killed" else 0.0)
+    result: dict[str, Any] = {
+        "bench": "operator-failover",
+        "case": case,
+        "lease_duration_s": CASE_LEASE,
+        "failover_s": round(failover_s, 3),
+        "failover_bound_s": bound,
+        "failover_over_bound": round(failover_s / bound, 3),
+    }
+    if back_at is not None:
+        result["after_api_back_s"] = round(done - back_at, 3)
+        result["after_api_back_bound_s"] = 2.0
+        result["failover_over_bound"] = round((done - back_at) / 2.0, 3)
+    result["goal_met"] = result["failover_over_bound"] <= 1.0
+    return result
+
+
+CASES = ["plain", "invalid-spec", "child-refused", "api-outage", "active-killed"]
+
+
+async def main_async(quick: bool, cases_only: bool = False) -> None:
+    if cases_only:
+        case_results = [await run_case(case) for case in CASES]
+        for result in case_results:
+            emit(result)
+        emit(
+            {
+                "bench": "operator-summary",
+                "cases": CASES,
+                "max_case_failover_over_bound": max(r["failover_over_bound"] for r in case_results),
+            }
+        )
+        return
     sizes = [10, 100] if quick else [10, 100, 1000]
     timings = (
         {"leaseDurationSeconds": 3, "renewDeadlineSeconds": 2, "retryPeriodSeconds": 1}
@@ -190,22 +305,29 @@ async def main_async(quick: bool) -> None:
     for result in results:
         result["per_agent_ratio_vs_smallest"] = round(result["ready_per_agent_ms"] / baseline, 3)
         emit(result)
-    emit(
-        {
-            "bench": "operator-summary",
-            "sizes": sizes,
-            "max_failover_over_bound": max(r["failover_over_bound"] for r in results),
-            "per_agent_ratio_at_largest": results[-1]["per_agent_ratio_vs_smallest"],
-        }
-    )
+    case_results = [] if quick else [await run_case(case) for case in CASES]
+    for result in case_results:
+        emit(result)
+    summary: dict[str, Any] = {
+        "bench": "operator-summary",
+        "sizes": sizes,
+        "max_failover_over_bound": max(r["failover_over_bound"] for r in results),
+        "per_agent_ratio_at_largest": results[-1]["per_agent_ratio_vs_smallest"],
+    }
+    if case_results:
+        summary["max_case_failover_over_bound"] = max(
+            r["failover_over_bound"] for r in case_results
+        )
+    emit(summary)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="10 and 100 agents, short leases")
+    parser.add_argument("--cases", action="store_true", help="only the failover cases")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.ERROR)
-    asyncio.run(main_async(args.quick))
+    logging.basicConfig(level=logging.CRITICAL)
+    asyncio.run(main_async(args.quick, args.cases))
     return 0
 
 

@@ -207,8 +207,8 @@ class Heartbeat:
 @dataclass(frozen=True)
 class AgentConfig:
     """One agent's configuration (docs/contracts.md section 1 plus the agent-local keys
-    ``nodeName``, ``podName``, ``advertiseAddress``, ``bindAddress``, ``kubernetes`` and
-    ``groupViewFile`` documented in docs/agent.md)."""
+    ``nodeName``, ``podName``, ``podUid``, ``advertiseAddress``, ``bindAddress``,
+    ``kubernetes`` and ``groupViewFile`` documented in docs/agent.md)."""
 
     pool: str = _key("pool", _str(), default="default")
     namespace: str = _key("namespace", _str(), default="default")
@@ -226,6 +226,9 @@ class AgentConfig:
     # Agent-local keys (not rendered by the operator; usually set from the environment).
     node_name: str = _key("nodeName", _str(), default="local")
     pod_name: str | None = _key("podName", _opt_str, default=None)
+    # The agent pod's uid (downward API ``metadata.uid``): its Lease is owned by the pod,
+    # so Kubernetes' garbage collector deletes the Lease with the pod (and its pool).
+    pod_uid: str | None = _key("podUid", _opt_str, default=None)
     advertise_address: str = _key("advertiseAddress", _str(), default="127.0.0.1")
     bind_address: str = _key("bindAddress", _str(), default="0.0.0.0")
     kubernetes: str = _key("kubernetes", _choice("auto", "on", "off"), default="auto")
@@ -319,7 +322,12 @@ def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
 
 #: Downward-API variables the operator's DaemonSet sets; they fill agent-local keys
 #: the file leaves out (a FLEXKV_* override still wins).
-_DOWNWARD = {"NODE_NAME": "nodeName", "POD_NAME": "podName", "POD_IP": "advertiseAddress"}
+_DOWNWARD = {
+    "NODE_NAME": "nodeName",
+    "POD_NAME": "podName",
+    "POD_UID": "podUid",
+    "POD_IP": "advertiseAddress",
+}
 
 
 def _apply_downward(raw: dict[str, Any], env: Mapping[str, str]) -> None:

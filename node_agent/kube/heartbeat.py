@@ -7,6 +7,11 @@ re-reads it and renews on the fresh version. A 404 (Lease deleted) recreates it.
 The Kubernetes client is synchronous, so calls run in a worker thread, each bounded
 by ``renewDeadlineSeconds``. On stop the Lease is renewed one last time with
 ``flexkv.io/ready: "false"`` and then left to expire.
+
+When the agent knows its pod (``podName`` and ``podUid``, from the downward API)
+the Lease carries an owner reference to that pod, set on every write: Kubernetes'
+garbage collector deletes the Lease once the pod is gone, so a deleted pool
+(whose DaemonSet and pods go with it) leaves no Lease behind.
 """
 
 from __future__ import annotations
@@ -96,11 +101,18 @@ class LeaseHeartbeat:
 
     # -- the Lease -----------------------------------------------------------
 
+    def owner_references(self) -> list[dict[str, Any]]:
+        """The agent pod as the Lease's owner (not its controller), when known."""
+        cfg = self._cfg
+        if not (cfg.pod_name and cfg.pod_uid):
+            return []
+        return [{"apiVersion": "v1", "kind": "Pod", "name": cfg.pod_name, "uid": cfg.pod_uid}]
+
     def _body(self, ready_override: bool | None = None) -> dict[str, Any]:
         info = self._info()
         ready = info.get("ready", False) if ready_override is None else ready_override
         cfg = self._cfg
-        return {
+        body: dict[str, Any] = {
             "apiVersion": "coordination.k8s.io/v1",
             "kind": "Lease",
             "metadata": {
@@ -122,6 +134,10 @@ class LeaseHeartbeat:
                 "renewTime": _now(),
             },
         }
+        owners = self.owner_references()
+        if owners:
+            body["metadata"]["ownerReferences"] = owners
+        return body
 
     def _timeout(self) -> float:
         return self._cfg.heartbeat.renew_deadline_seconds

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import sys
 
@@ -27,6 +28,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--liveness-port", type=int, default=8081, help="Port of the /healthz endpoint (0 disables)"
     )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=8080,
+        help="Port of the operator's GET /metrics and GET /readyz (0 disables)",
+    )
     parser.add_argument("--verbose", action="store_true", help="Debug logging")
     return parser.parse_args(argv)
 
@@ -44,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
         run_operator(
             connection=connection,
             login=login,
-            settings=OperatorSettings.from_env(),
+            settings=dataclasses.replace(
+                OperatorSettings.from_env(), metrics_port=args.metrics_port
+            ),
             namespaces=args.namespaces or (),
             clusterwide=bool(args.all_namespaces),
             liveness_endpoint=liveness,

@@ -64,16 +64,17 @@ async def run_operator(
     """Run one operator instance until ``stop_flag`` is set (or forever).
 
     Every instance gets its own kopf registry and memo, so several can run in one
-    process (tests run two to race them). Instances do not use kopf peering: they
-    may all be active, and the conditional writes keep their leader decisions
-    consistent."""
+    process (tests run two to race them). kopf peering is not used: with
+    ``settings.leader_election`` only the replica holding the operator Lease acts
+    (leadership.py); without it every instance acts, and the conditional writes
+    keep their leader decisions consistent."""
     registry = handlers.register(kopf.OperatorRegistry())
 
     def login_fn(**_: Any) -> kopf.ConnectionInfo:
         return login
 
     kopf.on.login(registry=registry)(login_fn)
-    memo = kopf.Memo(connection=connection, settings=settings)
+    memo = kopf.Memo(connection=connection, settings=settings, namespaces=list(namespaces))
     await kopf.operator(
         registry=registry,
         memo=memo,

@@ -1,8 +1,15 @@
 """Make live children match their renderings (create or merge-patch), idempotently.
 
 A child is current when its ``flexkv.io/spec-hash`` annotation equals the hash of
-the new rendering; only then is no write made. This avoids comparing fields the
-API server defaults, and keeps a steady-state reconcile free of writes.
+the new rendering and no field the operator renders was changed on the live
+object (drift: a hand edit of the image, of agent.yaml, ...). Drift is judged by
+containment: every map key of the rendering must hold the rendered value on the
+live object (a null or empty rendered value may be absent), lists item by item.
+Keys the live object has beyond the rendering (server defaults, fields other
+controllers or webhooks own, list items they append) are not the operator's and
+are never compared; quantities are compared by value (the API server writes
+``1Gi`` for ``1024Mi``). A drifted child is patched back to its rendering; a
+steady-state reconcile makes no write.
 
 A JSON merge patch only sets what it names, so a map key dropped from the
 rendering (a nodeSelector entry, the scrape annotations, a service label) would
@@ -27,6 +34,7 @@ from typing import Any
 from flexkv_operator import keys, names
 from flexkv_operator.children import ANNOTATION_SPEC_HASH, PoolIdentity, render_curve_secret
 from flexkv_operator.kube import Conflict, KubeClient, api_path
+from flexkv_operator.quantity import parse_quantity
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +53,45 @@ _PLURALS = {
 class ApplyResult:
     kind: str
     name: str
-    action: str  # created | updated | unchanged
+    action: str  # created | updated | corrected (drift reverted) | unchanged
     live: dict[str, Any]
+    drift: tuple[str, ...] = ()  # the drifted fields, for "corrected"
+
+
+def _same_scalar(want: Any, have: Any) -> bool:
+    if want == have and type(want) is type(have):
+        return True
+    if isinstance(want, bool) or isinstance(have, bool):
+        return False
+    if isinstance(want, str | int) and isinstance(have, str | int):
+        a, b = parse_quantity(str(want)), parse_quantity(str(have))
+        return a is not None and a == b
+    return False
+
+
+def drifted_fields(want: Any, have: Any, path: str = "") -> list[str]:
+    """Paths where the live value ``have`` does not contain the rendered ``want``."""
+    if isinstance(want, dict):
+        if not isinstance(have, dict):
+            return [path or "."]
+        found: list[str] = []
+        for key, value in want.items():
+            # The API server drops null and omits empty values: absent is the same.
+            if value in (None, {}, [], "") and have.get(key) in (None, {}, [], ""):
+                continue
+            if key not in have:
+                found.append(f"{path}.{key}")
+            else:
+                found.extend(drifted_fields(value, have[key], f"{path}.{key}"))
+        return found
+    if isinstance(want, list):
+        if not isinstance(have, list) or len(have) < len(want):
+            return [path]
+        found = []
+        for index, item in enumerate(want):
+            found.extend(drifted_fields(item, have[index], f"{path}[{index}]"))
+        return found
+    return [] if _same_scalar(want, have) else [path]
 
 
 def object_path(manifest: dict[str, Any], with_name: bool = True) -> str:
@@ -116,13 +161,20 @@ async def apply_child(client: KubeClient, manifest: dict[str, Any]) -> ApplyResu
             live = await client.get(object_path(manifest))
     wanted = manifest["metadata"]["annotations"][ANNOTATION_SPEC_HASH]
     have = ((live.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_SPEC_HASH)
-    if have == wanted:
-        return ApplyResult(kind, name, "unchanged", live)
     new = {key: value for key, value in manifest.items() if key not in ("apiVersion", "kind")}
+    drift: list[str] = []
+    if have == wanted:
+        drift = drifted_fields(new, live)
+        if not drift:
+            return ApplyResult(kind, name, "unchanged", live)
+        logger.warning(
+            "Child drifted from its rendering; reverting",
+            extra={"kind": kind, "child": name, "fields": drift[:10]},
+        )
     last = _last_applied(live)
     patch = removal_patch(last, new) if last is not None else new
     patched = await client.patch(object_path(manifest), patch)
-    return ApplyResult(kind, name, "updated", patched)
+    return ApplyResult(kind, name, "corrected" if drift else "updated", patched, tuple(drift))
 
 
 def _valid_curve_secret(live: dict[str, Any]) -> bool:

@@ -178,6 +178,7 @@ def render_daemon_set(
         "env": [
             field_env("NODE_NAME", "spec.nodeName"),
             field_env("POD_NAME", "metadata.name"),
+            field_env("POD_UID", "metadata.uid"),  # the agent's Lease is owned by its pod
             field_env("POD_IP", "status.podIP"),
             field_env("POD_NAMESPACE", "metadata.namespace"),
         ],

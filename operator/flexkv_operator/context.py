@@ -11,9 +11,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from flexkv_operator.events import EventRecorder
 from flexkv_operator.groups import GroupCache
 from flexkv_operator.kube import ApiError, KubeClient, api_path
 from flexkv_operator.membership import LeaseTracker
+from flexkv_operator.metrics import OperatorMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +23,8 @@ ENV_AGENT_IMAGE = "FLEXKV_AGENT_IMAGE"
 ENV_AGENT_SERVICE_ACCOUNT = "FLEXKV_AGENT_SERVICE_ACCOUNT"
 ENV_OPERATOR_ID = "FLEXKV_OPERATOR_ID"
 ENV_REMOVED_NODE_LEASES = "FLEXKV_REMOVED_NODE_LEASE_DURATIONS"
+ENV_LEADER_ELECTION = "FLEXKV_LEADER_ELECTION"
+ENV_LEADER_ELECTION_NAMESPACE = "FLEXKV_LEADER_ELECTION_NAMESPACE"
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,16 @@ class OperatorSettings:
     # An agent whose node left the cluster is dropped (and its Lease deleted) once
     # its Lease has been silent for more than this many lease durations.
     removed_node_lease_durations: float = 10.0
+    # GET /metrics and /readyz of the operator itself (0: not served).
+    metrics_port: int = 0
+    # Active/passive replicas (leadership.py): off by default here (tests, a single
+    # process); from_env turns it on unless FLEXKV_LEADER_ELECTION=false.
+    leader_election: bool = False
+    election_namespace: str = ""  # empty: the first served namespace, else "default"
+    election_lease: str = "flexkv-operator"
+    election_lease_duration: float = 15.0
+    election_renew_deadline: float = 10.0
+    election_retry_period: float = 2.0
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> OperatorSettings:
@@ -44,6 +58,10 @@ class OperatorSettings:
             default_image=env.get(ENV_AGENT_IMAGE, ""),
             service_account=env.get(ENV_AGENT_SERVICE_ACCOUNT) or "flexkv-agent",
             removed_node_lease_durations=_positive(env, ENV_REMOVED_NODE_LEASES, 10.0),
+            leader_election=env.get(ENV_LEADER_ELECTION, "true").lower()
+            not in ("false", "0", "no", "off"),
+            election_namespace=env.get(ENV_LEADER_ELECTION_NAMESPACE)
+            or env.get("POD_NAMESPACE", ""),
         )
 
 
@@ -95,6 +113,31 @@ class OperatorContext:
     wall_clock: Callable[[], datetime.datetime] = field(
         default=lambda: datetime.datetime.now(datetime.UTC)
     )
+    events: EventRecorder | None = None
+    metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
+    # One lock per pool around its group election and publication: the controller's
+    # failover timer and a full reconcile never publish one pool's groups at once.
+    group_locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
+    # Pools whose Leases were listed once: before that the Lease watch may not have
+    # delivered them all, and a group must not lose members for that.
+    leases_listed: set[tuple[str, str]] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if self.events is None:
+            self.events = EventRecorder(self.client, self.settings.identity)
+        if self.client.on_error is None:
+            self.client.on_error = self.metrics.api_error
+
+    @property
+    def recorder(self) -> EventRecorder:
+        assert self.events is not None  # set in __post_init__
+        return self.events
+
+    def group_lock(self, key: tuple[str, str]) -> asyncio.Lock:
+        lock = self.group_locks.get(key)
+        if lock is None:
+            lock = self.group_locks[key] = asyncio.Lock()
+        return lock
 
     @classmethod
     def create(cls, client: KubeClient, settings: OperatorSettings) -> OperatorContext:

@@ -1,34 +1,48 @@
-"""Kubernetes Events about pools and groups (core/v1), posted best-effort."""
+"""Kubernetes Events about pools and groups (core/v1), posted best-effort.
+
+:class:`EventRecorder` aggregates like client-go's recorder: an Event with the
+same involved object, type, reason and message as one already posted is not
+posted again; the existing Event's ``count`` goes up by one and its
+``lastTimestamp`` moves. A retried failure therefore shows as one Event with a
+count, not one Event per retry.
+"""
 
 from __future__ import annotations
 
 import datetime
 import logging
 import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
-from flexkv_operator.kube import ApiError, KubeClient, api_path
+from flexkv_operator.kube import ApiError, KubeClient, NotFound, api_path
 
 logger = logging.getLogger(__name__)
 
 NORMAL = "Normal"
 WARNING = "Warning"
+MAX_REMEMBERED = 4096
 
 
-async def post_event(
-    client: KubeClient,
+def _stamp(moment: datetime.datetime) -> str:
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def event_body(
     involved: dict[str, Any],
     event_type: str,
     reason: str,
     message: str,
     reporter: str,
-) -> None:
-    """Post one Event about ``involved`` (a full object body); failures are logged only,
-    because an Event is never worth failing a reconcile for."""
+    now: datetime.datetime,
+) -> dict[str, Any]:
+    """A new core/v1 Event about ``involved`` with ``count`` 1."""
     meta = involved.get("metadata") or {}
     namespace = meta.get("namespace") or "default"
-    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    body = {
+    stamp = _stamp(now)
+    return {
         "apiVersion": "v1",
         "kind": "Event",
         "metadata": {
@@ -49,14 +63,79 @@ async def post_event(
         "source": {"component": "flexkv-operator"},
         "reportingComponent": "flexkv.io/operator",
         "reportingInstance": reporter,
-        "firstTimestamp": now,
-        "lastTimestamp": now,
+        "firstTimestamp": stamp,
+        "lastTimestamp": stamp,
         "count": 1,
     }
-    try:
-        await client.create(api_path("v1", "events", namespace), body)
-    except ApiError as exc:
-        logger.warning(
-            "Could not post event",
-            extra={"reason": reason, "object": meta.get("name"), "error": str(exc)},
+
+
+@dataclass
+class _Posted:
+    namespace: str
+    name: str
+    count: int
+
+
+@dataclass
+class EventRecorder:
+    """Posts Events, aggregating repeats of the same one (module docstring)."""
+
+    client: KubeClient
+    reporter: str
+    wall_clock: Callable[[], datetime.datetime] = field(
+        default=lambda: datetime.datetime.now(datetime.UTC)
+    )
+    _posted: OrderedDict[tuple[str, ...], _Posted] = field(default_factory=OrderedDict)
+
+    async def post(
+        self, involved: dict[str, Any], event_type: str, reason: str, message: str
+    ) -> None:
+        """Post (or count again) one Event; failures are logged only, because an Event
+        is never worth failing a reconcile for."""
+        meta = involved.get("metadata") or {}
+        namespace = str(meta.get("namespace") or "default")
+        key = (
+            namespace,
+            str(involved.get("kind")),
+            str(meta.get("name")),
+            str(meta.get("uid")),
+            event_type,
+            reason,
+            message[:1024],
         )
+        now = self.wall_clock()
+        try:
+            previous = self._posted.get(key)
+            if previous is not None:
+                try:
+                    await self.client.patch(
+                        api_path("v1", "events", previous.namespace, previous.name),
+                        {"count": previous.count + 1, "lastTimestamp": _stamp(now)},
+                    )
+                    previous.count += 1
+                    self._posted.move_to_end(key)
+                    return
+                except NotFound:
+                    del self._posted[key]  # expired (Events have a TTL): post a new one
+            body = event_body(involved, event_type, reason, message, self.reporter, now)
+            await self.client.create(api_path("v1", "events", namespace), body)
+            self._posted[key] = _Posted(namespace, body["metadata"]["name"], 1)
+            while len(self._posted) > MAX_REMEMBERED:
+                self._posted.popitem(last=False)
+        except ApiError as exc:
+            logger.warning(
+                "Could not post event",
+                extra={"reason": reason, "object": meta.get("name"), "error": str(exc)},
+            )
+
+
+async def post_event(
+    client: KubeClient,
+    involved: dict[str, Any],
+    event_type: str,
+    reason: str,
+    message: str,
+    reporter: str,
+) -> None:
+    """Post one Event without aggregation (see :class:`EventRecorder` for that)."""
+    await EventRecorder(client, reporter).post(involved, event_type, reason, message)

@@ -59,6 +59,7 @@ class GroupOutcome:
     attempts: int = 0
     conflicts: int = field(default=0)
     error: str | None = None
+    phase: str = ""  # the group's published phase: Pending, Ready or Degraded
 
 
 @dataclass
@@ -248,6 +249,10 @@ async def publish_group(
     spec = {"poolRef": pool, "replica": plan.replica, "ppSize": plan.pp_size}
     conflicts = 0
     key = f"{namespace}/{name}"
+    # A leader change written but answered with an error (a lost reply; the retried
+    # conditional write then gets 409): the re-read shows it published, and the
+    # outcome must still say so, so that its Event is posted.
+    attempted: GroupOutcome | None = None
     for attempt in range(1, MAX_ATTEMPTS + 1):
         live = cache.get(key) if cache is not None else None
         fetched = live is None
@@ -296,6 +301,21 @@ async def publish_group(
             leader_node=leader.get("node"),
             leader_rank=leader.get("ppRank"),
         )
+        if (
+            attempted is not None
+            and attempted.decision is not None
+            and published.epoch == attempted.epoch
+            and published.leader_node == (attempted.leader.node if attempted.leader else None)
+            and live_status.get("electedBy") == identity
+        ):
+            logger.info(
+                "Group write landed although its reply was lost",
+                extra={"group": name, "namespace": namespace, "epoch": attempted.epoch},
+            )
+            attempted.written = True
+            attempted.attempts = attempt
+            attempted.conflicts = conflicts
+            return attempted
         decision = decide(published, [m.candidate for m in plan.members])
         generation = int((live.get("metadata") or {}).get("generation") or 1)
         status = render_status(plan, decision, live_status, generation, now, identity)
@@ -310,6 +330,7 @@ async def publish_group(
             previous_leader=published.leader_node,
             attempts=attempt,
             conflicts=conflicts,
+            phase=str(status["phase"]),
         )
         if not decision.changed and not needs_write(live_status, status, heartbeat_slack):
             return outcome
@@ -321,6 +342,7 @@ async def publish_group(
             written = await client.patch(f"{path}/status", patch)
         except Conflict:
             conflicts += 1
+            attempted = outcome if decision.changed else None
             if cache is not None:
                 cache.drop(key)
             logger.info(

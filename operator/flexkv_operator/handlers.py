@@ -19,7 +19,9 @@ import kopf
 from flexkv_operator import crds, names
 from flexkv_operator.context import OperatorContext, OperatorSettings
 from flexkv_operator.controller import Controller
-from flexkv_operator.kube import Connection, KubeClient
+from flexkv_operator.kube import USER_AGENT, Connection, KubeClient
+from flexkv_operator.leadership import LeaderElection
+from flexkv_operator.metrics import Readiness, serve
 
 logger = logging.getLogger(__name__)
 
@@ -38,22 +40,66 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     settings.networking.request_timeout = 30
     connection: Connection = memo["connection"]
     operator_settings: OperatorSettings = memo["settings"]
-    client = KubeClient(connection)
+    # The identity in the User-Agent tells replicas apart in audit logs.
+    client = KubeClient(connection, user_agent=f"{USER_AGENT}/{operator_settings.identity}")
     await client.open()
     ctx = OperatorContext.create(client, operator_settings)
     controller = Controller(ctx)
     memo["client"] = client
     memo["controller"] = controller
+    if operator_settings.leader_election:
+        namespaces = list(memo.get("namespaces") or [])
+        election = LeaderElection(
+            client=client,
+            namespace=operator_settings.election_namespace or (namespaces or ["default"])[0],
+            name=operator_settings.election_lease,
+            identity=operator_settings.identity,
+            clock=ctx.clock,
+            lease_duration=operator_settings.election_lease_duration,
+            renew_deadline=operator_settings.election_renew_deadline,
+            retry_period=operator_settings.election_retry_period,
+            on_change=controller.leadership_changed,
+        )
+        controller.active = lambda: election.active
+        memo["election"] = election
+        memo["election_task"] = asyncio.create_task(election.run(), name="flexkv-election")
     memo["controller_task"] = asyncio.create_task(controller.run(), name="flexkv-controller")
-    logger.info("Operator started", extra={"identity": operator_settings.identity})
+    ctx.metrics.active.set_function(lambda: 1.0 if controller.active() else 0.0)
+
+    def running() -> bool:
+        task: asyncio.Task[None] | None = memo.get("controller_task")
+        return task is not None and not task.done()
+
+    readiness = Readiness(
+        clock=ctx.clock, controller_running=running, tracked_leases=lambda: len(ctx.tracker)
+    )
+    memo["readiness"] = readiness
+    if operator_settings.metrics_port:
+        memo["metrics_runner"] = await serve(
+            ctx.metrics, readiness, "0.0.0.0", operator_settings.metrics_port
+        )
+    logger.info(
+        "Operator started",
+        extra={
+            "identity": operator_settings.identity,
+            "leader_election": operator_settings.leader_election,
+        },
+    )
 
 
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
-    task: asyncio.Task[None] | None = memo.get("controller_task")
-    if task is not None:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(task, timeout=10)
+    for name in ("election_task", "controller_task"):
+        task: asyncio.Task[None] | None = memo.get(name)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait_for(task, timeout=10)
+    election: LeaderElection | None = memo.get("election")
+    if election is not None:
+        await asyncio.wait_for(election.release(), timeout=10)
+    runner = memo.get("metrics_runner")
+    if runner is not None:
+        await runner.cleanup()
     client: KubeClient | None = memo.get("client")
     if client is not None:
         await client.close()
@@ -64,6 +110,9 @@ def pool_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
 
 
 def lease_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
+    readiness: Readiness | None = memo.get("readiness")
+    if readiness is not None:
+        readiness.lease_event()
     memo["controller"].observe_lease(event.get("type"), dict(event["object"]))
 
 

@@ -90,8 +90,14 @@ class KubeClient:
         retries: int = 5,
         backoff: float = 0.1,
         max_backoff: float = 2.0,
+        user_agent: str = USER_AGENT,
+        on_error: Callable[[str, int], None] | None = None,
     ) -> None:
         self._conn = connection
+        self._user_agent = user_agent
+        # Told (method, status) of every request that ends in an error other than 404
+        # and 409 (which callers expect); status 0 means no answer.
+        self.on_error = on_error
         self._timeout = aiohttp.ClientTimeout(total=request_timeout)
         self._retries = retries
         self._backoff = backoff
@@ -139,7 +145,7 @@ class KubeClient:
         """Send one request, retrying transient failures; return the JSON answer."""
         if self._session is None:
             raise RuntimeError("KubeClient is not open; use 'async with KubeClient(...)'")
-        headers = {"Accept": "application/json", "User-Agent": USER_AGENT}
+        headers = {"Accept": "application/json", "User-Agent": self._user_agent}
         token = self._conn.token_provider()
         if token:
             headers["Authorization"] = f"Bearer {token}"
@@ -173,6 +179,8 @@ class KubeClient:
                 raise NotFound(status, method, path, message)
             if status == 409:
                 raise Conflict(status, method, path, message)
+            if self.on_error is not None:
+                self.on_error(method, status)
             raise ApiError(status, method, path, message)
         raise AssertionError("unreachable")  # pragma: no cover
 

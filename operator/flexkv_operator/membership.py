@@ -233,10 +233,18 @@ class LeaseTracker:
         return seen.record if seen else None
 
     def forget_pool(self, namespace: str, pool: str) -> None:
+        """Drop a deleted pool's Leases and every pool flip naming it, so no other pool
+        reports an overlap with a pool that no longer exists."""
         for key in [
             k for k, s in self._seen.items() if k[0] == namespace and s.record.pool == pool
         ]:
             del self._seen[key]
+        for key in [
+            k
+            for k, f in self._flips.items()
+            if k[0] == namespace and pool in (f.old_pool, f.new_pool)
+        ]:
+            del self._flips[key]
 
     def agents(self, namespace: str, pool: str, default_duration: int) -> list[AgentView]:
         """Every known agent of a pool with its freshness now, sorted by node."""

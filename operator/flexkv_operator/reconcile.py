@@ -14,16 +14,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from flexkv_operator import crds, names
-from flexkv_operator.apply import apply_child, ensure_curve_secret
+from flexkv_operator.apply import ApplyResult, apply_child, ensure_curve_secret
 from flexkv_operator.children import PoolIdentity, config_hash, render_all
 from flexkv_operator.conditions import condition_status
 from flexkv_operator.context import OperatorContext
-from flexkv_operator.events import NORMAL, WARNING, post_event
+from flexkv_operator.events import NORMAL, WARNING
 from flexkv_operator.groups import GroupCache, GroupOutcome, plan_groups, publish_group
-from flexkv_operator.kube import Conflict, KubeClient, NotFound, api_path
+from flexkv_operator.kube import ApiError, Conflict, KubeClient, NotFound, api_path
 from flexkv_operator.membership import AgentView, removed_agents
 from flexkv_operator.sizing import matching_nodes, sizing_condition
-from flexkv_operator.spec import ConfigInvalid, PoolConfig, parse_pool_spec
+from flexkv_operator.spec import ConfigInvalid, Timings, election_timings, parse_pool_spec
 from flexkv_operator.status import invalid_status, pool_status
 
 logger = logging.getLogger(__name__)
@@ -37,6 +37,20 @@ class ReconcileResult:
     next_in: float
     children_changed: int
     groups_written: int
+    # What the API server refused (one line per child, with its message): the pool is
+    # Degraded/ReconcileError and the controller retries with backoff.
+    errors: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class GroupSync:
+    """One pass of a pool's group election and publication."""
+
+    agents: list[AgentView]
+    outcomes: list[GroupOutcome]
+    next_in: float  # until the earliest fresh agent's Lease expires (capped at the resync)
+    # Agents' freshness and groups' leaders: when it changes the pool status is stale.
+    signature: tuple[object, ...] = ()
 
 
 def _pool_path(namespace: str, name: str, sub: str | None = None) -> str:
@@ -68,7 +82,7 @@ async def _reject(
             "Pool spec is invalid; children left unchanged",
             extra={"pool": body["metadata"]["name"], "problems": message},
         )
-        await post_event(ctx.client, body, WARNING, "ConfigError", message, ctx.settings.identity)
+        await ctx.recorder.post(body, WARNING, "ConfigError", message)
     await _write_status(
         ctx.client, body, invalid_status(previous, generation, message, ctx.wall_clock())
     )
@@ -76,25 +90,26 @@ async def _reject(
 
 
 def _rollout(ds: dict[str, Any], changed: bool) -> tuple[bool, int | None]:
-    """(rollout done, desiredNumberScheduled) from a live DaemonSet's status."""
+    """(rollout done, desiredNumberScheduled) from a live DaemonSet's status. A
+    DaemonSet whose controller has not reported on its current generation yet is
+    still rolling out."""
     status = ds.get("status") or {}
     desired = status.get("desiredNumberScheduled")
-    if desired is None:
-        return (not changed, None)
     generation = (ds.get("metadata") or {}).get("generation")
     observed = status.get("observedGeneration")
-    current = observed is None or generation is None or observed >= generation
+    current = observed is not None and (generation is None or observed >= generation)
     done = (
         current
         and not changed
+        and desired is not None
         and status.get("updatedNumberScheduled", desired) >= desired
         and status.get("numberUnavailable", 0) == 0
     )
-    return (done, int(desired))
+    return (bool(done), None if desired is None else int(desired))
 
 
 async def _publish_groups(
-    ctx: OperatorContext, body: dict[str, Any], config: PoolConfig, agents: list[Any]
+    ctx: OperatorContext, body: dict[str, Any], timings: Timings, agents: list[Any]
 ) -> list[GroupOutcome]:
     plans = plan_groups(agents)
     semaphore = asyncio.Semaphore(GROUP_CONCURRENCY)
@@ -108,7 +123,7 @@ async def _publish_groups(
                 pool_body=body,
                 plan=plan,
                 identity=ctx.settings.identity,
-                heartbeat_slack=float(config.timings.renew_deadline),
+                heartbeat_slack=float(timings.renew_deadline),
                 now=now,
                 cache=ctx.groups,
                 epoch_floor=floors.get(names.group_name(body["metadata"]["name"], plan.replica), 0),
@@ -125,6 +140,13 @@ async def _publish_groups(
             "metadata": {"name": outcome.name, "namespace": body["metadata"]["namespace"]},
         }
         leader = decision.leader.node if decision.leader else "none"
+        if decision.failover and decision.leader is not None:
+            lost = next(
+                (v for v in agents if v.record.node == outcome.previous_leader and not v.fresh),
+                None,
+            )
+            if lost is not None:
+                ctx.metrics.failover_seconds.observe(max(0.0, ctx.clock() - lost.expires_at))
         if decision.failover:
             reason, kind = "Failover", WARNING
             message = (
@@ -143,11 +165,9 @@ async def _publish_groups(
                 "reason": reason,
             },
         )
-        await post_event(ctx.client, group_ref, kind, reason, message, ctx.settings.identity)
+        await ctx.recorder.post(group_ref, kind, reason, message)
         if decision.failover:
-            await post_event(
-                ctx.client, body, kind, reason, f"{outcome.name}: {message}", ctx.settings.identity
-            )
+            await ctx.recorder.post(body, kind, reason, f"{outcome.name}: {message}")
     # Look for groups to delete when the set of groups changed, and at every resync.
     key = (body["metadata"]["namespace"], body["metadata"]["name"])
     current = frozenset(o.name for o in outcomes)
@@ -190,7 +210,10 @@ async def _delete_stale_groups(
 
 
 async def _drop_removed_nodes(
-    ctx: OperatorContext, nodes: list[dict[str, Any]] | None, agents: list[AgentView]
+    ctx: OperatorContext,
+    body: dict[str, Any],
+    nodes: list[dict[str, Any]] | None,
+    agents: list[AgentView],
 ) -> list[AgentView]:
     """``agents`` without those of nodes that left the cluster; their Leases are deleted
     (conditional on the resourceVersion seen, so a renewal in between keeps it)."""
@@ -218,11 +241,115 @@ async def _drop_removed_nodes(
             },
         )
         ctx.tracker.forget(record.namespace, record.lease)
+        await ctx.recorder.post(
+            body,
+            NORMAL,
+            "AgentRemoved",
+            f"Node {record.node} left the cluster; its agent (Lease {record.lease}, silent "
+            f"{round(view.silent_for)} s) was dropped from the pool and its groups",
+        )
     return [v for v in agents if v not in gone]
+
+
+# (condition type, status, reason or None for any) that deserve a Warning Event when a
+# pool enters them, with the Event's reason.
+_WARN_ON = (
+    ("Degraded", "True", "PoolsOverlap", "PoolsOverlap"),
+    ("SizingValid", "False", None, "SizingInvalid"),
+)
+
+
+async def _condition_events(
+    ctx: OperatorContext, body: dict[str, Any], previous: dict[str, Any], status: dict[str, Any]
+) -> None:
+    """A Warning Event when the pool enters an overlap or an invalid sizing (or its
+    message changes): once per change, not once per reconcile."""
+    before = {c.get("type"): c for c in previous.get("conditions") or []}
+    for condition in status.get("conditions") or []:
+        for type_, value, reason, event_reason in _WARN_ON:
+            if condition["type"] != type_ or condition["status"] != value:
+                continue
+            if reason is not None and condition["reason"] != reason:
+                continue
+            old = before.get(type_) or {}
+            if (old.get("status"), old.get("reason"), old.get("message")) == (
+                condition["status"],
+                condition["reason"],
+                condition["message"],
+            ):
+                continue
+            await ctx.recorder.post(body, WARNING, event_reason, str(condition["message"]))
 
 
 class PoolGone(Exception):
     """The pool no longer exists (or is being deleted): forget it, create nothing."""
+
+
+async def refresh_leases(ctx: OperatorContext, namespace: str, pool: str) -> None:
+    """Re-read the pool's agent Leases into the tracker. Used after the API server
+    failed a group pass: the watch may have missed renewals meanwhile, and an agent
+    must not be judged lost for an outage of the API server."""
+    path = api_path("coordination.k8s.io/v1", "leases", namespace)
+    labels = {names.LABEL_NAME: names.AGENT_APP, names.LABEL_POOL: pool}
+    for lease in await ctx.client.list(path, labels):
+        ctx.tracker.observe(lease)
+
+
+async def sync_groups(
+    ctx: OperatorContext,
+    body: dict[str, Any],
+    timings: Timings | None = None,
+    *,
+    relist: bool = False,
+    agents: list[AgentView] | None = None,
+) -> GroupSync:
+    """Elect and publish every group of the pool ``body`` from the tracked Leases.
+
+    Needs nothing from the pool but its name, its status' epoch floors and its
+    election timings (``timings``, else read leniently from the spec), so an invalid
+    spec or a child the API server refuses never stops a failover. Runs under the
+    pool's group lock; ``relist`` (and the first pass of a pool) re-reads the pool's
+    Leases first."""
+    meta = body["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    timings = timings or election_timings(body.get("spec"))
+    async with ctx.group_lock((namespace, name)):
+        if relist or (namespace, name) not in ctx.leases_listed:
+            await refresh_leases(ctx, namespace, name)
+            ctx.leases_listed.add((namespace, name))
+        if agents is None:
+            agents = ctx.tracker.agents(namespace, name, timings.lease_duration)
+        outcomes = await _publish_groups(ctx, body, timings, agents)
+    now = ctx.clock()
+    upcoming = [v.expires_at - now for v in agents if v.fresh]
+    signature = (
+        tuple((v.record.node, v.fresh) for v in agents),
+        tuple((o.name, o.leader.node if o.leader else None, o.epoch) for o in outcomes),
+    )
+    next_in = max(min([ctx.settings.resync_seconds, *upcoming]), 0.05)
+    return GroupSync(agents, outcomes, next_in, signature)
+
+
+async def _apply_children(
+    ctx: OperatorContext, pool: PoolIdentity, manifests: list[dict[str, Any]]
+) -> tuple[list[ApplyResult], list[str]]:
+    """Apply every child; one refused by the API server is reported (kind, name and the
+    server's message) and the others are still applied."""
+    results: list[ApplyResult] = []
+    errors: list[str] = []
+    try:
+        await ensure_curve_secret(ctx.client, pool)
+    except ApiError as exc:
+        errors.append(f"Secret {pool.name}-curve: {exc.status} {exc.message or exc}")
+    for manifest in manifests:
+        try:
+            results.append(await apply_child(ctx.client, manifest))
+        except ApiError as exc:
+            errors.append(
+                f"{manifest['kind']} {manifest['metadata']['name']}: "
+                f"{exc.status} {exc.message or exc}"
+            )
+    return results, errors
 
 
 async def reconcile_pool(ctx: OperatorContext, seen: dict[str, Any]) -> ReconcileResult:
@@ -230,7 +357,8 @@ async def reconcile_pool(ctx: OperatorContext, seen: dict[str, Any]) -> Reconcil
 
     ``seen`` is the pool as the watch last delivered it; the reconcile re-reads it
     first, so it acts on the current spec and status and never recreates children
-    of a pool deleted meanwhile (raises :class:`PoolGone`)."""
+    of a pool deleted meanwhile (raises :class:`PoolGone`). Groups are published
+    whatever the spec and the children's outcome."""
     meta = seen["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     body = await ctx.client.get_or_none(_pool_path(namespace, name))
@@ -241,14 +369,13 @@ async def reconcile_pool(ctx: OperatorContext, seen: dict[str, Any]) -> Reconcil
     try:
         config = parse_pool_spec(body.get("spec"), ctx.settings.default_image)
     except ConfigInvalid as error:
+        await sync_groups(ctx, body, election_timings(body.get("spec")))
         return await _reject(ctx, body, error)
 
     pool = PoolIdentity(name, namespace, names.owner_reference(body))
-    await ensure_curve_secret(ctx.client, pool)
-    results = [
-        await apply_child(ctx.client, m)
-        for m in render_all(pool, config, ctx.settings.service_account)
-    ]
+    results, errors = await _apply_children(
+        ctx, pool, render_all(pool, config, ctx.settings.service_account)
+    )
     changed = [r for r in results if r.action != "unchanged"]
     for result in changed:
         logger.info(
@@ -260,12 +387,29 @@ async def reconcile_pool(ctx: OperatorContext, seen: dict[str, Any]) -> Reconcil
                 "action": result.action,
             },
         )
-    ds = next(r for r in results if r.kind == "DaemonSet")
-    rollout_done, scheduled = _rollout(ds.live, ds.action != "unchanged")
+    for result in changed:
+        if result.action == "corrected":
+            await ctx.recorder.post(
+                body,
+                WARNING,
+                "DriftCorrected",
+                f"{result.kind} {result.name} was changed outside the pool's spec "
+                f"({', '.join(result.drift[:5])}); reverted to the rendering. Change the "
+                "KVCachePool instead",
+            )
+    ds = next((r for r in results if r.kind == "DaemonSet"), None)
+    if ds is None:
+        rollout_done, scheduled = False, None
+    else:
+        rollout_done, scheduled = _rollout(ds.live, ds.action != "unchanged")
 
     nodes = await ctx.nodes.get(ctx.client)
+    if (namespace, name) not in ctx.leases_listed:
+        async with ctx.group_lock((namespace, name)):
+            await refresh_leases(ctx, namespace, name)
+            ctx.leases_listed.add((namespace, name))
     agents = await _drop_removed_nodes(
-        ctx, nodes, ctx.tracker.agents(namespace, name, config.timings.lease_duration)
+        ctx, body, nodes, ctx.tracker.agents(namespace, name, config.timings.lease_duration)
     )
     if scheduled is not None:
         desired = scheduled
@@ -274,16 +418,20 @@ async def reconcile_pool(ctx: OperatorContext, seen: dict[str, Any]) -> Reconcil
     else:
         desired = len(agents)
 
-    groups = await _publish_groups(ctx, body, config, agents)
+    groups = (await sync_groups(ctx, body, config.timings, agents=agents)).outcomes
+    if errors:
+        logger.warning(
+            "The API server refused children of the pool",
+            extra={"pool": name, "namespace": namespace, "errors": errors},
+        )
+        await ctx.recorder.post(body, WARNING, "ReconcileError", "; ".join(errors))
     previous = body.get("status") or {}
     if previous.get("cacheEpoch") is not None and previous.get("cacheEpoch") != config.cache_epoch:
-        await post_event(
-            ctx.client,
+        await ctx.recorder.post(
             body,
             NORMAL,
             "CacheFlush",
             f"cacheEpoch {previous.get('cacheEpoch')} -> {config.cache_epoch} published to agents",
-            ctx.settings.identity,
         )
     status = pool_status(
         previous=previous,
@@ -291,22 +439,28 @@ async def reconcile_pool(ctx: OperatorContext, seen: dict[str, Any]) -> Reconcil
         desired_agents=desired,
         agents=agents,
         groups=groups,
-        children_current=True,
+        children_current=not errors,
         rollout_done=rollout_done,
         cache_epoch=config.cache_epoch,
         config_hash=config_hash(pool, config),
         sizing=sizing_condition(nodes, config),
         now=ctx.wall_clock(),
         overlaps=ctx.tracker.overlaps(namespace, name),
+        reconcile_errors=errors,
     )
     if status != previous:
         await _write_status(ctx.client, body, status)
+        await _condition_events(ctx, body, previous, status)
 
-    now = ctx.clock()
-    upcoming = [v.expires_at - now for v in agents if v.fresh]
-    next_in = min([ctx.settings.resync_seconds, *upcoming])
+    # Lease expiries are the controller's failover timer's job (sync_groups); a full
+    # reconcile is due at the resync, or every retry period during a rollout.
+    next_in = ctx.settings.resync_seconds
     if not rollout_done:
         next_in = min(next_in, float(config.timings.retry_period))
     return ReconcileResult(
-        status["phase"], max(next_in, 0.05), len(changed), sum(o.written for o in groups)
+        status["phase"],
+        max(next_in, 0.05),
+        len(changed),
+        sum(o.written for o in groups),
+        tuple(errors),
     )

@@ -188,6 +188,16 @@ def parse_pool_spec(spec: dict[str, Any] | None, default_image: str) -> PoolConf
     if not isinstance(ranks, int) or not 0 <= ranks <= 64:
         problems.append(ConfigProblem("expectedRanks", f"{ranks!r} must be an integer in 0..64"))
 
+    unavailable = (raw.get("agent") or {}).get("maxUnavailable", 1)
+    if not _valid_max_unavailable(unavailable):
+        problems.append(
+            ConfigProblem(
+                "agent.maxUnavailable",
+                f"{unavailable!r} must be an integer of at least 1 or a percentage from 1% to "
+                "100%, e.g. 1 or 10%",
+            )
+        )
+
     image = (raw.get("agent") or {}).get("image") or default_image
     if not image:
         problems.append(
@@ -232,3 +242,39 @@ def parse_pool_spec(spec: dict[str, Any] | None, default_image: str) -> PoolConf
         agent_group=ids["runAsGroup"],
         placement=dict(raw.get("placement") or {}),
     )
+
+
+def _valid_max_unavailable(value: object) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return value >= 1
+    if isinstance(value, str) and value.endswith("%") and value[:-1].isdigit():
+        return 1 <= int(value[:-1]) <= 100
+    return False
+
+
+DEFAULT_TIMINGS = Timings(15, 10, 2)
+
+
+def election_timings(spec: dict[str, Any] | None) -> Timings:
+    """The leader-election timings of a spec, whatever else is wrong with it.
+
+    Failover must not stop while a pool's spec is invalid, so the group election
+    reads only ``spec.leaderElection``; a missing or inconsistent set of values
+    falls back to the CRD defaults (15 > 10 > 2) as a whole. Agents' own
+    ``leaseDurationSeconds`` still take precedence when judging their Leases."""
+    election = (spec or {}).get("leaderElection")
+    if not isinstance(election, dict):
+        return DEFAULT_TIMINGS
+    values = (
+        election.get("leaseDurationSeconds", DEFAULT_TIMINGS.lease_duration),
+        election.get("renewDeadlineSeconds", DEFAULT_TIMINGS.renew_deadline),
+        election.get("retryPeriodSeconds", DEFAULT_TIMINGS.retry_period),
+    )
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values):
+        return DEFAULT_TIMINGS
+    lease, renew, retry = (int(v) for v in values)
+    if not lease > renew > retry:
+        return DEFAULT_TIMINGS
+    return Timings(lease, renew, retry)

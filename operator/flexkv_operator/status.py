@@ -55,45 +55,72 @@ def pool_status(
     sizing: Condition,
     now: datetime.datetime,
     overlaps: list[str] | None = None,
+    reconcile_errors: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Status of a valid pool. Ready: children current, rollout done, every desired agent
-    fresh, ready and on the current cacheEpoch; Degraded: another pool claims one of this
-    pool's nodes (``overlaps``, reason PoolsOverlap), a group's name belongs to another
-    replica (GroupNameConflict), a known agent lost its heartbeat (HeartbeatLost) or a
-    group has no leader (GroupWithoutLeader), in that order of precedence."""
+    """Status of a valid pool; the phase is derived from the conditions.
+
+    * Degraded: the API server refused a child (ReconcileError), another pool claims
+      one of this pool's nodes (PoolsOverlap), a group's name belongs to another
+      replica (GroupNameConflict), a known agent lost its heartbeat (HeartbeatLost),
+      a group has no leader (GroupWithoutLeader) or misses PP stages (GroupDegraded),
+      in that order of precedence;
+    * Progressing: children changed or the agents' rollout is not finished, nothing
+      else (a lost agent on a rolled-out pool is Degraded, not Progressing);
+    * Ready: children current, rollout done, every desired agent fresh, ready and on
+      the current cacheEpoch, and not Degraded.
+
+    Phase: Degraded if Degraded, else Pending while no agent is scheduled or known,
+    else Ready if Ready, else Progressing if Progressing, else Pending (waiting for
+    agents)."""
+    reconcile_errors = reconcile_errors or []
     ready = [v for v in agents if v.fresh and v.record.ready]
     epoch_lag = [v for v in ready if v.record.cache_epoch not in (None, cache_epoch)]
     lost = [v for v in agents if not v.fresh]
     conflicted = [g for g in groups if g.error is not None]
     published = [g for g in groups if g.error is None]
     leaderless = [g for g in published if g.leader is None]
+    incomplete = [g for g in published if g.leader is not None and g.phase == "Degraded"]
     ready_count = len(ready) - len(epoch_lag)
     all_ready = desired_agents > 0 and ready_count >= desired_agents
-    progressing = not children_current or not rollout_done or not all_ready
-    degraded = bool(overlaps or conflicted or lost or leaderless)
-    if overlaps:
-        degraded_condition = Condition("Degraded", True, "PoolsOverlap", "; ".join(overlaps[:5]))
+    progressing = not children_current or not rollout_done
+    if reconcile_errors:
+        degraded = Condition("Degraded", True, "ReconcileError", "; ".join(reconcile_errors[:5]))
+    elif overlaps:
+        degraded = Condition("Degraded", True, "PoolsOverlap", "; ".join(overlaps[:5]))
     elif conflicted:
-        degraded_condition = Condition(
-            "Degraded",
-            True,
-            "GroupNameConflict",
-            "; ".join(str(g.error) for g in conflicted[:5]),
+        degraded = Condition(
+            "Degraded", True, "GroupNameConflict", "; ".join(str(g.error) for g in conflicted[:5])
         )
-    elif degraded:
-        degraded_condition = Condition(
+    elif lost:
+        degraded = Condition(
             "Degraded",
             True,
-            "HeartbeatLost" if lost else "GroupWithoutLeader",
-            (
-                f"Agents without fresh heartbeat: {', '.join(v.record.node for v in lost[:10])}"
-                if lost
-                else f"Groups without leader: {', '.join(g.name for g in leaderless[:10])}"
-            ),
+            "HeartbeatLost",
+            f"Agents without fresh heartbeat: {', '.join(v.record.node for v in lost[:10])}",
+        )
+    elif leaderless:
+        degraded = Condition(
+            "Degraded",
+            True,
+            "GroupWithoutLeader",
+            f"Groups without leader: {', '.join(g.name for g in leaderless[:10])}",
+        )
+    elif incomplete:
+        degraded = Condition(
+            "Degraded",
+            True,
+            "GroupDegraded",
+            "Groups missing a fresh, ready member for some PP rank: "
+            + ", ".join(g.name for g in incomplete[:10]),
         )
     else:
-        degraded_condition = Condition("Degraded", False, "AllHeartbeatsFresh", "")
-    if all_ready and not progressing:
+        degraded = Condition("Degraded", False, "AllHeartbeatsFresh", "")
+    is_degraded = bool(degraded.status)
+    if reconcile_errors:
+        ready_condition = Condition(
+            "Ready", False, "ReconcileError", "The API server refused children of the pool"
+        )
+    elif all_ready and not progressing and not is_degraded:
         ready_condition = Condition("Ready", True, "AgentsReady", f"{ready_count} agents ready")
     else:
         why = []
@@ -105,12 +132,14 @@ def pool_status(
             why.append(f"{len(epoch_lag)} agents still on an older cacheEpoch")
         if not rollout_done:
             why.append("agent rollout in progress")
+        if is_degraded:
+            why.append(f"degraded: {degraded.reason}")
         ready_condition = Condition("Ready", False, "AgentsNotReady", "; ".join(why) or "pending")
     progressing_condition = Condition(
         "Progressing",
         progressing,
         "RollingOut" if progressing else "UpToDate",
-        "Children updated or agents starting" if progressing else "",
+        "Children updated or the agents' rollout is not finished" if progressing else "",
     )
     conditions = merge_conditions(
         previous.get("conditions"),
@@ -119,15 +148,20 @@ def pool_status(
             sizing,
             ready_condition,
             progressing_condition,
-            degraded_condition,
+            degraded,
         ],
         generation,
         now,
     )
-    phase = (
-        "Ready" if all_ready and not progressing else ("Degraded" if degraded else "Progressing")
-    )
-    if desired_agents == 0 and not agents:
+    if is_degraded:
+        phase = "Degraded"
+    elif desired_agents == 0 and not agents:
+        phase = "Pending"  # nothing scheduled and no agent: nothing can progress yet
+    elif ready_condition.status:
+        phase = "Ready"
+    elif progressing:
+        phase = "Progressing"
+    else:
         phase = "Pending"
     return {
         "observedGeneration": generation,

@@ -103,6 +103,21 @@ async def test_heartbeat_creates_and_renews_lease_per_contract(kube: Any, kube_a
     assert not hb.alive
 
 
+async def test_heartbeat_lease_is_owned_by_the_agent_pod(kube: Any, kube_api: Any) -> None:
+    """With the downward API's POD_UID the Lease names its pod as owner, so the garbage
+    collector deletes it with the pod; without a uid no owner is claimed."""
+    cfg = config_from_mapping({"pool": "p1", "namespace": "ns1",
+                               "nodeName": "node-a", "podName": "agent-xyz",
+                               "podUid": "0b5e-uid", "advertiseAddress": "10.0.0.7"})
+    hb = LeaseHeartbeat(k8s.CoordinationV1Api(kube_api), cfg, _info)
+    await asyncio.to_thread(hb.renew_once)
+    await asyncio.to_thread(hb.renew_once)  # a renewal keeps the owner
+    lease = kube.objects[(LEASES, "ns1", lease_name("node-a"))]
+    assert lease["metadata"]["ownerReferences"] == [
+        {"apiVersion": "v1", "kind": "Pod", "name": "agent-xyz", "uid": "0b5e-uid"}]
+    assert LeaseHeartbeat(k8s.CoordinationV1Api(kube_api), _cfg(), _info).owner_references() == []
+
+
 async def test_heartbeat_rereads_after_conflict_and_recreates_deleted_lease(
     kube: Any, kube_api: Any
 ) -> None:

@@ -22,7 +22,7 @@ AGENT_SA = f"{FULLNAME}-agent"
 # kopf never patches pools); status goes
 # through the status subresource; groups and children are created and
 # merge-patched (never PUT: no "update"); stale groups are deleted; Events
-# are posted.
+# are posted and, when repeated, counted up (patch).
 OPERATOR_RULES = [
     {"apiGroups": ["flexkv.io"], "resources": ["kvcachepools"],
      "verbs": ["get", "list", "watch"]},
@@ -38,7 +38,14 @@ OPERATOR_RULES = [
      "verbs": ["get", "create", "patch"]},
     {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
      "verbs": ["list", "watch", "delete"]},
-    {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
+]
+# Leader election between operator replicas, in the release namespace only.
+ELECTION_ROLE = f"{FULLNAME}-operator-leader-election"
+ELECTION_RULES = [
+    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+     "resourceNames": ["flexkv-operator"], "verbs": ["get", "patch"]},
 ]
 # Cluster-wide: listing nodes for sizing. kopf's CRD/namespace scanning is off.
 OPERATOR_CLUSTER_RULES = [
@@ -71,13 +78,23 @@ def _env(render: Render) -> dict[str, Any]:
 # ---------------------------------------------------------------- operator pod
 
 
-def test_one_operator_replica_with_recreate_strategy(default_render: Render) -> None:
+def test_two_operator_replicas_on_different_nodes_with_a_pdb(default_render: Render) -> None:
+    """Active/passive: two replicas (one holds the leader-election Lease), preferring
+    different nodes, and a PodDisruptionBudget that keeps one through drains."""
     spec = _operator(default_render)["spec"]
-    assert spec["replicas"] == 1
-    assert spec["strategy"] == {"type": "Recreate"}
-    assert spec["selector"]["matchLabels"].items() <= (
-        spec["template"]["metadata"]["labels"].items()
-    )
+    assert spec["replicas"] == 2
+    labels = spec["template"]["metadata"]["labels"]
+    assert spec["selector"]["matchLabels"].items() <= labels.items()
+    [term] = spec["template"]["spec"]["affinity"]["podAntiAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    selector = term["podAffinityTerm"]["labelSelector"]["matchLabels"]
+    assert selector == spec["selector"]["matchLabels"]
+    pdb = default_render.one("PodDisruptionBudget", FULLNAME)
+    assert pdb["spec"] == {"maxUnavailable": 1, "selector": spec["selector"]}
+    env = {e["name"]: e for e in _container(default_render)["env"]}
+    assert env["FLEXKV_LEADER_ELECTION_NAMESPACE"]["value"] == pdb["metadata"]["namespace"]
 
 
 @pytest.mark.parametrize("case", VALUES_CASES)
@@ -102,12 +119,18 @@ def test_operator_runs_non_root_read_only_without_capabilities(
     assert {m["mountPath"] for m in container["volumeMounts"]} == {"/tmp"}
 
 
-def test_operator_probes_its_liveness_endpoint(default_render: Render) -> None:
+def test_operator_probes_liveness_and_readiness_apart(default_render: Render) -> None:
+    """Liveness: kopf's /healthz; readiness: /readyz, which also fails on a stale watch."""
     container = _container(default_render)
     assert "--liveness-port=8081" in container["args"]
-    assert container["ports"] == [{"name": "liveness", "containerPort": 8081, "protocol": "TCP"}]
+    assert "--metrics-port=8080" in container["args"]
+    assert container["ports"] == [
+        {"name": "liveness", "containerPort": 8081, "protocol": "TCP"},
+        {"name": "metrics", "containerPort": 8080, "protocol": "TCP"},
+    ]
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "liveness"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
     for probe in ("livenessProbe", "readinessProbe"):
-        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "liveness"}
         assert container[probe]["timeoutSeconds"] > 0
 
 
@@ -176,11 +199,11 @@ def test_all_namespaces_mode(renders: dict[str, Render]) -> None:
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": OPERATOR_SA, "namespace": NAMESPACE}
     ]
-    role_names = {r["metadata"]["name"] for r in render.of_kind("Role")}
-    assert role_names == {f"{FULLNAME}-agent"}
-    agent_namespaces = {r["metadata"]["namespace"] for r in render.of_kind("Role")}
-    assert agent_namespaces == {"inference-a", "inference-b"}
-    monitor = render.one("PodMonitor")
+    roles = [r for r in render.of_kind("Role") if r["metadata"]["name"] != ELECTION_ROLE]
+    assert {r["metadata"]["name"] for r in roles} == {f"{FULLNAME}-agent"}
+    assert {r["metadata"]["namespace"] for r in roles} == {"inference-a", "inference-b"}
+    assert render.one("Role", ELECTION_ROLE)["metadata"]["namespace"] == NAMESPACE
+    monitor = render.one("PodMonitor", f"{FULLNAME}-agents")
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["inference-a", "inference-b"]}
 
 
@@ -204,7 +227,8 @@ def test_rbac_rules_are_exactly_the_expected_ones(default_render: Render) -> Non
         OPERATOR_CLUSTER_RULES
     )
     assert render.one("Role", f"{FULLNAME}-agent", NAMESPACE)["rules"] == AGENT_RULES
-    assert len(render.of_kind("Role")) == 2
+    assert render.one("Role", ELECTION_ROLE, NAMESPACE)["rules"] == ELECTION_RULES
+    assert len(render.of_kind("Role")) == 3
     assert len(render.of_kind("ClusterRole")) == 1
 
 
@@ -213,6 +237,7 @@ def test_bindings_tie_each_role_to_its_own_account(default_render: Render) -> No
     expected = {
         ("RoleBinding", f"{FULLNAME}-operator"): ("Role", OPERATOR_SA, NAMESPACE),
         ("RoleBinding", f"{FULLNAME}-agent"): ("Role", AGENT_SA, NAMESPACE),
+        ("RoleBinding", ELECTION_ROLE): ("Role", OPERATOR_SA, NAMESPACE),
         ("ClusterRoleBinding", f"{FULLNAME}-operator-cluster"): (
             "ClusterRole", OPERATOR_SA, NAMESPACE
         ),
@@ -265,8 +290,18 @@ def test_monitoring_and_example_pool_are_off_by_default(default_render: Render) 
     assert default_render.of_kind("ConfigMap") == []
 
 
+def test_operator_pod_monitor_scrapes_its_metrics_port(renders: dict[str, Render]) -> None:
+    render = renders["monitoring-values.yaml"]
+    monitor = render.one("PodMonitor", f"{FULLNAME}-operator")
+    assert monitor["spec"]["selector"]["matchLabels"] == (
+        _operator(render)["spec"]["selector"]["matchLabels"]
+    )
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
+
+
 def test_pod_monitor_scrapes_agent_http_port(renders: dict[str, Render]) -> None:
-    monitor = renders["monitoring-values.yaml"].one("PodMonitor")
+    monitor = renders["monitoring-values.yaml"].one("PodMonitor", f"{FULLNAME}-agents")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     assert monitor["spec"]["selector"] == {

@@ -103,7 +103,7 @@ def test_every_key_in_values_has_a_comment_above_it() -> None:
         (["--set", "operator.watch.namespaces[0]=Bad_Namespace"], "operator.watch.namespaces"),
         (["--set", "operator.watch.allNamespaces=yes"], "operator.watch.allNamespaces"),
         (["--set", "monitoring.podMonitor.interval=soon"], "monitoring.podMonitor.interval"),
-        (["--set", "operator.replicas=2"], "replicas"),
+        (["--set", "operator.replica=2"], "replica"),
         (["--set", "examplePool.spec.backend=redis"], "examplePool.spec.backend"),
         (["--set", "image.repository="], "image.repository"),
     ],

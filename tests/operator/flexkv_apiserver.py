@@ -14,8 +14,12 @@ behaves, plus fault injection:
   patch of ``/status`` changes only ``status``; a patch of the main resource
   ignores ``status`` for flexkv.io kinds and bumps ``generation`` when ``spec``
   changes;
+* delete: objects whose ``metadata.ownerReferences`` name the deleted object's
+  uid are deleted too, in the background and recursively (the garbage
+  collector's background propagation), unless another owner remains;
 * :meth:`fail` makes the next N matching requests answer an error status before
-  touching any state;
+  touching any state (optionally only requests whose ``User-Agent`` starts with a
+  prefix: an outage seen by one client, e.g. the operator's own requests);
 * ``history_limit`` (None by default: keep all, for assertions) bounds kmock's
   request log, for long runs (the benchmark).
 
@@ -64,6 +68,8 @@ class Fault:
     status: int
     remaining: int
     hits: int = 0
+    user_agent: str | None = None
+    lost_reply: bool = False  # apply the request, then answer ``status`` (a lost reply)
 
 
 class DirectRouting(KubernetesScaffold):
@@ -108,13 +114,25 @@ class ApiServer(kmock.KubernetesEmulator, DirectRouting):
         self.faults: list[Fault] = []
         self.conflicts = 0
         self.history_limit: int | None = None
+        self._collectors: set[asyncio.Task[None]] = set()
+        self.collected: list[tuple[str, str, str]] = []
 
     def fail(
-        self, status: int, *, action: str | None = None, plural: str | None = None, times: int = 1
+        self,
+        status: int,
+        *,
+        action: str | None = None,
+        plural: str | None = None,
+        times: int = 1,
+        user_agent: str | None = None,
+        lost_reply: bool = False,
     ) -> Fault:
         """Answer ``status`` to the next ``times`` requests of ``action`` (list, watch,
-        fetch, create, update, delete; None for any) on ``plural`` (None for any)."""
-        fault = Fault(action, plural, status, times)
+        fetch, create, update, delete; None for any) on ``plural`` (None for any), from
+        clients whose User-Agent starts with ``user_agent`` (None for any). With
+        ``lost_reply`` the request takes effect first and only its answer is the error
+        (a reply lost on the way back). Setting ``remaining`` to 0 ends the fault."""
+        fault = Fault(action, plural, status, times, user_agent=user_agent, lost_reply=lost_reply)
         self.faults.append(fault)
         return fault
 
@@ -126,6 +144,36 @@ class ApiServer(kmock.KubernetesEmulator, DirectRouting):
         raw: dict[str, Any] = copy.deepcopy(self.objects[key].raw)
         return raw
 
+    def stored_key(self, key: Any) -> dict[str, Any] | None:
+        if key not in self.objects or self.objects[key].deleted:
+            return None
+        raw: dict[str, Any] = copy.deepcopy(self.objects[key].raw)
+        return raw
+
+    async def _collect_dependents(self, owner_uid: str) -> None:
+        """Delete every live object owned by ``owner_uid`` and no other live owner."""
+        live_uids = {
+            (obj.raw.get("metadata") or {}).get("uid")
+            for obj in self.objects.values()
+            if not obj.deleted
+        }
+        for (resource, namespace, name), obj in list(self.objects.items()):
+            if obj.deleted:
+                continue
+            owners = (obj.raw.get("metadata") or {}).get("ownerReferences") or []
+            uids = {o.get("uid") for o in owners if isinstance(o, dict)}
+            if owner_uid not in uids or uids & live_uids:
+                continue
+            base = (
+                f"/apis/{resource.group}/{resource.version}"
+                if resource.group
+                else f"/api/{resource.version}"
+            )
+            scope = f"/namespaces/{namespace}" if namespace else ""
+            response = await self.delete(f"{base}{scope}/{resource.plural}/{name}")
+            self.collected.append((str(resource.plural), str(namespace), str(name)))
+            assert response.status < 300 or response.status == 404, await response.text()
+
     def names(self, plural_path: str, namespace: str | None = None) -> list[str]:
         result = []
         for (resource, ns, name), obj in self.objects.items():
@@ -134,13 +182,19 @@ class ApiServer(kmock.KubernetesEmulator, DirectRouting):
                 result.append(name)
         return sorted(result)
 
-    def _check_faults(self, request: kmock.Request) -> None:
+    def _check_faults(self, request: kmock.Request, lost_reply: bool = False) -> None:
         action = str(request.action.value).lower() if request.action is not None else None
         plural = request.resource.plural if request.resource is not None else None
         for fault in self.faults:
             if fault.remaining <= 0:
                 continue
             if fault.action not in (None, action) or fault.plural not in (None, plural):
+                continue
+            if fault.lost_reply != lost_reply:
+                continue
+            if fault.user_agent is not None and not str(
+                request.headers.get("User-Agent", "")
+            ).startswith(fault.user_agent):
                 continue
             fault.remaining -= 1
             fault.hits += 1
@@ -214,11 +268,24 @@ class ApiServer(kmock.KubernetesEmulator, DirectRouting):
         if request.resource is None:
             return await super()._handle(request)
         self._check_faults(request)
+        answer = await self._apply(request)
+        self._check_faults(request, lost_reply=True)
+        return answer
+
+    async def _apply(self, request: kmock.Request) -> Any:
         action = request.action
-        if action == kmock.action.DELETE and isinstance(request.data, dict):
+        if action == kmock.action.DELETE:
             async with self._write_lock:
-                self._check_delete_precondition(request)
-                return await super()._handle(request)
+                if isinstance(request.data, dict):
+                    self._check_delete_precondition(request)
+                gone = self.stored_key((request.resource, request.namespace, request.name))
+                answer = await super()._handle(request)
+            uid = ((gone or {}).get("metadata") or {}).get("uid")
+            if uid:
+                task = asyncio.create_task(self._collect_dependents(str(uid)))
+                self._collectors.add(task)
+                task.add_done_callback(self._collectors.discard)
+            return answer
         if action in (kmock.action.CREATE, kmock.action.UPDATE) and isinstance(request.data, dict):
             async with self._write_lock:
                 if action == kmock.action.CREATE:

@@ -164,11 +164,12 @@ class FakeAgent:
     cache_epoch: int = 0
     lease_duration: int = 3
     beats: int = 0
+    owner: dict[str, Any] | None = None  # the agent pod, as the downward API names it
 
     def body(self) -> dict[str, Any]:
         ip = f"10.0.0.{abs(hash(self.node)) % 250 + 1}"
         now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-        return {
+        body: dict[str, Any] = {
             "apiVersion": "coordination.k8s.io/v1",
             "kind": "Lease",
             "metadata": {
@@ -197,6 +198,9 @@ class FakeAgent:
                 "renewTime": now,
             },
         }
+        if self.owner is not None:
+            body["metadata"]["ownerReferences"] = [self.owner]
+        return body
 
     async def start(self) -> None:
         await create(self.api, "coordination.k8s.io/v1/leases", self.body())

@@ -14,7 +14,7 @@ from flexkv_operator.context import NodeCache, OperatorContext, OperatorSettings
 from flexkv_operator.controller import Controller
 from flexkv_operator.kube import Connection, KubeClient
 from flexkv_operator.membership import LeaseTracker
-from flexkv_operator.reconcile import PoolGone, ReconcileResult
+from flexkv_operator.reconcile import GroupSync, PoolGone, ReconcileResult
 
 
 def pool(name: str = "p", spec: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -44,8 +44,12 @@ def lease(node: str, renew: str, ready: bool = True) -> dict[str, Any]:
     }
 
 
+async def no_groups(ctx: OperatorContext, body: dict[str, Any], relist: bool) -> GroupSync:
+    return GroupSync([], [], 30.0)
+
+
 @contextlib.asynccontextmanager
-async def controller(reconciler: Any) -> AsyncIterator[Controller]:
+async def controller(reconciler: Any, group_syncer: Any = no_groups) -> AsyncIterator[Controller]:
     loop = asyncio.get_running_loop()
     ctx = OperatorContext(
         client=KubeClient(Connection(server="http://127.0.0.1:9")),
@@ -54,7 +58,7 @@ async def controller(reconciler: Any) -> AsyncIterator[Controller]:
         tracker=LeaseTracker(clock=loop.time),
         nodes=NodeCache(ttl=60, clock=loop.time),
     )
-    ctl = Controller(ctx, reconciler=reconciler)
+    ctl = Controller(ctx, reconciler=reconciler, group_syncer=group_syncer)
     task = asyncio.create_task(ctl.run())
     try:
         yield ctl
@@ -64,19 +68,23 @@ async def controller(reconciler: Any) -> AsyncIterator[Controller]:
             await task
 
 
+async def steady(ctx: OperatorContext, body: dict[str, Any]) -> ReconcileResult:
+    return ReconcileResult("Ready", 30.0, 0, 0)
+
+
 @pytest.mark.looptime
-async def test_reconciles_at_lease_expiry_not_before() -> None:
+async def test_group_pass_runs_at_lease_expiry_not_before() -> None:
     loop = asyncio.get_running_loop()
     seen: list[tuple[float, int]] = []
 
-    async def reconcile(ctx: OperatorContext, body: dict[str, Any]) -> ReconcileResult:
+    async def groups(ctx: OperatorContext, body: dict[str, Any], relist: bool) -> GroupSync:
         agents = ctx.tracker.agents("ns", "p", 10)
         seen.append((round(loop.time() - start, 3), sum(a.fresh for a in agents)))
         upcoming = [a.expires_at - ctx.clock() for a in agents if a.fresh]
-        return ReconcileResult("Ready", min([30.0, *upcoming]), 0, 0)
+        return GroupSync(agents, [], min([30.0, *upcoming]))
 
     start = loop.time()
-    async with controller(reconcile) as ctl:
+    async with controller(steady, groups) as ctl:
         ctl.observe_lease("ADDED", lease("n1", "r1"))
         ctl.observe_pool("ADDED", pool())
         await asyncio.sleep(4)

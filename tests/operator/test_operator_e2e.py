@@ -203,11 +203,10 @@ async def test_deleted_pool_is_forgotten_and_children_are_not_recreated(api: Api
         await create(api, POOLS, pool_manifest(**FAST))
         await wait_for(lambda: api.names(DAEMONSETS, NS) == ["pool-agent"], 10, "DaemonSet")
         await delete(api, POOLS, "pool")
-        await asyncio.sleep(0.5)  # let the deletion reach the operator's watch
-        # kmock has no garbage collector: remove the owned children as it would.
-        for plural, names in CHILDREN.items():
-            for name in names:
-                await delete(api, plural, name)
+        # The emulated garbage collector removes the owned children.
+        await wait_for(
+            lambda: all(api.names(plural, NS) == [] for plural in CHILDREN), 10, "collection"
+        )
         agent = FakeAgent(api, "pool", "node-a", [{"replica": "r0", "ppRank": 0, "ppSize": 1}])
         await agent.start()  # a lease of the deleted pool must not revive it
         await asyncio.sleep(1.5)
@@ -312,6 +311,10 @@ async def test_restart_resumes_without_duplicates_or_new_epochs(api: ApiServer) 
         async with running_operator(api, "first"):
             await create(api, POOLS, pool_manifest(**FAST))
             await wait_for(lambda: group(api).get("epoch") == 1, 10, "first election")
+            # Groups are published on their own timer: wait for the children as well.
+            await wait_for(
+                lambda: all(api.names(k, NS) == v for k, v in CHILDREN.items()), 10, "children"
+            )
         secret = api.stored("v1/secrets", NS, "pool-curve")
         ds_version = api.stored(DAEMONSETS, NS, "pool-agent")["metadata"]["resourceVersion"]  # type: ignore[index]
         creates_before = len(api[kmock.action.CREATE])

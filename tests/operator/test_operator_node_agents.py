@@ -60,6 +60,12 @@ async def test_agent_of_a_removed_node_is_dropped_after_many_lease_durations(
         assert names.lease_name("node-gone") not in api.names(LEASES, NS)
         assert names.lease_name("node-b") in api.names(LEASES, NS)  # its node still exists
         assert "node-b" in degraded(api)["message"] and "node-gone" not in degraded(api)["message"]
+        removed = [
+            e
+            for e in (api.stored("v1/events", NS, n) or {} for n in api.names("v1/events", NS))
+            if e.get("reason") == "AgentRemoved"
+        ]
+        assert [e["type"] for e in removed] == ["Normal"] and "node-gone" in removed[0]["message"]
 
 
 async def test_a_renewed_lease_is_not_deleted(api: ApiServer) -> None:

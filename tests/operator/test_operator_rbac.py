@@ -89,9 +89,11 @@ def rendered_rules() -> tuple[set[Permission], set[Permission]]:
             for verb in rule["verbs"]
         }
 
-    return grants("Role", f"{fullname}-operator"), grants(
-        "ClusterRole", f"{fullname}-operator-cluster"
+    # The release namespace is NS here, so the leader-election Role applies there too.
+    role = grants("Role", f"{fullname}-operator") | grants(
+        "Role", f"{fullname}-operator-leader-election"
     )
+    return role, grants("ClusterRole", f"{fullname}-operator-cluster")
 
 
 def rbac_verb(request: kmock.Request) -> str:
@@ -136,12 +138,19 @@ async def test_every_operator_request_is_granted_and_every_grant_is_used(
     ]
     for agent in agents:
         await agent.start()
+    # Both Services refused in two reconciles: a ReconcileError Event, then the same
+    # Event counted again.
+    api.fail(422, action="create", plural="services", times=4)
     async with (
         running_operator(
             api,
             resync=2.0,
             node_cache_seconds=0.5,
             removed_node_lease_durations=1.0,
+            leader_election=True,
+            election_lease_duration=3.0,
+            election_renew_deadline=2.0,
+            election_retry_period=0.5,
         ),
         heartbeating(agents, 0.25) as alive,
     ):
@@ -155,6 +164,7 @@ async def test_every_operator_request_is_granted_and_every_grant_is_used(
             15,
             "both groups",
         )
+        await wait_for(lambda: len(api.names("v1/services", NS)) == 2, 15, "Services created")
         # Every child is patched: image and maxUnavailable (DaemonSet, PDB), service
         # labels (Services), cacheEpoch (ConfigMap), a broken key pair (Secret).
         await patch(

@@ -41,14 +41,24 @@ POOL = PoolIdentity("p", "ns", OWNER)
         ("500M", 500_000_000),
         ("1.5Ki", 1536),
         ("1Ti", 1 << 40),
-        ("0.5", 1),
+        ("8e9", 8_000_000_000),
+        ("8E9", 8_000_000_000),
+        ("1.5e3", 1500),
+        ("+1Ki", 1024),
+        (".5Ki", 512),
+        ("2000m", 2),
+        ("7Ei", 7 << 60),
     ],
 )
 def test_quantities_parse_to_bytes(value: object, expected: int) -> None:
     assert parse_bytes(value, "f") == expected
 
 
-@pytest.mark.parametrize("value", [0, -1, "0", "8GB", "lots", True, None, 1.5])
+@pytest.mark.parametrize(
+    "value",
+    [0, -1, "0", "0Gi", "-1Gi", "0.5", "1m", "8GB", "lots", "100000Ei", "1e400", 2**63, True,
+     None, 1.5],
+)
 def test_bad_quantities_name_field_and_value(value: object) -> None:
     with pytest.raises(ValueError) as info:
         parse_bytes(value, "spec.tiers.cpu.size")
@@ -62,7 +72,7 @@ def test_quantity_error_lists_exactly_the_accepted_suffixes() -> None:
     listed = str(info.value).split("suffix from ", 1)[1].split(" (e.g.", 1)[0].split(", ")
     assert {"P", "E", "Pi", "Ei"} <= set(listed)
     for suffix in listed:
-        assert parse_bytes(f"1{suffix}", "f") > 1
+        assert parse_bytes(f"1{suffix}" if suffix != "m" else "1000m", "f") >= 1
     for suffix in ("Ki", "Mi", "Gi", "Ti", "Pi", "Ei", "k", "M", "G", "T", "P", "E"):
         assert suffix in listed
 
@@ -213,6 +223,7 @@ def test_daemon_set_carries_the_agent_contract() -> None:
     assert [e["name"] for e in container["env"]] == [
         "NODE_NAME",
         "POD_NAME",
+        "POD_UID",
         "POD_IP",
         "POD_NAMESPACE",
     ]

@@ -139,5 +139,5 @@ and posts Events. tests/chart checks this exact list.
   verbs: ["list", "watch", "delete"]
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create"]
+  verbs: ["create", "patch"]
 {{- end }}

@@ -1,0 +1,331 @@
+"""Failover nothing else can block: a pool's group election and publication go on
+while its spec is invalid, while the API server refuses one of its children, and
+right after an API outage, whatever the full reconcile's backoff."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from flexkv_apiserver import ApiServer
+from flexkv_harness import (
+    DAEMONSETS,
+    GROUPS,
+    NS,
+    POOLS,
+    FakeAgent,
+    create,
+    patch,
+    pool_manifest,
+    running_operator,
+    wait_for,
+)
+from flexkv_operator.context import NodeCache, OperatorContext, OperatorSettings
+from flexkv_operator.controller import Controller
+from flexkv_operator.kube import Connection, KubeClient
+from flexkv_operator.membership import LeaseTracker
+from flexkv_operator.reconcile import GroupSync, ReconcileResult
+from reconcile_harness import ManualClock, observe_leases, reconcile, reconcile_context
+
+FAST = {
+    "leaderElection": {
+        "leaseDurationSeconds": 3,
+        "renewDeadlineSeconds": 2,
+        "retryPeriodSeconds": 1,
+    }
+}
+
+
+def group(api: ApiServer, name: str = "pool-r0") -> dict[str, Any]:
+    return (api.stored(GROUPS, NS, name) or {}).get("status") or {}
+
+
+def leader(api: ApiServer) -> str | None:
+    return (group(api).get("leader") or {}).get("node")
+
+
+def condition(api: ApiServer, type_: str, name: str = "pool") -> dict[str, Any]:
+    conditions = ((api.stored(POOLS, NS, name) or {}).get("status") or {}).get("conditions")
+    return next((dict(c) for c in conditions or [] if c["type"] == type_), {})
+
+
+def events(api: ApiServer, reason: str) -> list[dict[str, Any]]:
+    found = [api.stored("v1/events", NS, n) or {} for n in api.names("v1/events", NS)]
+    return [e for e in found if e.get("reason") == reason]
+
+
+def agents_of(api: ApiServer, nodes: list[str], lease: int = 10) -> list[FakeAgent]:
+    return [
+        FakeAgent(
+            api,
+            "pool",
+            node,
+            [{"replica": "r0", "ppRank": rank, "ppSize": len(nodes)}],
+            lease_duration=lease,
+        )
+        for rank, node in enumerate(nodes)
+    ]
+
+
+# -- one reconcile at a time, on a hand-moved clock ------------------------------------
+
+
+async def lose_node_a(ctx: OperatorContext, api: ApiServer, clock: ManualClock) -> None:
+    """node-a stops renewing; node-b renews; node-a's 10 s lease expires."""
+    clock.now += 6
+    await agents_of(api, ["node-a", "node-b"])[1].beat()
+    observe_leases(ctx, api)
+    clock.now += 6
+
+
+async def test_invalid_spec_does_not_stop_failover(api: ApiServer) -> None:
+    await create(api, POOLS, pool_manifest())
+    for agent in agents_of(api, ["node-a", "node-b"]):
+        await agent.start()
+    clock = ManualClock()
+    async with reconcile_context(api, clock) as ctx:
+        await reconcile(ctx, api)
+        assert leader(api) == "node-a" and group(api)["epoch"] == 1
+        # "0Gi" passes the CRD's pattern but is refused by the operator.
+        await patch(api, POOLS, "pool", {"spec": {"tiers": {"cpu": {"size": "0Gi"}}}})
+        await lose_node_a(ctx, api, clock)
+        result = await reconcile(ctx, api)
+        assert result.phase == "Invalid"
+        assert condition(api, "ConfigValid")["status"] == "False"
+        assert leader(api) == "node-b" and group(api)["epoch"] == 2
+
+
+async def test_refused_child_is_reported_and_does_not_stop_failover(api: ApiServer) -> None:
+    refused = api.fail(422, action="create", plural="daemonsets", times=1000)
+    await create(api, POOLS, pool_manifest())
+    for agent in agents_of(api, ["node-a", "node-b"]):
+        await agent.start()
+    clock = ManualClock()
+    async with reconcile_context(api, clock) as ctx:
+        result = await reconcile(ctx, api)
+        assert result.errors == ("DaemonSet pool-agent: 422 injected 422",)
+        assert leader(api) == "node-a", "groups are published although a child was refused"
+        degraded = condition(api, "Degraded")
+        assert degraded["status"] == "True" and degraded["reason"] == "ReconcileError"
+        assert "DaemonSet pool-agent: 422 injected 422" in degraded["message"]
+        assert condition(api, "Ready")["reason"] == "ReconcileError"
+        assert api.stored("v1/configmaps", NS, "pool-agent-config") is not None
+        [event] = events(api, "ReconcileError")
+        assert event["type"] == "Warning" and event["count"] == 1
+
+        # Retried: the same Event counts up instead of a new one per retry.
+        clock.now += 1
+        await reconcile(ctx, api)
+        [event] = events(api, "ReconcileError")
+        assert event["count"] == 2 and event["lastTimestamp"] >= event["firstTimestamp"]
+
+        await lose_node_a(ctx, api, clock)
+        await reconcile(ctx, api)
+        assert leader(api) == "node-b" and group(api)["epoch"] == 2
+
+        refused.remaining = 0
+        result = await reconcile(ctx, api)
+        assert result.errors == () and api.stored(DAEMONSETS, NS, "pool-agent") is not None
+        assert condition(api, "Degraded").get("reason") != "ReconcileError"
+
+
+# -- the controller's two timers, on looptime's fake clock -----------------------------
+
+
+def pool_body() -> dict[str, Any]:
+    return {"metadata": {"name": "p", "namespace": "ns", "uid": "u", "generation": 1}, "spec": {}}
+
+
+def lease_body(renew: str) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": "flexkv-agent-n1",
+            "namespace": "ns",
+            "resourceVersion": renew,
+            "labels": {
+                "app.kubernetes.io/name": "flexkv-agent",
+                "flexkv.io/pool": "p",
+                "flexkv.io/node": "n1",
+            },
+            "annotations": {"flexkv.io/ready": "true", "flexkv.io/memberships": "[]"},
+        },
+        "spec": {"renewTime": renew, "leaseDurationSeconds": 10},
+    }
+
+
+@contextlib.asynccontextmanager
+async def controller(reconciler: Any, group_syncer: Any) -> AsyncIterator[Controller]:
+    loop = asyncio.get_running_loop()
+    ctx = OperatorContext(
+        client=KubeClient(Connection(server="http://127.0.0.1:9")),
+        settings=OperatorSettings(identity="t", default_image="i", service_account="s"),
+        clock=loop.time,
+        tracker=LeaseTracker(clock=loop.time),
+        nodes=NodeCache(ttl=60, clock=loop.time),
+    )
+    ctl = Controller(ctx, reconciler=reconciler, group_syncer=group_syncer)
+    task = asyncio.create_task(ctl.run())
+    try:
+        yield ctl
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+@pytest.mark.looptime
+async def test_group_pass_runs_at_lease_expiry_while_every_reconcile_fails() -> None:
+    loop = asyncio.get_running_loop()
+    passes: list[tuple[float, int]] = []
+    reconciles: list[float] = []
+
+    async def failing(ctx: OperatorContext, body: dict[str, Any]) -> ReconcileResult:
+        reconciles.append(round(loop.time() - start, 3))
+        raise RuntimeError("spec invalid, child refused: whatever it is")
+
+    async def groups(ctx: OperatorContext, body: dict[str, Any], relist: bool) -> GroupSync:
+        agents = ctx.tracker.agents("ns", "p", 10)
+        passes.append((round(loop.time() - start, 3), sum(a.fresh for a in agents)))
+        upcoming = [a.expires_at - ctx.clock() for a in agents if a.fresh]
+        return GroupSync(agents, [], min([30.0, *upcoming]))
+
+    start = loop.time()
+    async with controller(failing, groups) as ctl:
+        ctl.observe_lease("ADDED", lease_body("r1"))
+        ctl.observe_pool("ADDED", pool_body())
+        await asyncio.sleep(4)
+        ctl.observe_lease("MODIFIED", lease_body("r2"))
+        await asyncio.sleep(40)
+    # Reconciles back off (0, 0.5, 1.5, 3.5, 7.5, 15.5, 31.5) while the group pass
+    # runs exactly when the renewed Lease (t=4) expires, at t=14.
+    assert reconciles[:7] == [0.0, 0.5, 1.5, 3.5, 7.5, 15.5, 31.5]
+    assert (14.0, 0) in passes
+    assert all(fresh == 1 for t, fresh in passes if t < 14.0)
+
+
+@pytest.mark.looptime
+async def test_after_an_api_outage_groups_resume_within_a_second_not_after_backoff() -> None:
+    loop = asyncio.get_running_loop()
+    outage_ends = 40.0
+    passes: list[tuple[float, bool, bool]] = []
+    reconciles: list[tuple[float, bool]] = []
+
+    def api_up() -> bool:
+        return loop.time() - start >= outage_ends
+
+    async def reconcile_(ctx: OperatorContext, body: dict[str, Any]) -> ReconcileResult:
+        reconciles.append((round(loop.time() - start, 3), api_up()))
+        if not api_up():
+            raise RuntimeError("503 Service Unavailable")
+        return ReconcileResult("Ready", 30.0, 0, 0)
+
+    async def groups(ctx: OperatorContext, body: dict[str, Any], relist: bool) -> GroupSync:
+        passes.append((round(loop.time() - start, 3), relist, api_up()))
+        if not api_up():
+            raise RuntimeError("503 Service Unavailable")
+        return GroupSync([], [], 30.0)
+
+    start = loop.time()
+    async with controller(reconcile_, groups) as ctl:
+        ctl.observe_pool("ADDED", pool_body())
+        await asyncio.sleep(60)
+    first_ok = next(p for p in passes if p[2])
+    # Group passes retry at most every second during the outage, so the first one
+    # after it runs within a second, and re-reads the Leases (relist).
+    assert outage_ends <= first_ok[0] <= outage_ends + 1.0 and first_ok[1] is True
+    # The full reconcile was at 31.5 s of backoff (next try at 63.5): the group pass
+    # that found the API back made it due at once.
+    first_reconcile_ok = next(t for t, up in reconciles if up)
+    assert first_reconcile_ok == first_ok[0]
+
+
+# -- the real operator -----------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def renewing(agents: list[FakeAgent], period: float) -> AsyncIterator[dict[str, bool]]:
+    """Renew every live agent's Lease each ``period``; a refused renewal is skipped."""
+    alive = {a.node: True for a in agents}
+
+    async def loop() -> None:
+        while True:
+            for agent in agents:
+                if alive[agent.node]:
+                    with contextlib.suppress(AssertionError):
+                        await agent.beat()
+            await asyncio.sleep(period)
+
+    task = asyncio.create_task(loop())
+    try:
+        yield alive
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def failover(api: ApiServer, alive: dict[str, bool], timeout: float = 15) -> None:
+    assert leader(api) == "node-a"
+    epoch = group(api)["epoch"]
+    alive["node-a"] = False
+    await wait_for(
+        lambda: leader(api) == "node-b" and group(api)["epoch"] == epoch + 1, timeout, "failover"
+    )
+
+
+async def test_operator_fails_over_while_the_spec_is_invalid(api: ApiServer) -> None:
+    agents = agents_of(api, ["node-a", "node-b"], lease=3)
+    for agent in agents:
+        await agent.start()
+    async with running_operator(api), renewing(agents, 0.25) as alive:
+        await create(api, POOLS, pool_manifest(**FAST))
+        await wait_for(lambda: leader(api) == "node-a", 10, "first leader")
+        await patch(api, POOLS, "pool", {"spec": {"tiers": {"cpu": {"size": "0Gi"}}}})
+        await wait_for(
+            lambda: condition(api, "ConfigValid").get("status") == "False", 10, "invalid"
+        )
+        await failover(api, alive)
+
+
+async def test_operator_fails_over_and_reports_while_a_child_is_refused(api: ApiServer) -> None:
+    api.fail(422, action="create", plural="daemonsets", times=10**6)
+    agents = agents_of(api, ["node-a", "node-b"], lease=3)
+    for agent in agents:
+        await agent.start()
+    async with running_operator(api), renewing(agents, 0.25) as alive:
+        await create(api, POOLS, pool_manifest(**FAST))
+        await wait_for(lambda: leader(api) == "node-a", 10, "first leader")
+        await wait_for(
+            lambda: condition(api, "Degraded").get("reason") == "ReconcileError", 10, "reported"
+        )
+        assert "injected 422" in condition(api, "Degraded")["message"]
+        await failover(api, alive)
+        await wait_for(
+            lambda: (events(api, "ReconcileError") or [{}])[0].get("count", 0) >= 2,
+            10,
+            "a retried failure counted on one Event",
+        )
+        assert len(events(api, "ReconcileError")) == 1
+
+
+async def test_operator_fails_over_right_after_its_api_outage(api: ApiServer) -> None:
+    agents = agents_of(api, ["node-a", "node-b"], lease=3)
+    for agent in agents:
+        await agent.start()
+    async with running_operator(api), renewing(agents, 0.25) as alive:
+        await create(api, POOLS, pool_manifest(**FAST))
+        await wait_for(lambda: leader(api) == "node-a", 10, "first leader")
+        # Every request of the operator's own client fails (its watches stay open).
+        outage = api.fail(503, times=10**6, user_agent="flexkv-operator")
+        await patch(api, POOLS, "pool", {"spec": {"cacheEpoch": 1}})  # a reconcile that fails
+        epoch = group(api)["epoch"]
+        alive["node-a"] = False
+        await asyncio.sleep(8)
+        assert leader(api) == "node-a" and outage.hits > 0, "nothing was written in the outage"
+        outage.remaining = 0
+        await wait_for(
+            lambda: leader(api) == "node-b" and group(api)["epoch"] == epoch + 1, 10, "failover"
+        )

@@ -1,0 +1,183 @@
+"""Agent Leases are owned by their pods and go with their pool: the emulated API
+server's garbage collector deletes owned objects, a deleted pool's Leases are gone,
+and a pool created afterwards on the same nodes sees no ghost overlap."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flexkv_apiserver import ApiServer
+from flexkv_harness import (
+    DAEMONSETS,
+    GROUPS,
+    NS,
+    POOLS,
+    FakeAgent,
+    create,
+    delete,
+    heartbeating,
+    pool_manifest,
+    running_operator,
+    wait_for,
+)
+from flexkv_operator import names
+from flexkv_operator.membership import LeaseTracker
+
+LEASES = "coordination.k8s.io/v1/leases"
+PODS = "v1/pods"
+FAST = {
+    "leaderElection": {
+        "leaseDurationSeconds": 3,
+        "renewDeadlineSeconds": 2,
+        "retryPeriodSeconds": 1,
+    }
+}
+
+
+def owner(obj: dict[str, Any], controller: bool = False) -> dict[str, Any]:
+    ref = {
+        "apiVersion": obj["apiVersion"],
+        "kind": obj["kind"],
+        "name": obj["metadata"]["name"],
+        "uid": obj["metadata"]["uid"],
+    }
+    if controller:
+        ref["controller"] = True
+    return ref
+
+
+async def agent_pod(api: ApiServer, pool: str, node: str) -> dict[str, Any]:
+    """The agent pod the DaemonSet controller would create (owned by the DaemonSet)."""
+    ds = api.stored(DAEMONSETS, NS, f"{pool}-agent")
+    assert ds is not None
+    return await create(
+        api,
+        PODS,
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": f"{pool}-agent-{node}",
+                "namespace": NS,
+                "ownerReferences": [owner(ds, controller=True)],
+            },
+            "spec": {"nodeName": node, "containers": [{"name": "agent", "image": "x"}]},
+        },
+    )
+
+
+def condition(api: ApiServer, pool: str, type_: str) -> dict[str, Any]:
+    conditions = ((api.stored(POOLS, NS, pool) or {}).get("status") or {}).get("conditions")
+    return next((dict(c) for c in conditions or [] if c["type"] == type_), {})
+
+
+async def test_emulator_collects_owned_objects_recursively(api: ApiServer) -> None:
+    root = await create(
+        api, "v1/configmaps", {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "a"}}
+    )
+    child = await create(
+        api,
+        "v1/configmaps",
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "b", "ownerReferences": [owner(root)]},
+        },
+    )
+    await create(
+        api,
+        "v1/configmaps",
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "c", "ownerReferences": [owner(child)]},
+        },
+    )
+    other = await create(
+        api, "v1/configmaps", {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "d"}}
+    )
+    await create(
+        api,
+        "v1/configmaps",
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "e", "ownerReferences": [owner(root), owner(other)]},
+        },
+    )
+    await delete(api, "v1/configmaps", "a")
+    await wait_for(lambda: api.names("v1/configmaps", NS) == ["d", "e"], 10, "collection")
+    # "e" has another live owner ("d"), so it stays, as with the real collector.
+
+
+async def test_deleted_pools_leases_are_collected_and_leave_no_ghost_overlap(
+    api: ApiServer,
+) -> None:
+    async with running_operator(api):
+        await create(api, POOLS, pool_manifest("old", **FAST))
+        await wait_for(lambda: api.stored(DAEMONSETS, NS, "old-agent"), 10, "old DaemonSet")
+        pod = await agent_pod(api, "old", "node-a")
+        old = FakeAgent(
+            api,
+            "old",
+            "node-a",
+            [{"replica": "r0", "ppRank": 0, "ppSize": 1}],
+            owner=owner(pod),
+        )
+        await old.start()
+        async with heartbeating([old], 0.25) as alive:
+            await wait_for(lambda: api.stored(GROUPS, NS, "old-r0"), 10, "old group")
+            alive["node-a"] = False
+        await delete(api, POOLS, "old")
+        # pool -> DaemonSet -> pod -> Lease, each through its owner reference.
+        await wait_for(
+            lambda: names.lease_name("node-a") not in api.names(LEASES, NS), 10, "Lease collected"
+        )
+        assert api.names(PODS, NS) == [] and api.names(GROUPS, NS) == []
+
+        await create(api, POOLS, pool_manifest("new", **FAST))
+        await wait_for(lambda: api.stored(DAEMONSETS, NS, "new-agent"), 10, "new DaemonSet")
+        new = FakeAgent(
+            api,
+            "new",
+            "node-a",
+            [{"replica": "r0", "ppRank": 0, "ppSize": 1}],
+            owner=owner(await agent_pod(api, "new", "node-a")),
+        )
+        await new.start()
+        async with heartbeating([new], 0.25):
+            await wait_for(
+                lambda: ((api.stored(POOLS, NS, "new") or {}).get("status") or {}).get("groups"),
+                10,
+                "new pool's groups in its status",
+            )
+            degraded = condition(api, "new", "Degraded")
+            assert degraded.get("reason") != "PoolsOverlap", degraded
+            assert "old" not in degraded.get("message", "")
+
+
+def test_forgetting_a_pool_forgets_its_flips() -> None:
+    clock = [0.0]
+    tracker = LeaseTracker(clock=lambda: clock[0])
+
+    def lease(pool: str, version: str) -> dict[str, Any]:
+        return {
+            "metadata": {
+                "name": names.lease_name("node-a"),
+                "namespace": NS,
+                "resourceVersion": version,
+                "labels": {
+                    names.LABEL_NAME: names.AGENT_APP,
+                    names.LABEL_POOL: pool,
+                    names.LABEL_NODE: "node-a",
+                },
+                "annotations": {names.ANNOTATION_MEMBERSHIPS: "[]"},
+            },
+            "spec": {"renewTime": version, "leaseDurationSeconds": 3},
+        }
+
+    tracker.observe(lease("old", "1"))
+    tracker.observe(lease("new", "2"))  # the Lease switched pools
+    assert tracker.overlaps(NS, "new") != []
+    tracker.forget_pool(NS, "old")
+    assert tracker.overlaps(NS, "new") == []

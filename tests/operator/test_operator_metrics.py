@@ -1,0 +1,146 @@
+"""The operator's own metrics and readiness: reconciles and errors by kind, reconcile
+duration, failover latency, groups by phase, API errors, and a /readyz that fails
+when the controller is not running or the agent Lease watch is stale."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import aiohttp
+from flexkv_apiserver import ApiServer
+from flexkv_harness import (
+    GROUPS,
+    NS,
+    POOLS,
+    FakeAgent,
+    create,
+    heartbeating,
+    pool_manifest,
+    running_operator,
+    wait_for,
+)
+from flexkv_operator.metrics import OperatorMetrics, Readiness
+from prometheus_client.parser import text_string_to_metric_families
+
+FAST = {
+    "leaderElection": {
+        "leaseDurationSeconds": 3,
+        "renewDeadlineSeconds": 2,
+        "retryPeriodSeconds": 1,
+    }
+}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    found = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            found[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return found
+
+
+async def test_metrics_and_readiness_of_a_running_operator(api: ApiServer) -> None:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    api.fail(422, action="create", plural="configmaps", times=1)
+    agents = [
+        FakeAgent(api, "pool", node, [{"replica": "r0", "ppRank": rank, "ppSize": 2}])
+        for rank, node in enumerate(["node-a", "node-b"])
+    ]
+    for agent in agents:
+        await agent.start()
+    async with (
+        heartbeating(agents, 0.25) as alive,
+        running_operator(api, metrics_port=port),
+        aiohttp.ClientSession() as http,
+    ):
+        await create(api, POOLS, pool_manifest(**FAST))
+        group = lambda: (api.stored(GROUPS, NS, "pool-r0") or {}).get("status") or {}  # noqa: E731
+        await wait_for(lambda: (group().get("leader") or {}).get("node") == "node-a", 10, "leader")
+        alive["node-a"] = False
+        await wait_for(
+            lambda: (group().get("leader") or {}).get("node") == "node-b", 15, "failover"
+        )
+
+        async def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+            async with http.get(f"{base}/metrics") as response:
+                assert response.status == 200
+                return samples(await response.text())
+
+        async def settled() -> bool:
+            found = await scrape()
+            return found.get(("flexkv_operator_groups", (("phase", "Degraded"),))) == 1.0
+
+        for _ in range(100):
+            if await settled():
+                break
+            await asyncio.sleep(0.1)
+        found = await scrape()
+        assert (
+            found[("flexkv_operator_reconciles_total", (("kind", "pool"), ("result", "success")))]
+            >= 1
+        )
+        assert (
+            found[("flexkv_operator_reconciles_total", (("kind", "pool"), ("result", "error")))]
+            >= 1
+        )
+        assert (
+            found[("flexkv_operator_reconciles_total", (("kind", "groups"), ("result", "success")))]
+            >= 2
+        )
+        assert found[("flexkv_operator_reconcile_duration_seconds_count", (("kind", "pool"),))] >= 2
+        assert found[("flexkv_operator_failover_latency_seconds_count", ())] == 1
+        assert found[("flexkv_operator_failover_latency_seconds_sum", ())] >= 0
+        assert found[("flexkv_operator_groups", (("phase", "Degraded"),))] == 1
+        assert found[("flexkv_operator_groups", (("phase", "Ready"),))] == 0
+        assert (
+            found[("flexkv_operator_api_errors_total", (("method", "POST"), ("status", "422")))]
+            == 1
+        )
+        assert found[("flexkv_operator_active", ())] == 1
+        async with http.get(f"{base}/readyz") as response:
+            assert response.status == 200
+
+
+def test_readiness_fails_on_a_stale_lease_watch_or_a_stopped_controller() -> None:
+    clock = [0.0]
+    running = [True]
+    tracked = [0]
+    readiness = Readiness(
+        clock=lambda: clock[0],
+        controller_running=lambda: running[0],
+        tracked_leases=lambda: tracked[0],
+        stale_after=60,
+    )
+    assert readiness.problem() is None
+    readiness.lease_event()
+    tracked[0] = 3
+    clock[0] = 59
+    assert readiness.problem() is None
+    clock[0] = 61
+    assert "stale watch" in (readiness.problem() or "")
+    readiness.lease_event()
+    assert readiness.problem() is None
+    tracked[0] = 0
+    clock[0] = 1000
+    assert readiness.problem() is None, "no agents: a quiet watch is not stale"
+    running[0] = False
+    assert "not running" in (readiness.problem() or "")
+
+
+def test_group_phase_gauges_sum_over_pools_and_forget_deleted_pools() -> None:
+    metrics = OperatorMetrics()
+    metrics.set_group_phases(("ns", "a"), {"Ready": 2, "Degraded": 1})
+    metrics.set_group_phases(("ns", "b"), {"Ready": 1})
+    value = metrics.registry.get_sample_value
+    assert value("flexkv_operator_groups", {"phase": "Ready"}) == 3
+    metrics.set_group_phases(("ns", "a"), None)
+    assert value("flexkv_operator_groups", {"phase": "Ready"}) == 1
+    assert value("flexkv_operator_groups", {"phase": "Degraded"}) == 0
