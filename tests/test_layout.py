@@ -55,3 +55,17 @@ def test_node_agent_never_imports_kopf() -> None:
         if mods & {"kopf", "flexkv_operator"}
     }
     assert offenders == {}
+
+
+def test_only_the_vllm_integration_imports_vllm() -> None:
+    """vLLM lives in its own venv: no other module may import it, and the
+    integration's vLLM-free helpers (config, shared memory) import without it."""
+    leaf = REPO / "node_agent" / "integrations" / "vllm"
+    offenders = {
+        str(p.relative_to(REPO))
+        for p, mods in _imports(REPO / "node_agent").items()
+        if "vllm" in mods and not p.is_relative_to(leaf)
+    }
+    assert offenders == set()
+    importers = {p.name for p, mods in _imports(leaf).items() if "vllm" in mods}
+    assert importers == {"connector.py"}

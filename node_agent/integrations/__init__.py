@@ -1,0 +1,1 @@
+"""Engine adapters: one leaf subpackage per engine, the only code that imports it."""
