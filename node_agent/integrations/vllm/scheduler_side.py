@@ -47,9 +47,18 @@ from node_agent.integrations.vllm.config import AgentConnectorConfig
 
 log = logging.getLogger(__name__)
 
-#: Errors that mean "the agent cannot serve right now" (restarted, stopped, overloaded).
+#: Errors that may mean "the agent cannot serve right now" (stopped, restarted, busy);
+#: see :func:`agent_down`.
 AGENT_ERRORS = (AgentUnavailableError, AgentTimeoutError, EngineAPIError, ConnectionError,
                 OSError)
+
+
+def agent_down(exc: BaseException) -> bool:
+    """True when ``exc`` says the agent is gone, restarting or overloaded (then it is
+    skipped for ``retrySeconds``); False for an answer about this one call."""
+    if isinstance(exc, EngineAPIError):
+        return exc.error_type in ("NotReady", "InternalError")
+    return isinstance(exc, AGENT_ERRORS)
 #: A store whose completion the agent never reports is given up after this long.
 STORE_GIVE_UP_SECONDS = 120.0
 #: Poll period of the store thread while stores are in flight.
@@ -101,6 +110,9 @@ class AgentHealth:
         return time.monotonic() >= self._down_until
 
     def failed(self, what: str, exc: BaseException) -> None:
+        if not agent_down(exc):
+            log.warning("FlexKV %s refused, treating as a miss: %s", what, exc)
+            return
         with self._lock:
             self._counters.agent_errors += 1
             self._down_until = time.monotonic() + self._retry
@@ -149,6 +161,7 @@ class SchedulerSide:
                                           timeout=cfg.call_timeout_seconds)
         self._lock = threading.Lock()
         self._lookups: dict[str, tuple[int, int]] = {}   # rid -> (local tokens, hit tokens)
+        self._no_lookup: set[str] = set()                # a load failed: recompute, no retry
         self._loading: set[str] = set()                  # loads not yet reported
         self._recv_ok: set[str] = set()                  # loaded, to report
         self._recv_failed: dict[str, list[int]] = {}     # failed, blocks to send to workers
@@ -170,7 +183,7 @@ class SchedulerSide:
         """Tokens the agent can load after the ``local`` ones (0 on a miss or any failure)."""
         bs = self.block_size
         limit = ((len(tokens) - 1) // bs) * bs
-        if limit <= local or not self.health.usable():
+        if limit <= local or not self.health.usable() or rid in self._no_lookup:
             return 0
         ids = np.asarray(tokens, dtype=np.int64)
         mask = np.zeros(len(ids), dtype=bool)
@@ -197,8 +210,8 @@ class SchedulerSide:
         with self._lock:
             looked = self._lookups.pop(rid, None)
         if external <= 0:
-            if looked is not None:
-                self._stores.put(rid)  # release the unused lookup, off the scheduler loop
+            if looked is not None and looked[1] > 0:
+                self._release(rid, self._lookup_client)  # unlock the unused match now
             return
         if looked is None:
             raise RuntimeError(f"FlexKV connector: request {rid} was given {external} external "
@@ -246,14 +259,15 @@ class SchedulerSide:
                  block_ids: Sequence[int]) -> bool:
         """Store the request's computed whole blocks; True while the store holds them."""
         with self._lock:
-            looked = self._lookups.pop(rid, None)
+            self._lookups.pop(rid, None)
             busy = rid in self._loading
+            self._no_lookup.discard(rid)
         if busy:
+            self._stores.put(rid)  # release (cancels the load if it has not started)
             return False  # its blocks are held by the load until it is reported
         n_blocks = min(computed, len(tokens), len(block_ids) * self.block_size) // self.block_size
         if n_blocks == 0 or not self.health.usable():
-            if looked is not None:
-                self._stores.put(rid)
+            self._stores.put(rid)  # release: the agent forgets the request
             return False
         n = n_blocks * self.block_size
         with self._lock:
@@ -283,12 +297,12 @@ class SchedulerSide:
                     self._recv_ok.add(job.rid)
                 else:
                     self._recv_failed[job.rid] = job.blocks
+                    self._no_lookup.add(job.rid)
             if ok:
                 self.counters.loads += 1
                 self.counters.loaded_tokens += len(job.slots)
             else:
                 self.counters.load_failures += 1
-            self._stores.put(job.rid)  # release: the agent forgets the lookup
 
     def _store_loop(self) -> None:
         inflight: dict[str, _Store] = {}
@@ -327,9 +341,9 @@ class SchedulerSide:
         try:
             done = set(self._store_client.poll_completed())
         except AGENT_ERRORS as exc:
-            # The agent is gone or restarted: it no longer reads any source slot.
             self.health.failed("poll_completed", exc)
-            done = set(inflight)
+            # Gone or restarted, the agent no longer reads any source slot.
+            done = set(inflight) if agent_down(exc) else set()
         now = time.monotonic()
         for rid, job in list(inflight.items()):
             if rid in done or now - job.started > STORE_GIVE_UP_SECONDS:
@@ -345,13 +359,14 @@ class SchedulerSide:
             self._sent.add(rid)
         self._release(rid)
 
-    def _release(self, rid: str) -> None:
+    def _release(self, rid: str, client: EngineClient | None = None) -> None:
         if not self.health.usable():
             return
         try:
-            self._store_client.release(rid)
+            (client or self._store_client).release(rid)
         except AGENT_ERRORS as exc:
-            self.health.failed("release", exc)
+            if agent_down(exc):
+                self.health.failed("release", exc)
         except Exception as exc:
             log.debug("FlexKV release of %s failed: %s", rid, exc)
 

@@ -27,7 +27,7 @@ def write_model(out: str | Path, layers: int = 4, hidden: int = 256, heads: int 
     path = Path(out)
     marker = path / "flexkv-tiny-model.json"
     spec = {"layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads,
-            "vocab": vocab, "max_positions": max_positions, "seed": seed}
+            "vocab": vocab, "max_positions": max_positions, "seed": seed, "init": 0.1}
     if marker.exists() and json.loads(marker.read_text()) == spec:
         return path
     path.mkdir(parents=True, exist_ok=True)
@@ -37,6 +37,7 @@ def write_model(out: str | Path, layers: int = 4, hidden: int = 256, heads: int 
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
         max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2,
         pad_token_id=0, tie_word_embeddings=False, torch_dtype="bfloat16",
+        initializer_range=0.1,  # larger than the default so greedy outputs depend on the KV
     )
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path, safe_serialization=True)
