@@ -6,7 +6,8 @@ JSON command per stdin line with one ``@@ {...}`` line (vLLM's own output goes
 to stderr/stdout around it):
 
 * ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": 8}`` ->
-  ``{"outputs": [[ids...]], "cached": [num_cached_tokens...], "ttft": [s...]}``
+  ``{"outputs": [[ids...]], "cached": [num_cached_tokens...], "ttft": [s...],
+  "seconds": wall time of the whole generate call}``
 * ``{"op": "reset"}`` -> ``{"reset": true}`` (``llm.reset_prefix_cache()``, retried
   while blocks are held by pending stores)
 * ``{"op": "metrics"}`` -> ``{"metrics": {name: summed value}}``
@@ -77,14 +78,17 @@ def main() -> None:
             sp = SamplingParams(max_tokens=cmd.get("max_tokens", 8), temperature=0.0,
                                 ignore_eos=True)
             prompts = [TokensPrompt(prompt_token_ids=p) for p in cmd["prompts"]]
+            t0 = time.perf_counter()
             res = llm.generate(prompts, sp, use_tqdm=False)
+            seconds = time.perf_counter() - t0
             ttft = []
             for r in res:
                 m = r.metrics
                 first = getattr(m, "first_token_latency", None) if m is not None else None
                 ttft.append(first)
             reply({"outputs": [list(r.outputs[0].token_ids) for r in res],
-                   "cached": [r.num_cached_tokens for r in res], "ttft": ttft})
+                   "cached": [r.num_cached_tokens for r in res], "ttft": ttft,
+                   "seconds": seconds})
         else:
             reply({"error": f"unknown op {op!r}"})
 
