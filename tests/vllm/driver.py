@@ -14,7 +14,7 @@ to stderr/stdout around it):
 * ``{"op": "quit"}``
 
 JSON_OPTIONS: ``{"block_size": 128, "kv_transfer_config": {...} | null,
-"max_model_len": 4096}``.
+"max_model_len": 4096, "executor": null | "uni" | "mp"}``.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def main() -> None:
                   enforce_eager=True, enable_prefix_caching=True,
                   block_size=options.get("block_size", 128),
                   kv_transfer_config=options.get("kv_transfer_config"),
-                  disable_log_stats=False, seed=0)
+                  disable_log_stats=False, seed=0,
+                  distributed_executor_backend=options.get("executor"))
     except Exception as exc:
         reply({"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()})
         raise SystemExit(3) from exc

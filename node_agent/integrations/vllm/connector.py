@@ -20,6 +20,7 @@ anything is pending, so that every step (even an empty one) reaches
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -162,8 +163,6 @@ class FlexKVAgentConnector(KVConnectorBase_V1):
 
     def _check_agent_present(self) -> None:
         path = self.cfg.engine_socket.removeprefix("ipc://")
-        import os
-
         if self.cfg.require_agent and not os.path.exists(path):
             raise ConnectorConfigError(
                 f"no FlexKV agent socket at kv_connector_extra_config.engineSocket={path!r}; "
