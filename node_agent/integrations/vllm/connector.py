@@ -249,6 +249,8 @@ class FlexKVAgentConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._sched is not None
+        if not getattr(scheduler_output, "total_num_scheduled_tokens", 1):
+            self._sched.idle_wait()
         report = self._sched.step_report()
         return AgentConnectorMetadata(pending=report.pending, failed=report.failed)
 

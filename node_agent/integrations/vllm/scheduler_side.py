@@ -31,7 +31,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,6 +61,8 @@ def agent_down(exc: BaseException) -> bool:
     return isinstance(exc, AGENT_ERRORS)
 #: A store whose completion the agent never reports is given up after this long.
 STORE_GIVE_UP_SECONDS = 120.0
+#: Longest wait of an empty engine step for a load to end (see ``idle_wait``).
+IDLE_WAIT_SECONDS = 0.005
 #: Poll period of the store thread while stores are in flight.
 POLL_SECONDS = 0.005
 
@@ -99,9 +101,9 @@ def block_slots(block_ids: Sequence[int], block_size: int) -> np.ndarray:
 class AgentHealth:
     """Whether to call the agent now; logs each outage once and its end."""
 
-    def __init__(self, retry_seconds: float, counters: Counters) -> None:
+    def __init__(self, retry_seconds: float, on_error: Callable[[], None]) -> None:
         self._retry = retry_seconds
-        self._counters = counters
+        self._on_error = on_error
         self._down_until = 0.0
         self._down = False
         self._lock = threading.Lock()
@@ -113,8 +115,8 @@ class AgentHealth:
         if not agent_down(exc):
             log.warning("FlexKV %s refused, treating as a miss: %s", what, exc)
             return
+        self._on_error()
         with self._lock:
-            self._counters.agent_errors += 1
             self._down_until = time.monotonic() + self._retry
             first = not self._down
             self._down = True
@@ -153,7 +155,7 @@ class SchedulerSide:
         self.block_size = block_size
         rank = RankInfo(replica=cfg.replica, tp_rank=0, tp_size=tp_size)
         self.counters = Counters()
-        self.health = AgentHealth(cfg.retry_seconds, self.counters)
+        self.health = AgentHealth(cfg.retry_seconds, lambda: self._count(agent_errors=1))
         self._lookup_client = EngineClient(cfg.engine_socket, rank,
                                            timeout=cfg.lookup_timeout_seconds)
         self._load_client = EngineClient(cfg.engine_socket, rank, timeout=cfg.call_timeout_seconds)
@@ -169,6 +171,7 @@ class SchedulerSide:
         self._storing: set[str] = set()
         self._sent: set[str] = set()                     # stores done, to report
         self._loads: queue.Queue[_Load | None] = queue.Queue()
+        self._load_ended = threading.Event()
         self._stores: queue.Queue[_Store | str | None] = queue.Queue()
         self._threads = [
             threading.Thread(target=self._load_loop, name="flexkv-load", daemon=True),
@@ -197,12 +200,12 @@ class SchedulerSide:
             log.warning("FlexKV lookup refused, treating as a miss: %s", exc)
             return 0
         self.health.ok()
-        self.counters.lookups += 1
+        self._count(lookups=1)
         hit = max(0, min(int(hit), limit - local))
         hit -= hit % bs
         with self._lock:
             self._lookups[rid] = (local, hit)
-        self.counters.hit_tokens += hit
+        self._count(hit_tokens=hit)
         return hit
 
     def after_alloc(self, rid: str, block_ids: Sequence[int], external: int) -> None:
@@ -213,17 +216,20 @@ class SchedulerSide:
             if looked is not None and looked[1] > 0:
                 self._release(rid, self._lookup_client)  # unlock the unused match now
             return
-        if looked is None:
-            raise RuntimeError(f"FlexKV connector: request {rid} was given {external} external "
-                               "tokens without a lookup; this is a connector bug")
-        local, hit = looked
         bs = self.block_size
-        if external > hit or local % bs or external % bs:
-            raise RuntimeError(f"FlexKV connector: request {rid}: {external} external tokens "
-                               f"after {local} local ones do not match the lookup's {hit} "
-                               f"whole blocks of {bs}")
+        local = looked[0] if looked is not None else 0
         first = local // bs
-        blocks = list(block_ids[first: first + external // bs])
+        blocks = list(block_ids[first: first + -(-external // bs)])
+        if looked is None or external > looked[1] or local % bs or external % bs:
+            # Not what the lookup promised (a vLLM change?): never guess, recompute.
+            log.error("FlexKV connector: request %s got %s external tokens after %s local "
+                      "ones, not the lookup's %s; recomputing them", rid, external, local,
+                      None if looked is None else looked[1])
+            with self._lock:
+                self._loading.add(rid)
+                self._recv_failed[rid] = blocks
+                self._no_lookup.add(rid)
+            return
         with self._lock:
             self._loading.add(rid)
         self._loads.put(_Load(rid, blocks, block_slots(blocks, bs)))
@@ -239,6 +245,16 @@ class SchedulerSide:
             pending = bool(self._loading or self._recv_ok or self._recv_failed_sent
                            or self._storing or self._sent)
         return StepReport(pending=pending, failed=failed)
+
+    def idle_wait(self, seconds: float = IDLE_WAIT_SECONDS) -> None:
+        """Called on a step that schedules nothing: while loads are in flight, wait
+        up to ``seconds`` for one to end instead of letting vLLM spin empty steps,
+        which on a small machine take the CPU the agent's copy needs."""
+        with self._lock:
+            waiting = bool(self._loading) and not self._recv_ok and not self._recv_failed
+        if waiting:
+            self._load_ended.wait(seconds)
+        self._load_ended.clear()
 
     def completions(self, failed_echoed: set[str]) -> tuple[set[str], set[str]]:
         """``(finished_recving, finished_sending)`` to add to this step's output.
@@ -298,11 +314,12 @@ class SchedulerSide:
                 else:
                     self._recv_failed[job.rid] = job.blocks
                     self._no_lookup.add(job.rid)
+            self._load_ended.set()
             if ok:
-                self.counters.loads += 1
-                self.counters.loaded_tokens += len(job.slots)
+                self._count(loads=1)
+                self._count(loaded_tokens=len(job.slots))
             else:
-                self.counters.load_failures += 1
+                self._count(load_failures=1)
 
     def _store_loop(self) -> None:
         inflight: dict[str, _Store] = {}
@@ -332,8 +349,8 @@ class SchedulerSide:
         if task >= 0:
             job.started = time.monotonic()
             inflight[job.rid] = job
-            self.counters.stores += 1
-            self.counters.stored_tokens += len(job.tokens)
+            self._count(stores=1)
+            self._count(stored_tokens=len(job.tokens))
         else:
             self._store_done(job.rid)
 
@@ -369,6 +386,11 @@ class SchedulerSide:
                 self.health.failed("release", exc)
         except Exception as exc:
             log.debug("FlexKV release of %s failed: %s", rid, exc)
+
+    def _count(self, **amounts: int) -> None:
+        with self._lock:
+            for key, n in amounts.items():
+                setattr(self.counters, key, getattr(self.counters, key) + n)
 
     def take_counters(self) -> dict[str, int]:
         """Counters since the last call (for vLLM's connector stats)."""
