@@ -5,11 +5,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
+bash scripts/bootstrap_vllm.sh   # .venv-vllm for bench/vllm_ttft.py
 # shellcheck disable=SC1091
 . .venv/bin/activate
 mkdir -p out
 : > out/bench.jsonl
-for b in transfer match fanout engine_api operator; do
+for b in transfer match fanout engine_api operator vllm_ttft; do
   echo "== bench/$b.py $*" >&2
   python "bench/$b.py" "$@" | tee -a out/bench.jsonl
 done

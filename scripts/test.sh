@@ -19,6 +19,10 @@ while [ $# -gt 0 ]; do
 done
 
 bash scripts/bootstrap.sh
+# .venv-vllm: the vLLM CPU build for tests/vllm (real engines run under it as
+# subprocesses of the main pytest); its tests fail rather than skip here.
+[ "$lint_only" = 1 ] || bash scripts/bootstrap_vllm.sh
+export FLEXKV_REQUIRE_VLLM=1
 # shellcheck disable=SC1091
 . .venv/bin/activate
 export PATH="$PWD/.tools/bin:$PATH"

@@ -89,3 +89,17 @@ def test_sglang_plugin_modules_import_without_sglang() -> None:
                          text=True, check=True).stdout
     assert "needs SGLang" in out and "pip install 'sglang==0.5.23'" in out, out
     assert "SGLANG_PLUGINS" in out, out
+
+
+def test_only_the_vllm_integration_imports_vllm() -> None:
+    """vLLM lives in its own venv: no other module may import it, and the
+    integration's vLLM-free helpers (config, shared memory) import without it."""
+    leaf = REPO / "node_agent" / "integrations" / "vllm"
+    offenders = {
+        str(p.relative_to(REPO))
+        for p, mods in _imports(REPO / "node_agent").items()
+        if "vllm" in mods and not p.is_relative_to(leaf)
+    }
+    assert offenders == set()
+    importers = {p.name for p, mods in _imports(leaf).items() if "vllm" in mods}
+    assert importers == {"connector.py"}

@@ -399,6 +399,11 @@ class FlexKVBackend(KVBackend):
         FlexKV keeps a rank's CUDA mappings for the life of its transfer
         manager, so registering a rank twice raises ``KVBackendError``.
         """
+        if self.layout.name.paged:
+            raise ValueError(
+                f"rank {rank}: layout {self.layout.name.value} (vLLM's CPU KV cache) is not "
+                "one FlexKV registers; on a node without GPUs use backend: embedded"
+            )
         registered = register_buffers(self.layout, rank, buffers)
         tensors = self._flexkv_tensors(buffers)
         num_block = registered.num_slots // self.tokens_per_block

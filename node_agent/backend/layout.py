@@ -17,8 +17,16 @@ Buffer layouts (:class:`LayoutName`), named by dimension order:
     One tensor per layer of shape ``(kv_dim, num_slots, heads, head_size)`` (K
     and V stacked in front, as vLLM's flash-attention layout flattened to slots);
     registered as ``(layers,)``, one list of ``num_layers`` tensors.
+``layer_block_head_token_kv`` (vLLM's paged KV cache, its CPU form)
+    One tensor per layer of shape ``(num_blocks, heads, tokens_per_block,
+    kv_dim * head_size)`` (K and V packed in the last axis), registered as
+    ``(layers,)``. The tensors may be strided views of one buffer (vLLM
+    interleaves layers), but each ``(layer, block)`` page must be one dense run
+    of bytes. A plane is a whole layer (``num_planes == num_layers``), viewed as
+    ``(num_blocks, page_elems)``: this layout is copied by whole pages only, so
+    slot mappings must cover whole, aligned blocks (slot ``block * tpb + offset``).
 
-Both normalise to the same internal form, :class:`RegisteredBuffers`: one 2-D
+The first two normalise to the same internal form, :class:`RegisteredBuffers`: one 2-D
 view ``(num_slots, heads * head_size)`` per *plane*, plane ``layer * kv_dim + kv``.
 Every copy works on planes with device-agnostic torch ops, so CUDA buffers (GPU
 nodes) and CPU tensors in shared memory (CPU nodes, tests) take one code path.
@@ -91,6 +99,12 @@ class LayoutName(enum.Enum):
 
     LAYER_SLOT_HEAD = "layer_slot_head"
     LAYER_KV_SLOT_HEAD = "layer_kv_slot_head"
+    LAYER_BLOCK_HEAD_TOKEN_KV = "layer_block_head_token_kv"
+
+    @property
+    def paged(self) -> bool:
+        """True when planes are rows of whole pages (copied by page only)."""
+        return self is LayoutName.LAYER_BLOCK_HEAD_TOKEN_KV
 
 
 @dataclass(frozen=True)
@@ -149,13 +163,16 @@ class KVLayout:
 
     @property
     def num_planes(self) -> int:
-        """Planes per rank: one per layer and per K/V (``plane = layer * kv_dim + kv``)."""
-        return self.num_layers * self.kv_dim
+        """Planes per rank: one per layer and per K/V (``plane = layer * kv_dim + kv``),
+        or one per layer for a paged layout (K and V packed in each page)."""
+        return self.num_layers if self.name.paged else self.num_layers * self.kv_dim
 
     @property
     def row_elems(self) -> int:
-        """Elements of one token in one plane of one rank."""
-        return self.heads_per_rank * self.head_size
+        """Elements of one token in one plane of one rank (for a paged layout, a
+        page's elements divided by ``tokens_per_block``)."""
+        packed = self.kv_dim if self.name.paged else 1
+        return self.heads_per_rank * self.head_size * packed
 
     @property
     def row_bytes(self) -> int:
@@ -195,6 +212,8 @@ class RegisteredBuffers:
     planes: tuple[torch.Tensor, ...]
     num_slots: int
     device: torch.device
+    paged: bool = False
+    """Planes are ``(num_blocks, page_elems)`` rows of whole pages (copied by page only)."""
 
 
 def register_buffers(
@@ -214,6 +233,8 @@ def register_buffers(
             "(KVLayout.tp_size)"
         )
     groups = list(buffers)
+    if layout.name.paged:
+        return _register_paged(layout, rank, groups)
     if layout.name is LayoutName.LAYER_SLOT_HEAD:
         if len(groups) != layout.kv_dim:
             raise ValueError(
@@ -258,6 +279,66 @@ def register_buffers(
         )
     return RegisteredBuffers(rank=rank, planes=planes, num_slots=num_slots,
                              device=planes[0].device)
+
+
+def _register_paged(layout: KVLayout, rank: int,
+                    groups: list[Sequence[torch.Tensor]]) -> RegisteredBuffers:
+    """``layer_block_head_token_kv``: one ``(num_blocks, heads, tpb, kv_dim * head_size)``
+    tensor per layer, each page dense; planes are ``(num_blocks, page_elems)`` views."""
+    if len(groups) != 1:
+        raise ValueError(
+            f"rank {rank}: got {len(groups)} buffer lists, expected 1 (one tensor per layer) "
+            "for layout layer_block_head_token_kv"
+        )
+    tensors = list(groups[0])
+    if len(tensors) != layout.num_layers:
+        raise ValueError(f"rank {rank}: got {len(tensors)} layer tensors, expected "
+                         f"num_layers={layout.num_layers}")
+    tpb = layout.tokens_per_block
+    tail = (layout.heads_per_rank, tpb, layout.kv_dim * layout.head_size)
+    page = tail[0] * tail[1] * tail[2]
+    device: torch.device | None = None
+    num_blocks: int | None = None
+    planes = []
+    for i, t in enumerate(tensors):
+        name = f"buffers[0][{i}]"
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"rank {rank}: {name} is a {type(t).__name__}, expected a "
+                             "torch.Tensor")
+        if t.dtype != layout.dtype.torch_dtype:
+            raise ValueError(f"rank {rank}: {name} has dtype {t.dtype}, expected "
+                             f"{layout.dtype.torch_dtype} (KVLayout.dtype={layout.dtype.value})")
+        if device is None:
+            device = t.device
+        elif t.device != device:
+            raise ValueError(f"rank {rank}: {name} is on {t.device} but earlier buffers are on "
+                             f"{device}; all of one rank's buffers must be on one device")
+        if t.dim() != 4 or tuple(t.shape[1:]) != tail or t.shape[0] < 1:
+            raise ValueError(
+                f"rank {rank}: {name} has shape {tuple(t.shape)}, expected (num_blocks, "
+                f"{tail[0]}, {tail[1]}, {tail[2]}) (heads_per_rank, tokens_per_block, "
+                "kv_dim * head_size)"
+            )
+        if num_blocks is None:
+            num_blocks = int(t.shape[0])
+        elif t.shape[0] != num_blocks:
+            raise ValueError(f"rank {rank}: {name} has {t.shape[0]} blocks but earlier buffers "
+                             f"have {num_blocks}; every layer must hold the same blocks")
+        inner = sorted(zip(t.stride()[1:], t.shape[1:], strict=True))
+        expect = 1
+        for stride, size in inner:
+            if stride != expect:
+                raise ValueError(
+                    f"rank {rank}: {name} has strides {tuple(t.stride())}; each block's page "
+                    f"of {page} elements must be one dense run (a page may not be padded or "
+                    "interleaved with another layer's)"
+                )
+            expect *= size
+        planes.append(torch.as_strided(t, (num_blocks, page), (t.stride(0), 1),
+                                       t.storage_offset()))
+    assert device is not None and num_blocks is not None
+    return RegisteredBuffers(rank=rank, planes=tuple(planes), num_slots=num_blocks * tpb,
+                             device=device, paged=True)
 
 
 def _check_tensors(

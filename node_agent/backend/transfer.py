@@ -10,7 +10,9 @@ Copy unit: when every block's slots are one aligned engine page (``tpb``
 consecutive slots starting at a multiple of ``tpb``, as SGLang allocates with
 ``page_size == tokens_per_block``), planes are indexed by page - rows of
 ``tpb`` tokens - instead of by token, which makes every row copy 16x longer.
-Otherwise they are indexed by token. Both give the same bytes.
+Otherwise they are indexed by token. Both give the same bytes. Paged layouts
+(vLLM's ``layer_block_head_token_kv``) are copied by page only: their slot
+mappings must be whole, aligned pages.
 
 The same calls work for CUDA engine buffers (the gather happens on the device,
 then one copy crosses to or from the host) and for CPU tensors; a CUDA device is
@@ -119,8 +121,13 @@ class _Units:
         self.tokens = slots.to(device)
         self.pages = pages.to(device) if pages is not None else None
 
-    def pick(self, plane: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """``(plane as rows of one unit, unit index, units per block)`` for ``plane``."""
+    def pick(self, plane: torch.Tensor, paged: bool = False,
+             ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """``(plane as rows of one unit, unit index, units per block)`` for ``plane``
+        (``paged``: its rows are pages already)."""
+        if paged:
+            assert self.pages is not None  # checked in BlockCopier._units
+            return plane, self.pages, 1
         if self.pages is not None and plane.stride(0) == plane.shape[1]:
             n = plane.shape[0] // self.tpb
             return plane[: n * self.tpb].view(n, -1), self.pages, 1
@@ -166,6 +173,12 @@ class BlockCopier:
                ) -> dict[torch.device, _Units]:
         tpb = self.layout.tokens_per_block
         pages = page_index(slots, tpb)
+        if pages is None and self.layout.name.paged and len(slots):
+            raise ValueError(
+                f"layout {self.layout.name.value} is copied by whole pages, but the slots do "
+                f"not form whole, aligned pages of {tpb} (slot = block * {tpb} + offset); "
+                "pass every slot of each block, in order"
+            )
         return {d: _Units(slots, pages, tpb, d) for d in {b.device for b in buffers.values()}}
 
     def _region(self, stored_rank: int, plane: int, dtype: torch.dtype, units: int,
@@ -191,7 +204,7 @@ class BlockCopier:
                 buf = buffers[r]
                 units = prepared[buf.device]
                 for p in range(lay.num_planes):
-                    src, idx, u = units.pick(_widest_view(buf.planes[p]))
+                    src, idx, u = units.pick(_widest_view(buf.planes[p]), buf.paged)
                     region = self._region(r, p, src.dtype, u)
                     if not gathered:
                         for pos, b0, n in runs:
@@ -253,7 +266,7 @@ class BlockCopier:
             sr = 0 if lay.is_mla else rank
             units = prepared[buf.device]
             for p in range(lay.num_planes):
-                dst, idx, u = units.pick(_widest_view(buf.planes[p]))
+                dst, idx, u = units.pick(_widest_view(buf.planes[p]), buf.paged)
                 region = self._region(sr, p, dst.dtype, u)
                 if not gathered:
                     for pos, b0, n in runs:
@@ -294,6 +307,9 @@ class BlockCopier:
         pages = []  # one (num_pages, segment_bytes) byte view per region, in disk order
         for sr in range(lay.stored_ranks):
             for plane in buffers[sr].planes:
+                if buffers[sr].paged:
+                    pages.append(plane.view(torch.uint8).numpy())
+                    continue
                 if plane.stride(0) != plane.shape[1]:
                     return False
                 n = plane.shape[0] // tpb
@@ -326,7 +342,7 @@ class BlockCopier:
             sr = 0 if lay.is_mla else rank
             units = prepared[buf.device]
             for p in range(lay.num_planes):
-                dst, idx, u = units.pick(_widest_view(buf.planes[p]))
+                dst, idx, u = units.pick(_widest_view(buf.planes[p]), buf.paged)
                 k = sr * lay.num_planes + p
                 data = staging[k, : len(blocks)].view(dst.dtype).view(len(blocks) * u, -1)
                 self._checkpoint(abort)

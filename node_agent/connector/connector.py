@@ -91,6 +91,7 @@ class Connector:
         self._store: StageStore | None = None
         self._buffers: dict[int, Sequence[Sequence[torch.Tensor]]] = {}
         self._num_slots: int | None = None
+        self._slots_by_rank: dict[int, int] = {}
         self._server: FanoutServer | None = server
         self._own_server = server is None
         self._leader_rank: int | None = None
@@ -244,8 +245,10 @@ class Connector:
             if self._store is not None:
                 _registrable(self._store).register_kv_buffers(rank, buffers)
             self._buffers[rank] = buffers
-            slots = reg.num_slots if self._num_slots is None else min(self._num_slots,
-                                                                       reg.num_slots)
+            # The smallest of the current registrations (a rank that registers
+            # again replaces its own count, so a restarted engine may grow it).
+            self._slots_by_rank[rank] = reg.num_slots
+            slots = min(self._slots_by_rank.values())
             self._num_slots = slots
             if role is not None:
                 role.num_slots = slots

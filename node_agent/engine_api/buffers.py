@@ -4,6 +4,8 @@ An engine describes each KV buffer tensor by a *handle*, a JSON object:
 
 * ``{"kind": "shm", "name": ..., "dtype": ..., "shape": [...], "offset": 0}`` for a
   CPU tensor living in POSIX shared memory (tests, the demo, CPU-only engines);
+  ``offset`` is in bytes; an optional ``"stride": [...]`` (in elements) describes
+  a strided view, such as one layer of vLLM's KV cache inside its one buffer;
 * ``{"kind": "cuda_ipc", "device": ..., "handle": <base64>, ...}`` for a CUDA
   tensor, exported through the CUDA IPC of torch's storage sharing.
 
@@ -19,6 +21,7 @@ import base64
 import binascii
 import contextlib
 import math
+import mmap
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
@@ -201,7 +204,15 @@ def _open_shm(h: dict[str, Any]) -> OpenedBuffer:
     if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
         raise HandleError(f"shm handle offset {offset!r} must be an int >= 0")
     dtype, shape = _dtype(h.get("dtype")), _shape(h.get("shape"))
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    stride = _stride(h.get("stride"), shape)
+    if stride is None:
+        nbytes = math.prod(shape) * itemsize
+    else:
+        if offset % itemsize:
+            raise HandleError(f"shm handle offset {offset} is not a multiple of the "
+                              f"{itemsize}-byte dtype {h.get('dtype')}")
+        nbytes = (sum((d - 1) * s for d, s in zip(shape, stride, strict=True)) + 1) * itemsize
     if nbytes > MAX_BUFFER_BYTES:
         raise HandleError(f"shm handle of {nbytes} bytes exceeds {MAX_BUFFER_BYTES}")
     try:
@@ -216,8 +227,40 @@ def _open_shm(h: dict[str, Any]) -> OpenedBuffer:
         raise HandleError(
             f"shm handle {name!r} needs {offset + nbytes} bytes but the segment has {shm.size}"
         )
+    _populate(shm, offset, nbytes)
     flat = torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes, offset=offset)
-    return OpenedBuffer(tensor=flat.view(dtype).view(shape), _keep=shm)
+    if stride is None:
+        return OpenedBuffer(tensor=flat.view(dtype).view(shape), _keep=shm)
+    return OpenedBuffer(tensor=torch.as_strided(flat.view(dtype), shape, stride), _keep=shm)
+
+
+#: ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+); Python 3.11's mmap lacks the name.
+_MADV_POPULATE_WRITE = 23
+
+
+def _populate(shm: shared_memory.SharedMemory, offset: int, nbytes: int) -> None:
+    """Map the handle's pages into this process now, at registration, rather than
+    one page fault at a time during the first copies (best effort: older kernels
+    refuse the advice and the pages fault in lazily as before)."""
+    mm = getattr(shm, "_mmap", None)
+    if mm is None or not hasattr(mm, "madvise"):
+        return
+    page = mmap.PAGESIZE
+    start = offset - offset % page
+    with contextlib.suppress(OSError, ValueError, OverflowError):
+        mm.madvise(_MADV_POPULATE_WRITE, start, min(offset + nbytes, shm.size) - start)
+
+
+def _stride(value: object, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """An shm handle's optional ``stride``: one int >= 0 per dimension of ``shape``."""
+    if value is None:
+        return None
+    if (not isinstance(value, list) or len(value) != len(shape)
+            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
+                       for s in value)):
+        raise HandleError(f"shm handle stride {value!r} must be a list of ints >= 0, one per "
+                          f"dimension of shape {list(shape)}")
+    return tuple(value)
 
 
 def _open_cuda(h: dict[str, Any]) -> OpenedBuffer:

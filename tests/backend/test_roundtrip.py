@@ -21,7 +21,7 @@ from node_agent.backend.layout import KVDtype, LayoutName
 
 @pytest.mark.parametrize("dtype", list(KVDtype))
 @pytest.mark.parametrize("kv_dim", [2, 1], ids=["mha", "mla"])
-@pytest.mark.parametrize("name", list(LayoutName))
+@pytest.mark.parametrize("name", [n for n in LayoutName if not n.paged])
 def test_store_then_load_into_other_slots_is_bit_exact(
     dtype: KVDtype, kv_dim: int, name: LayoutName
 ) -> None:

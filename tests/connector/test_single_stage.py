@@ -167,3 +167,17 @@ def test_max_completed_must_be_positive() -> None:
     view = GroupViewSource(GroupView.from_status(GROUP, group_status(1, 0, {0: "tcp://127.0.0.1:1"})))
     with pytest.raises(ValueError, match="max_completed=0 must be an int >= 1"):
         make_connector(0, view, keys=None, endpoint=None, max_completed=0)
+
+
+def test_a_rank_registering_again_with_more_slots_can_use_them(single) -> None:  # type: ignore[no-untyped-def]
+    """A restarted engine may register a larger KV cache than before: the slot bound
+    is the smallest *current* registration, not the smallest ever seen."""
+    conn, bufs = single
+    small = tuple([t[:2 * TPB].clone() for t in group] for group in bufs)
+    conn.register_kv_buffers(0, small)
+    tokens = np.arange(500, 500 + 2 * TPB)
+    high = np.arange(len(bufs[0][0]) - 2 * TPB, len(bufs[0][0]))
+    with pytest.raises(ValueError, match="outside the registered buffers"):
+        conn.store_kv("r-small", tokens, torch.as_tensor(high))
+    conn.register_kv_buffers(0, bufs)
+    assert _store(conn, bufs, "r-big", tokens, high) >= 0

@@ -1,0 +1,75 @@
+"""``kv_connector_extra_config`` of the vLLM connector: keys, defaults, checks.
+
+Every key is optional. A bad key or value raises :class:`ConnectorConfigError`
+at start-up naming the key, the bad value and the fix (vLLM then refuses to
+start). See docs/vllm.md for the table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_SOCKET = "/var/run/flexkv/engine.sock"
+
+
+class ConnectorConfigError(ValueError):
+    """A ``kv_connector_extra_config`` key or value is invalid."""
+
+
+@dataclass(frozen=True)
+class AgentConnectorConfig:
+    """The validated extra config (camelCase keys on the wire)."""
+
+    engine_socket: str = DEFAULT_SOCKET
+    """The agent's engine socket (``engineSocket`` of agent.yaml), path or ``ipc://`` form."""
+    replica: str = "vllm"
+    """This engine's name at the agent; a restarted or second engine reusing it hits
+    what the first stored (the agent serves one replica per node)."""
+    require_agent: bool = True
+    """Fail start-up when no agent listens on ``engine_socket``."""
+    call_timeout_seconds: float = 15.0
+    """Bound on each load / store call (above the agent's engineCallSeconds + margin)."""
+    lookup_timeout_seconds: float = 2.0
+    """Bound on the admission lookup, made in vLLM's scheduler loop."""
+    retry_seconds: float = 2.0
+    """After the agent was unreachable, skip it for this long, then try again."""
+
+
+_KEYS: dict[str, tuple[str, type | tuple[type, ...], str]] = {
+    "engineSocket": ("engine_socket", str, "a path such as /var/run/flexkv/engine.sock"),
+    "replica": ("replica", str, "a name of 1..253 characters, e.g. llama-8b"),
+    "requireAgent": ("require_agent", bool, "true or false"),
+    "callTimeoutSeconds": ("call_timeout_seconds", (int, float), "a number of seconds > 0"),
+    "lookupTimeoutSeconds": ("lookup_timeout_seconds", (int, float),
+                             "a number of seconds > 0"),
+    "retrySeconds": ("retry_seconds", (int, float), "a number of seconds > 0"),
+}
+
+
+def parse_extra_config(raw: Mapping[str, Any] | None) -> AgentConnectorConfig:
+    """Validate ``kv_connector_extra_config``; unknown keys are errors."""
+    values: dict[str, Any] = {}
+    for key, value in dict(raw or {}).items():
+        if key not in _KEYS:
+            raise ConnectorConfigError(
+                f"kv_connector_extra_config key {key!r} is unknown (value {value!r}); "
+                f"allowed keys are {', '.join(sorted(_KEYS))}"
+            )
+        field, types, fix = _KEYS[key]
+        bad_type = not isinstance(value, types) or (isinstance(value, bool) and types is not bool)
+        if bad_type:
+            raise ConnectorConfigError(
+                f"kv_connector_extra_config.{key} is {value!r}; it must be {fix}"
+            )
+        if types is str and not 0 < len(value) <= 253:
+            raise ConnectorConfigError(
+                f"kv_connector_extra_config.{key} is {value!r}; it must be {fix}"
+            )
+        if types == (int, float) and not value > 0:
+            raise ConnectorConfigError(
+                f"kv_connector_extra_config.{key} is {value!r}; it must be {fix}"
+            )
+        values[field] = float(value) if types == (int, float) else value
+    return AgentConnectorConfig(**values)

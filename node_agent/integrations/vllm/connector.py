@@ -1,0 +1,298 @@
+"""``FlexKVAgentConnector``: vLLM's KV connector backed by the node's FlexKV agent.
+
+Turned on with::
+
+    --kv-transfer-config '{"kv_connector": "FlexKVAgentConnector",
+      "kv_connector_module_path": "node_agent.integrations.vllm", "kv_role": "kv_both",
+      "kv_load_failure_policy": "recompute",
+      "kv_connector_extra_config": {"engineSocket": "/var/run/flexkv/engine.sock"}}'
+
+vLLM builds one instance per role: SCHEDULER in the engine-core process (every
+data call, :mod:`.scheduler_side`) and WORKER in each worker process (KV cache
+registration, :mod:`.worker_side`). The two talk only through vLLM's own
+per-step metadata: the scheduler's :class:`AgentConnectorMetadata` says whether
+transfers are pending and which loads failed; each worker echoes the failed
+blocks as ``invalid_block_ids`` and returns :class:`AgentWorkerMetadata` while
+anything is pending, so that every step (even an empty one) reaches
+``update_connector_output``, where the scheduler adds its completions.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+from node_agent.client import RankInfo
+from node_agent.integrations.vllm.config import ConnectorConfigError, parse_extra_config
+from node_agent.integrations.vllm.scheduler_side import SchedulerSide
+from node_agent.integrations.vllm.shm_pool import SharedKVAllocation
+from node_agent.integrations.vllm.worker_side import (
+    Registrar,
+    cuda_handles,
+    describe_kv_caches,
+    shm_handles,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AgentConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> workers, once per step."""
+
+    pending: bool = False
+    failed: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass
+class AgentWorkerMetadata(KVConnectorWorkerMetadata):
+    """Workers -> scheduler: the failed loads whose blocks this step reported invalid."""
+
+    failed_rids: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, AgentWorkerMetadata)
+        return AgentWorkerMetadata(self.failed_rids | other.failed_rids)
+
+
+@dataclass
+class AgentConnectorStats(KVConnectorStats):
+    """Counters of the scheduler side since the last report (summed on aggregate)."""
+
+    def reset(self) -> None:
+        self.data.clear()
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+_PROM = {
+    "agent_errors": ("vllm:flexkv_agent_errors",
+                     "Calls to the FlexKV agent that failed (agent down or restarting); "
+                     "requests were recomputed"),
+    "hit_tokens": ("vllm:flexkv_agent_hit_tokens", "Prompt tokens the FlexKV agent matched"),
+    "loaded_tokens": ("vllm:flexkv_agent_loaded_tokens",
+                      "Tokens loaded from the FlexKV agent into vLLM's KV blocks"),
+    "load_failures": ("vllm:flexkv_agent_load_failures",
+                      "Loads from the FlexKV agent that failed and were recomputed"),
+    "stored_tokens": ("vllm:flexkv_agent_stored_tokens",
+                      "Tokens whose KV was stored into the FlexKV agent"),
+}
+
+
+class AgentPromMetrics(KVConnectorPromMetrics):
+    """Prometheus counters of :data:`_PROM`, one series per engine."""
+
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict[Any, Any],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            key: self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+            for key, (name, doc) in _PROM.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues.get(engine_idx, [])
+        for key, counter in self._counters.items():
+            value = transfer_stats_data.get(key, 0)
+            if value:
+                counter.labels(*labels).inc(value)
+
+
+class FlexKVAgentConnector(KVConnectorBase_V1):
+    """A KV connector whose cache is the node's FlexKV agent (module docstring)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self.cfg = parse_extra_config(transfer.kv_connector_extra_config)
+        if transfer.kv_load_failure_policy != "recompute":
+            raise ConnectorConfigError(
+                f"kv_load_failure_policy is {transfer.kv_load_failure_policy!r}; the FlexKV "
+                "agent is a cache, a failed load must be recomputed: add "
+                '"kv_load_failure_policy": "recompute" to --kv-transfer-config'
+            )
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size != 1:
+            raise ConnectorConfigError(
+                f"pipeline_parallel_size is {parallel.pipeline_parallel_size}; the FlexKV "
+                "vLLM connector serves one PP stage (use pipeline_parallel_size 1)"
+            )
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.tp_size = int(parallel.tensor_parallel_size)
+        self._sched: SchedulerSide | None = None
+        self._registrar: Registrar | None = None
+        self._alloc: SharedKVAllocation | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._check_agent_present()
+            self._sched = SchedulerSide(self.cfg, self.block_size, self.tp_size)
+        else:
+            self._head_size = int(vllm_config.model_config.get_head_size())
+
+    def _check_agent_present(self) -> None:
+        path = self.cfg.engine_socket.removeprefix("ipc://")
+        if self.cfg.require_agent and not os.path.exists(path):
+            raise ConnectorConfigError(
+                f"no FlexKV agent socket at kv_connector_extra_config.engineSocket={path!r}; "
+                "start the agent (flexkv-agent run --config agent.yaml), point engineSocket at "
+                "its engineSocket, or set requireAgent to false to start without it"
+            )
+
+    # ============================== worker side ==============================
+
+    def get_mem_pool_context(self) -> SharedKVAllocation | None:
+        if self.cfg_device_is_cpu():
+            self._alloc = SharedKVAllocation()
+            return self._alloc
+        return None
+
+    def cfg_device_is_cpu(self) -> bool:
+        return str(self._vllm_config.device_config.device_type) == "cpu"
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        layout, tensors = describe_kv_caches(kv_caches, self.block_size, self._head_size,
+                                             self.tp_size)
+        if tensors[0].is_cuda:
+            handles = cuda_handles(tensors)
+        else:
+            alloc = self._alloc
+            if alloc is None or alloc.name is None or alloc.tensor is None:
+                raise RuntimeError("FlexKV connector: vLLM's KV cache was not allocated in "
+                                   "shared memory (get_mem_pool_context was not used)")
+            handles = shm_handles(tensors, alloc.name, alloc.tensor)
+        rank = RankInfo(replica=self.cfg.replica, tp_rank=get_tensor_model_parallel_rank(),
+                        tp_size=self.tp_size)
+        self._registrar = Registrar(self.cfg, rank, layout, handles, self.block_size)
+        if self._registrar.register(at_start=True):
+            log.info("KV cache registered with the FlexKV agent: %s layers, layout %s, "
+                     "%s tokens per block", layout.num_layers, layout.name.value,
+                     self.block_size)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        return  # loads are made by the scheduler side, between steps
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        return
+
+    def _meta(self) -> AgentConnectorMetadata | None:
+        meta = self._connector_metadata
+        return meta if isinstance(meta, AgentConnectorMetadata) else None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        meta = self._meta()
+        if meta is None:
+            return set()
+        return {b for blocks in meta.failed.values() for b in blocks}
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self._registrar is not None:
+            self._registrar.check()
+        meta = self._meta()
+        if meta is None or not (meta.pending or meta.failed):
+            return None
+        return AgentWorkerMetadata(set(meta.failed))
+
+    # ============================== scheduler side ==============================
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._sched is not None
+        hit = self._sched.lookup(request.request_id, request.all_token_ids, num_computed_tokens)
+        return hit, hit > 0
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        assert self._sched is not None
+        block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
+        self._sched.after_alloc(request.request_id, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._sched is not None
+        if not getattr(scheduler_output, "total_num_scheduled_tokens", 1):
+            self._sched.idle_wait()
+        report = self._sched.step_report()
+        return AgentConnectorMetadata(pending=report.pending, failed=report.failed)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._sched is not None
+        worker_meta = connector_output.kv_connector_worker_meta
+        echoed = worker_meta.failed_rids if isinstance(worker_meta, AgentWorkerMetadata) else set()
+        recv, sent = self._sched.completions(set(echoed))
+        if recv:
+            connector_output.finished_recving = set(connector_output.finished_recving or ()) | recv
+        if sent:
+            connector_output.finished_sending = set(connector_output.finished_sending or ()) | sent
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._sched is not None
+        held = self._sched.finished(request.request_id, request.all_token_ids,
+                                    request.num_computed_tokens, block_ids)
+        return held, None
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._sched is None:
+            return None
+        stats = AgentConnectorStats(data=self._sched.take_counters())
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None,
+                                 ) -> KVConnectorStats | None:
+        return AgentConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[Any, Any],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]],
+                           ) -> KVConnectorPromMetrics | None:
+        return AgentPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self._sched is not None:
+            self._sched.close()
+        if self._registrar is not None:
+            self._registrar.close()
+        if self._alloc is not None:
+            self._alloc.close()

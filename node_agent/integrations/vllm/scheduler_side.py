@@ -1,0 +1,410 @@
+"""The scheduler half of the vLLM connector: every data call to the agent.
+
+Where data calls are made: here, in vLLM's scheduler process, never in the
+workers. The agent moves the KV of every TP rank of a stage in one call (only TP
+rank 0 may call ``lookup``/``retrieve``/``store_kv``), so one ``retrieve`` either
+loads a request's blocks on every rank or reports a miss for all of them: a
+request is never half loaded across TP ranks, and workers need no agreement
+protocol. Workers only register their KV buffers (and re-register after an
+agent restart).
+
+Flow of one request (``rid`` = vLLM's request id):
+
+* admission, ``lookup`` (in the scheduler loop, bounded by ``lookupTimeoutSeconds``):
+  tokens from the block-aligned local hit up to the last whole block before the
+  final token (vLLM always computes the last token);
+* after allocation, a ``retrieve`` into the request's newly allocated blocks runs
+  on the load thread; success -> ``finished_recving``; failure -> the blocks are
+  sent to the workers, which report them as ``invalid_block_ids`` in the same
+  step their metadata names the rid, and vLLM recomputes them;
+* when it finishes, its computed whole blocks are stored (store thread); the
+  blocks stay with the connector (``request_finished`` -> ``(True, None)``) until
+  the agent reports the store complete, or failed, or the agent is gone.
+
+Nothing here ever blocks vLLM for longer than one bounded call, and every agent
+failure ends in a miss (recompute), never an error: the agent is a cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from node_agent.client import (
+    AgentTimeoutError,
+    AgentUnavailableError,
+    EngineAPIError,
+    EngineClient,
+    RankInfo,
+)
+from node_agent.integrations.vllm.config import AgentConnectorConfig
+
+log = logging.getLogger(__name__)
+
+#: Errors that may mean "the agent cannot serve right now" (stopped, restarted, busy);
+#: see :func:`agent_down`.
+AGENT_ERRORS = (AgentUnavailableError, AgentTimeoutError, EngineAPIError, ConnectionError,
+                OSError)
+
+
+def agent_down(exc: BaseException) -> bool:
+    """True when ``exc`` says the agent is gone, restarting or overloaded (then it is
+    skipped for ``retrySeconds``); False for an answer about this one call."""
+    if isinstance(exc, EngineAPIError):
+        return exc.error_type in ("NotReady", "InternalError")
+    return isinstance(exc, AGENT_ERRORS)
+#: A store whose completion the agent never reports is given up after this long.
+STORE_GIVE_UP_SECONDS = 120.0
+#: Longest wait of an empty engine step for a load to end (see ``idle_wait``).
+IDLE_WAIT_SECONDS = 0.005
+#: Poll period of the store thread while stores are in flight.
+POLL_SECONDS = 0.005
+
+
+@dataclass
+class Counters:
+    """What the connector did since the last :meth:`SchedulerSide.take_counters`."""
+
+    lookups: int = 0
+    hit_tokens: int = 0
+    loads: int = 0
+    loaded_tokens: int = 0
+    load_failures: int = 0
+    stores: int = 0
+    stored_tokens: int = 0
+    agent_errors: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class StepReport:
+    """What one engine step tells the workers (carried in the connector metadata)."""
+
+    pending: bool = False
+    failed: dict[str, list[int]] = field(default_factory=dict)
+
+
+def block_slots(block_ids: Sequence[int], block_size: int) -> np.ndarray:
+    """Every slot of ``block_ids`` in order (slot = block * block_size + offset)."""
+    base = np.asarray(list(block_ids), dtype=np.int64)
+    return (base[:, None] * block_size + np.arange(block_size, dtype=np.int64)).reshape(-1)
+
+
+class AgentHealth:
+    """Whether to call the agent now; logs each outage once and its end."""
+
+    def __init__(self, retry_seconds: float, on_error: Callable[[], None]) -> None:
+        self._retry = retry_seconds
+        self._on_error = on_error
+        self._down_until = 0.0
+        self._down = False
+        self._lock = threading.Lock()
+
+    def usable(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def failed(self, what: str, exc: BaseException) -> None:
+        if not agent_down(exc):
+            log.warning("FlexKV %s refused, treating as a miss: %s", what, exc)
+            return
+        self._on_error()
+        with self._lock:
+            self._down_until = time.monotonic() + self._retry
+            first = not self._down
+            self._down = True
+        if first:
+            log.warning("FlexKV agent unavailable, serving without the cache (recompute): "
+                        "%s failed: %s", what, exc)
+
+    def ok(self) -> None:
+        if self._down:
+            with self._lock:
+                was, self._down = self._down, False
+            if was:
+                log.warning("FlexKV agent reachable again, cache hits resume")
+
+
+@dataclass
+class _Load:
+    rid: str
+    blocks: list[int]
+    slots: np.ndarray
+
+
+@dataclass
+class _Store:
+    rid: str
+    tokens: np.ndarray
+    slots: np.ndarray
+    started: float = 0.0
+
+
+class SchedulerSide:
+    """Data calls and completion bookkeeping of the scheduler-side connector."""
+
+    def __init__(self, cfg: AgentConnectorConfig, block_size: int, tp_size: int) -> None:
+        self.cfg = cfg
+        self.block_size = block_size
+        rank = RankInfo(replica=cfg.replica, tp_rank=0, tp_size=tp_size)
+        self.counters = Counters()
+        self.health = AgentHealth(cfg.retry_seconds, lambda: self._count(agent_errors=1))
+        self._lookup_client = EngineClient(cfg.engine_socket, rank,
+                                           timeout=cfg.lookup_timeout_seconds)
+        self._load_client = EngineClient(cfg.engine_socket, rank, timeout=cfg.call_timeout_seconds)
+        self._store_client = EngineClient(cfg.engine_socket, rank,
+                                          timeout=cfg.call_timeout_seconds)
+        self._lock = threading.Lock()
+        self._lookups: dict[str, tuple[int, int]] = {}   # rid -> (local tokens, hit tokens)
+        self._no_lookup: set[str] = set()                # a load failed: recompute, no retry
+        self._loading: set[str] = set()                  # loads not yet reported
+        self._recv_ok: set[str] = set()                  # loaded, to report
+        self._recv_failed: dict[str, list[int]] = {}     # failed, blocks to send to workers
+        self._recv_failed_sent: set[str] = set()         # blocks sent, rid to report
+        self._storing: set[str] = set()
+        self._sent: set[str] = set()                     # stores done, to report
+        self._loads: queue.Queue[_Load | None] = queue.Queue()
+        self._load_ended = threading.Event()
+        self._stores: queue.Queue[_Store | str | None] = queue.Queue()
+        self._threads = [
+            threading.Thread(target=self._load_loop, name="flexkv-load", daemon=True),
+            threading.Thread(target=self._store_loop, name="flexkv-store", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    # -- admission -----------------------------------------------------------
+
+    def lookup(self, rid: str, tokens: Sequence[int], local: int) -> int:
+        """Tokens the agent can load after the ``local`` ones (0 on a miss or any failure)."""
+        bs = self.block_size
+        limit = ((len(tokens) - 1) // bs) * bs
+        if limit <= local or not self.health.usable() or rid in self._no_lookup:
+            return 0
+        ids = np.asarray(tokens, dtype=np.int64)
+        mask = np.zeros(len(ids), dtype=bool)
+        mask[local:limit] = True
+        try:
+            hit = self._lookup_client.lookup(rid, ids, mask)
+        except AGENT_ERRORS as exc:
+            self.health.failed("lookup", exc)
+            return 0
+        except ValueError as exc:
+            log.warning("FlexKV lookup refused, treating as a miss: %s", exc)
+            return 0
+        self.health.ok()
+        self._count(lookups=1)
+        hit = max(0, min(int(hit), limit - local))
+        hit -= hit % bs
+        with self._lock:
+            self._lookups[rid] = (local, hit)
+        self._count(hit_tokens=hit)
+        return hit
+
+    def after_alloc(self, rid: str, block_ids: Sequence[int], external: int) -> None:
+        """Start the load of ``external`` tokens into the request's allocated blocks."""
+        with self._lock:
+            looked = self._lookups.pop(rid, None)
+        if external <= 0:
+            if looked is not None and looked[1] > 0:
+                self._release(rid, self._lookup_client)  # unlock the unused match now
+            return
+        bs = self.block_size
+        local = looked[0] if looked is not None else 0
+        first = local // bs
+        blocks = list(block_ids[first: first + -(-external // bs)])
+        if looked is None or external > looked[1] or local % bs or external % bs:
+            # Not what the lookup promised (a vLLM change?): never guess, recompute.
+            log.error("FlexKV connector: request %s got %s external tokens after %s local "
+                      "ones, not the lookup's %s; recomputing them", rid, external, local,
+                      None if looked is None else looked[1])
+            with self._lock:
+                self._loading.add(rid)
+                self._recv_failed[rid] = blocks
+                self._no_lookup.add(rid)
+            return
+        with self._lock:
+            self._loading.add(rid)
+        self._loads.put(_Load(rid, blocks, block_slots(blocks, bs)))
+
+    # -- per step --------------------------------------------------------------
+
+    def step_report(self) -> StepReport:
+        """What the workers must echo this step: failed loads' blocks, and whether
+        any transfer is pending (then every step carries connector output)."""
+        with self._lock:
+            failed, self._recv_failed = self._recv_failed, {}
+            self._recv_failed_sent.update(failed)
+            pending = bool(self._loading or self._recv_ok or self._recv_failed_sent
+                           or self._storing or self._sent)
+        return StepReport(pending=pending, failed=failed)
+
+    def idle_wait(self, seconds: float = IDLE_WAIT_SECONDS) -> None:
+        """Called on a step that schedules nothing: while loads are in flight, wait
+        up to ``seconds`` for one to end instead of letting vLLM spin empty steps,
+        which on a small machine take the CPU the agent's copy needs."""
+        with self._lock:
+            waiting = bool(self._loading) and not self._recv_ok and not self._recv_failed
+        if waiting:
+            self._load_ended.wait(seconds)
+        self._load_ended.clear()
+
+    def completions(self, failed_echoed: set[str]) -> tuple[set[str], set[str]]:
+        """``(finished_recving, finished_sending)`` to add to this step's output.
+        ``failed_echoed``: failed loads whose blocks the workers reported invalid."""
+        with self._lock:
+            recv = self._recv_ok
+            self._recv_ok = set()
+            echoed = failed_echoed & self._recv_failed_sent
+            self._recv_failed_sent -= echoed
+            recv |= echoed
+            self._loading -= recv
+            sent, self._sent = self._sent, set()
+        return recv, sent
+
+    # -- request end -------------------------------------------------------------
+
+    def finished(self, rid: str, tokens: Sequence[int], computed: int,
+                 block_ids: Sequence[int]) -> bool:
+        """Store the request's computed whole blocks; True while the store holds them."""
+        with self._lock:
+            self._lookups.pop(rid, None)
+            busy = rid in self._loading
+            self._no_lookup.discard(rid)
+        if busy:
+            self._stores.put(rid)  # release (cancels the load if it has not started)
+            return False  # its blocks are held by the load until it is reported
+        n_blocks = min(computed, len(tokens), len(block_ids) * self.block_size) // self.block_size
+        if n_blocks == 0 or not self.health.usable():
+            self._stores.put(rid)  # release: the agent forgets the request
+            return False
+        n = n_blocks * self.block_size
+        with self._lock:
+            self._storing.add(rid)
+        self._stores.put(_Store(rid, np.asarray(tokens[:n], dtype=np.int64),
+                                block_slots(block_ids[:n_blocks], self.block_size)))
+        return True
+
+    # -- threads -----------------------------------------------------------------
+
+    def _load_loop(self) -> None:
+        while True:
+            job = self._loads.get()
+            if job is None:
+                return
+            ok = False
+            try:
+                loaded = self._load_client.retrieve(job.rid, job.slots)
+                ok = loaded == len(job.slots)
+                self.health.ok()
+            except AGENT_ERRORS as exc:
+                self.health.failed("retrieve", exc)
+            except Exception as exc:
+                log.warning("FlexKV load of %s failed, recomputing: %s", job.rid, exc)
+            with self._lock:
+                if ok:
+                    self._recv_ok.add(job.rid)
+                else:
+                    self._recv_failed[job.rid] = job.blocks
+                    self._no_lookup.add(job.rid)
+            self._load_ended.set()
+            if ok:
+                self._count(loads=1)
+                self._count(loaded_tokens=len(job.slots))
+            else:
+                self._count(load_failures=1)
+
+    def _store_loop(self) -> None:
+        inflight: dict[str, _Store] = {}
+        while True:
+            try:
+                job = self._stores.get(timeout=POLL_SECONDS if inflight else None)
+            except queue.Empty:
+                job = ""
+            if job is None:
+                return
+            if isinstance(job, _Store):
+                self._start_store(job, inflight)
+            elif job:
+                self._release(job)
+            if inflight:
+                self._poll(inflight)
+
+    def _start_store(self, job: _Store, inflight: dict[str, _Store]) -> None:
+        task = -1
+        try:
+            task = self._store_client.store_kv(job.rid, job.tokens, job.slots)
+            self.health.ok()
+        except AGENT_ERRORS as exc:
+            self.health.failed("store_kv", exc)
+        except Exception as exc:
+            log.warning("FlexKV store of %s refused: %s", job.rid, exc)
+        if task >= 0:
+            job.started = time.monotonic()
+            inflight[job.rid] = job
+            self._count(stores=1)
+            self._count(stored_tokens=len(job.tokens))
+        else:
+            self._store_done(job.rid)
+
+    def _poll(self, inflight: dict[str, _Store]) -> None:
+        try:
+            done = set(self._store_client.poll_completed())
+        except AGENT_ERRORS as exc:
+            self.health.failed("poll_completed", exc)
+            # Gone or restarted, the agent no longer reads any source slot.
+            done = set(inflight) if agent_down(exc) else set()
+        now = time.monotonic()
+        for rid, job in list(inflight.items()):
+            if rid in done or now - job.started > STORE_GIVE_UP_SECONDS:
+                if rid not in done:
+                    log.warning("FlexKV store of %s not reported complete in %ss, freeing "
+                                "its blocks", rid, STORE_GIVE_UP_SECONDS)
+                del inflight[rid]
+                self._store_done(rid)
+
+    def _store_done(self, rid: str) -> None:
+        with self._lock:
+            self._storing.discard(rid)
+            self._sent.add(rid)
+        self._release(rid)
+
+    def _release(self, rid: str, client: EngineClient | None = None) -> None:
+        if not self.health.usable():
+            return
+        try:
+            (client or self._store_client).release(rid)
+        except AGENT_ERRORS as exc:
+            if agent_down(exc):
+                self.health.failed("release", exc)
+        except Exception as exc:
+            log.debug("FlexKV release of %s failed: %s", rid, exc)
+
+    def _count(self, **amounts: int) -> None:
+        with self._lock:
+            for key, n in amounts.items():
+                setattr(self.counters, key, getattr(self.counters, key) + n)
+
+    def take_counters(self) -> dict[str, int]:
+        """Counters since the last call (for vLLM's connector stats)."""
+        with self._lock:
+            out = self.counters.as_dict()
+            for k in out:
+                setattr(self.counters, k, 0)
+        return out
+
+    def close(self) -> None:
+        """Stop the threads (bounded) and close the sockets."""
+        self._loads.put(None)
+        self._stores.put(None)
+        for t in self._threads:
+            t.join(timeout=self.cfg.call_timeout_seconds)
+        for c in (self._lookup_client, self._load_client, self._store_client):
+            c.close()

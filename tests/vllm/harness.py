@@ -1,0 +1,135 @@
+"""Running real vLLM engines (the CPU build, in .venv-vllm) next to a real agent.
+
+:class:`EngineProcess` starts ``tests/vllm/driver.py`` under the vLLM venv's
+python and talks to it one JSON line at a time; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+DRIVER = Path(__file__).with_name("driver.py")
+PREFIX = "@@ "
+BLOCK = 128
+
+
+def connector_config(socket: str | Path, **extra: Any) -> dict[str, Any]:
+    """The --kv-transfer-config of the FlexKV agent connector."""
+    return {"kv_connector": "FlexKVAgentConnector",
+            "kv_connector_module_path": "node_agent.integrations.vllm",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"engineSocket": str(socket), **extra}}
+
+
+def engine_env() -> dict[str, str]:
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(REPO), VLLM_CPU_OMP_THREADS_BIND="nobind",
+               OMP_NUM_THREADS="2")
+    env.pop("VIRTUAL_ENV", None)
+    return env
+
+
+class EngineProcess:
+    """One vLLM engine (``driver.py``) as a child process."""
+
+    def __init__(self, model: Path, log: Path, kv_transfer_config: dict[str, Any] | None,
+                 block_size: int = BLOCK, max_model_len: int = 4096,
+                 executor: str | None = None) -> None:
+        options = {"block_size": block_size, "kv_transfer_config": kv_transfer_config,
+                   "max_model_len": max_model_len, "executor": executor}
+        self.log = log
+        self._log = log.open("a")
+        self.proc = subprocess.Popen(
+            [str(VLLM_PYTHON), str(DRIVER), str(model), json.dumps(options)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
+            env=engine_env(), cwd=REPO,
+        )
+        self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.ready: dict[str, Any] | None = None
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(PREFIX):
+                self._replies.put(json.loads(line[len(PREFIX):]))
+            else:
+                self._log.write(line)
+                self._log.flush()
+        self._replies.put(None)
+
+    def wait_ready(self, timeout: float = 300.0) -> dict[str, Any]:
+        """The ready message, or the start-up error (``{"error": ...}``) when it failed."""
+        got = self._next(timeout, "start-up")
+        self.ready = got
+        return got
+
+    def _next(self, timeout: float, what: str) -> dict[str, Any]:
+        try:
+            got = self._replies.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"vLLM engine gave no answer to {what} within {timeout}s; "
+                                 f"log: {self.tail()}") from None
+        if got is None:
+            raise AssertionError(f"vLLM engine exited ({self.proc.wait(10)}) during {what}; "
+                                 f"log: {self.tail()}")
+        return got
+
+    def call(self, cmd: dict[str, Any], timeout: float = 180.0) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        got = self._next(timeout, cmd["op"])
+        assert "error" not in got, got
+        return got
+
+    def generate(self, prompts: list[list[int]], max_tokens: int = 8,
+                 timeout: float = 180.0) -> dict[str, Any]:
+        return self.call({"op": "generate", "prompts": prompts, "max_tokens": max_tokens},
+                         timeout)
+
+    def metrics(self) -> dict[str, float]:
+        """vLLM's metrics (stats are published by the engine every few hundred ms)."""
+        got: dict[str, float] = self.call({"op": "metrics"})["metrics"]
+        return got
+
+    def tail(self, n: int = 4000) -> str:
+        self._log.flush()
+        return self.log.read_text(errors="replace")[-n:]
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None and self.proc.stdin is not None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.flush()
+            except (BrokenPipeError, OSError):
+                pass
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = self.proc.wait(timeout=30)
+        self._log.close()
+        return rc
+
+
+def wait_metric(engine: EngineProcess, name: str, minimum: float, timeout: float = 30.0,
+                ) -> float:
+    """Poll vLLM's metric ``name`` until it reaches ``minimum``; returns it."""
+    deadline = time.monotonic() + timeout
+    value = 0.0
+    while time.monotonic() < deadline:
+        value = engine.metrics().get(name, 0.0)
+        if value >= minimum:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"vLLM metric {name} stayed at {value} < {minimum} for {timeout}s")

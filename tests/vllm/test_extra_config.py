@@ -1,0 +1,36 @@
+"""``kv_connector_extra_config`` parsing: defaults, every key, and refusals that name
+the key, the bad value and the fix (vLLM-free: runs in the main venv)."""
+
+from __future__ import annotations
+
+import pytest
+
+from node_agent.integrations.vllm.config import (
+    DEFAULT_SOCKET,
+    AgentConnectorConfig,
+    ConnectorConfigError,
+    parse_extra_config,
+)
+
+
+def test_defaults_and_every_key() -> None:
+    assert parse_extra_config(None) == AgentConnectorConfig()
+    assert parse_extra_config({}).engine_socket == DEFAULT_SOCKET
+    cfg = parse_extra_config({"engineSocket": "ipc:///run/a.sock", "replica": "llama",
+                              "requireAgent": False, "callTimeoutSeconds": 20,
+                              "lookupTimeoutSeconds": 0.5, "retrySeconds": 3})
+    assert cfg == AgentConnectorConfig("ipc:///run/a.sock", "llama", False, 20.0, 0.5, 3.0)
+
+
+@pytest.mark.parametrize(("raw", "needle"), [
+    ({"engineSockt": "/x"}, "key 'engineSockt' is unknown (value '/x'); allowed keys are"),
+    ({"requireAgent": "yes"}, "requireAgent is 'yes'; it must be true or false"),
+    ({"lookupTimeoutSeconds": 0}, "lookupTimeoutSeconds is 0; it must be a number of seconds > 0"),
+    ({"retrySeconds": True}, "retrySeconds is True; it must be a number of seconds > 0"),
+    ({"replica": ""}, "replica is ''; it must be a name of 1..253 characters"),
+    ({"engineSocket": 5}, "engineSocket is 5; it must be a path"),
+])
+def test_bad_keys_and_values_name_key_value_and_fix(raw: dict[str, object], needle: str) -> None:
+    with pytest.raises(ConnectorConfigError) as err:
+        parse_extra_config(raw)
+    assert needle in str(err.value)

