@@ -121,22 +121,41 @@ def test_operator_environment_names_agent_image_and_account(default_render: Rend
 # ---------------------------------------------------------------------- images
 
 
-def test_image_tag_defaults_to_app_version(
+def test_two_images_tagged_with_the_app_version_by_default(
     default_render: Render, chart_meta: dict[str, Any]
 ) -> None:
-    expected = f"flexkv-operator:{chart_meta['appVersion']}"
-    assert _container(default_render)["image"] == expected
-    assert _env(default_render)["FLEXKV_AGENT_IMAGE"] == expected
+    version = chart_meta["appVersion"]
+    assert _container(default_render)["image"] == f"flexkv-operator:{version}"
+    assert _env(default_render)["FLEXKV_AGENT_IMAGE"] == f"flexkv-agent:{version}"
 
 
 def test_image_overrides_reach_operator_and_agents(render_with: Any) -> None:
     render = render_with("--set", "image.repository=reg.example/fkv", "--set", "image.tag=1.2.3")
     assert _container(render)["image"] == "reg.example/fkv:1.2.3"
-    assert _env(render)["FLEXKV_AGENT_IMAGE"] == "reg.example/fkv:1.2.3"
+    assert _env(render)["FLEXKV_AGENT_IMAGE"] == "flexkv-agent:1.2.3", "agent tag follows image.tag"
     split = render_with("--set", "agent.image.repository=reg.example/gpu",
                         "--set", "agent.image.tag=1.2.3-cuda")
     assert _env(split)["FLEXKV_AGENT_IMAGE"] == "reg.example/gpu:1.2.3-cuda"
     assert _container(split)["image"].startswith("flexkv-operator:")
+
+
+def test_digest_pins_and_global_registry_prefixes_both_images(render_with: Any) -> None:
+    op, ag = "sha256:" + "a" * 64, "sha256:" + "b" * 64
+    render = render_with("--set", "global.imageRegistry=mirror.example:5000/ml",
+                         "--set", f"image.digest={op}", "--set", f"agent.image.digest={ag}",
+                         "--set", "image.tag=9.9.9")
+    assert _container(render)["image"] == f"mirror.example:5000/ml/flexkv-operator@{op}"
+    assert _env(render)["FLEXKV_AGENT_IMAGE"] == f"mirror.example:5000/ml/flexkv-agent@{ag}"
+    tagged = render_with("--set", "global.imageRegistry=mirror.example/")
+    assert _container(tagged)["image"].startswith("mirror.example/flexkv-operator:")
+
+
+def test_common_labels_land_on_every_rendered_object(render_with: Any) -> None:
+    render = render_with("--set", "commonLabels.team=kv-cache", "--set",
+                         "monitoring.podMonitor.enabled=true", "--set", "examplePool.enabled=true")
+    missing = [f"{o['kind']}/{o['metadata']['name']}" for o in render.objects
+               if o["metadata"].get("labels", {}).get("team") != "kv-cache"]
+    assert missing == []
 
 
 # ------------------------------------------------------------------- namespaces
@@ -340,12 +359,13 @@ def test_notes_point_at_a_pool_namespace(helm: str, notes_chart: Path) -> None:
 
 def test_chart_files_are_all_templated(helm: str) -> None:
     """No template file renders to nothing by accident in the fullest configuration."""
-    templates = {p.name for p in (CHART / "templates").glob("*.yaml")}
+    templates = {str(p.relative_to(CHART / "templates"))
+                 for p in (CHART / "templates").rglob("*.yaml")}
     out = run_helm(
         helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE,
         "--set", "monitoring.podMonitor.enabled=true", "--set", "monitoring.dashboard.enabled=true",
         "--set", "examplePool.enabled=true",
     ).stdout
-    sources = {Path(line.split(": ", 1)[1]).name for line in out.splitlines()
+    sources = {line.split("/templates/", 1)[1] for line in out.splitlines()
                if line.startswith("# Source: ")}
     assert sources == templates

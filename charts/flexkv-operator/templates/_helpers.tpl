@@ -31,13 +31,16 @@ repeated.
 {{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
-{{/* Labels on every object. */}}
+{{/* Labels on every object the chart renders, commonLabels last. */}}
 {{- define "flexkv-operator.labels" -}}
 helm.sh/chart: {{ include "flexkv-operator.chart" . }}
 {{ include "flexkv-operator.selectorLabels" . }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: flexkv
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
 {{- end }}
 
 {{/* Labels that select the operator's pods; never change them on upgrade. */}}
@@ -61,16 +64,32 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- default .Chart.AppVersion .Values.image.tag }}
 {{- end }}
 
+{{/*
+An image reference from (dict "root" $ "repository" r "tag" t "digest" d):
+global.imageRegistry in front of the repository when set, then "@digest" when
+a digest is given, else ":tag".
+*/}}
+{{- define "flexkv-operator.imageRef" -}}
+{{- $repo := .repository }}
+{{- with .root.Values.global.imageRegistry }}
+{{- $repo = printf "%s/%s" (trimSuffix "/" .) $repo }}
+{{- end }}
+{{- if .digest }}
+{{- printf "%s@%s" $repo .digest }}
+{{- else }}
+{{- printf "%s:%s" $repo .tag }}
+{{- end }}
+{{- end }}
+
 {{/* The operator image reference. */}}
 {{- define "flexkv-operator.image" -}}
-{{- printf "%s:%s" .Values.image.repository (include "flexkv-operator.imageTag" .) }}
+{{- include "flexkv-operator.imageRef" (dict "root" . "repository" .Values.image.repository "tag" (include "flexkv-operator.imageTag" .) "digest" .Values.image.digest) }}
 {{- end }}
 
 {{/* The agent image reference handed to the operator (FLEXKV_AGENT_IMAGE). */}}
 {{- define "flexkv-operator.agentImage" -}}
-{{- $repo := default .Values.image.repository .Values.agent.image.repository }}
 {{- $tag := default (include "flexkv-operator.imageTag" .) .Values.agent.image.tag }}
-{{- printf "%s:%s" $repo $tag }}
+{{- include "flexkv-operator.imageRef" (dict "root" . "repository" .Values.agent.image.repository "tag" $tag "digest" .Values.agent.image.digest) }}
 {{- end }}
 
 {{/*
