@@ -152,7 +152,11 @@ def test_digest_pins_and_global_registry_prefixes_both_images(render_with: Any) 
 
 def test_common_labels_land_on_every_rendered_object(render_with: Any) -> None:
     render = render_with("--set", "commonLabels.team=kv-cache", "--set",
-                         "monitoring.podMonitor.enabled=true", "--set", "examplePool.enabled=true")
+                         "monitoring.podMonitor.enabled=true", "--set", "examplePool.enabled=true",
+                         "--set", "monitoring.dashboard.enabled=true",
+                         "--set", "networkPolicy.enabled=true",
+                         "--set", "admissionPolicy.enabled=true", "--kube-version", "1.30.0")
+    assert len({o["kind"] for o in render.objects}) >= 12
     missing = [f"{o['kind']}/{o['metadata']['name']}" for o in render.objects
                if o["metadata"].get("labels", {}).get("team") != "kv-cache"]
     assert missing == []
@@ -364,7 +368,8 @@ def test_chart_files_are_all_templated(helm: str) -> None:
     out = run_helm(
         helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE,
         "--set", "monitoring.podMonitor.enabled=true", "--set", "monitoring.dashboard.enabled=true",
-        "--set", "examplePool.enabled=true",
+        "--set", "examplePool.enabled=true", "--set", "networkPolicy.enabled=true",
+        "--set", "admissionPolicy.enabled=true", "--kube-version", "1.30.0",
     ).stdout
     sources = {line.split("/templates/", 1)[1] for line in out.splitlines()
                if line.startswith("# Source: ")}
