@@ -194,17 +194,42 @@ def test_all_namespaces_mode(renders: dict[str, Render]) -> None:
     args = _container(render)["args"]
     assert "--all-namespaces" in args and "--verbose" in args
     assert not [a for a in args if a.startswith("--namespace")]
-    assert render.one("ClusterRole", f"{FULLNAME}-operator")["rules"] == OPERATOR_RULES
     binding = render.one("ClusterRoleBinding", f"{FULLNAME}-operator")
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": OPERATOR_SA, "namespace": NAMESPACE}
     ]
     role_names = {r["metadata"]["name"] for r in render.of_kind("Role")}
-    assert role_names == {f"{FULLNAME}-agent"}
+    assert role_names == {f"{FULLNAME}-agent", f"{FULLNAME}-operator-children"}
     agent_namespaces = {r["metadata"]["namespace"] for r in render.of_kind("Role")}
     assert agent_namespaces == {"inference-a", "inference-b"}
     monitor = render.one("PodMonitor")
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["inference-a", "inference-b"]}
+
+
+def _permissions(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
+    return {(g, r, v) for rule in rules for g in rule["apiGroups"]
+            for r in rule["resources"] for v in rule["verbs"]}
+
+
+def test_all_namespaces_mode_writes_children_only_in_agent_namespaces(
+    renders: dict[str, Render],
+) -> None:
+    """Cluster-wide rules plus the per-namespace Role are exactly the watched-namespace
+    Role, and nothing that reads Secrets or creates workloads is cluster-wide."""
+    render = renders["all-namespaces-values.yaml"]
+    cluster = _permissions(render.one("ClusterRole", f"{FULLNAME}-operator")["rules"])
+    for ns in ("inference-a", "inference-b"):
+        role = render.one("Role", f"{FULLNAME}-operator-children", ns)
+        local = _permissions(role["rules"])
+        assert cluster | local == _permissions(OPERATOR_RULES)
+        binding = render.one("RoleBinding", f"{FULLNAME}-operator-children", ns)
+        assert binding["roleRef"]["name"] == role["metadata"]["name"]
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": OPERATOR_SA, "namespace": NAMESPACE}]
+    assert not {p for p in cluster if p[1] in ("secrets", "configmaps", "services",
+                                                "poddisruptionbudgets")}
+    assert not {p for p in cluster if p[2] in ("create", "patch", "delete", "get")
+                and p[1] in ("daemonsets", "leases")}
 
 
 # ------------------------------------------------------------------------- RBAC

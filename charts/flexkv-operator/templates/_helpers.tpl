@@ -160,3 +160,54 @@ and posts Events. tests/chart checks this exact list.
   resources: ["events"]
   verbs: ["create"]
 {{- end }}
+
+{{/*
+All-namespaces mode splits the rules above in two, so that no Secret and no
+DaemonSet anywhere else in the cluster is within the operator's reach:
+cluster-wide (ClusterRole), what pools can need in any namespace: read and
+watch pools, groups, DaemonSets and Leases, write pool and group status and
+groups, post Events ...
+*/}}
+{{- define "flexkv-operator.operatorClusterWideRules" -}}
+- apiGroups: ["flexkv.io"]
+  resources: ["kvcachepools"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: ["flexkv.io"]
+  resources: ["kvcachepools/status"]
+  verbs: ["patch"]
+- apiGroups: ["flexkv.io"]
+  resources: ["kvcachegroups"]
+  verbs: ["get", "list", "create", "patch", "delete"]
+- apiGroups: ["flexkv.io"]
+  resources: ["kvcachegroups/status"]
+  verbs: ["patch"]
+- apiGroups: ["apps"]
+  resources: ["daemonsets"]
+  verbs: ["list", "watch"]
+- apiGroups: ["coordination.k8s.io"]
+  resources: ["leases"]
+  verbs: ["list", "watch"]
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+{{- end }}
+
+{{/*
+... and, in each agent namespace only (a Role), the agents' children:
+DaemonSet, Services, ConfigMap, CurveZMQ Secret, PodDisruptionBudget, and the
+deletion of Leases of agents whose node left.
+*/}}
+{{- define "flexkv-operator.operatorAgentNamespaceRules" -}}
+- apiGroups: ["apps"]
+  resources: ["daemonsets"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: [""]
+  resources: ["services", "configmaps", "secrets"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: ["coordination.k8s.io"]
+  resources: ["leases"]
+  verbs: ["delete"]
+{{- end }}
