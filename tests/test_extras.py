@@ -80,7 +80,7 @@ def _free_port() -> int:
 def test_operator_venv_holds_only_its_extra_and_its_command_runs(
     operator_venv: Path, work: Path
 ) -> None:
-    for absent in ("torch", "zmq", "fastapi", "httpx", "pytest"):
+    for absent in ("torch", "numpy", "kubernetes", "zmq", "fastapi", "httpx", "pytest"):
         assert not _importable(operator_venv, absent, work), f"{absent} in .venvs/operator"
     assert _importable(operator_venv, "kopf", work)
     out = _run(operator_venv, "flexkv-operator", "--help", cwd=work)
