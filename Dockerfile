@@ -44,9 +44,10 @@ COPY pyproject.toml README.md ./
 COPY node_agent/ node_agent/
 COPY operator/ operator/
 # The operator extra alone: the smoke check proves the command needs nothing
-# from the agent or dev extras.
+# from the agent or dev extras. pip and setuptools are not needed at run time.
 RUN pip install --no-cache-dir "./[operator]" \
-    && flexkv-operator --help >/dev/null
+    && flexkv-operator --help >/dev/null \
+    && pip uninstall --yes --quiet pip setuptools
 
 # ---------------------------------------------------------- agent build ----
 FROM ${BASE_IMAGE} AS build-agent
