@@ -2,7 +2,7 @@
 #
 # Two images from one Dockerfile, one per console script:
 #   target `operator`: `flexkv-operator` (the kopf operator) with the
-#       `operator` extra only; no torch, no pyzmq (about 250 MB).
+#       `operator` extra only; no torch, no pyzmq (about 200 MB).
 #   target `agent` (the default, last stage): `flexkv-agent` (the node agent)
 #       with the `agent` extra and torch, CPU build unless told otherwise.
 # The chart runs the operator image; the operator runs the agent image on every

@@ -16,7 +16,15 @@ from typing import Any
 import celpy
 import kubernetes_validate
 import pytest
-from conftest import CURRENT_KUBE, OLDEST_KUBE, Render, doc_examples, run_helm
+from conftest import (
+    CHART,
+    CURRENT_KUBE,
+    OLDEST_KUBE,
+    Render,
+    doc_examples,
+    run_helm,
+    template,
+)
 
 test_chart_agent_pods = pytest.importorskip("test_chart_agent_pods")
 
@@ -33,8 +41,6 @@ HARDENED = ("--set", f"operator.watch.namespaces={{{NS}}}",
 
 @pytest.fixture(scope="module")
 def hardened(helm: str) -> Render:
-    from conftest import template
-
     return Render("hardened", template(helm, *HARDENED))
 
 
@@ -98,8 +104,6 @@ def test_admission_policy_is_valid(hardened: Render, kube: str) -> None:
 
 
 def test_admission_policy_refuses_kubernetes_without_it(helm: str) -> None:
-    from conftest import CHART
-
     out = run_helm(helm, "template", "kv", str(CHART), "--kube-version", OLDEST_KUBE,
                    "--set", "admissionPolicy.enabled=true", check=False)
     assert out.returncode != 0
