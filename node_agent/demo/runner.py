@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import logging
 import os
 import re
 import shutil
@@ -29,11 +28,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from dataclasses import asdict
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-import httpx
 import yaml
 
 if TYPE_CHECKING:
@@ -125,12 +125,24 @@ def _metric(text: str, name: str, labels: dict[str, str] | None = None) -> float
     return total
 
 
+def _http_get(url: str, timeout: float) -> tuple[int, str]:
+    """GET ``url`` with the standard library: (status, body); OSError when unreachable.
+
+    The demo ships with the ``agent`` extra, so it uses no HTTP client package.
+    """
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+
+
 def _wait_healthy(url: str, proc: subprocess.Popen[str], deadline: float) -> None:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"agent behind {url} exited with code {proc.returncode}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/healthz", timeout=1.0).status_code == 200:
+        with contextlib.suppress(OSError):
+            if _http_get(f"{url}/healthz", timeout=1.0)[0] == 200:
                 return
         time.sleep(0.1)
     raise TimeoutError(f"agent at {url} did not answer /healthz in time")
@@ -155,8 +167,6 @@ def run_demo(args: argparse.Namespace) -> int:
     from node_agent.demo.workload import WorkloadSpec
     from node_agent.engine_api.protocol import layout_to_wire
     from node_agent.pp.auth import CurveKeys
-
-    logging.getLogger("httpx").setLevel(logging.WARNING)
 
     spec = WorkloadSpec(conversations=args.conversations, turns=args.turns,
                         shared_prefixes=args.shared_prefixes, system_tokens=args.system_tokens,
@@ -210,7 +220,7 @@ def run_demo(args: argparse.Namespace) -> int:
             engines.append(procs.start(f"engine-{r}", cmd, log, pipes=True))
         _start_when_ready(engines, urls, deadline)
         results = _follow(engines, spec.requests, deadline)
-        metrics = httpx.get(f"{urls[0]}/metrics", timeout=5).text
+        metrics = _http_get(f"{urls[0]}/metrics", timeout=5)[1]
         _print_table(results, metrics, layout, spec)
         ok = (len(results) == args.stages
               and all(r["requests"] == spec.requests and r["mismatched_tokens"] == 0
@@ -236,9 +246,8 @@ def _start_when_ready(engines: list[subprocess.Popen[str]], urls: list[str],
             raise RuntimeError(f"engine did not register: {line.strip() or 'it exited'}")
     pending = list(urls)
     while pending and time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            pending = [u for u in pending
-                       if httpx.get(f"{u}/readyz", timeout=2.0).status_code != 200]
+        with contextlib.suppress(OSError):
+            pending = [u for u in pending if _http_get(f"{u}/readyz", timeout=2.0)[0] != 200]
         if pending:
             time.sleep(0.1)
     if pending:

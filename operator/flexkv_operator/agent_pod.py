@@ -22,6 +22,7 @@ shared-memory one, which becomes the containers' ``/dev/shm``):
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,9 +58,37 @@ def host_dirs(config: PoolConfig) -> HostDirs:
     )
 
 
+# The agent's /tmp holds small files only (HOME caches, FlexKV's ipc sockets);
+# the kubelet evicts the pod rather than let it fill the node's disk.
+SCRATCH_SIZE_LIMIT = "1Gi"
+# Requests a pool that sets none gets: the agent's event loop, and the CPU tier
+# plus the Python process (torch, pyzmq, uvicorn).
+DEFAULT_CPU_REQUEST = "250m"
+MEMORY_OVERHEAD_BYTES = 512 * 2**20
+
+
 def scratch_volume() -> tuple[dict[str, Any], dict[str, Any]]:
     """The agent's writable ``/tmp`` (HOME of the image; FlexKV's own ipc directory)."""
-    return {"name": "tmp", "emptyDir": {}}, {"name": "tmp", "mountPath": TMP_MOUNT}
+    return ({"name": "tmp", "emptyDir": {"sizeLimit": SCRATCH_SIZE_LIMIT}},
+            {"name": "tmp", "mountPath": TMP_MOUNT})
+
+
+def agent_resources(config: PoolConfig) -> dict[str, Any]:
+    """The pool's ``agent.resources``, with a request for CPU and memory where the pool
+    sets neither a request nor a limit (Kubernetes takes a lone limit as the request),
+    so a minimal pool is Burstable, never BestEffort, and its memory request covers
+    the CPU tier."""
+    resources = copy.deepcopy(config.raw["agent"].get("resources") or {})
+    requests = resources.get("requests") or {}
+    limits = resources.get("limits") or {}
+    defaults = {"cpu": DEFAULT_CPU_REQUEST,
+                "memory": str(config.cpu_bytes + MEMORY_OVERHEAD_BYTES)}
+    for name, value in defaults.items():
+        if name not in requests and name not in limits:
+            requests[name] = value
+    if requests:
+        resources["requests"] = requests
+    return resources
 
 
 def agent_security_context(config: PoolConfig) -> dict[str, Any]:
@@ -93,7 +122,7 @@ def chown_init_container(config: PoolConfig, dirs: HostDirs) -> dict[str, Any]:
         "command": ["chown", "--", f"{config.agent_user}:{config.agent_group}", *dirs.paths],
         # The pod's effective request is the larger of init and app containers, so
         # the agent's own resources keep quotas and limit ranges satisfied.
-        "resources": dict(agent.get("resources") or {}),
+        "resources": agent_resources(config),
         "securityContext": {
             "runAsUser": 0,
             "runAsGroup": 0,

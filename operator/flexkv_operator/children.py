@@ -184,7 +184,7 @@ def render_daemon_set(
         ],
         "livenessProbe": _probe("/healthz", 10, 3),
         "readinessProbe": _probe("/readyz", config.timings.retry_period, 3),
-        "resources": dict(agent.get("resources") or {}),
+        "resources": agent_pod.agent_resources(config),
         "securityContext": agent_pod.agent_security_context(config),
         "volumeMounts": mounts,
     }
@@ -199,6 +199,7 @@ def render_daemon_set(
         "nodeSelector": placement.get("nodeSelector") or None,
         "tolerations": placement.get("tolerations") or None,
         "affinity": placement.get("affinity") or None,
+        "priorityClassName": agent.get("priorityClassName") or None,
     }
     return _stamp(
         {

@@ -144,22 +144,45 @@ def test_operator_environment_names_agent_image_and_account(default_render: Rend
 # ---------------------------------------------------------------------- images
 
 
-def test_image_tag_defaults_to_app_version(
+def test_two_images_tagged_with_the_app_version_by_default(
     default_render: Render, chart_meta: dict[str, Any]
 ) -> None:
-    expected = f"flexkv-operator:{chart_meta['appVersion']}"
-    assert _container(default_render)["image"] == expected
-    assert _env(default_render)["FLEXKV_AGENT_IMAGE"] == expected
+    version = chart_meta["appVersion"]
+    assert _container(default_render)["image"] == f"flexkv-operator:{version}"
+    assert _env(default_render)["FLEXKV_AGENT_IMAGE"] == f"flexkv-agent:{version}"
 
 
 def test_image_overrides_reach_operator_and_agents(render_with: Any) -> None:
     render = render_with("--set", "image.repository=reg.example/fkv", "--set", "image.tag=1.2.3")
     assert _container(render)["image"] == "reg.example/fkv:1.2.3"
-    assert _env(render)["FLEXKV_AGENT_IMAGE"] == "reg.example/fkv:1.2.3"
+    assert _env(render)["FLEXKV_AGENT_IMAGE"] == "flexkv-agent:1.2.3", "agent tag follows image.tag"
     split = render_with("--set", "agent.image.repository=reg.example/gpu",
                         "--set", "agent.image.tag=1.2.3-cuda")
     assert _env(split)["FLEXKV_AGENT_IMAGE"] == "reg.example/gpu:1.2.3-cuda"
     assert _container(split)["image"].startswith("flexkv-operator:")
+
+
+def test_digest_pins_and_global_registry_prefixes_both_images(render_with: Any) -> None:
+    op, ag = "sha256:" + "a" * 64, "sha256:" + "b" * 64
+    render = render_with("--set", "global.imageRegistry=mirror.example:5000/ml",
+                         "--set", f"image.digest={op}", "--set", f"agent.image.digest={ag}",
+                         "--set", "image.tag=9.9.9")
+    assert _container(render)["image"] == f"mirror.example:5000/ml/flexkv-operator@{op}"
+    assert _env(render)["FLEXKV_AGENT_IMAGE"] == f"mirror.example:5000/ml/flexkv-agent@{ag}"
+    tagged = render_with("--set", "global.imageRegistry=mirror.example/")
+    assert _container(tagged)["image"].startswith("mirror.example/flexkv-operator:")
+
+
+def test_common_labels_land_on_every_rendered_object(render_with: Any) -> None:
+    render = render_with("--set", "commonLabels.team=kv-cache", "--set",
+                         "monitoring.podMonitor.enabled=true", "--set", "examplePool.enabled=true",
+                         "--set", "monitoring.dashboard.enabled=true",
+                         "--set", "networkPolicy.enabled=true",
+                         "--set", "admissionPolicy.enabled=true", "--kube-version", "1.30.0")
+    assert len({o["kind"] for o in render.objects}) >= 12
+    missing = [f"{o['kind']}/{o['metadata']['name']}" for o in render.objects
+               if o["metadata"].get("labels", {}).get("team") != "kv-cache"]
+    assert missing == []
 
 
 # ------------------------------------------------------------------- namespaces
@@ -194,17 +217,43 @@ def test_all_namespaces_mode(renders: dict[str, Render]) -> None:
     args = _container(render)["args"]
     assert "--all-namespaces" in args and "--verbose" in args
     assert not [a for a in args if a.startswith("--namespace")]
-    assert render.one("ClusterRole", f"{FULLNAME}-operator")["rules"] == OPERATOR_RULES
     binding = render.one("ClusterRoleBinding", f"{FULLNAME}-operator")
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": OPERATOR_SA, "namespace": NAMESPACE}
     ]
     roles = [r for r in render.of_kind("Role") if r["metadata"]["name"] != ELECTION_ROLE]
-    assert {r["metadata"]["name"] for r in roles} == {f"{FULLNAME}-agent"}
+    assert {r["metadata"]["name"] for r in roles} == {
+        f"{FULLNAME}-agent", f"{FULLNAME}-operator-children"}
     assert {r["metadata"]["namespace"] for r in roles} == {"inference-a", "inference-b"}
     assert render.one("Role", ELECTION_ROLE)["metadata"]["namespace"] == NAMESPACE
     monitor = render.one("PodMonitor", f"{FULLNAME}-agents")
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["inference-a", "inference-b"]}
+
+
+def _permissions(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
+    return {(g, r, v) for rule in rules for g in rule["apiGroups"]
+            for r in rule["resources"] for v in rule["verbs"]}
+
+
+def test_all_namespaces_mode_writes_children_only_in_agent_namespaces(
+    renders: dict[str, Render],
+) -> None:
+    """Cluster-wide rules plus the per-namespace Role are exactly the watched-namespace
+    Role, and nothing that reads Secrets or creates workloads is cluster-wide."""
+    render = renders["all-namespaces-values.yaml"]
+    cluster = _permissions(render.one("ClusterRole", f"{FULLNAME}-operator")["rules"])
+    for ns in ("inference-a", "inference-b"):
+        role = render.one("Role", f"{FULLNAME}-operator-children", ns)
+        local = _permissions(role["rules"])
+        assert cluster | local == _permissions(OPERATOR_RULES)
+        binding = render.one("RoleBinding", f"{FULLNAME}-operator-children", ns)
+        assert binding["roleRef"]["name"] == role["metadata"]["name"]
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": OPERATOR_SA, "namespace": NAMESPACE}]
+    assert not {p for p in cluster if p[1] in ("secrets", "configmaps", "services",
+                                                "poddisruptionbudgets")}
+    assert not {p for p in cluster if p[2] in ("create", "patch", "delete", "get")
+                and p[1] in ("daemonsets", "leases")}
 
 
 # ------------------------------------------------------------------------- RBAC
@@ -375,12 +424,14 @@ def test_notes_point_at_a_pool_namespace(helm: str, notes_chart: Path) -> None:
 
 def test_chart_files_are_all_templated(helm: str) -> None:
     """No template file renders to nothing by accident in the fullest configuration."""
-    templates = {p.name for p in (CHART / "templates").glob("*.yaml")}
+    templates = {str(p.relative_to(CHART / "templates"))
+                 for p in (CHART / "templates").rglob("*.yaml")}
     out = run_helm(
         helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE,
         "--set", "monitoring.podMonitor.enabled=true", "--set", "monitoring.dashboard.enabled=true",
-        "--set", "examplePool.enabled=true",
+        "--set", "examplePool.enabled=true", "--set", "networkPolicy.enabled=true",
+        "--set", "admissionPolicy.enabled=true", "--kube-version", "1.30.0",
     ).stdout
-    sources = {Path(line.split(": ", 1)[1]).name for line in out.splitlines()
+    sources = {line.split("/templates/", 1)[1] for line in out.splitlines()
                if line.startswith("# Source: ")}
     assert sources == templates

@@ -21,46 +21,12 @@ import yaml
 from conftest import CHART, HELM_DOC, REPO, Render, doc_examples
 
 SOURCE = REPO / "operator" / "flexkv_operator" / "crds"
-CHART_CRDS = CHART / "crds"
-
-
-def _source_files() -> list[str]:
-    return sorted(p.name for p in SOURCE.glob("*.yaml")) if SOURCE.is_dir() else []
-
-
-def _require_source() -> None:
-    if not _source_files():
-        pytest.skip(
-            f"the operator's CRD source of truth ({SOURCE.relative_to(REPO)}/*.yaml) "
-            "does not exist yet; re-run once it lands"
-        )
-
-
-def test_chart_carries_exactly_the_source_crds() -> None:
-    _require_source()
-    chart = sorted(p.name for p in CHART_CRDS.glob("*.yaml"))
-    assert chart == _source_files(), (
-        f"chart crds/ holds {chart}, the source {SOURCE.relative_to(REPO)} holds "
-        f"{_source_files()}; copy the source files into {CHART_CRDS.relative_to(REPO)}"
-    )
-
-
-@pytest.mark.parametrize("name", _source_files() or ["<no source yet>"])
-def test_chart_crd_is_byte_identical_to_the_source(name: str) -> None:
-    _require_source()
-    source = (SOURCE / name).read_bytes()
-    copy_path = CHART_CRDS / name
-    assert copy_path.is_file(), f"{copy_path.relative_to(REPO)} is missing; copy {name} there"
-    assert copy_path.read_bytes() == source, (
-        f"{copy_path.relative_to(REPO)} differs from {(SOURCE / name).relative_to(REPO)}; "
-        "run: python scripts/sync_chart.py"
-    )
 
 
 def _crds() -> dict[str, dict[str, Any]]:
-    """CRD manifests by kind, from the chart (identical to the source when it exists)."""
+    """CRD manifests by kind, from the operator's source of truth."""
     out = {}
-    for path in sorted(CHART_CRDS.glob("*.yaml")):
+    for path in sorted(SOURCE.glob("*.yaml")):
         crd = yaml.safe_load(path.read_text())
         out[crd["spec"]["names"]["kind"]] = crd
     return out
@@ -75,7 +41,47 @@ def _sync_chart() -> ModuleType:
     return module
 
 
-strict_schema = _sync_chart().strict_schema
+SYNC = _sync_chart()
+strict_schema = SYNC.strict_schema
+
+
+def test_generated_chart_files_match_the_crd_sources() -> None:
+    """templates/crds/ and values.schema.json are what scripts/sync_chart.py makes now."""
+    stale = [str(p.relative_to(REPO)) for p in SYNC.stale()]
+    assert stale == [], f"{stale} are out of date with {SOURCE.relative_to(REPO)}; " \
+                        "run: python scripts/sync_chart.py"
+    assert not (CHART / "crds").exists(), "crds/ would install the CRDs a second time"
+
+
+def test_rendered_crds_are_the_source_crds_with_chart_metadata(default_render: Render) -> None:
+    crds = default_render.of_kind("CustomResourceDefinition")
+    rendered = {o["metadata"]["name"]: o for o in crds}
+    source = {c["metadata"]["name"]: c for c in _crds().values()}
+    assert set(rendered) == set(source)
+    for name, crd in source.items():
+        got = rendered[name]
+        assert {k: v for k, v in got.items() if k != "metadata"} == \
+               {k: v for k, v in crd.items() if k != "metadata"}, name
+        assert got["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+        assert crd["metadata"].get("labels", {}).items() <= got["metadata"]["labels"].items()
+        assert got["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
+
+
+def test_crd_switches(render_with: Any) -> None:
+    assert render_with("--set", "crds.enabled=false").of_kind("CustomResourceDefinition") == []
+    unkept = render_with("--set", "crds.keep=false").of_kind("CustomResourceDefinition")
+    assert len(unkept) == 2
+    assert all("annotations" not in c["metadata"] for c in unkept)
+
+
+def test_generator_escapes_template_delimiters(tmp_path: Any) -> None:
+    """A CRD text holding "{{" (a CEL rule, a description) renders back verbatim."""
+    src = tmp_path / "x.yaml"
+    src.write_text(yaml.safe_dump({
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "metadata": {"name": "xs.example.io"}, "spec": {"note": "a {{ b }} c"}}))
+    text = SYNC.crd_template(src)
+    assert "{{ `{{` }}" in text and "a {{ b }}" not in text
 
 
 def validate_custom_resource(obj: dict[str, Any]) -> list[str]:

@@ -1,6 +1,7 @@
-"""The Dockerfile lints clean and keeps its promises: pinned base, non-root numeric
-user, both console scripts installed, an opt-in FlexKV GPU build; optionally it
-is built with buildah where buildah and a local base image exist."""
+"""The Dockerfile lints clean and keeps its promises: pinned base, two targets
+(operator without torch, agent with the CPU torch pin), non-root numeric user in
+each, an opt-in FlexKV GPU build. tests/image builds and runs both images
+(`make image-test`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import shutil
 import subprocess
 import sys
 import tomllib
-import uuid
 from pathlib import Path
 
 import pytest
@@ -17,7 +17,6 @@ from conftest import REPO
 
 DOCKERFILE = REPO / "Dockerfile"
 TEXT = DOCKERFILE.read_text()
-BUILD_TIMEOUT_S = 1800
 
 
 def _hadolint() -> str | None:
@@ -60,27 +59,47 @@ def test_base_image_is_pinned_to_an_exact_python_slim_bookworm() -> None:
     assert all(" AS " in f.upper() for f in froms), froms
 
 
-def test_final_stage_runs_as_a_numeric_non_root_user() -> None:
-    final = TEXT.rsplit("\nFROM ", 1)[1]
-    users = [a for i, a in _instructions() if i == "USER" and a in final]
-    assert users, "no USER in the final stage"
-    uid, _, gid = users[-1].partition(":")
-    assert uid.isdigit() and int(uid) > 0, users[-1]
-    assert gid == "" or (gid.isdigit() and int(gid) > 0), users[-1]
+def _stages() -> dict[str, list[tuple[str, str]]]:
+    """Instructions of each build stage, by the stage's name (``FROM x AS name``)."""
+    stages: dict[str, list[tuple[str, str]]] = {}
+    current: list[tuple[str, str]] = []
+    for instruction, args in _instructions():
+        if instruction == "FROM":
+            current = stages.setdefault(args.split()[-1], [])
+        current.append((instruction, args))
+    return stages
 
 
-def test_both_console_scripts_are_installed_and_smoke_checked() -> None:
+def test_both_image_targets_run_as_a_numeric_non_root_user() -> None:
+    stages = _stages()
+    assert {"operator", "agent"} <= set(stages), sorted(stages)
+    for target in ("operator", "agent"):
+        users = [a for i, a in stages[target] if i == "USER"]
+        assert users, f"no USER in the {target} stage"
+        uid, _, gid = users[-1].partition(":")
+        assert uid.isdigit() and int(uid) > 0, users[-1]
+        assert gid == "" or (gid.isdigit() and int(gid) > 0), users[-1]
+        entry = [a for i, a in stages[target] if i == "ENTRYPOINT"]
+        assert entry == [f'["flexkv-{target}"]'], entry
+
+
+def test_each_target_installs_only_its_extra_and_smoke_checks_its_command() -> None:
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert {"flexkv-operator", "flexkv-agent"} <= set(scripts)
-    runs = " ".join(a for i, a in _instructions() if i == "RUN")
-    assert "[agent,operator]" in runs
-    assert "flexkv-operator --help" in runs and "flexkv-agent --help" in runs
+    stages = _stages()
+    for target in ("operator", "agent"):
+        runs = " ".join(a for i, a in stages[f"build-{target}"] if i == "RUN")
+        assert f'"./[{target}]"' in runs, runs
+        assert f"flexkv-{target} --help" in runs
+        assert "torch" not in runs or target == "agent"
+        copied = [a for i, a in stages[target] if i == "COPY"]
+        assert f"--from=build-{target} /opt/venv /opt/venv" in copied
 
 
 def test_cpu_torch_pin_is_installed_before_the_project() -> None:
-    runs = [a for i, a in _instructions() if i == "RUN"]
+    runs = [a for i, a in _stages()["build-agent"] if i == "RUN"]
     torch_at = next(n for n, r in enumerate(runs) if "torch==${TORCH_VERSION}" in r)
-    project_at = next(n for n, r in enumerate(runs) if "[agent,operator]" in r)
+    project_at = next(n for n, r in enumerate(runs) if '"./[agent]"' in r)
     assert torch_at < project_at
     args = dict(a.split("=", 1) for i, a in _instructions() if i == "ARG" and "=" in a)
     assert args["TORCH_VERSION"] == "2.13.0"
@@ -105,44 +124,3 @@ def test_dockerignore_keeps_local_state_out_of_the_context() -> None:
         for src in a.split()[:-1]
     }
     assert copied <= allowed, f"COPY of paths the .dockerignore excludes: {copied - allowed}"
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(BUILD_TIMEOUT_S + 120)
-def test_buildah_builds_the_image_and_both_entrypoints_start() -> None:
-    buildah = shutil.which("buildah")
-    if buildah is None:
-        pytest.skip("buildah not installed; the image build check runs only where it is")
-    args = dict(a.split("=", 1) for i, a in _instructions() if i == "ARG" and "=" in a)
-    base = args["BASE_IMAGE"]
-    have_base = subprocess.run(
-        [buildah, "inspect", "--type", "image", base],
-        capture_output=True, timeout=60, check=False,
-    )
-    if have_base.returncode != 0:
-        pytest.skip(f"base image {base} is not in local buildah storage (buildah pull {base})")
-    tag = f"localhost/flexkv-operator-test:{uuid.uuid4().hex[:8]}"
-    subprocess.run(
-        [buildah, "build", "--pull=never", "--layers", "-t", tag, str(REPO)],
-        check=True, timeout=BUILD_TIMEOUT_S,
-    )
-    container = subprocess.run(
-        [buildah, "from", "--pull=never", tag],
-        capture_output=True, text=True, check=True, timeout=120,
-    ).stdout.strip()
-    try:
-        for script in ("flexkv-operator", "flexkv-agent"):
-            out = subprocess.run(
-                [buildah, "run", container, "--", script, "--help"],
-                capture_output=True, text=True, timeout=120, check=False,
-            )
-            assert out.returncode == 0, f"{script} --help: {out.stderr}"
-            assert "usage" in out.stdout.lower(), out.stdout
-        whoami = subprocess.run(
-            [buildah, "run", container, "--", "id", "-u"],
-            capture_output=True, text=True, timeout=60, check=True,
-        ).stdout.strip()
-        assert whoami == "10001"
-    finally:
-        subprocess.run([buildah, "rm", container], capture_output=True, timeout=60, check=False)
-        subprocess.run([buildah, "rmi", tag], capture_output=True, timeout=120, check=False)

@@ -54,7 +54,7 @@ def test_agent_container_is_non_root_without_capabilities() -> None:
     # The read-only root filesystem leaves /tmp (HOME, FlexKV's ipc directory) writable.
     tmp = [m for m in agent["volumeMounts"] if m["mountPath"] == "/tmp"]
     assert [m["name"] for m in tmp] == ["tmp"]
-    assert {"name": "tmp", "emptyDir": {}} in pod["volumes"]
+    assert {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}} in pod["volumes"]
 
 
 def test_init_container_chowns_exactly_the_host_directories_as_argv() -> None:
@@ -71,7 +71,8 @@ def test_init_container_chowns_exactly_the_host_directories_as_argv() -> None:
     assert init["volumeMounts"] == agent_host_mounts
     assert [m["mountPath"] for m in init["volumeMounts"]] == init["command"][3:]
     assert (init["image"], init["imagePullPolicy"]) == (agent["image"], "Always")
-    assert init["resources"] == agent["resources"] == {"requests": {"cpu": "1"}}
+    assert init["resources"] == agent["resources"] == {
+        "requests": {"cpu": "1", "memory": str(2**30 + 512 * 2**20)}}
     assert init["securityContext"] == {
         "runAsUser": 0,
         "runAsGroup": 0,
@@ -172,3 +173,21 @@ def test_root_or_malformed_agent_ids_are_config_errors(value: object) -> None:
         assert problem.field == f"agent.securityContext.{key}"
         assert repr(value) in problem.message and "non-root" in problem.message
 
+
+def test_a_pool_without_resources_gets_requests_covering_its_cpu_tier() -> None:
+    """Never BestEffort: the first pods the kubelet evicts under memory pressure."""
+    (agent,) = _pod()["containers"]
+    assert agent["resources"] == {"requests": {"cpu": "250m",
+                                               "memory": str(2**30 + 512 * 2**20)}}
+
+
+def test_a_lone_limit_is_left_to_kubernetes_as_the_request() -> None:
+    """A default request above a pool's limit would make the pod invalid."""
+    (agent,) = _pod(agent={"resources": {"limits": {"memory": "1Gi", "cpu": "2"}}})["containers"]
+    assert agent["resources"] == {"limits": {"memory": "1Gi", "cpu": "2"}}
+
+
+def test_priority_class_reaches_the_agent_pods() -> None:
+    assert _pod(agent={"priorityClassName": "kv-cache-critical"})["priorityClassName"] == (
+        "kv-cache-critical")
+    assert _pod().get("priorityClassName") is None

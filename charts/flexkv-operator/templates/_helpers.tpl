@@ -31,13 +31,16 @@ repeated.
 {{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
-{{/* Labels on every object. */}}
+{{/* Labels on every object the chart renders, commonLabels last. */}}
 {{- define "flexkv-operator.labels" -}}
 helm.sh/chart: {{ include "flexkv-operator.chart" . }}
 {{ include "flexkv-operator.selectorLabels" . }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: flexkv
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
 {{- end }}
 
 {{/* Labels that select the operator's pods; never change them on upgrade. */}}
@@ -61,16 +64,32 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- default .Chart.AppVersion .Values.image.tag }}
 {{- end }}
 
+{{/*
+An image reference from (dict "root" $ "repository" r "tag" t "digest" d):
+global.imageRegistry in front of the repository when set, then "@digest" when
+a digest is given, else ":tag".
+*/}}
+{{- define "flexkv-operator.imageRef" -}}
+{{- $repo := .repository }}
+{{- with .root.Values.global.imageRegistry }}
+{{- $repo = printf "%s/%s" (trimSuffix "/" .) $repo }}
+{{- end }}
+{{- if .digest }}
+{{- printf "%s@%s" $repo .digest }}
+{{- else }}
+{{- printf "%s:%s" $repo .tag }}
+{{- end }}
+{{- end }}
+
 {{/* The operator image reference. */}}
 {{- define "flexkv-operator.image" -}}
-{{- printf "%s:%s" .Values.image.repository (include "flexkv-operator.imageTag" .) }}
+{{- include "flexkv-operator.imageRef" (dict "root" . "repository" .Values.image.repository "tag" (include "flexkv-operator.imageTag" .) "digest" .Values.image.digest) }}
 {{- end }}
 
 {{/* The agent image reference handed to the operator (FLEXKV_AGENT_IMAGE). */}}
 {{- define "flexkv-operator.agentImage" -}}
-{{- $repo := default .Values.image.repository .Values.agent.image.repository }}
 {{- $tag := default (include "flexkv-operator.imageTag" .) .Values.agent.image.tag }}
-{{- printf "%s:%s" $repo $tag }}
+{{- include "flexkv-operator.imageRef" (dict "root" . "repository" .Values.agent.image.repository "tag" $tag "digest" .Values.agent.image.digest) }}
 {{- end }}
 
 {{/*
@@ -140,4 +159,55 @@ and posts Events. tests/chart checks this exact list.
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create", "patch"]
+{{- end }}
+
+{{/*
+All-namespaces mode splits the rules above in two, so that no Secret and no
+DaemonSet anywhere else in the cluster is within the operator's reach:
+cluster-wide (ClusterRole), what pools can need in any namespace: read and
+watch pools, groups, DaemonSets and Leases, write pool and group status and
+groups, post Events ...
+*/}}
+{{- define "flexkv-operator.operatorClusterWideRules" -}}
+- apiGroups: ["flexkv.io"]
+  resources: ["kvcachepools"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: ["flexkv.io"]
+  resources: ["kvcachepools/status"]
+  verbs: ["patch"]
+- apiGroups: ["flexkv.io"]
+  resources: ["kvcachegroups"]
+  verbs: ["get", "list", "create", "patch", "delete"]
+- apiGroups: ["flexkv.io"]
+  resources: ["kvcachegroups/status"]
+  verbs: ["patch"]
+- apiGroups: ["apps"]
+  resources: ["daemonsets"]
+  verbs: ["list", "watch"]
+- apiGroups: ["coordination.k8s.io"]
+  resources: ["leases"]
+  verbs: ["list", "watch"]
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+{{- end }}
+
+{{/*
+... and, in each agent namespace only (a Role), the agents' children:
+DaemonSet, Services, ConfigMap, CurveZMQ Secret, PodDisruptionBudget, and the
+deletion of Leases of agents whose node left.
+*/}}
+{{- define "flexkv-operator.operatorAgentNamespaceRules" -}}
+- apiGroups: ["apps"]
+  resources: ["daemonsets"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: [""]
+  resources: ["services", "configmaps", "secrets"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: ["coordination.k8s.io"]
+  resources: ["leases"]
+  verbs: ["delete"]
 {{- end }}

@@ -1,0 +1,91 @@
+"""Runtime code imports only what its own extra installs.
+
+Every import statement of ``node_agent`` and ``flexkv_operator`` (module level and
+inside functions alike) must name the standard library, the project itself, or
+a distribution in the dependency closure of the package's extra (plus the core
+dependencies). A ``dev``-only package (httpx, pytest, jsonschema, ...) is the
+classic failure: it imports fine in the all-extras .venv and crashes in an
+image. tests/test_extras.py runs the commands from single-extra venvs; this
+check covers the code paths those runs do not reach.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata as md
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+OWN = {"node_agent", "flexkv_operator"}
+# Imported by design without being a dependency: `flexkv` is built from source
+# against CUDA and imported only after importlib.util.find_spec finds it.
+OPTIONAL = {"flexkv"}
+PACKAGES = {
+    "node_agent": (REPO / "node_agent", "agent"),
+    "flexkv_operator": (REPO / "operator" / "flexkv_operator", "operator"),
+}
+
+
+def _name(requirement: str) -> str:
+    return re.split(r"[\s\[<>=!~;(]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def _closure(requirements: list[str]) -> set[str]:
+    """Distribution names reachable from ``requirements`` (markers without extras honoured)."""
+    seen: set[str] = set()
+    todo = [_name(r) for r in requirements]
+    while todo:
+        dist = todo.pop()
+        if dist in seen:
+            continue
+        seen.add(dist)
+        try:
+            reqs = md.requires(dist) or []
+        except md.PackageNotFoundError:
+            continue
+        todo += [_name(r) for r in reqs if "extra ==" not in r.replace('extra=="', 'extra == "')]
+    return seen
+
+
+def _modules_of(dists: set[str]) -> set[str]:
+    by_module = md.packages_distributions()
+    return {mod for mod, owners in by_module.items()
+            if any(o.lower().replace("_", "-") in dists for o in owners)}
+
+
+def _imports(folder: Path) -> dict[str, set[str]]:
+    """Top-level module names imported by each file (relative imports excluded)."""
+    found: dict[str, set[str]] = {}
+    for path in folder.rglob("*.py"):
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+        found[str(path.relative_to(REPO))] = names
+    return found
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_runtime_code_imports_only_its_extra(package: str) -> None:
+    folder, extra = PACKAGES[package]
+    allowed_dists = _closure(PROJECT["dependencies"] + PROJECT["optional-dependencies"][extra])
+    allowed = _modules_of(allowed_dists) | set(sys.stdlib_module_names) | OWN | OPTIONAL
+    offenders = {path: sorted(names - allowed)
+                 for path, names in _imports(folder).items() if names - allowed}
+    assert offenders == {}, (
+        f"{package} imports modules that the '{extra}' extra does not install: {offenders}; "
+        f"use the standard library or add the distribution to the '{extra}' extra")
+
+
+def test_the_check_catches_a_dev_only_import() -> None:
+    dev_only = _closure(PROJECT["optional-dependencies"]["dev"]) - _closure(
+        PROJECT["dependencies"] + PROJECT["optional-dependencies"]["agent"])
+    assert "httpx" in dev_only and "httpx" in _modules_of(dev_only)
