@@ -30,6 +30,13 @@ PACKAGES = {
     "node_agent": (REPO / "node_agent", "agent"),
     "flexkv_operator": (REPO / "operator" / "flexkv_operator", "operator"),
 }
+# Engine adapters run inside their engine's own venv (docs/vllm.md, docs/sglang.md):
+# each may import, beyond the agent extra, its engine and what that engine installs.
+INTEGRATIONS = REPO / "node_agent" / "integrations"
+ENGINE_MODULES = {
+    "vllm": {"vllm", "transformers", "tokenizers"},
+    "sglang": {"sglang"},
+}
 
 
 def _name(requirement: str) -> str:
@@ -78,11 +85,23 @@ def test_runtime_code_imports_only_its_extra(package: str) -> None:
     folder, extra = PACKAGES[package]
     allowed_dists = _closure(PROJECT["dependencies"] + PROJECT["optional-dependencies"][extra])
     allowed = _modules_of(allowed_dists) | set(sys.stdlib_module_names) | OWN | OPTIONAL
-    offenders = {path: sorted(names - allowed)
-                 for path, names in _imports(folder).items() if names - allowed}
+    offenders: dict[str, list[str]] = {}
+    for path, names in _imports(folder).items():
+        parts = Path(path).parts
+        engine = parts[2] if parts[:2] == ("node_agent", "integrations") and len(parts) > 3 \
+            else None
+        extra_ok = ENGINE_MODULES.get(engine, set()) if engine else set()
+        if names - allowed - extra_ok:
+            offenders[path] = sorted(names - allowed - extra_ok)
     assert offenders == {}, (
         f"{package} imports modules that the '{extra}' extra does not install: {offenders}; "
         f"use the standard library or add the distribution to the '{extra}' extra")
+
+
+def test_every_integration_names_its_engine() -> None:
+    """A new engine adapter must say which engine modules it may import."""
+    engines = {p.name for p in INTEGRATIONS.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert engines == set(ENGINE_MODULES)
 
 
 def test_the_check_catches_a_dev_only_import() -> None:

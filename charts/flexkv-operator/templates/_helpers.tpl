@@ -189,7 +189,7 @@ groups, post Events ...
   verbs: ["list", "watch"]
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create"]
+  verbs: ["create", "patch"]
 {{- end }}
 
 {{/*
