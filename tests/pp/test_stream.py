@@ -246,8 +246,9 @@ def test_a_malformed_message_inside_a_batch_is_dropped_and_counted(pair: Pair) -
     target = pair.leader.peer(1)
     assert target is not None
     seq = pair.follower.last_seq
-    good = [encode(Envelope(Op.RELEASE, GROUP, 5, seq + i), Release(f"x{i}"))[0]
-            for i in (1, 2)]
+    inc = pair.leader.incarnation  # as if the leader had sent them
+    good = [encode(Envelope(Op.RELEASE, GROUP, 5, seq + i, incarnation=inc),
+                   Release(f"x{i}"))[0] for i in (1, 2)]
     bad = good[1][:-3]
     rogue = Sender(target.endpoint, pair.keys)
     try:
