@@ -97,16 +97,16 @@ def token_digest(tokens: IntArray, span: tuple[int, int] | None = None) -> int:
 
 
 def _length(kv_indices: object) -> int:
+    """Entries along the first axis (the seed's length check comes before any
+    other check; a 2-D array is refused afterwards, never flattened)."""
     if isinstance(kv_indices, torch.Tensor):
-        if kv_indices.dim() != 1:
-            raise ValueError(f"store_kv: kv_indices has shape {tuple(kv_indices.shape)}; it "
-                             "must be 1-D (one slot per token)")
+        if kv_indices.dim() == 0:
+            raise ValueError("store_kv: kv_indices is a scalar tensor; pass one slot per token")
         return int(kv_indices.shape[0])
     arr = _as_array(kv_indices, "store_kv: kv_indices")
-    if arr.ndim != 1:
-        raise ValueError(f"store_kv: kv_indices has shape {arr.shape}; it must be 1-D (one "
-                         "slot per token)")
-    return len(arr)
+    if arr.ndim == 0:
+        raise ValueError(f"store_kv: kv_indices is a scalar ({arr!r}); pass one slot per token")
+    return int(arr.shape[0])
 
 
 @dataclass(frozen=True)

@@ -24,12 +24,13 @@ Leader silence for ``leader_timeout`` also makes it unsynced.
 
 Incarnations: every leader stream has a random ``incarnation`` stamped on each
 message it sends, beside (group, epoch, seq). A follower remembers the
-incarnation it synced with. A message of another incarnation it never followed
-(a leader process restarted under the same epoch, at the same or another
-address) makes it unsynced at once: it flushes its local state
-(``on_new_leader``) and asks for a SYNC, and until that SYNC it reports itself
-not synced. Messages of an incarnation it already left are dropped
-(``stale_incarnation``).
+incarnation it synced with. A message of another incarnation (a leader process
+restarted under the same epoch, at the same or another address) makes it
+unsynced at once and it asks the view's leader endpoint for a SYNC; until a
+SYNC arrives it reports itself not synced. The incarnation of that SYNC is
+followed from then on: if it is a new one, the follower first flushes its
+local state (``on_new_leader``); every other incarnation seen is *left*, and
+its messages are dropped (``stale_incarnation``) from then on.
 """
 
 from __future__ import annotations
@@ -383,6 +384,9 @@ class FollowerStream:
         self.incarnation: int | None = None
         """The leader incarnation this stage last synced with (None before)."""
         self._left: OrderedDict[int, None] = OrderedDict()
+        """Incarnations this stage stopped following: their messages are dropped."""
+        self._suspects: OrderedDict[int, None] = OrderedDict()
+        """Other incarnations seen since the last SYNC (left once a SYNC decides)."""
         self._keys = keys
         self._stats = stats
         self._apply = apply
@@ -489,29 +493,43 @@ class FollowerStream:
                 self._stats.drop("stale_incarnation")
                 return
             if self.incarnation is not None and inc != self.incarnation:
-                # Another leader process under this epoch: follow it at once,
-                # never mixing its seqs with the old one's.
-                old = self.incarnation
-                self._leave_incarnation()
-                self._stats.drop("new_incarnation")
-                log.warning("New leader incarnation, resyncing",
-                            extra={"group": self.group, "rank": self.rank, "old": old,
-                                   "new": inc})
-                self._unsync("new leader incarnation", resync=True)
-                if self._on_new_leader is not None:
-                    self._on_new_leader("leader incarnation changed")
+                # Another leader process under this epoch: never mix its seqs with
+                # the old one's. Ask the view's leader endpoint for a SYNC at once;
+                # whichever process answers it is followed.
+                self._suspects[inc] = None
+                while len(self._suspects) > 64:
+                    self._suspects.popitem(last=False)
                 if env.op is not Op.SYNC:
+                    self._stats.drop("new_incarnation")
+                    if self.synced:
+                        log.warning("Message from another leader incarnation, resyncing",
+                                    extra={"group": self.group, "rank": self.rank,
+                                           "followed": self.incarnation, "seen": inc})
+                        self._unsync("message from another leader incarnation", resync=True)
                     return
             self._last_heard = time.monotonic()
             if env.op is Op.SYNC:
                 assert isinstance(msg.body, Sync)
                 if not self.synced and msg.body.gen == self._gen + 1:
+                    previous = self.incarnation
+                    for other in [previous, *self._suspects]:
+                        if other is not None and other != inc:
+                            self._left[other] = None
+                    while len(self._left) > 64:
+                        self._left.popitem(last=False)
+                    self._suspects.clear()
                     self._gen = msg.body.gen
                     self.last_seq = env.seq
                     self.incarnation = inc
+                    if previous is not None and previous != inc and \
+                            self._on_new_leader is not None:
+                        # Nothing held here was decided by this process: flush
+                        # before its first stream message.
+                        self._on_new_leader("leader incarnation changed")
                     self.synced = True
                     log.info("Fan-out stream synced", extra={"group": self.group,
-                                                            "rank": self.rank, "seq": env.seq})
+                                                            "rank": self.rank, "seq": env.seq,
+                                                            "incarnation": inc})
                 return
             if env.op is Op.HEARTBEAT:
                 if self.synced and env.seq > self.last_seq:
