@@ -163,11 +163,13 @@ def make_connector(
 class Stage:
     """State of one stage process: its connector and engine buffers."""
 
-    def __init__(self, rank: int, keys: CurveKeys | None, cpu_blocks: int) -> None:
+    def __init__(self, rank: int, keys: CurveKeys | None, cpu_blocks: int,
+                 endpoint: str | None = None) -> None:
         self.rank = rank
         self.metrics = AgentMetrics()
         self.view = GroupViewSource(GroupView(GROUP, 0, None, ()))
-        self.conn = make_connector(rank, self.view, keys, cpu_blocks, metrics=self.metrics)
+        self.conn = make_connector(rank, self.view, keys, cpu_blocks, metrics=self.metrics,
+                                   endpoint=endpoint or "tcp://127.0.0.1:0")
         self.conn.start()
         self.bufs = make_buffers()
         self.conn.register_kv_buffers(0, self.bufs)
@@ -214,6 +216,7 @@ class Stage:
                     "flexkv_agent_leader_changes_total", {"group": GROUP}) or 0.0,
                 "lag_count": reg.get_sample_value(
                     "flexkv_agent_fanout_lag_seconds_count", {"group": GROUP}) or 0.0,
+                "degraded": reg.get_sample_value("flexkv_agent_pp_degraded", {"group": GROUP}),
             }
             return s
         if op == "ready":
@@ -231,14 +234,15 @@ class Stage:
         raise ValueError(f"unknown op {op!r}")
 
 
-def stage_main(rank: int, keys: CurveKeys | None, cpu_blocks: int, pipe: Connection) -> None:
+def stage_main(rank: int, keys: CurveKeys | None, cpu_blocks: int, pipe: Connection,
+               endpoint: str | None = None) -> None:
     """Process entry: answer (op, args) requests with ("ok", value) or ("err", text).
 
     Calls run on a worker thread so a slow call never blocks the pipe reader's
     shutdown; one call at a time, as one engine rank issues them.
     """
     logging.basicConfig(level=os.environ.get("STAGE_LOG", "WARNING"))
-    stage = Stage(rank, keys, cpu_blocks)
+    stage = Stage(rank, keys, cpu_blocks, endpoint)
     lock = threading.Lock()
     while True:
         try:
