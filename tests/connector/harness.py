@@ -31,6 +31,7 @@ from node_agent.metrics import AgentMetrics
 from node_agent.pp.auth import CurveKeys
 from node_agent.pp.channel import FanoutServer, FaultPlan
 from node_agent.pp.group import GroupView, GroupViewSource
+from node_agent.pp.messages import decode, is_batch, unpack_batch
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=4, kv_dim=2,
                   dtype=KVDtype.FLOAT32, tokens_per_block=4)
@@ -231,6 +232,18 @@ class Stage:
             sender.faults = plan
             getattr(plan, args["action"])(*args.get("args", ()))
             return True
+        if op == "fault_log":
+            # (action, ops of the frame it hit): a batch frame carries several.
+            role = c._role
+            stream = getattr(role, "stream", None)
+            sender = stream.peer(args["rank"]) if stream is not None else None
+            faults = None if sender is None else sender.faults
+            out = []
+            for action, frames in ([] if faults is None else faults.log):
+                data = frames[0]
+                msgs = unpack_batch(data) if is_batch(data) else [data]
+                out.append((action, [decode([m]).env.op.name for m in msgs]))
+            return out
         raise ValueError(f"unknown op {op!r}")
 
 
