@@ -54,12 +54,14 @@ class _RidBook:
     local_life: int = 0
     """Releases of the rid by this stage's engine."""
     lives: dict[int, _Life] = field(default_factory=dict)
+    waiters: int = 0
+    """Calls waiting in :meth:`DecisionBook.take` (the book must outlive them)."""
 
     def life(self, k: int) -> _Life:
         return self.lives.setdefault(k, _Life())
 
     def idle(self) -> bool:
-        return self.stream_life == self.local_life and not any(
+        return self.stream_life == self.local_life and not self.waiters and not any(
             lf.pending or lf.gave_up for lf in self.lives.values())
 
 
@@ -180,31 +182,41 @@ class DecisionBook(Generic[V]):
             start_epoch = self._epoch
             b = self._book(rid)
             life = b.local_life
-            while True:
-                lf = b.lives.get(life)
-                if lf is not None:
-                    for i, (k, dg, v) in enumerate(lf.pending):
-                        if k is kind and dg == digest:
-                            skipped = [x for kk, _, x in lf.pending[:i] if kk is kind]
-                            lf.pending = [p for j, p in enumerate(lf.pending)
-                                          if j > i or (j < i and p[0] is not kind)]
-                            self._count -= 1 + len(skipped)
-                            self._gc(rid)
-                            return Taken(v, skipped)
-                left = deadline - time.monotonic()
-                if left <= 0 or self._epoch != start_epoch or \
-                        self._rids.get(rid) is not b or b.local_life != life:
-                    break
-                self._cond.wait(left)
-            mismatch = False
-            if self._epoch == start_epoch and self._rids.get(rid) is b and b.local_life == life:
-                lf = b.life(life)
-                mismatch = any(k is kind for k, _, _ in lf.pending)
-                lf.gave_up.append((kind, digest))
-                while len(lf.gave_up) > self._limit:
-                    lf.gave_up.pop(0)
-            self._gc(rid)
-            return Taken(None, [], mismatch)
+            b.waiters += 1
+            try:
+                return self._take(rid, kind, digest, deadline, start_epoch, b, life)
+            finally:
+                b.waiters -= 1
+                self._gc(rid)
+
+    def _take(self, rid: str, kind: Kind, digest: int, deadline: float, start_epoch: int,
+              b: _RidBook, life: int) -> Taken[V]:
+        """:meth:`take` with the condition held; ``b`` is kept while it waits."""
+        while True:
+            lf = b.lives.get(life)
+            if lf is not None:
+                for i, (k, dg, v) in enumerate(lf.pending):
+                    if k is kind and dg == digest:
+                        skipped = [x for kk, _, x in lf.pending[:i] if kk is kind]
+                        lf.pending = [p for j, p in enumerate(lf.pending)
+                                      if j > i or (j < i and p[0] is not kind)]
+                        self._count -= 1 + len(skipped)
+                        self._gc(rid)
+                        return Taken(v, skipped)
+            left = deadline - time.monotonic()
+            if left <= 0 or self._epoch != start_epoch or \
+                    self._rids.get(rid) is not b or b.local_life != life:
+                break
+            self._cond.wait(left)
+        mismatch = False
+        if self._epoch == start_epoch and self._rids.get(rid) is b and b.local_life == life:
+            lf = b.life(life)
+            mismatch = any(k is kind for k, _, _ in lf.pending)
+            lf.gave_up.append((kind, digest))
+            while len(lf.gave_up) > self._limit:
+                lf.gave_up.pop(0)
+        self._gc(rid)
+        return Taken(None, [], mismatch)
 
     def take_evicted(self) -> list[V]:
         """Decisions dropped by the bound since the last call (answer them)."""

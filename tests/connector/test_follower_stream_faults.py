@@ -5,6 +5,7 @@ inputs keeping the call pairing, and retrieve after a missed lookup."""
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 
 import numpy as np
@@ -15,10 +16,20 @@ from node_agent.backend.stage_store import TierStore
 from node_agent.connector import ConnectorConfig, UnknownRequestError
 from node_agent.connector.follower import FollowerRole
 from node_agent.connector.inputs import prepare_lookup, prepare_store, token_digest
-from node_agent.pp.messages import Decision, Envelope, Kind, Message, Moves, Op, Reset, Sync
+from node_agent.pp.messages import (
+    Decision,
+    Envelope,
+    Kind,
+    Message,
+    Moves,
+    Op,
+    Release,
+    Reset,
+    Sync,
+)
 from node_agent.pp.stream import StreamMetrics
 
-from .harness import GROUP, LAYOUT, NUM_SLOTS, backend_config, make_buffers
+from .harness import GROUP, LAYOUT, NUM_SLOTS, backend_config, make_buffers, wait_for
 
 TPB = LAYOUT.tokens_per_block
 EPOCH = 1
@@ -123,3 +134,19 @@ def test_retrieve_after_a_missed_lookup_is_a_miss_once(driven: Driven) -> None:
         driven.role.retrieve("m", np.zeros(0, np.int64))
     with pytest.raises(UnknownRequestError):
         driven.role.retrieve("never-looked-up", np.zeros(0, np.int64))
+
+
+def test_a_call_ahead_of_the_leaders_release_still_takes_its_decision(driven: Driven) -> None:
+    # This stage released "r" and calls again before the leader's RELEASE
+    # arrives: the RELEASE must not end the life the waiting call belongs to.
+    driven.role.release("r")
+    answers: list[int] = []
+    caller = threading.Thread(target=lambda: answers.append(
+        driven.role.store_kv("r", _input(1))))  # type: ignore[arg-type]
+    caller.start()
+    wait_for(lambda: "r" in driven.role._book._rids
+             and driven.role._book._rids["r"].waiters == 1, "the call waiting")
+    driven.send(Op.RELEASE, Release("r"))
+    driven.put_decision("r", 0, task_id=7, blocks=1)
+    caller.join(10)
+    assert answers == [7]
