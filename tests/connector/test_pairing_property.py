@@ -66,10 +66,12 @@ KNOWN = [
 
 
 def _group(size: int) -> Iterator[InProcessGroup]:
-    # Short waits: a call that waits for a decision that never comes (its
-    # stage-mates rejected the call) ends quickly. fanout + 3 x transfer < call.
-    g = InProcessGroup(size, cpu_blocks=24, engine_call_seconds=2.0,
-                       fanout_wait_seconds=0.4, transfer_seconds=0.45)
+    # A short decision wait: a call whose decision never comes (its stage-mates
+    # rejected the call) ends quickly. A generous copy bound: a copy that times
+    # out may keep running, so none should on a loaded machine.
+    # fanout + 3 x transfer < call (ConnectorConfig checks it).
+    g = InProcessGroup(size, cpu_blocks=24, engine_call_seconds=4.0,
+                       fanout_wait_seconds=0.3, transfer_seconds=0.6)
     try:
         yield g
     finally:
