@@ -15,9 +15,11 @@ applies a leader decision only to its own call of the same rid, kind and digest.
 
 from __future__ import annotations
 
+import functools
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ParamSpec, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -27,6 +29,25 @@ from node_agent.backend.inputs import mask_span
 from node_agent.backend.slots import validate_slot_mapping
 
 IntArray = npt.NDArray[np.int64]
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _value_errors(what: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Any failure while reading the inputs becomes a ``ValueError`` naming
+    ``what`` (an unreadable tensor must not escape as another exception type)."""
+    def wrap(fn: Callable[P, R]) -> Callable[P, R]:
+        @functools.wraps(fn)
+        def checked(*args: P.args, **kwargs: P.kwargs) -> R:
+            try:
+                return fn(*args, **kwargs)
+            except ValueError:
+                raise
+            except Exception as exc:
+                raise ValueError(f"{what}: the inputs cannot be read ({type(exc).__name__}: "
+                                 f"{exc}); pass 1-D integer arrays on the CPU") from exc
+        return checked
+    return wrap
 
 
 def _holds_bool(seq: object) -> bool:
@@ -118,6 +139,7 @@ class LookupInput:
     digest: int
 
 
+@_value_errors("lookup")
 def prepare_lookup(
     token_ids: Sequence[int] | npt.NDArray[np.integer] | torch.Tensor,
     token_mask: object,
@@ -164,6 +186,7 @@ class StoreInput:
         return len(self.tokens)
 
 
+@_value_errors("store_kv")
 def prepare_store(
     token_ids: Sequence[int] | npt.NDArray[np.integer],
     kv_indices: torch.Tensor | npt.NDArray[np.integer],
@@ -192,6 +215,7 @@ def prepare_store(
     return StoreInput(tokens[:aligned], slots, token_digest(tokens[:aligned]))
 
 
+@_value_errors("retrieve")
 def prepare_slots(
     slot_mapping: torch.Tensor | npt.NDArray[np.integer] | Sequence[int],
     expected: int,

@@ -19,7 +19,7 @@ import torch
 
 from node_agent.backend.slots import validate_slot_mapping
 from node_agent.client import EngineClient, RankInfo, SharedKVBuffers
-from node_agent.connector.inputs import prepare_store
+from node_agent.connector.inputs import prepare_lookup, prepare_store
 from node_agent.engine_api import protocol
 from tests.agent.harness import (
     LAYOUT,
@@ -163,3 +163,11 @@ def test_connector_inputs_refuse_bools_in_int_lists_and_2d_arrays() -> None:
     with pytest.raises(ValueError, match=r"^store_kv: token_ids has 8 entries but kv_indices "
                                          r"has 4 entries$"):
         prepare_store(np.arange(8), np.arange(8).reshape(4, 2), 4, NUM_SLOTS)
+
+
+def test_unreadable_inputs_are_value_errors_before_any_decision() -> None:
+    meta = torch.zeros(8, dtype=torch.int64, device="meta")
+    with pytest.raises(ValueError, match="store_kv: the inputs cannot be read"):
+        prepare_store(np.arange(8), meta, 4, NUM_SLOTS)
+    with pytest.raises(ValueError, match="lookup: token_mask has dtype object"):
+        prepare_lookup(np.arange(8), object(), 4)
