@@ -123,9 +123,10 @@ class LeaderStream:
     ``flush(reason)`` must reset the leader's backend and call
     :meth:`broadcast` with a RESET; it is called (from the server thread) when a
     follower must be brought in while the group cache is ``dirty``.
-    ``on_ack`` receives follower acks of this epoch. ``on_newer_epoch(epoch)``
-    is called when a follower's HELLO or ACK carries a newer epoch (this leader
-    is stale and must step down).
+    ``on_ack`` receives follower acks of this epoch and this leader incarnation
+    (an ack stamped with another is dropped as ``stale_incarnation``).
+    ``on_newer_epoch(epoch)`` is called when a follower's HELLO or ACK carries a
+    newer epoch (this leader is stale and must step down).
     """
 
     def __init__(
@@ -300,6 +301,11 @@ class LeaderStream:
             return
         body = msg.body
         if isinstance(body, Ack):
+            if msg.env.incarnation != self.incarnation:
+                # An ack of another leader process's decision (this one restarted
+                # at the same address): its (rid, n, task id) may collide with ours.
+                self._stats.drop("stale_incarnation")
+                return
             self._on_ack(body)
         elif isinstance(body, Hello):
             self._hello(body)
@@ -445,10 +451,13 @@ class FollowerStream:
         Lock-free on purpose: engine threads ack while the server thread may
         hold the stream lock waiting for their copies to end.
         """
-        sender, epoch = self._sender, self.epoch
+        sender, epoch, inc = self._sender, self.epoch, self.incarnation
         if sender is None:
             return False
-        return sender.send(encode(Envelope(Op.ACK, self.group, epoch, self.last_seq), ack))
+        # Stamped with the leader incarnation the acked decision came from: a
+        # restarted leader at the same address never takes it for one of its own.
+        return sender.send(encode(Envelope(Op.ACK, self.group, epoch, self.last_seq,
+                                           incarnation=inc or 0), ack))
 
     def request_resync(self, reason: str) -> None:
         """Stop applying and ask the leader for a flush point (a local fault)."""

@@ -143,6 +143,24 @@ def test_messages_apply_in_order_and_acks_flow_back(pair: Pair) -> None:
     assert pair.acks[0] == Ack(1, "r0", Kind.PUT, 0, 3, True)
 
 
+def test_an_ack_for_another_leader_incarnation_is_dropped(pair: Pair) -> None:
+    # A follower's ack of the previous leader process's decision reaches a new
+    # leader process at the same address: it must never count as one of its own.
+    assert pair.follower.incarnation == pair.leader.incarnation
+    rogue = Sender(pair.lead_ep, pair.keys)
+    try:
+        stale = Ack(1, "r0", Kind.PUT, 0, 3, True)
+        rogue.send(encode(Envelope(Op.ACK, GROUP, 5, 0,
+                                   incarnation=pair.leader.incarnation + 1), stale))
+        wait_for(lambda: pair.leader._stats.dropped.get("stale_incarnation") == 1)
+    finally:
+        rogue.close()
+    assert pair.acks == []
+    assert pair.follower.send_ack(Ack(1, "r1", Kind.PUT, 1, 4, True))  # its own stamp
+    wait_for(lambda: len(pair.acks) == 1)
+    assert pair.acks[0].rid == "r1"
+
+
 def test_duplicates_are_dropped_and_counted(pair: Pair) -> None:
     _faults(pair).duplicate(3)
     _send(pair, 5)
