@@ -43,7 +43,6 @@ from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import numpy.typing as npt
 import torch
 import zmq
@@ -51,7 +50,7 @@ import zmq
 from node_agent.backend.layout import KVLayout, LayoutName
 from node_agent.engine_api import protocol
 from node_agent.engine_api.buffers import CREATED_HERE, cuda_handle, dtype_name
-from node_agent.engine_api.protocol import int64_array, layout_to_wire
+from node_agent.engine_api.protocol import array_length, bool_array, int64_array, layout_to_wire
 
 
 class EngineAPIError(RuntimeError):
@@ -239,7 +238,7 @@ class EngineClient:
         """Hit tokens: how many leading tokens of ``token_ids`` the cache can load."""
         arrays: dict[str, Any] = {"token_ids": int64_array("lookup: token_ids", token_ids)}
         if token_mask is not None:
-            arrays["token_mask"] = np.asarray(token_mask, dtype=bool).reshape(-1)
+            arrays["token_mask"] = bool_array("lookup: token_mask", token_mask)
         return int(self._call("lookup", {"rid": rid, "rank": self.rank.to_wire()}, arrays))
 
     def retrieve(self, rid: str, slot_mapping: Sequence[int] | npt.ArrayLike) -> int:
@@ -257,13 +256,16 @@ class EngineClient:
         is written. Returns the connector's result (task id, or -1 when nothing
         needed writing).
         """
+        # The seed's check first, on the arrays as given (a 2-D array is never
+        # flattened into a matching count; it is refused below).
+        n = array_length("store_kv: token_ids", token_ids)
+        m = array_length("store_kv: kv_indices", kv_indices)
+        if n != m:
+            raise ValueError(
+                f"store_kv: token_ids has {n} entries but kv_indices has {m} entries"
+            )
         ids = int64_array("store_kv: token_ids", token_ids)
         idx = int64_array("store_kv: kv_indices", kv_indices)
-        if len(ids) != len(idx):
-            raise ValueError(
-                f"store_kv: token_ids has {len(ids)} entries but kv_indices has "
-                f"{len(idx)} entries"
-            )
         return int(self._call("store_kv", {"rid": rid, "rank": self.rank.to_wire()},
                               {"token_ids": ids, "kv_indices": idx}))
 

@@ -99,6 +99,18 @@ class AgentMetrics:
             registry=r,
         )
 
+        self.fanout_mismatch = Counter(
+            "flexkv_agent_fanout_mismatch",
+            "Follower engine calls that found only leader decisions for other tokens "
+            "(never applied; the stage resyncs)", ["group", "kind"], registry=r,
+        )
+        self.pp_degraded = Gauge(
+            "flexkv_agent_pp_degraded",
+            "1 while this stage cannot serve its PP group (a follower not synced with the "
+            "current leader process, a leader with an unsynced follower, no role)",
+            ["group"], registry=r,
+        )
+
     def set_role(self, group: str, role: str) -> None:
         """Mark ``role`` (leader or follower) as current for ``group``, the other as 0."""
         for r in ("leader", "follower"):

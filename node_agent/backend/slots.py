@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+_UNSIGNED_WIDE = tuple(getattr(torch, n) for n in ("uint32", "uint64") if hasattr(torch, n))
+
 
 def validate_slot_mapping(
     value: object, expected_len: int, num_slots: int, what: str = "slot_mapping"
@@ -17,12 +19,22 @@ def validate_slot_mapping(
     if isinstance(value, torch.Tensor):
         if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
             raise ValueError(f"{what} has dtype {value.dtype}; it must hold integer slot indices")
+        if value.dtype in _UNSIGNED_WIDE:
+            value = value.detach().cpu().numpy()  # checked below without wrapping
+    if isinstance(value, torch.Tensor):
         arr = value.detach().to("cpu", torch.int64).numpy()
         ndim = value.dim()
     else:
         raw = np.asarray(value)
         if raw.dtype == np.bool_ or not np.issubdtype(raw.dtype, np.integer):
             raise ValueError(f"{what} has dtype {raw.dtype}; it must hold integer slot indices")
+        if raw.dtype.kind == "u" and raw.size and raw.ndim == 1 and int(raw.max()) >= num_slots:
+            # Checked before the int64 cast, which would wrap 2**63 + 5 to a negative slot.
+            hi = int(raw.max())
+            raise ValueError(
+                f"{what} holds slot {hi} at index {int(raw.argmax())}, outside the registered "
+                f"buffers' {num_slots} slots"
+            )
         arr = raw.astype(np.int64, copy=False)
         ndim = raw.ndim
     if ndim != 1:

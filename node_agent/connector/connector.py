@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -27,14 +28,14 @@ from node_agent.backend.replication import ReplicatedBackend, StageStore
 from node_agent.connector.config import ConnectorConfig
 from node_agent.connector.errors import UnknownRequestError
 from node_agent.connector.follower import FollowerRole
-from node_agent.connector.inputs import prepare_store, token_array
+from node_agent.connector.inputs import prepare_lookup, prepare_store
 from node_agent.connector.leader import LeaderRole
 from node_agent.connector.tracking import CompletedRids
 from node_agent.metrics import AgentMetrics
 from node_agent.pp.auth import CurveKeys
 from node_agent.pp.channel import FanoutServer
 from node_agent.pp.group import GroupView, GroupViewSource
-from node_agent.pp.messages import Kind, Message, Op
+from node_agent.pp.messages import Message, Op
 from node_agent.pp.stream import StreamMetrics
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ StoreFactory = Callable[[], StageStore]
 """Builds a follower's stage store; it must also be a :class:`RegistrableStore`."""
 
 Role = LeaderRole | FollowerRole
+_ABSENT = object()
 
 
 class Connector:
@@ -90,8 +92,10 @@ class Connector:
         """Rids of ended roles the engine has not polled yet (see ``_end_role``)."""
         self._store: StageStore | None = None
         self._buffers: dict[int, Sequence[Sequence[torch.Tensor]]] = {}
-        self._num_slots: int | None = None
         self._slots_by_rank: dict[int, int] = {}
+        self._num_slots: int | None = None
+        self._lookups: OrderedDict[str, Role | None] = OrderedDict()
+        """rid -> the role that answered its last lookup, until its retrieve."""
         self._server: FanoutServer | None = server
         self._own_server = server is None
         self._leader_rank: int | None = None
@@ -111,9 +115,16 @@ class Connector:
             if self._server is not None:
                 self._server.register(self.cfg.group, self._dispatch)
             self._started = True
+            if self._metrics is not None:
+                self._metrics.pp_degraded.labels(group=self.cfg.group).set_function(
+                    self._degraded_value)
             self._view.subscribe(self._on_view)
             self._on_view(self._view.view)
         return self
+
+    def _degraded_value(self) -> float:
+        role = self._role
+        return 0.0 if role is not None and not self._closed and not role.degraded() else 1.0
 
     @property
     def fanout_endpoint(self) -> str | None:
@@ -171,6 +182,8 @@ class Connector:
                 return
             if isinstance(role, FollowerRole) and leader is not None and \
                     leader.pp_rank != rank and role.epoch == view.epoch:
+                # Same epoch: a leader restarted at a new address resyncs at once.
+                role.follow_endpoint(leader.fanout_endpoint)
                 return
             self._end_role()
             if leader is None:
@@ -245,8 +258,8 @@ class Connector:
             if self._store is not None:
                 _registrable(self._store).register_kv_buffers(rank, buffers)
             self._buffers[rank] = buffers
-            # The smallest of the current registrations (a rank that registers
-            # again replaces its own count, so a restarted engine may grow it).
+            # A re-registration (an engine restarted with other buffers) replaces
+            # the rank's size: the limit is the smallest of the current buffers.
             self._slots_by_rank[rank] = reg.num_slots
             slots = min(self._slots_by_rank.values())
             self._num_slots = slots
@@ -264,18 +277,14 @@ class Connector:
         """Store the KV of ``token_ids`` from slots ``kv_indices`` (parallel arrays).
 
         Raises ``ValueError`` when the lengths differ ("store_kv: token_ids has N
-        entries but kv_indices has M entries") or a slot is invalid, with nothing
-        decided or written. Aligns down to whole pages; returns the task id of
+        entries but kv_indices has M entries") or an input is invalid, with
+        nothing decided or written: a rejected call leaves the fan-out stream as
+        if it had not been made. Aligns down to whole pages; returns the task id of
         the group store, or -1 when nothing is stored (nothing new, aligned
         length 0, a degraded group, a timeout, a failure on this stage).
         ``poll_completed`` later reports ``rid`` once every stage is terminal.
         """
-        try:
-            inp = prepare_store(token_ids, kv_indices, self.cfg.tokens_per_block,
-                                self._num_slots)
-        except ValueError:
-            self._reject(rid, Kind.PUT)
-            raise
+        inp = prepare_store(token_ids, kv_indices, self.cfg.tokens_per_block, self._num_slots)
         role = self._role
         if role is None:
             return -1
@@ -289,44 +298,40 @@ class Connector:
     ) -> int:
         """Tokens of ``token_ids`` every stage can load (a block-aligned prefix
         span); 0 on a miss, a timeout or a degraded group. A later lookup for
-        the same rid cancels this one."""
-        try:
-            tokens = token_array(token_ids)
-            mask = None
-            if token_mask is not None:
-                mask = np.asarray(token_mask, dtype=np.bool_)
-                if mask.shape != tokens.shape:
-                    raise ValueError(
-                        f"lookup: token_mask has shape {mask.shape} but token_ids has "
-                        f"{tokens.shape}; pass one flag per token"
-                    )
-        except ValueError:
-            self._reject(rid, Kind.GET)
-            raise
+        the same rid cancels this one. ``token_mask`` (optional): one bool per
+        token, True over one span starting at a block boundary; anything else
+        raises ``ValueError`` naming it, before any decision."""
+        inp = prepare_lookup(token_ids, token_mask, self.cfg.tokens_per_block)
         role = self._role
+        with self._lock:
+            self._lookups[rid] = role
+            self._lookups.move_to_end(rid)
+            while len(self._lookups) > self.cfg.max_pending:
+                self._lookups.popitem(last=False)
         if role is None:
             return 0
-        return role.lookup(rid, tokens, mask)
-
-    def _reject(self, rid: str, kind: Kind) -> None:
-        """Inputs failed validation: the call still takes its call number, so the
-        n-th call of every stage keeps pairing with the leader's n-th decision."""
-        role = self._role
-        if role is not None:
-            role.reject(rid, kind)
+        return role.lookup(rid, inp)
 
     def retrieve(self, rid: str, slot_mapping: torch.Tensor | npt.NDArray[np.integer]) -> int:
         """Load the span found by ``lookup(rid)`` into ``slot_mapping`` (one slot
         per hit token). Returns the tokens loaded: the hit when every stage
-        loaded its layers, else 0 (treat the slots as garbage). Raises
-        ``UnknownRequestError`` when ``rid`` has no open lookup."""
+        loaded its layers, else 0 (treat the slots as garbage); 0 as well when
+        the role that answered the lookup ended since (a new epoch or leader).
+        Raises ``UnknownRequestError`` when ``rid`` has no open lookup."""
         role = self._role
+        with self._lock:
+            asked = self._lookups.pop(rid, _ABSENT)
+        if asked is not _ABSENT and (asked is None or asked is not role):
+            return 0  # its lookup's decision died with the old role: a miss
         if role is None:
             raise UnknownRequestError(rid, "retrieve", "the group has no leader right now")
         return role.retrieve(rid, slot_mapping)
 
     def release(self, rid: str) -> None:
-        """The engine is done with ``rid`` (cancels its un-used lookup)."""
+        """The engine is done with ``rid``: ends everything of it on this stage
+        (an un-used lookup, decisions no call took); a reused rid starts clean."""
+        with self._lock:
+            self._lookups.pop(rid, None)
         role = self._role
         if role is not None:
             role.release(rid)

@@ -1,10 +1,14 @@
 """A follower stage's side of the connector: it never matches, allocates or evicts.
 
-Each engine call waits (bounded) for the leader's decision paired with it by
-``(rid, kind, n)``, applies the decision's mask to its own inputs and executes
-the physical plan on its own :class:`StageStore`, then acks the outcome to the
-leader. Stream messages (moves, cancels, results, resets) are applied on the
-server thread in stream order.
+Each engine call waits (bounded) for the leader's decision made for the same
+content: the same rid, kind and token digest, in the same life of the rid
+(:class:`DecisionBook`). A decision with another digest is never applied: a
+call that ends without its own decision while another one of its rid and kind
+is pending is a *mismatch* (counted, the call answers -1 / a miss, the stage
+resyncs). The call applies the decision's mask to its own inputs, executes the
+physical plan on its own :class:`StageStore`, then acks the outcome to the
+leader. Stream messages (moves, cancels, results, releases, resets) are
+applied on the server thread in stream order.
 
 Copies run under one *execution lock*: a message that frees blocks (a failed
 put's RESULT, a load's CANCEL, RESET, MOVES, a broken stream) takes that lock
@@ -22,11 +26,11 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from node_agent.backend.replication import StageStore
+from node_agent.backend.replication import Direction, StageStore
 from node_agent.connector.config import ConnectorConfig
 from node_agent.connector.errors import UnknownRequestError
-from node_agent.connector.inputs import StoreInput, prepare_slots
-from node_agent.connector.tracking import CallCounter, CompletedRids, Key, Mailbox
+from node_agent.connector.inputs import LookupInput, StoreInput, prepare_slots
+from node_agent.connector.tracking import CompletedRids, DecisionBook, Key, Mailbox, Taken
 from node_agent.pp.auth import CurveKeys
 from node_agent.pp.messages import (
     Ack,
@@ -53,6 +57,8 @@ class FollowerCounters:
     stores_executed: int = 0
     store_failures: int = 0
     decision_timeouts: int = 0
+    mismatches: int = 0
+    decisions_unpaired: int = 0
     lookups: int = 0
     retrieves: int = 0
     retrieve_misses: int = 0
@@ -83,21 +89,24 @@ class FollowerRole:
         # Each decision is stamped with the stream generation it was delivered
         # under (in stream order), so a decision that a RESET or resync made
         # stale is refused even when its engine call takes it afterwards.
-        self._decisions: Mailbox[tuple[int, Decision]] = Mailbox(cfg.max_pending)
+        self._book: DecisionBook[tuple[int, Decision]] = DecisionBook(cfg.max_pending)
         self._results: Mailbox[Result] = Mailbox(cfg.max_pending)
-        self._calls = CallCounter(cfg.max_pending)
+        self._stats = stats
         self._exec = threading.Lock()
         self._state = threading.Lock()
         self._gen = 0
         self._cancelled: OrderedDict[Key, None] = OrderedDict()
         self._gets: OrderedDict[str, tuple[int, int, Decision]] = OrderedDict()
-        self._stored: OrderedDict[Key, None] = OrderedDict()
+        self._stored: OrderedDict[Key, str] = OrderedDict()
+        """Stores this stage answered (or is copying) with the leader's task id,
+        until the leader's RESULT: their rids go to ``poll_completed`` then."""
         self._missed: OrderedDict[str, None] = OrderedDict()
         """Rids whose last lookup answered 0: their retrieve answers 0 (a miss)."""
         self._completed = CompletedRids(cfg.max_completed, stats.completed_dropped)
         self.stream = FollowerStream(
             cfg.group, cfg.pp_rank, keys, stats, apply=self._apply,
             on_unsynced=self._on_unsynced, on_dropped=self._on_dropped,
+            on_new_leader=self._on_new_leader,
             hello_interval=max(cfg.heartbeat_seconds * 2.5, 0.05),
             leader_timeout=cfg.leader_timeout_seconds,
         )
@@ -108,11 +117,42 @@ class FollowerRole:
         messages (its SYNC answer must not find the role missing)."""
         self.stream.follow(self.epoch, self._leader_endpoint)
 
+    def follow_endpoint(self, leader_endpoint: str | None) -> None:
+        """The group view moved the leader to ``leader_endpoint`` under the same
+        epoch (a restarted leader with a new address): resync to it now."""
+        if leader_endpoint != self._leader_endpoint:
+            self._leader_endpoint = leader_endpoint
+            self.stream.follow(self.epoch, leader_endpoint)
+
     # -- helpers -------------------------------------------------------------------------
 
     def _ack(self, kind: Kind, rid: str, n: int, task_id: int, ok: bool,
              error: str | None = None) -> None:
         self.stream.send_ack(Ack(self.cfg.pp_rank, rid, kind, n, task_id, ok, error))
+
+    def _refuse_unpaired(self, values: list[tuple[int, Decision]]) -> None:
+        """Decisions no call of this stage will take: never applied; a failure
+        ack lets the leader end their task at once instead of at its deadline."""
+        for _, d in values:
+            self.counters.decisions_unpaired += 1
+            if d.active:
+                kind = Kind.PUT if d.direction is Direction.STORE else Kind.GET
+                self._ack(kind, d.rid, d.n, d.task_id, False,
+                          f"stage {self.cfg.pp_rank} made no {kind.value} call for these "
+                          "tokens")
+
+    def _unpaired(self, kind: Kind, rid: str, taken: Taken[tuple[int, Decision]]) -> None:
+        """A call ended without its decision: a timeout, or a mismatch (another
+        decision of its rid and kind was pending): count it and resync."""
+        if not taken.mismatch:
+            self.counters.decision_timeouts += 1
+            return
+        self.counters.mismatches += 1
+        self._stats.mismatch(kind.value)
+        log.warning("Leader decision does not match this stage's call, resyncing",
+                    extra={"group": self.cfg.group, "rid": rid, "kind": kind.value})
+        self.stream.request_resync(f"{kind.value} decision for {rid!r} does not match the "
+                                   "stage's tokens")
 
     def _wait_s(self) -> float:
         return min(self.cfg.fanout_wait_seconds, self.cfg.engine_call_seconds)
@@ -165,20 +205,19 @@ class FollowerRole:
     # -- store -----------------------------------------------------------------------------
 
     def store_kv(self, rid: str, inp: StoreInput) -> int:
-        """Wait for the leader's decision, execute it on this stage, ack it."""
-        n = self._calls.next(rid, Kind.PUT)
-        key: Key = (rid, Kind.PUT, n)
+        """Wait for the leader's decision for these tokens, execute it, ack it."""
         self.counters.stores += 1
         if inp.aligned == 0 or not self.stream.synced:
-            self._decisions.abandon(key)
             return -1
-        taken = self._decisions.take(key, self._wait_s())
-        if taken is None:
-            self.counters.decision_timeouts += 1
+        taken = self._book.take(rid, Kind.PUT, inp.digest, self._wait_s())
+        self._refuse_unpaired(taken.skipped)
+        if taken.value is None:
+            self._unpaired(Kind.PUT, rid, taken)
             return -1
-        gen, d = taken
+        gen, d = taken.value
         if not d.active or d.error:
             return -1
+        key: Key = (rid, Kind.PUT, d.n)
         tpb = self.cfg.tokens_per_block
         error: str | None = None
         if len(d.mask) != inp.aligned:
@@ -188,24 +227,28 @@ class FollowerRole:
             error = (f"decision mask covers {int(np.count_nonzero(d.mask))} tokens but its "
                      f"plan has {d.num_blocks} blocks of {tpb}")
         else:
+            with self._state:
+                # Registered before the copy: a RESULT that ends the task while
+                # the copy runs reports the rid (after its fence waited for it).
+                self._stored[key] = rid
             error = self._execute(key, gen, d, inp.slots[d.mask])
         if error is None and gen != self._gen:
             error = "the stream was reset or resynced while the copy ran"
-        if gen != self._gen:
-            # The reset ended the leader's task: report the rid so the engine
-            # frees its source slots (the copy no longer reads them).
-            self._completed.add([rid])
+        with self._state:
+            if error is not None and self._stored.pop(key, None) is not None \
+                    and gen != self._gen:
+                # The reset ended the leader's task: report the rid so the engine
+                # frees its source slots (the copy no longer reads them).
+                self._completed.add([rid])
+            while len(self._stored) > self.cfg.max_pending:
+                self._completed.add([self._stored.popitem(last=False)[1]])
         if error is None:
-            with self._state:
-                self._stored[key] = None
-                while len(self._stored) > self.cfg.max_pending:
-                    self._completed.add([self._stored.popitem(last=False)[0][0]])
             self.counters.stores_executed += 1
         else:
             self.counters.store_failures += 1
             log.warning("Stage failed to store", extra={"group": self.cfg.group, "rid": rid,
                                                         "error": error})
-        self._ack(Kind.PUT, rid, n, d.task_id, error is None, error)
+        self._ack(Kind.PUT, rid, d.n, d.task_id, error is None, error)
         return d.task_id if error is None else -1
 
     def poll_completed(self) -> list[str]:
@@ -214,11 +257,8 @@ class FollowerRole:
 
     # -- load ------------------------------------------------------------------------------
 
-    def lookup(self, rid: str, tokens: npt.NDArray[np.int64],
-               token_mask: npt.NDArray[np.bool_] | None) -> int:
+    def lookup(self, rid: str, inp: LookupInput) -> int:
         """The leader's hit for this lookup (0 on timeout, error or mismatch)."""
-        n = self._calls.next(rid, Kind.GET)
-        key: Key = (rid, Kind.GET, n)
         self.counters.lookups += 1
         with self._state:
             self._gets.pop(rid, None)
@@ -226,23 +266,23 @@ class FollowerRole:
             while len(self._missed) > self.cfg.max_pending:
                 self._missed.popitem(last=False)
         if not self.stream.synced:
-            self._decisions.abandon(key)
             return 0
-        taken = self._decisions.take(key, self._wait_s())
-        if taken is None:
-            self.counters.decision_timeouts += 1
+        taken = self._book.take(rid, Kind.GET, inp.digest, self._wait_s())
+        self._refuse_unpaired(taken.skipped)
+        if taken.value is None:
+            self._unpaired(Kind.GET, rid, taken)
             return 0  # a late decision is answered with a failure ack on arrival
-        gen, d = taken
+        gen, d = taken.value
         if not d.active or d.error or gen != self._gen:
             return 0
-        if len(d.mask) != len(tokens):
-            self._ack(Kind.GET, rid, n, d.task_id, False,
-                      f"stage {self.cfg.pp_rank} looked up {len(tokens)} tokens for {rid!r} "
-                      f"but the leader matched {len(d.mask)}")
+        if len(d.mask) != len(inp.tokens):
+            self._ack(Kind.GET, rid, d.n, d.task_id, False,
+                      f"stage {self.cfg.pp_rank} looked up {len(inp.tokens)} tokens for "
+                      f"{rid!r} but the leader matched {len(d.mask)}")
             return 0
         with self._state:
             self._missed.pop(rid, None)
-            self._gets[rid] = (n, gen, d)
+            self._gets[rid] = (d.n, gen, d)
             while len(self._gets) > self.cfg.max_pending:
                 self._gets.popitem(last=False)
         return int(np.count_nonzero(d.mask))
@@ -296,11 +336,12 @@ class FollowerRole:
         if isinstance(body, Decision):
             kind = Kind.PUT if msg.env.op is Op.PUT else Kind.GET
             stamped = (self._gen, body)
-            if not self._decisions.put((body.rid, kind, body.n), stamped) and body.active:
-                # This stage's call already gave up: answer now so the leader
-                # ends the task at once instead of at its deadline.
+            if not self._book.deliver(body.rid, kind, body.digest, stamped) and body.active:
+                # This stage's call already gave up (or its life of the rid
+                # ended): answer now so the leader ends the task at once.
                 self._ack(kind, body.rid, body.n, body.task_id, False,
                           f"the stage's {kind.value} call gave up before the decision arrived")
+            self._refuse_unpaired(self._book.take_evicted())
         elif isinstance(body, Moves):
             if not self._exec.acquire(timeout=self.cfg.transfer_seconds):
                 self.stream.request_resync("moves could not wait for a running copy")
@@ -321,11 +362,12 @@ class FollowerRole:
         elif isinstance(body, Cancel):
             key: Key = (body.rid, body.kind, body.n)
             self._mark_cancelled(key)
-            self._decisions.abandon(key)
             if not self._fence():
                 self.stream.request_resync("a copy did not end after its cancel")
         elif isinstance(body, Release):
-            self._decisions.discard_rid(body.rid)
+            # The leader's next decisions for the rid belong to its next life;
+            # decisions of this life stay for this stage's own (maybe lagging) calls.
+            self._book.stream_release(body.rid)
         elif isinstance(body, Reset):
             self._reset_local(body.reason)
 
@@ -339,12 +381,12 @@ class FollowerRole:
             self._results.put(key, r)
             return
         with self._state:
-            if self._stored.pop(key, "absent") is None:
+            if self._stored.pop(key, None) is not None:
                 self._completed.add([r.rid])
 
     def _reset_local(self, reason: str) -> None:
         self._gen += 1
-        self._decisions.fail_waiters()
+        self._book.fail_waiters()
         self._results.fail_waiters()
         if not self._fence():
             log.error("A copy did not end before a reset", extra={"group": self.cfg.group})
@@ -352,17 +394,23 @@ class FollowerRole:
         self.counters.resets += 1
         with self._state:
             self._gets.clear()
-            self._completed.add(k[0] for k in self._stored)
+            self._completed.add(self._stored.values())
             self._stored.clear()
         log.info("Stage flushed", extra={"group": self.cfg.group, "reason": reason})
 
     def _on_unsynced(self, reason: str) -> None:
         self._gen += 1
-        self._decisions.fail_waiters()
+        self._book.fail_waiters()
         self._results.fail_waiters()
         self._fence()
         with self._state:
             self._gets.clear()
+
+    def _on_new_leader(self, reason: str) -> None:
+        """Another leader process (a new incarnation or endpoint) took over the
+        stream: nothing this stage holds was decided by it. Flush the local
+        store and report every store the old leader will never finish."""
+        self._reset_local(reason)
 
     def _on_dropped(self, msg: Message) -> None:
         body = msg.body
@@ -373,12 +421,16 @@ class FollowerRole:
     # -- lifecycle -------------------------------------------------------------------------
 
     def release(self, rid: str) -> None:
-        """Forget ``rid``'s calls and pending decisions on this stage."""
-        self._calls.release(rid)
-        self._decisions.discard_rid(rid)
+        """End ``rid`` on this stage: its decisions no call took (answered with
+        failure acks), its open lookup, its cancel marks and verdicts. A reused
+        rid starts clean; stores still in flight are still reported."""
+        self._refuse_unpaired(self._book.release(rid))
+        self._results.discard_rid(rid)
         with self._state:
             self._gets.pop(rid, None)
             self._missed.pop(rid, None)
+            for key in [k for k in self._cancelled if k[0] == rid]:
+                del self._cancelled[key]
 
     def reset(self) -> None:
         """Local part of an engine reset (the leader flushes the group)."""
@@ -408,6 +460,7 @@ class FollowerRole:
             "completedQueued": len(self._completed),
             "completedDropped": self._completed.dropped,
             "counters": dict(vars(self.counters)),
+            "leaderIncarnation": self.stream.incarnation,
         }
 
     def close(self) -> None:
@@ -415,27 +468,16 @@ class FollowerRole:
         running copy to end."""
         self.stream.close()
         self._gen += 1
-        self._decisions.fail_waiters()
+        self._book.fail_waiters()
         self._results.fail_waiters()
         if not self._fence():
             log.error("A copy did not end before the role closed",
                       extra={"group": self.cfg.group, "epoch": self.epoch})
 
-    def reject(self, rid: str, kind: Kind) -> None:
-        """An engine call of ``kind`` for ``rid`` failed input validation on this
-        stage: consume its call number so later calls still pair with the
-        leader's decisions, and refuse that decision when it arrives."""
-        n = self._calls.next(rid, kind)
-        self._decisions.abandon((rid, kind, n))
-        if kind is Kind.GET:
-            with self._state:
-                self._gets.pop(rid, None)
-                self._missed.pop(rid, None)
-
     def take_unreported(self) -> list[str]:
         """After :meth:`close`: rids the engine was never told are complete
         (queued ones and stores executed here but not yet finished by the leader)."""
         with self._state:
-            out = self._completed.drain() + [k[0] for k in self._stored]
+            out = self._completed.drain() + list(self._stored.values())
             self._stored.clear()
         return out

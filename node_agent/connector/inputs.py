@@ -4,41 +4,172 @@
 parallel arrays; lengths that differ raise ``ValueError`` naming both counts
 and nothing is written. Slot indices must be 1-D integers, in range of the
 registered buffers, non-negative and unique within one call.
+
+Every check here runs before a call is paired with a leader decision, and any
+failure (whatever the input) is raised as ``ValueError``: a rejected call
+leaves the fan-out stream as if it had not been made.
+
+:func:`token_digest` names the tokens a decision is made for: a follower
+applies a leader decision only to its own call of the same rid, kind and digest.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import hashlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ParamSpec, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
+from node_agent.backend.inputs import mask_span
 from node_agent.backend.slots import validate_slot_mapping
 
 IntArray = npt.NDArray[np.int64]
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
-def token_array(token_ids: Sequence[int] | npt.NDArray[np.integer] | torch.Tensor) -> IntArray:
-    """Token ids as a 1-D int64 CPU array (refuses floats, bools and 2-D input)."""
-    if isinstance(token_ids, torch.Tensor):
-        token_ids = token_ids.detach().cpu().numpy()
-    arr = np.asarray(token_ids)
+def _value_errors(what: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Any failure while reading the inputs becomes a ``ValueError`` naming
+    ``what`` (an unreadable tensor must not escape as another exception type)."""
+    def wrap(fn: Callable[P, R]) -> Callable[P, R]:
+        @functools.wraps(fn)
+        def checked(*args: P.args, **kwargs: P.kwargs) -> R:
+            try:
+                return fn(*args, **kwargs)
+            except ValueError:
+                raise
+            except Exception as exc:
+                raise ValueError(f"{what}: the inputs cannot be read ({type(exc).__name__}: "
+                                 f"{exc}); pass 1-D integer arrays on the CPU") from exc
+        return checked
+    return wrap
+
+
+def _holds_bool(seq: object) -> bool:
+    """True when a Python sequence holds a bool (``np.asarray`` would make it 1)."""
+    if isinstance(seq, list | tuple):
+        return any(isinstance(v, bool | np.bool_) or _holds_bool(v) for v in seq)
+    return False
+
+
+def _as_array(value: object, what: str) -> npt.NDArray[np.generic]:
+    """``value`` (sequence, numpy array, CPU or device tensor) as a numpy array, with
+    every conversion failure as ``ValueError`` naming ``what``."""
+    if value is None:
+        raise ValueError(f"{what} is None; pass a 1-D sequence of integers")
+    if isinstance(value, torch.Tensor):
+        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise ValueError(f"{what} has dtype {value.dtype}; pass integers (torch.long)")
+        try:
+            return value.detach().cpu().numpy()
+        except (TypeError, RuntimeError) as exc:
+            raise ValueError(f"{what} has dtype {value.dtype} that cannot be read ({exc}); "
+                             "pass a torch.long tensor") from None
+    if _holds_bool(value):
+        raise ValueError(f"{what} holds a bool; pass integers, not True/False")
+    try:
+        arr = np.asarray(value)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"{what} cannot be read as an integer array ({exc}); pass a 1-D "
+                         "sequence of integers") from None
+    return arr
+
+
+def token_array(token_ids: Sequence[int] | npt.NDArray[np.integer] | torch.Tensor,
+                what: str = "token_ids") -> IntArray:
+    """Token ids as a 1-D int64 CPU array (refuses floats, bools, 2-D input,
+    values outside int64 and anything unreadable, with ``ValueError``)."""
+    arr = _as_array(token_ids, what)
+    if arr.ndim != 1:
+        raise ValueError(f"{what} has shape {arr.shape}; it must be 1-D (one id per token)")
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
-    if arr.ndim != 1 or arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
         raise ValueError(
-            f"token_ids must be a 1-D sequence of integers, got shape {arr.shape} "
+            f"{what} must be a 1-D sequence of integers, got shape {arr.shape} "
             f"dtype {arr.dtype}"
         )
+    if arr.dtype.kind == "u" and arr.dtype.itemsize >= 8 and int(arr.max()) > _INT64_MAX:
+        raise ValueError(f"{what} holds {int(arr.max())}, outside int64; token ids must fit "
+                         "in int64")
     return arr.astype(np.int64, copy=False)
 
 
+_INT64_MAX = int(np.iinfo(np.int64).max)
+_DIGEST_MASK = (1 << 63) - 1
+
+
+def token_digest(tokens: IntArray, span: tuple[int, int] | None = None) -> int:
+    """A 63-bit digest naming exactly ``tokens`` (and, for a lookup, the span its
+    token mask selects): BLAKE2b over the count, the little-endian int64 ids and
+    the span. Like the chained hash of the last block, it changes when any token
+    of the sequence changes; equal digests mean the same tokens."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(len(tokens).to_bytes(8, "little"))
+    h.update(np.ascontiguousarray(tokens, dtype="<i8").tobytes())
+    if span is not None:
+        h.update(b"span" + span[0].to_bytes(8, "little") + span[1].to_bytes(8, "little"))
+    return int.from_bytes(h.digest(), "little") & _DIGEST_MASK
+
+
 def _length(kv_indices: object) -> int:
+    """Entries along the first axis (the seed's length check comes before any
+    other check; a 2-D array is refused afterwards, never flattened)."""
     if isinstance(kv_indices, torch.Tensor):
-        return int(kv_indices.shape[0]) if kv_indices.dim() else 1
-    return len(np.asarray(kv_indices))
+        if kv_indices.dim() == 0:
+            raise ValueError("store_kv: kv_indices is a scalar tensor; pass one slot per token")
+        return int(kv_indices.shape[0])
+    arr = _as_array(kv_indices, "store_kv: kv_indices")
+    if arr.ndim == 0:
+        raise ValueError(f"store_kv: kv_indices is a scalar ({arr!r}); pass one slot per token")
+    return int(arr.shape[0])
+
+
+@dataclass(frozen=True)
+class LookupInput:
+    """A validated lookup: the tokens, the caller's mask and the digest."""
+
+    tokens: IntArray
+    mask: npt.NDArray[np.bool_] | None
+    digest: int
+
+
+@_value_errors("lookup")
+def prepare_lookup(
+    token_ids: Sequence[int] | npt.NDArray[np.integer] | torch.Tensor,
+    token_mask: object,
+    tokens_per_block: int,
+) -> LookupInput:
+    """Validate a ``lookup`` call: 1-D integer tokens; an optional bool
+    ``token_mask`` of one flag per token, True over one contiguous span that
+    starts at a block boundary. Raises ``ValueError`` naming ``token_mask``."""
+    tokens = token_array(token_ids, "lookup: token_ids")
+    mask: npt.NDArray[np.bool_] | None = None
+    if token_mask is None:
+        span = (0, len(tokens))
+    else:
+        if isinstance(token_mask, torch.Tensor):
+            if token_mask.dtype != torch.bool:
+                raise ValueError(f"lookup: token_mask has dtype {token_mask.dtype}; it must "
+                                 "be bool (one flag per token)")
+            raw = token_mask.detach().cpu().numpy()
+        else:
+            try:
+                raw = np.asarray(token_mask)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"lookup: token_mask cannot be read ({exc}); pass a bool "
+                                 "array") from None
+        try:
+            span = mask_span(raw, len(tokens), tokens_per_block)
+        except ValueError as exc:
+            raise ValueError(f"lookup: {exc}") from None
+        mask = np.array(raw, dtype=np.bool_)
+    return LookupInput(tokens, mask, token_digest(tokens, span))
 
 
 @dataclass(frozen=True)
@@ -47,6 +178,7 @@ class StoreInput:
 
     tokens: IntArray
     slots: IntArray
+    digest: int
 
     @property
     def aligned(self) -> int:
@@ -54,6 +186,7 @@ class StoreInput:
         return len(self.tokens)
 
 
+@_value_errors("store_kv")
 def prepare_store(
     token_ids: Sequence[int] | npt.NDArray[np.integer],
     kv_indices: torch.Tensor | npt.NDArray[np.integer],
@@ -66,20 +199,23 @@ def prepare_store(
     validation of the aligned part (integer, 1-D, in ``[0, num_slots)`` when
     ``num_slots`` is known, unique), so a bad call raises before any decision.
     """
-    tokens = token_array(token_ids)
+    tokens = token_array(token_ids, "store_kv: token_ids")
     n, m = len(tokens), _length(kv_indices)
     if n != m:
         raise ValueError(f"store_kv: token_ids has {n} entries but kv_indices has {m} entries")
     aligned = (n // tokens_per_block) * tokens_per_block
     if aligned == 0:
-        return StoreInput(tokens[:0], np.zeros(0, dtype=np.int64))
+        return StoreInput(tokens[:0], np.zeros(0, dtype=np.int64), token_digest(tokens[:0]))
+    idx = kv_indices if isinstance(kv_indices, torch.Tensor) else \
+        _as_array(kv_indices, "store_kv: kv_indices")
     slots = validate_slot_mapping(
-        kv_indices[:aligned], aligned, num_slots if num_slots is not None else 1 << 62,
+        idx[:aligned], aligned, num_slots if num_slots is not None else 1 << 62,
         what="store_kv: kv_indices",
     ).numpy()
-    return StoreInput(tokens[:aligned], slots)
+    return StoreInput(tokens[:aligned], slots, token_digest(tokens[:aligned]))
 
 
+@_value_errors("retrieve")
 def prepare_slots(
     slot_mapping: torch.Tensor | npt.NDArray[np.integer] | Sequence[int],
     expected: int,

@@ -32,8 +32,8 @@ from node_agent.backend.base import KVResponseStatus
 from node_agent.backend.replication import Direction, ReplicatedBackend, TransferPlan
 from node_agent.connector.config import ConnectorConfig
 from node_agent.connector.errors import UnknownRequestError
-from node_agent.connector.inputs import StoreInput, prepare_slots
-from node_agent.connector.tracking import AckCollector, CallCounter, CompletedRids
+from node_agent.connector.inputs import LookupInput, StoreInput, prepare_slots
+from node_agent.connector.tracking import AckCollector, CompletedRids, DecisionNumbers
 from node_agent.pp.auth import CurveKeys
 from node_agent.pp.messages import (
     Ack,
@@ -119,7 +119,7 @@ class LeaderRole:
         self._puts: dict[int, _Put] = {}
         self._gets: OrderedDict[str, _Get] = OrderedDict()
         self._completed = CompletedRids(cfg.max_completed, stats.completed_dropped)
-        self._calls = CallCounter(cfg.max_pending)
+        self._calls = DecisionNumbers()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._stats = stats
@@ -139,16 +139,17 @@ class LeaderRole:
         return frozenset(self.stream.follower_ranks)
 
     def _decision(self, kind: Kind, rid: str, n: int, task_id: int,
-                  mask: npt.NDArray[np.bool_], plan: TransferPlan | None,
+                  mask: npt.NDArray[np.bool_], plan: TransferPlan | None, digest: int,
                   error: str | None = None) -> Decision:
         direction = Direction.STORE if kind is Kind.PUT else Direction.LOAD
-        return Decision.build(direction, rid, n, task_id, mask, plan, error)
+        return Decision.build(direction, rid, n, task_id, mask, plan, error, digest)
 
-    def _refuse(self, kind: Kind, rid: str, n: int, length: int, error: str) -> None:
+    def _refuse(self, kind: Kind, rid: str, n: int, length: int, digest: int,
+                error: str) -> None:
         """Broadcast an error decision (task -1) so followers answer at once."""
         op = Op.PUT if kind is Kind.PUT else Op.GET
         self.stream.broadcast(op, self._decision(kind, rid, n, -1, np.zeros(length, bool),
-                                                 None, error))
+                                                 None, digest, error))
 
     def _refusal(self) -> str | None:
         """Why this leader cannot decide now (None when it can); counts the refusal."""
@@ -166,15 +167,14 @@ class LeaderRole:
 
     def store_kv(self, rid: str, inp: StoreInput) -> int:
         """Decide, fan out, then launch; returns the task id or -1."""
-        n = self._calls.next(rid, Kind.PUT)
         self.counters.stores += 1
         if inp.aligned == 0:
-            self._refuse(Kind.PUT, rid, n, 0, "")
-            return -1
+            return -1  # every stage answers -1 without a decision
+        n = self._calls.next()
         with self._decide:
             refusal = self._refusal()
             if refusal is not None:
-                self._refuse(Kind.PUT, rid, n, inp.aligned, refusal)
+                self._refuse(Kind.PUT, rid, n, inp.aligned, inp.digest, refusal)
                 return -1
             task_id = -1
             try:
@@ -187,19 +187,22 @@ class LeaderRole:
                               extra={"group": self.cfg.group, "rid": rid})
                 if task_id >= 0:
                     self.backend.cancel([task_id])
-                self._refuse(Kind.PUT, rid, n, inp.aligned, f"leader put_match failed: {exc}")
+                self._refuse(Kind.PUT, rid, n, inp.aligned, inp.digest,
+                             f"leader put_match failed: {exc}")
                 return -1
             if moves:
                 self.counters.moves_sent += len(moves)
                 self.stream.broadcast(Op.MOVES, Moves(tuple(moves)))
             if task_id < 0:
-                self.stream.broadcast(Op.PUT, self._decision(Kind.PUT, rid, n, -1, mask, None))
+                self.stream.broadcast(Op.PUT, self._decision(Kind.PUT, rid, n, -1, mask, None,
+                                                             inp.digest))
                 return -1
             deadline = time.monotonic() + self.cfg.engine_call_seconds
             track = _Put(rid, n, task_id, AckCollector(self._expected()), deadline)
             with self._state:
                 self._puts[task_id] = track
-            self.stream.broadcast(Op.PUT, self._decision(Kind.PUT, rid, n, task_id, mask, plan))
+            self.stream.broadcast(Op.PUT, self._decision(Kind.PUT, rid, n, task_id, mask, plan,
+                                                         inp.digest))
         try:
             self.backend.launch([task_id], [inp.slots[mask]])
         except Exception as exc:
@@ -316,16 +319,16 @@ class LeaderRole:
 
     # -- load ------------------------------------------------------------------------------
 
-    def lookup(self, rid: str, tokens: npt.NDArray[np.int64],
-               token_mask: npt.NDArray[np.bool_] | None) -> int:
+    def lookup(self, rid: str, inp: LookupInput) -> int:
         """Match, fan the decision out, return the hit tokens (0 on any failure)."""
-        n = self._calls.next(rid, Kind.GET)
+        tokens, token_mask = inp.tokens, inp.mask
+        n = self._calls.next()
         self.counters.lookups += 1
         self._cancel_get(rid)
         with self._decide:
             refusal = self._refusal()
             if refusal is not None:
-                self._refuse(Kind.GET, rid, n, len(tokens), refusal)
+                self._refuse(Kind.GET, rid, n, len(tokens), inp.digest, refusal)
                 self._remember_miss(rid, n)
                 return 0
             task_id = -1
@@ -339,7 +342,8 @@ class LeaderRole:
                               extra={"group": self.cfg.group, "rid": rid})
                 if task_id >= 0:
                     self.backend.cancel([task_id])
-                self._refuse(Kind.GET, rid, n, len(tokens), f"leader get_match failed: {exc}")
+                self._refuse(Kind.GET, rid, n, len(tokens), inp.digest,
+                             f"leader get_match failed: {exc}")
                 self._remember_miss(rid, n)
                 return 0
             if moves:
@@ -351,7 +355,8 @@ class LeaderRole:
                 stale = []
                 while len(self._gets) > self.cfg.max_pending:
                     stale.append(self._gets.popitem(last=False))
-            self.stream.broadcast(Op.GET, self._decision(Kind.GET, rid, n, task_id, mask, plan))
+            self.stream.broadcast(Op.GET, self._decision(Kind.GET, rid, n, task_id, mask, plan,
+                                                         inp.digest))
             for old_rid, g in stale:  # lookups never retrieved nor released
                 if g.task_id >= 0 and not g.used:
                     self.backend.cancel([g.task_id])
@@ -433,22 +438,11 @@ class LeaderRole:
     # -- lifecycle -------------------------------------------------------------------------
 
     def release(self, rid: str) -> None:
-        """The engine is done with ``rid``: cancel its un-used load, forget its calls."""
+        """The engine is done with ``rid``: cancel its un-used load and tell the
+        followers (their next decisions for ``rid`` belong to its next life)."""
         self._cancel_get(rid)
-        self._calls.release(rid)
         with self._decide:
             self.stream.broadcast(Op.RELEASE, Release(rid))
-
-    def reject(self, rid: str, kind: Kind) -> None:
-        """An engine call of ``kind`` for ``rid`` failed input validation on this
-        stage: consume its call number and broadcast an error decision for it, so
-        every stage's n-th call still pairs with the leader's n-th decision."""
-        n = self._calls.next(rid, kind)
-        if kind is Kind.GET:
-            self._cancel_get(rid)  # as the rejected lookup would have
-        with self._decide:
-            self._refuse(kind, rid, n, 0, f"the leader stage rejected the {kind.value} "
-                         "call's inputs")
 
     def take_unreported(self) -> list[str]:
         """After :meth:`close`: rids the engine was never told are complete (queued

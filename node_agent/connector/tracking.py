@@ -1,8 +1,10 @@
 """Bounded, thread-safe tables that pair engine calls with fan-out messages.
 
-Keys are ``(rid, kind, n)``: the n-th call of a kind for a request since its
-release, so every stage pairs its own n-th ``store_kv`` / ``lookup`` with the
-leader's n-th decision whichever arrives first. Every wait is bounded.
+:class:`DecisionBook` pairs a follower's engine calls with the leader's
+decisions by content: a call takes only a decision of its own rid, kind and
+token digest, within the same *life* of the rid (the calls between two
+releases). :class:`Mailbox` holds values under a unique key ``(rid, kind, n)``
+(``n`` is the leader's decision number). Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from node_agent.pp.messages import Ack, Kind
 
@@ -20,30 +22,219 @@ Key = tuple[str, Kind, int]
 V = TypeVar("V")
 
 
-class CallCounter:
-    """Per-request call numbers by kind (thread-safe, bounded by ``limit`` rids)."""
+class DecisionNumbers:
+    """The leader's decision numbers: unique within one leader role, never reused
+    (a release does not restart them), so ``(rid, kind, n)`` names one decision."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._next: OrderedDict[tuple[str, Kind], int] = OrderedDict()
-        self._limit = limit
+        self._next = 0
 
-    def next(self, rid: str, kind: Kind) -> int:
-        """The number of this call (0 for the first since release)."""
+    def next(self) -> int:
+        """A fresh decision number."""
         with self._lock:
-            k = (rid, kind)
-            n = self._next.get(k, 0)
-            self._next[k] = n + 1
-            self._next.move_to_end(k)
-            while len(self._next) > self._limit:
-                self._next.popitem(last=False)
+            n = self._next
+            self._next += 1
             return n
 
-    def release(self, rid: str) -> None:
-        """Forget ``rid``'s counters."""
-        with self._lock:
-            for kind in Kind:
-                self._next.pop((rid, kind), None)
+
+@dataclass
+class _Life:
+    """One life of a rid on a follower: the leader decisions of that life not
+    yet taken, and the calls of that life that gave up waiting."""
+
+    pending: list[tuple[Kind, int, Any]] = field(default_factory=list)
+    gave_up: list[tuple[Kind, int]] = field(default_factory=list)
+
+
+@dataclass
+class _RidBook:
+    stream_life: int = 0
+    """Leader releases of the rid seen in the stream."""
+    local_life: int = 0
+    """Releases of the rid by this stage's engine."""
+    lives: dict[int, _Life] = field(default_factory=dict)
+    waiters: int = 0
+    """Calls waiting in :meth:`DecisionBook.take` (the book must outlive them)."""
+
+    def life(self, k: int) -> _Life:
+        return self.lives.setdefault(k, _Life())
+
+    def idle(self) -> bool:
+        return self.stream_life == self.local_life and not self.waiters and not any(
+            lf.pending or lf.gave_up for lf in self.lives.values())
+
+
+@dataclass
+class Taken(Generic[V]):
+    """What :meth:`DecisionBook.take` found: the paired value (or None), the
+    older decisions of the same kind it skipped (never applied: the caller
+    answers them with a failure ack), and whether the call ended unpaired while
+    a decision of the same rid and kind but another digest was pending (a
+    mismatch)."""
+
+    value: V | None
+    skipped: list[V]
+    mismatch: bool = False
+
+
+class DecisionBook(Generic[V]):
+    """A follower's pending leader decisions, paired with engine calls by content.
+
+    Each rid has *lives*: the stream's RELEASE of the rid starts the leader's
+    next life, the stage's own ``release`` its next local life. A decision
+    arriving in the stream belongs to the leader's current life of its rid; a
+    call of local life ``k`` takes only a decision of life ``k`` with its own
+    kind and digest (the oldest such). So a follower that lags behind a leader
+    that already released and reused a rid still pairs each call with the
+    decision made for it, and a follower ahead of its leader refuses decisions
+    of lives it already ended. Call order only orders: older decisions of the
+    same kind that a call passes over are handed back (skipped), never applied.
+
+    ``gave_up``: a call that timed out marks its (kind, digest) in its life, so
+    the late decision is refused on arrival (``deliver`` returns False) and the
+    leader gets a failure ack at once. ``release`` ends the local life: its
+    pending decisions and marks are dropped (handed back). Bounded: at most
+    ``limit`` rids and ``limit`` pending decisions; the oldest rid is evicted
+    first (its decisions handed back by ``take_evicted``).
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._cond = threading.Condition()
+        self._rids: OrderedDict[str, _RidBook] = OrderedDict()
+        self._limit = limit
+        self._count = 0
+        self._epoch = 0
+        self._evicted: list[V] = []
+
+    def _book(self, rid: str) -> _RidBook:
+        b = self._rids.get(rid)
+        if b is None:
+            b = self._rids[rid] = _RidBook()
+        self._rids.move_to_end(rid)
+        return b
+
+    def _gc(self, rid: str) -> None:
+        b = self._rids.get(rid)
+        if b is not None:
+            for k in [k for k, lf in b.lives.items() if not lf.pending and not lf.gave_up]:
+                del b.lives[k]
+            if b.idle():
+                del self._rids[rid]
+
+    def _bound(self) -> None:
+        while self._rids and (len(self._rids) > self._limit or self._count > self._limit):
+            _, b = self._rids.popitem(last=False)
+            for lf in b.lives.values():
+                self._count -= len(lf.pending)
+                self._evicted.extend(v for _, _, v in lf.pending)
+
+    def deliver(self, rid: str, kind: Kind, digest: int, value: V) -> bool:
+        """A decision from the stream; False when no call of this stage will take
+        it (its life already ended here, or its call gave up): answer it now."""
+        with self._cond:
+            b = self._book(rid)
+            life = b.stream_life
+            if life < b.local_life:
+                self._gc(rid)
+                return False
+            lf = b.life(life)
+            if (kind, digest) in lf.gave_up:
+                lf.gave_up.remove((kind, digest))
+                self._gc(rid)
+                return False
+            lf.pending.append((kind, digest, value))
+            self._count += 1
+            self._bound()
+            self._cond.notify_all()
+            return True
+
+    def stream_release(self, rid: str) -> list[V]:
+        """The leader released ``rid`` (in stream order): its next decisions
+        belong to the next life. Returns decisions of lives this stage already
+        ended (none normally)."""
+        with self._cond:
+            b = self._book(rid)
+            b.stream_life += 1
+            self._gc(rid)
+            return []
+
+    def release(self, rid: str) -> list[V]:
+        """This stage's engine released ``rid``: end its local life; returns the
+        decisions of that life no call took (to be answered with failure acks)."""
+        with self._cond:
+            b = self._book(rid)
+            lf = b.lives.pop(b.local_life, None)
+            b.local_life += 1
+            dropped: list[V] = []
+            if lf is not None:
+                dropped = [v for _, _, v in lf.pending]
+                self._count -= len(dropped)
+            self._gc(rid)
+            self._cond.notify_all()
+            return dropped
+
+    def take(self, rid: str, kind: Kind, digest: int, timeout: float) -> Taken[V]:
+        """Wait (bounded) for the decision of this call: same rid, kind, digest,
+        life. On timeout the call is marked as given up (see class docstring)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            start_epoch = self._epoch
+            b = self._book(rid)
+            life = b.local_life
+            b.waiters += 1
+            try:
+                return self._take(rid, kind, digest, deadline, start_epoch, b, life)
+            finally:
+                b.waiters -= 1
+                self._gc(rid)
+
+    def _take(self, rid: str, kind: Kind, digest: int, deadline: float, start_epoch: int,
+              b: _RidBook, life: int) -> Taken[V]:
+        """:meth:`take` with the condition held; ``b`` is kept while it waits."""
+        while True:
+            lf = b.lives.get(life)
+            if lf is not None:
+                for i, (k, dg, v) in enumerate(lf.pending):
+                    if k is kind and dg == digest:
+                        skipped = [x for kk, _, x in lf.pending[:i] if kk is kind]
+                        lf.pending = [p for j, p in enumerate(lf.pending)
+                                      if j > i or (j < i and p[0] is not kind)]
+                        self._count -= 1 + len(skipped)
+                        self._gc(rid)
+                        return Taken(v, skipped)
+            left = deadline - time.monotonic()
+            if left <= 0 or self._epoch != start_epoch or \
+                    self._rids.get(rid) is not b or b.local_life != life:
+                break
+            self._cond.wait(left)
+        mismatch = False
+        if self._epoch == start_epoch and self._rids.get(rid) is b and b.local_life == life:
+            lf = b.life(life)
+            mismatch = any(k is kind for k, _, _ in lf.pending)
+            lf.gave_up.append((kind, digest))
+            while len(lf.gave_up) > self._limit:
+                lf.gave_up.pop(0)
+        self._gc(rid)
+        return Taken(None, [], mismatch)
+
+    def take_evicted(self) -> list[V]:
+        """Decisions dropped by the bound since the last call (answer them)."""
+        with self._cond:
+            out, self._evicted = self._evicted, []
+            return out
+
+    def fail_waiters(self) -> list[V]:
+        """The stream broke: wake every waiter empty-handed and forget every rid
+        (lives restart in step with the leader after the resync)."""
+        with self._cond:
+            self._epoch += 1
+            out: list[V] = [v for b in self._rids.values() for lf in b.lives.values()
+                            for _, _, v in lf.pending]
+            self._rids.clear()
+            self._count = 0
+            self._cond.notify_all()
+            return out
 
 
 class Mailbox(Generic[V]):

@@ -124,6 +124,46 @@ def _check_arg(op: str, name: str, kind: str, value: object) -> None:
 _INT64: Final = np.iinfo(np.int64)
 
 
+def _holds_bool(values: object) -> bool:
+    """True when a Python list or tuple holds a bool (numpy would read it as 1)."""
+    if isinstance(values, list | tuple):
+        return any(isinstance(v, bool | np.bool_) or _holds_bool(v) for v in values)
+    return False
+
+
+def array_length(where: str, values: object) -> int:
+    """Entries along the first axis of ``values`` (what the seed's length check
+    compares), without converting it; ``ValueError`` naming ``where`` when it
+    has no length."""
+    shape = getattr(values, "shape", None)
+    if shape is not None:
+        if len(shape) == 0:
+            raise ValueError(f"{where} is a scalar; pass a 1-D sequence (one entry per token)")
+        return int(shape[0])
+    try:
+        return len(values)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(f"{where} of type {type(values).__name__} has no length; pass a 1-D "
+                         "sequence of ints") from None
+
+
+def bool_array(where: str, values: object) -> npt.NDArray[np.bool_]:
+    """``values`` as a 1-D bool array, refusing any other dtype (a float mask is
+    not rounded into flags) and any other shape."""
+    if hasattr(values, "detach") and hasattr(values, "cpu"):  # a torch tensor
+        values = values.detach().cpu().numpy()
+    try:
+        arr = np.asarray(values)
+    except (OverflowError, ValueError, TypeError) as exc:
+        raise ValueError(f"{where} cannot be read as a bool array ({exc})") from None
+    if arr.dtype != np.bool_:
+        raise ValueError(f"{where} has dtype {arr.dtype}; pass a bool array (one flag per "
+                         "token)")
+    if arr.ndim != 1:
+        raise ValueError(f"{where} has shape {arr.shape}; it must be 1-D (one flag per token)")
+    return np.ascontiguousarray(arr)
+
+
 def int64_array(where: str, values: object) -> npt.NDArray[np.int64]:
     """``values`` (a sequence, numpy array or tensor) as a flat int64 array, refusing
     anything that is not already integer-valued by type.
@@ -134,13 +174,23 @@ def int64_array(where: str, values: object) -> npt.NDArray[np.int64]:
     ``"store_kv: kv_indices"``), the dtype and the fix.
     """
     if hasattr(values, "detach") and hasattr(values, "cpu"):  # a torch tensor
-        values = values.detach().cpu().numpy()
+        try:
+            values = values.detach().cpu().numpy()
+        except (TypeError, RuntimeError) as exc:  # bfloat16 and other types numpy lacks
+            raise ValueError(f"{where} has dtype {getattr(values, 'dtype', '?')} ({exc}); "
+                             "pass integers (an int64 numpy array or a torch.long tensor)"
+                             ) from None
+    if _holds_bool(values):
+        raise ValueError(f"{where} has dtype bool (a bool among the values); pass integers, "
+                         "not True/False")
     try:
         arr = np.asarray(values)
-    except (OverflowError, ValueError) as exc:
+    except (OverflowError, ValueError, TypeError) as exc:
         raise ValueError(f"{where}: cannot be read as an integer array ({exc}); pass a flat "
                          "sequence of ints or an int64 array") from None
-    arr = arr.reshape(-1)
+    if arr.ndim != 1:
+        raise ValueError(f"{where} has shape {arr.shape}; it must be 1-D (one entry per "
+                         "token), never flattened")
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
     fix = "pass integers (an int64 numpy array or a torch.long tensor), not rounded values"
@@ -182,12 +232,14 @@ def encode_request(
         if dtype_name == "int64":
             arr = int64_array(f"{op}: {name}", value)
         else:
+            raw = np.asarray(value)
+            if raw.ndim != 1:
+                raise ValueError(f"{op}: {name} has shape {raw.shape}; it must be 1-D")
             try:
-                arr = np.ascontiguousarray(
-                    np.asarray(value).reshape(-1).astype(_DTYPES[dtype_name], casting="safe"))
+                arr = np.ascontiguousarray(raw.astype(_DTYPES[dtype_name], casting="safe"))
             except TypeError:
                 raise ValueError(
-                    f"{op}: {name} has dtype {np.asarray(value).dtype}, which does not convert "
+                    f"{op}: {name} has dtype {raw.dtype}, which does not convert "
                     f"safely to {dtype_name}; pass a {dtype_name} array"
                 ) from None
         descs[name] = {"frame": len(frames) + 1, "dtype": dtype_name, "len": int(arr.shape[0])}
@@ -338,6 +390,7 @@ def peek_id(frames: Sequence[bytes]) -> int | None:
 _LAYOUT_KEYS = {"numLayers": "num_layers", "numKvHeads": "num_kv_heads",
                 "headSize": "head_size", "kvDim": "kv_dim", "dtype": "dtype",
                 "tokensPerBlock": "tokens_per_block", "tpSize": "tp_size", "name": "name"}
+_LAYOUT_REQUIRED = ("numLayers", "numKvHeads", "headSize")
 
 
 def parse_layout(raw: Mapping[str, Any]) -> KVLayout:
@@ -345,7 +398,15 @@ def parse_layout(raw: Mapping[str, Any]) -> KVLayout:
     unknown = sorted(set(raw) - set(_LAYOUT_KEYS))
     if unknown:
         raise ValueError(f"layout key {unknown[0]!r} is unknown; allowed {sorted(_LAYOUT_KEYS)}")
-    return KVLayout(**{_LAYOUT_KEYS[k]: v for k, v in raw.items()})
+    missing = [k for k in _LAYOUT_REQUIRED if k not in raw]
+    if missing:
+        raise ValueError(f"layout key {missing[0]!r} is missing; a layout needs "
+                         f"{', '.join(_LAYOUT_REQUIRED)} (optional: "
+                         f"{', '.join(k for k in _LAYOUT_KEYS if k not in _LAYOUT_REQUIRED)})")
+    try:
+        return KVLayout(**{_LAYOUT_KEYS[k]: v for k, v in raw.items()})
+    except (TypeError, KeyError) as exc:
+        raise ValueError(f"layout {dict(raw)!r} is invalid: {exc}") from None
 
 
 def layout_to_wire(layout: KVLayout) -> dict[str, Any]:

@@ -216,6 +216,9 @@ class FaultPlan:
         self._actions: collections.deque[str] = collections.deque()
         self._held: list[list[bytes]] | None = None
         self.applied: collections.Counter[str] = collections.Counter()
+        self.log: list[tuple[str, list[bytes]]] = []
+        """What each action applied to (the frames), in order: tests assert on what
+        the fault hit (a stream message or a heartbeat), never on timing."""
 
     def drop(self, count: int = 1) -> None:
         """Drop the next ``count`` messages."""
@@ -235,6 +238,7 @@ class FaultPlan:
         action = self._actions.popleft() if self._actions else None
         if action is not None:
             self.applied[action] += 1
+            self.log.append((action, frames))
         if action == "drop":
             pass
         elif action == "dup":

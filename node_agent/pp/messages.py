@@ -3,8 +3,10 @@
 A message travels as one ZeroMQ frame that packs its *sections* (:func:`pack`:
 a section count, each section's length, then the bytes):
 
-* section 0: fixed header ``<4sBBqqd``: magic ``b"FKV1"``, op code, wire version,
-  epoch, seq, sender wall-clock time (for the lag metric);
+* section 0: fixed header ``<4sBBqqdq``: magic ``b"FKV1"``, op code, wire version,
+  epoch, seq, sender wall-clock time (for the lag metric), sender incarnation
+  (a random id of the sending stream instance: a restarted leader process,
+  even under the same epoch and address, has a new one);
 * section 1: group name, UTF-8;
 * section 2: body: for decisions (PUT, GET) a fixed binary struct followed by
   the rid and error sections; for every other op a JSON object whose keys and
@@ -43,10 +45,10 @@ from node_agent.backend.replication import (
 )
 
 MAGIC = b"FKV1"
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 _RUN_MAX = (1 << 31) - 1
 """Largest block index or run length on the wire (plan runs travel as int32)."""
-_HEADER = struct.Struct("<4sBBqqd")
+_HEADER = struct.Struct("<4sBBqqdq")
 _TIER_CODES = {Tier.CPU: 0, Tier.SSD: 1}
 _TIER_BY_CODE = {v: k for k, v in _TIER_CODES.items()}
 _NO_TIER = 255
@@ -110,6 +112,8 @@ class Envelope:
     epoch: int
     seq: int
     sent_at: float = field(default_factory=time.time, compare=False)
+    incarnation: int = 0
+    """The sending stream instance (a leader's per-role random id; 0 when unset)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -119,9 +123,12 @@ class Decision:
     A decoded decision's ``mask`` is read-only (it may share memory with other
     decoded masks).
 
-    ``n`` counts the calls of this kind for ``rid`` since its last release, so a
-    follower pairs its own n-th call with the leader's n-th decision. ``mask``
-    is over the page-aligned tokens. The plan travels as ``runs``, rows
+    ``n`` is the leader's decision number, unique within its role (acks,
+    cancels and results name the decision by ``(rid, kind, n)``); it never
+    decides pairing. ``digest`` identifies the tokens the decision was made for
+    (:func:`node_agent.connector.inputs.token_digest`): a follower applies the
+    decision only to its own call of the same rid, kind and digest. ``mask``
+    is over the page-aligned tokens (put) or all tokens (get). The plan travels as ``runs``, rows
     ``(tier code, first block index, count)`` (None when ``task_id`` is -1);
     :attr:`plan` expands it. ``error`` is set when the leader's manager call
     failed (task -1, nothing to do).
@@ -134,6 +141,7 @@ class Decision:
     mask: npt.NDArray[np.bool_]
     runs: npt.NDArray[np.int64] | None
     error: str | None = None
+    digest: int = 0
 
     @classmethod
     def build(
@@ -145,6 +153,7 @@ class Decision:
         mask: npt.NDArray[np.bool_],
         plan: TransferPlan | None,
         error: str | None = None,
+        digest: int = 0,
     ) -> Decision:
         """A decision from a backend plan (checks the plan's direction)."""
         if plan is not None and plan.direction is not direction:
@@ -152,7 +161,8 @@ class Decision:
                 f"A {direction.value} decision cannot carry a {plan.direction.value} plan"
             )
         runs = None if plan is None else plan_runs(plan)
-        return cls(direction, rid, n, task_id, np.asarray(mask, dtype=np.bool_), runs, error)
+        return cls(direction, rid, n, task_id, np.asarray(mask, dtype=np.bool_), runs, error,
+                   digest)
 
     @property
     def num_blocks(self) -> int:
@@ -280,8 +290,9 @@ class Message:
 
 
 # A decision's body frame: n, task_id, mask length, span start, span stop (-1, -1:
-# packed bits follow), plan block count (-1: no plan), flags (bit 0: error set).
-_DECISION = struct.Struct("<qqqqqqB")
+# packed bits follow), plan block count (-1: no plan), token digest, flags (bit 0:
+# error set).
+_DECISION = struct.Struct("<qqqqqqqB")
 
 
 def _encode_decision(d: Decision) -> list[bytes]:
@@ -307,7 +318,8 @@ def _encode_decision(d: Decision) -> list[bytes]:
                 "limit; use fewer, larger blocks per tier"
             )
         extra.append(np.ascontiguousarray(d.runs, dtype="<i4").tobytes())
-    body = _DECISION.pack(d.n, d.task_id, m.size, start, stop, plan, d.error is not None)
+    body = _DECISION.pack(d.n, d.task_id, m.size, start, stop, plan, d.digest,
+                          d.error is not None)
     return [body, d.rid.encode(), (d.error or "").encode(), *extra]
 
 
@@ -369,14 +381,15 @@ def _decode_decision(op: Op, frames: list[bytes], defer: _Deferred | None = None
     appended to it."""
     if len(frames) < 3 or len(frames[0]) != _DECISION.size:
         raise MalformedMessage(f"{op.name} needs a {_DECISION.size}-byte body, rid and error")
-    n, task_id, length, start, stop, plan, flags = _DECISION.unpack(frames[0])
+    n, task_id, length, start, stop, plan, digest, flags = _DECISION.unpack(frames[0])
     try:
         rid, error = frames[1].decode(), frames[2].decode()
     except UnicodeDecodeError:
         raise MalformedMessage(f"{op.name} rid or error is not UTF-8") from None
-    if n < 0 or task_id < -1 or flags > 1 or not 0 <= length <= _MAX_TOKENS:
+    if n < 0 or task_id < -1 or flags > 1 or digest < 0 or not 0 <= length <= _MAX_TOKENS:
         raise MalformedMessage(
-            f"{op.name} fields out of range: n={n} task_id={task_id} mask_len={length}"
+            f"{op.name} fields out of range: n={n} task_id={task_id} mask_len={length} "
+            f"digest={digest}"
         )
     arrays = frames[3:]
     if start == -1 and stop == -1:
@@ -406,7 +419,7 @@ def _decode_decision(op: Op, frames: list[bytes], defer: _Deferred | None = None
     elif plan != -1 or arrays:
         raise MalformedMessage(f"{op.name} has plan count {plan} and {len(arrays)} extra frames")
     direction = Direction.STORE if op is Op.PUT else Direction.LOAD
-    return Decision(direction, rid, n, task_id, mask, runs, error if flags else None)
+    return Decision(direction, rid, n, task_id, mask, runs, error if flags else None, digest)
 
 
 def plan_runs(plan: TransferPlan) -> npt.NDArray[np.int64]:
@@ -532,7 +545,8 @@ def encode_sections(env: Envelope, body: Body) -> list[bytes]:
         want = Direction.STORE if op is Op.PUT else Direction.LOAD
         if body.direction is not want:
             raise ValueError(f"{op.name} message cannot carry a {body.direction.value} decision")
-        header = _HEADER.pack(MAGIC, int(op), WIRE_VERSION, env.epoch, env.seq, env.sent_at)
+        header = _HEADER.pack(MAGIC, int(op), WIRE_VERSION, env.epoch, env.seq, env.sent_at,
+                              env.incarnation)
         return [header, g, *_encode_decision(body)]
     elif op is Op.MOVES and isinstance(body, Moves):
         rows = [
@@ -571,7 +585,8 @@ def encode_sections(env: Envelope, body: Body) -> list[bytes]:
         }
     else:
         raise ValueError(f"Body {type(body).__name__} does not match op {op.name}")
-    header = _HEADER.pack(MAGIC, int(op), WIRE_VERSION, env.epoch, env.seq, env.sent_at)
+    header = _HEADER.pack(MAGIC, int(op), WIRE_VERSION, env.epoch, env.seq, env.sent_at,
+                          env.incarnation)
     return [header, g, json.dumps(fields, separators=(",", ":")).encode(), *arrays]
 
 
@@ -749,21 +764,22 @@ def decode_sections(frames: list[bytes], defer: _Deferred | None = None) -> Mess
         raise MalformedMessage(f"A message has at least 3 frames, got {len(frames)}")
     if len(frames[0]) != _HEADER.size:
         raise MalformedMessage(f"Header frame must be {_HEADER.size} bytes, got {len(frames[0])}")
-    magic, code, version, epoch, seq, sent_at = _HEADER.unpack(frames[0])
+    magic, code, version, epoch, seq, sent_at, incarnation = _HEADER.unpack(frames[0])
     if magic != MAGIC or version != WIRE_VERSION:
         raise MalformedMessage(f"Bad magic {magic!r} or wire version {version}")
     op = _OPS.get(code)
     if op is None:
         raise MalformedMessage(f"Unknown op code {code}")
-    if epoch < 0 or seq < -1:
-        raise MalformedMessage(f"Epoch {epoch} and seq {seq} must not be negative")
+    if epoch < 0 or seq < -1 or incarnation < 0:
+        raise MalformedMessage(
+            f"Epoch {epoch}, seq {seq} and incarnation {incarnation} must not be negative")
     try:
         group = frames[1].decode()
     except UnicodeDecodeError:
         raise MalformedMessage("Group name is not valid UTF-8") from None
     if not group or len(frames[1]) > _MAX_GROUP_LEN:
         raise MalformedMessage(f"Group name {group!r} is empty or too long")
-    env = Envelope(op, group, epoch, seq, sent_at)
+    env = Envelope(op, group, epoch, seq, sent_at, incarnation)
     if op is Op.PUT or op is Op.GET:
         return Message(env, _decode_decision(op, frames[2:], defer))
     try:

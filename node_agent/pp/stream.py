@@ -21,6 +21,16 @@ epoch, strictly at ``last + 1``; older epochs are dropped (``stale_epoch``),
 repeats dropped (``duplicate``), and a jump makes it unsynced (``gap``): it
 drops everything until the leader's SYNC answers its HELLO, never guessing.
 Leader silence for ``leader_timeout`` also makes it unsynced.
+
+Incarnations: every leader stream has a random ``incarnation`` stamped on each
+message it sends, beside (group, epoch, seq). A follower remembers the
+incarnation it synced with. A message of another incarnation (a leader process
+restarted under the same epoch, at the same or another address) makes it
+unsynced at once and it asks the view's leader endpoint for a SYNC; until a
+SYNC arrives it reports itself not synced. The incarnation of that SYNC is
+followed from then on: if it is a new one, the follower first flushes its
+local state (``on_new_leader``); every other incarnation seen is *left*, and
+its messages are dropped (``stale_incarnation``) from then on.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import logging
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -66,6 +77,13 @@ class StreamMetrics:
         self.group = group
         self.metrics = metrics
         self.dropped: dict[str, int] = {}
+        self.mismatched: dict[str, int] = {}
+
+    def mismatch(self, kind: str) -> None:
+        """Count one engine call that found only decisions for other tokens."""
+        self.mismatched[kind] = self.mismatched.get(kind, 0) + 1
+        if self.metrics is not None:
+            self.metrics.fanout_mismatch.labels(group=self.group, kind=kind).inc()
 
     def drop(self, reason: str) -> None:
         """Count one dropped message."""
@@ -105,9 +123,10 @@ class LeaderStream:
     ``flush(reason)`` must reset the leader's backend and call
     :meth:`broadcast` with a RESET; it is called (from the server thread) when a
     follower must be brought in while the group cache is ``dirty``.
-    ``on_ack`` receives follower acks of this epoch. ``on_newer_epoch(epoch)``
-    is called when a follower's HELLO or ACK carries a newer epoch (this leader
-    is stale and must step down).
+    ``on_ack`` receives follower acks of this epoch and this leader incarnation
+    (an ack stamped with another is dropped as ``stale_incarnation``).
+    ``on_newer_epoch(epoch)`` is called when a follower's HELLO or ACK carries a
+    newer epoch (this leader is stale and must step down).
     """
 
     def __init__(
@@ -130,6 +149,8 @@ class LeaderStream:
         self._stats = stats
         self._flush = flush
         self._on_ack = on_ack
+        self.incarnation = secrets.randbits(62) + 1
+        """This leader stream instance; stamped on every message it sends."""
         self._lock = threading.RLock()
         self._peers: dict[int, _Peer] = {}
         self.seq = 0
@@ -210,7 +231,8 @@ class LeaderStream:
                 self.dirty = True
             elif op is Op.RESET:
                 self.dirty = False
-            frame = encode(Envelope(op, self.group, self.epoch, self.seq), body)[0]
+            frame = encode(Envelope(op, self.group, self.epoch, self.seq,
+                                    incarnation=self.incarnation), body)[0]
             now = time.monotonic()
             burst = now - self._last_broadcast < self._window
             self._last_broadcast = now
@@ -262,8 +284,8 @@ class LeaderStream:
         while not self._stop.wait(self._hb_interval):
             with self._lock:
                 self._send_outbox()  # the heartbeat's seq must not run ahead of the stream
-                frames = encode(Envelope(Op.HEARTBEAT, self.group, self.epoch, self.seq),
-                                Heartbeat())
+                frames = encode(Envelope(Op.HEARTBEAT, self.group, self.epoch, self.seq,
+                                         incarnation=self.incarnation), Heartbeat())
                 for p in self._peers.values():
                     p.sender.send(frames)
 
@@ -279,6 +301,11 @@ class LeaderStream:
             return
         body = msg.body
         if isinstance(body, Ack):
+            if msg.env.incarnation != self.incarnation:
+                # An ack of another leader process's decision (this one restarted
+                # at the same address): its (rid, n, task id) may collide with ours.
+                self._stats.drop("stale_incarnation")
+                return
             self._on_ack(body)
         elif isinstance(body, Hello):
             self._hello(body)
@@ -313,8 +340,8 @@ class LeaderStream:
                 return
             self._send_outbox()  # everything up to the SYNC's seq goes out first
             p.session, p.gen, p.sync_sent_at = h.session, gen, time.monotonic()
-            frames = encode(Envelope(Op.SYNC, self.group, self.epoch, self.seq),
-                            Sync(h.rank, gen))
+            frames = encode(Envelope(Op.SYNC, self.group, self.epoch, self.seq,
+                                     incarnation=self.incarnation), Sync(h.rank, gen))
             p.synced = p.sender.send(frames)
             log.info("Follower synced", extra={"group": self.group, "rank": h.rank,
                                                "seq": self.seq, "epoch": self.epoch})
@@ -339,7 +366,9 @@ class FollowerStream:
     ``apply(msg)`` is called on the server thread for each in-order stream
     message; ``on_unsynced(reason)`` when the stream breaks (pending waits must
     end); ``on_dropped(msg)`` for stream messages dropped while unsynced (so a
-    PUT can be answered with a failure ack at once).
+    PUT can be answered with a failure ack at once); ``on_new_leader(reason)``
+    when another leader process took over (a new incarnation, or a new leader
+    endpoint): nothing held locally was decided by it.
     """
 
     def __init__(
@@ -353,9 +382,17 @@ class FollowerStream:
         on_dropped: Callable[[Message], None],
         hello_interval: float = 0.25,
         leader_timeout: float = 3.0,
+        on_new_leader: Callable[[str], None] | None = None,
     ) -> None:
         self.group = group
         self.rank = rank
+        self._on_new_leader = on_new_leader
+        self.incarnation: int | None = None
+        """The leader incarnation this stage last synced with (None before)."""
+        self._left: OrderedDict[int, None] = OrderedDict()
+        """Incarnations this stage stopped following: their messages are dropped."""
+        self._suspects: OrderedDict[int, None] = OrderedDict()
+        """Other incarnations seen since the last SYNC (left once a SYNC decides)."""
         self._keys = keys
         self._stats = stats
         self._apply = apply
@@ -384,17 +421,29 @@ class FollowerStream:
             )
             if not changed:
                 return
+            moved = self._sender is not None and epoch == self.epoch
             if self._sender is not None:
                 self._sender.close()
                 self._sender = None
+            self._leave_incarnation()
             self.epoch = epoch
             self._session = secrets.randbits(62)
             self._gen = 0
             self._unsync("leader or epoch changed", resync=False)
+            if moved and self._on_new_leader is not None:
+                self._on_new_leader("leader endpoint changed")
             if leader_endpoint is not None:
                 self._sender = Sender(leader_endpoint, self._keys)
             self._last_heard = time.monotonic()
             self._send_hello()
+
+    def _leave_incarnation(self) -> None:
+        """Never follow the current incarnation again (lock held)."""
+        if self.incarnation is not None:
+            self._left[self.incarnation] = None
+            while len(self._left) > 64:
+                self._left.popitem(last=False)
+        self.incarnation = None
 
     def send_ack(self, ack: Ack) -> bool:
         """Report a task outcome to the leader (False when not connected).
@@ -402,10 +451,13 @@ class FollowerStream:
         Lock-free on purpose: engine threads ack while the server thread may
         hold the stream lock waiting for their copies to end.
         """
-        sender, epoch = self._sender, self.epoch
+        sender, epoch, inc = self._sender, self.epoch, self.incarnation
         if sender is None:
             return False
-        return sender.send(encode(Envelope(Op.ACK, self.group, epoch, self.last_seq), ack))
+        # Stamped with the leader incarnation the acked decision came from: a
+        # restarted leader at the same address never takes it for one of its own.
+        return sender.send(encode(Envelope(Op.ACK, self.group, epoch, self.last_seq,
+                                           incarnation=inc or 0), ack))
 
     def request_resync(self, reason: str) -> None:
         """Stop applying and ask the leader for a flush point (a local fault)."""
@@ -445,15 +497,48 @@ class FollowerStream:
                 if env.op is Op.PUT:
                     self._on_dropped(msg)
                 return
+            inc = env.incarnation
+            if inc in self._left:
+                self._stats.drop("stale_incarnation")
+                return
+            if self.incarnation is not None and inc != self.incarnation:
+                # Another leader process under this epoch: never mix its seqs with
+                # the old one's. Ask the view's leader endpoint for a SYNC at once;
+                # whichever process answers it is followed.
+                self._suspects[inc] = None
+                while len(self._suspects) > 64:
+                    self._suspects.popitem(last=False)
+                if env.op is not Op.SYNC:
+                    self._stats.drop("new_incarnation")
+                    if self.synced:
+                        log.warning("Message from another leader incarnation, resyncing",
+                                    extra={"group": self.group, "rank": self.rank,
+                                           "followed": self.incarnation, "seen": inc})
+                        self._unsync("message from another leader incarnation", resync=True)
+                    return
             self._last_heard = time.monotonic()
             if env.op is Op.SYNC:
                 assert isinstance(msg.body, Sync)
                 if not self.synced and msg.body.gen == self._gen + 1:
+                    previous = self.incarnation
+                    for other in [previous, *self._suspects]:
+                        if other is not None and other != inc:
+                            self._left[other] = None
+                    while len(self._left) > 64:
+                        self._left.popitem(last=False)
+                    self._suspects.clear()
                     self._gen = msg.body.gen
                     self.last_seq = env.seq
+                    self.incarnation = inc
+                    if previous is not None and previous != inc and \
+                            self._on_new_leader is not None:
+                        # Nothing held here was decided by this process: flush
+                        # before its first stream message.
+                        self._on_new_leader("leader incarnation changed")
                     self.synced = True
                     log.info("Fan-out stream synced", extra={"group": self.group,
-                                                            "rank": self.rank, "seq": env.seq})
+                                                            "rank": self.rank, "seq": env.seq,
+                                                            "incarnation": inc})
                 return
             if env.op is Op.HEARTBEAT:
                 if self.synced and env.seq > self.last_seq:

@@ -41,6 +41,7 @@ CONTRACT_METRICS = [
     "flexkv_agent_engine_request_seconds", "flexkv_agent_fanout_lag_seconds",
     "flexkv_agent_fanout_dropped_total", "flexkv_agent_pp_role", "flexkv_agent_pp_epoch",
     "flexkv_agent_leader_changes_total", "flexkv_agent_ready",
+    "flexkv_agent_fanout_mismatch_total", "flexkv_agent_pp_degraded",
 ]
 
 
@@ -112,6 +113,7 @@ async def test_single_stage_agent_http_surface(work: Path) -> None:
                 assert re.search(rf"^# TYPE {name} ", text, re.M), name
             assert 'flexkv_agent_engine_requests_total{op="store_kv",outcome="error"} 1.0' in text
             assert "flexkv_agent_ready 1.0" in text
+            assert 'flexkv_agent_pp_degraded{group="tp-solo-0"} 0.0' in text, text
             _promtool(text, work)
         finally:
             client.close()

@@ -10,7 +10,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -191,7 +190,6 @@ def test_cli_rejects_invalid_config_naming_key_and_fix(work: Path) -> None:
 
 
 def test_demo_runs_with_tiny_sizes_and_prints_table() -> None:
-    started = time.monotonic()
     out = subprocess.run(
         [sys.executable, "-m", "node_agent", "demo", "--conversations", "3", "--turns", "2",
          "--system-tokens", "64", "--user-tokens", "16", "--reply-tokens", "16",
@@ -205,4 +203,3 @@ def test_demo_runs_with_tiny_sizes_and_prints_table() -> None:
         assert needle in out.stdout, needle
     hit = float(out.stdout.split("hit rate (prompt tokens)")[1].split("%")[0])
     assert hit > 0, "turn 2 repeats turn 1: some prompt tokens must hit"
-    assert time.monotonic() - started < 110

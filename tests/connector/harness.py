@@ -31,6 +31,7 @@ from node_agent.metrics import AgentMetrics
 from node_agent.pp.auth import CurveKeys
 from node_agent.pp.channel import FanoutServer, FaultPlan
 from node_agent.pp.group import GroupView, GroupViewSource
+from node_agent.pp.messages import decode, is_batch, unpack_batch
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=4, kv_dim=2,
                   dtype=KVDtype.FLOAT32, tokens_per_block=4)
@@ -163,11 +164,13 @@ def make_connector(
 class Stage:
     """State of one stage process: its connector and engine buffers."""
 
-    def __init__(self, rank: int, keys: CurveKeys | None, cpu_blocks: int) -> None:
+    def __init__(self, rank: int, keys: CurveKeys | None, cpu_blocks: int,
+                 endpoint: str | None = None) -> None:
         self.rank = rank
         self.metrics = AgentMetrics()
         self.view = GroupViewSource(GroupView(GROUP, 0, None, ()))
-        self.conn = make_connector(rank, self.view, keys, cpu_blocks, metrics=self.metrics)
+        self.conn = make_connector(rank, self.view, keys, cpu_blocks, metrics=self.metrics,
+                                   endpoint=endpoint or "tcp://127.0.0.1:0")
         self.conn.start()
         self.bufs = make_buffers()
         self.conn.register_kv_buffers(0, self.bufs)
@@ -214,6 +217,7 @@ class Stage:
                     "flexkv_agent_leader_changes_total", {"group": GROUP}) or 0.0,
                 "lag_count": reg.get_sample_value(
                     "flexkv_agent_fanout_lag_seconds_count", {"group": GROUP}) or 0.0,
+                "degraded": reg.get_sample_value("flexkv_agent_pp_degraded", {"group": GROUP}),
             }
             return s
         if op == "ready":
@@ -228,17 +232,30 @@ class Stage:
             sender.faults = plan
             getattr(plan, args["action"])(*args.get("args", ()))
             return True
+        if op == "fault_log":
+            # (action, ops of the frame it hit): a batch frame carries several.
+            role = c._role
+            stream = getattr(role, "stream", None)
+            sender = stream.peer(args["rank"]) if stream is not None else None
+            faults = None if sender is None else sender.faults
+            out = []
+            for action, frames in ([] if faults is None else faults.log):
+                data = frames[0]
+                msgs = unpack_batch(data) if is_batch(data) else [data]
+                out.append((action, [decode([m]).env.op.name for m in msgs]))
+            return out
         raise ValueError(f"unknown op {op!r}")
 
 
-def stage_main(rank: int, keys: CurveKeys | None, cpu_blocks: int, pipe: Connection) -> None:
+def stage_main(rank: int, keys: CurveKeys | None, cpu_blocks: int, pipe: Connection,
+               endpoint: str | None = None) -> None:
     """Process entry: answer (op, args) requests with ("ok", value) or ("err", text).
 
     Calls run on a worker thread so a slow call never blocks the pipe reader's
     shutdown; one call at a time, as one engine rank issues them.
     """
     logging.basicConfig(level=os.environ.get("STAGE_LOG", "WARNING"))
-    stage = Stage(rank, keys, cpu_blocks)
+    stage = Stage(rank, keys, cpu_blocks, endpoint)
     lock = threading.Lock()
     while True:
         try:

@@ -28,11 +28,13 @@ def _context() -> mp.context.BaseContext:
 class StageProc:
     """One stage process and its command pipe."""
 
-    def __init__(self, rank: int, keys: CurveKeys | None, cpu_blocks: int) -> None:
+    def __init__(self, rank: int, keys: CurveKeys | None, cpu_blocks: int,
+                 endpoint: str | None = None) -> None:
         ctx = _context()
         self.rank = rank
         self.pipe, child = ctx.Pipe()
-        self.proc = ctx.Process(target=stage_main, args=(rank, keys, cpu_blocks, child),
+        self.proc = ctx.Process(target=stage_main,
+                                args=(rank, keys, cpu_blocks, child, endpoint),
                                 name=f"stage-{rank}", daemon=True)
         self.proc.start()
         child.close()
@@ -111,10 +113,17 @@ class Group:
             self.stages[r].send(op, **args)
         return {r: self.stages[r].recv(timeout) for r in targets}
 
-    def restart(self, rank: int) -> None:
-        """Replace a stage by a fresh process (new endpoint)."""
-        self.stages[rank].stop()
-        self.stages[rank] = StageProc(rank, self.keys, self.cpu_blocks)
+    def restart(self, rank: int, kill: bool = False, same_address: bool = False) -> None:
+        """Replace a stage by a fresh process: a new endpoint, or the same one
+        (``same_address``); ``kill`` ends the old one with SIGKILL."""
+        old = self.stages[rank]
+        if kill:
+            old.kill()
+            old.pipe.close()
+        else:
+            old.stop()
+        endpoint = self.endpoints[rank] if same_address else None
+        self.stages[rank] = StageProc(rank, self.keys, self.cpu_blocks, endpoint)
         self.endpoints[rank] = self.stages[rank].call("endpoint", timeout=60)
 
     def close(self) -> None:

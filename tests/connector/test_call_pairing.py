@@ -1,7 +1,7 @@
 """A two-stage group in one process (two connectors, two fan-out servers on
 loopback, real embedded backend and TierStore): an engine call whose inputs
-only one stage rejects still consumes its call number on every stage, so the
-next calls pair with the same leader decision."""
+only one stage rejects leaves the stream untouched, and the next calls still
+pair with the leader decisions made for their tokens."""
 
 from __future__ import annotations
 
@@ -59,7 +59,8 @@ def test_leader_only_rejection_keeps_follower_calls_paired(
     leader, follower = pair
     with pytest.raises(ValueError, match="kv_indices has"):
         leader.store_kv("r", np.arange(2 * TPB), torch.arange(2 * TPB - 1))
-    # The follower's first call pairs with the leader's error decision: -1 at once.
+    # The leader decided nothing for its rejected call: the follower's call ends
+    # without a decision (bounded), -1.
     assert _valid(follower, "r", 2, 0) == -1
     task = _valid(leader, "r", 2, 1000)
     assert task >= 0

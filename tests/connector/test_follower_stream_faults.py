@@ -5,6 +5,7 @@ inputs keeping the call pairing, and retrieve after a missed lookup."""
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 
 import numpy as np
@@ -14,11 +15,21 @@ from node_agent.backend.replication import BlockLocation, Direction, Tier, TierM
 from node_agent.backend.stage_store import TierStore
 from node_agent.connector import ConnectorConfig, UnknownRequestError
 from node_agent.connector.follower import FollowerRole
-from node_agent.connector.inputs import prepare_store
-from node_agent.pp.messages import Decision, Envelope, Kind, Message, Moves, Op, Reset, Sync
+from node_agent.connector.inputs import prepare_lookup, prepare_store, token_digest
+from node_agent.pp.messages import (
+    Decision,
+    Envelope,
+    Kind,
+    Message,
+    Moves,
+    Op,
+    Release,
+    Reset,
+    Sync,
+)
 from node_agent.pp.stream import StreamMetrics
 
-from .harness import GROUP, LAYOUT, NUM_SLOTS, backend_config, make_buffers
+from .harness import GROUP, LAYOUT, NUM_SLOTS, backend_config, make_buffers, wait_for
 
 TPB = LAYOUT.tokens_per_block
 EPOCH = 1
@@ -43,11 +54,13 @@ class Driven:
         self.seq += 1
         self.role.handle(Message(Envelope(op, GROUP, EPOCH, self.seq), body))  # type: ignore[arg-type]
 
-    def put_decision(self, rid: str, n: int, task_id: int, blocks: int) -> None:
+    def put_decision(self, rid: str, n: int, task_id: int, blocks: int, base: int = 0) -> None:
+        """The leader's put decision for tokens ``base .. base + blocks * TPB``."""
         plan = TransferPlan(Direction.STORE,
                             tuple(BlockLocation(Tier.CPU, i) for i in range(blocks)))
+        digest = token_digest(np.arange(base, base + blocks * TPB))
         self.send(Op.PUT, Decision.build(Direction.STORE, rid, n, task_id,
-                                         np.ones(blocks * TPB, bool), plan))
+                                         np.ones(blocks * TPB, bool), plan, digest=digest))
 
 
 @pytest.fixture
@@ -60,8 +73,9 @@ def driven() -> Iterator[Driven]:
         d.store.close()
 
 
-def _input(blocks: int) -> object:
-    return prepare_store(np.arange(blocks * TPB), np.arange(blocks * TPB), TPB, NUM_SLOTS)
+def _input(blocks: int, base: int = 0) -> object:
+    return prepare_store(np.arange(base, base + blocks * TPB), np.arange(blocks * TPB), TPB,
+                         NUM_SLOTS)
 
 
 def test_failed_moves_make_the_follower_resync_not_stay_synced(
@@ -77,16 +91,16 @@ def test_failed_moves_make_the_follower_resync_not_stay_synced(
 
 def test_put_decided_before_a_reset_is_refused_and_reported(driven: Driven) -> None:
     driven.put_decision("a", 0, task_id=5, blocks=2)
-    take = driven.role._decisions.take
+    take = driven.role._book.take
 
-    def take_then_reset(key: tuple[str, Kind, int], timeout: float) -> object:
+    def take_then_reset(rid: str, kind: Kind, digest: int, timeout: float) -> object:
         # The interleaving under test: the engine thread took the decision, then
         # the server thread applies the leader's RESET before the copy starts.
-        got = take(key, timeout)
+        got = take(rid, kind, digest, timeout)
         driven.send(Op.RESET, Reset("engine reset"))
         return got
 
-    driven.role._decisions.take = take_then_reset  # type: ignore[method-assign,assignment]
+    driven.role._book.take = take_then_reset  # type: ignore[method-assign,assignment]
     assert driven.role.store_kv("a", _input(2)) == -1  # type: ignore[arg-type]
     assert driven.role.counters.stores_executed == 0
     assert driven.role.counters.store_failures == 1
@@ -100,20 +114,39 @@ def test_put_decided_after_a_reset_executes(driven: Driven) -> None:
     assert driven.role.counters.stores_executed == 1
 
 
-def test_rejected_store_keeps_the_next_call_paired_with_its_decision(driven: Driven) -> None:
-    driven.role.reject("r", Kind.PUT)  # call 0 failed validation on this stage
-    driven.send(Op.PUT, Decision.build(Direction.STORE, "r", 0, -1, np.zeros(0, bool), None,
-                                       "the leader stage rejected the put call's inputs"))
+def test_a_decision_for_a_call_this_stage_never_made_is_skipped(driven: Driven) -> None:
+    # This stage rejected its call for tokens 500.. (nothing reached the role);
+    # the leader decided it. The next call (tokens 0..) takes its own decision.
+    driven.put_decision("r", 0, task_id=8, blocks=1, base=500)
     driven.put_decision("r", 1, task_id=9, blocks=1)
     assert driven.role.store_kv("r", _input(1)) == 9  # type: ignore[arg-type]
+    assert driven.role.counters.decisions_unpaired == 1
+    assert driven.role.counters.mismatches == 0
 
 
 def test_retrieve_after_a_missed_lookup_is_a_miss_once(driven: Driven) -> None:
+    inp = prepare_lookup(np.arange(2 * TPB), None, TPB)
     driven.send(Op.GET, Decision.build(Direction.LOAD, "m", 0, -1, np.zeros(2 * TPB, bool),
-                                       None))
-    assert driven.role.lookup("m", np.arange(2 * TPB), None) == 0
+                                       None, digest=inp.digest))
+    assert driven.role.lookup("m", inp) == 0
     assert driven.role.retrieve("m", np.zeros(0, np.int64)) == 0
     with pytest.raises(UnknownRequestError):
         driven.role.retrieve("m", np.zeros(0, np.int64))
     with pytest.raises(UnknownRequestError):
         driven.role.retrieve("never-looked-up", np.zeros(0, np.int64))
+
+
+def test_a_call_ahead_of_the_leaders_release_still_takes_its_decision(driven: Driven) -> None:
+    # This stage released "r" and calls again before the leader's RELEASE
+    # arrives: the RELEASE must not end the life the waiting call belongs to.
+    driven.role.release("r")
+    answers: list[int] = []
+    caller = threading.Thread(target=lambda: answers.append(
+        driven.role.store_kv("r", _input(1))))  # type: ignore[arg-type]
+    caller.start()
+    wait_for(lambda: "r" in driven.role._book._rids
+             and driven.role._book._rids["r"].waiters == 1, "the call waiting")
+    driven.send(Op.RELEASE, Release("r"))
+    driven.put_decision("r", 0, task_id=7, blocks=1)
+    caller.join(10)
+    assert answers == [7]

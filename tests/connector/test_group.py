@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from node_agent.pp.auth import CurveKeys
+from node_agent.pp.messages import Op
 
 from .harness import LAYOUT, NUM_SLOTS, kv_content
 from .procs import Group
@@ -170,11 +171,9 @@ def test_follower_killed_mid_store_leaves_blocks_invisible(group: Group) -> None
     longer = base + list(range(900, 900 + 3 * TPB))
     # Leader and follower 1 store; follower 2 dies before reaching its store.
     group.stages[2].kill()
-    t0 = time.monotonic()
     tasks = store(group, "b", longer, rng, ranks=(0, 1))
     assert tasks[0] >= 0 and tasks[1] == tasks[0]
-    wait_completed(group, "b", ranks=(0, 1), timeout=15)
-    assert time.monotonic() - t0 < 15
+    wait_completed(group, "b", ranks=(0, 1), timeout=30)  # the leader's deadline ends it
     # Only the old prefix is visible: the new blocks were discarded, not published.
     assert group.stages[0].call("lookup", rid="probe", tokens=longer) == 2 * TPB
     s = group.stages[0].call("status")
@@ -261,11 +260,15 @@ def test_injected_faults_never_apply_out_of_order(group: Group, action: str,
     assert tasks[0] >= 0
     wait_completed(group, "h")
     assert load_and_check(group, "i", after, rng) == len(after)
+    # Assert on what the fault hit, not on when: it may have hit a heartbeat
+    # (sent by its own thread at any moment), which leaves the stream intact.
+    hits = group.stages[0].call("fault_log", rank=2)
+    assert hits and all(a == {"drop": "drop", "duplicate": "dup",
+                              "reorder": "hold"}[action] for a, _ in hits)
+    stream_hit = any(Op[o].in_stream for _, ops in hits for o in ops)
     dropped = group.stages[2].call("status")["dropped_metric"]
-    if action == "duplicate":
-        assert dropped["duplicate"] >= 1
-    else:
-        assert dropped["gap"] >= 1
+    if stream_hit:
+        assert dropped["duplicate" if action == "duplicate" else "gap"] >= 1, hits
 
 
 ROGUE = r"""
@@ -310,8 +313,10 @@ def test_dead_leader_makes_followers_answer_at_once_never_hang(group: Group) -> 
         assert time.monotonic() < deadline, "followers never noticed the silent leader"
         time.sleep(0.05)
     tokens = list(range(8000, 8000 + 2 * TPB))
-    t0 = time.monotonic()
+    waited = {r: group.stages[r].call("status")["counters"]["decision_timeouts"] for r in (1, 2)}
     assert store(group, "x", tokens, rng, ranks=(1, 2)) == {1: -1, 2: -1}
     assert group.all("lookup", (1, 2), rid="y", tokens=tokens) == {1: 0, 2: 0}
-    assert time.monotonic() - t0 < 2.0  # unsynced stages do not wait for a decision
+    # Unsynced stages answer without waiting for a decision (none timed out).
+    assert {r: group.stages[r].call("status")["counters"]["decision_timeouts"]
+            for r in (1, 2)} == waited
     assert all(group.stages[r].call("status")["degraded"] for r in (1, 2))

@@ -17,7 +17,6 @@ import torch
 from node_agent.connector import UnknownRequestError
 from node_agent.connector.leader import LeaderRole
 from node_agent.pp.group import GroupView, GroupViewSource
-from node_agent.pp.messages import Kind
 
 from .harness import (
     GROUP,
@@ -150,13 +149,18 @@ def test_role_change_reports_stores_in_flight(single: Single) -> None:
     assert "copy-ended" in single.events
 
 
-def test_rejected_store_consumes_the_leaders_call_number(single: Single) -> None:
+def test_rejected_calls_leave_the_stream_untouched(single: Single) -> None:
+    seq = single.leader.stream.seq
     with pytest.raises(ValueError, match="token_ids has 8 entries but kv_indices has 7"):
         single.conn.store_kv("r", np.arange(2 * TPB), torch.arange(2 * TPB - 1))
-    assert single.leader._calls.next("r", Kind.PUT) == 1
+    with pytest.raises(ValueError, match="kv_indices is None"):
+        single.conn.store_kv("r", np.arange(2 * TPB), None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"token_ids has dtype torch\.bfloat16"):
+        single.conn.store_kv("r", torch.arange(2 * TPB, dtype=torch.bfloat16),
+                             torch.arange(2 * TPB))
     with pytest.raises(ValueError, match="token_mask"):
         single.conn.lookup("r", np.arange(2 * TPB), np.ones(3, bool))
-    assert single.leader._calls.next("r", Kind.GET) == 1
+    assert single.leader.stream.seq == seq  # no decision, no call number
 
 
 def test_retrieve_after_a_missed_lookup_is_a_miss_once(single: Single) -> None:

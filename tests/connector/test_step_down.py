@@ -12,7 +12,6 @@ follower's HELLO under the new epoch.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -128,12 +127,11 @@ def test_stale_leader_steps_down_on_a_newer_epoch(
     wait_for(lambda: any(r.rid == "inflight" for r in stale.results()), "the RESULT")
     assert [r.ok for r in stale.results() if r.rid == "inflight"] == [False]
 
-    # Every engine call now answers at once: not stored, a miss; nothing is decided.
-    t0 = time.monotonic()
+    # Every engine call now answers at once (the refusal path, which waits on no
+    # ack or deadline: counted below): not stored, a miss; nothing is decided.
     other = np.arange(900, 900 + 2 * TPB)
     assert conn.store_kv("after", other, np.arange(100, 100 + 2 * TPB)) == -1
     assert conn.lookup("look", tokens) == 0
-    assert time.monotonic() - t0 < 2.0  # no wait on acks or deadlines
     backend = conn._role.backend  # type: ignore[union-attr]
     assert backend.stats().tasks.get("matched", 0) == 0
     st = conn.status()

@@ -128,7 +128,7 @@ def test_malformed_frames_are_refused(mutate: object, reason: str) -> None:
         decode_sections(mutate(frames))  # type: ignore[operator]
 
 
-_BODY = struct.Struct("<qqqqqqB")
+_BODY = struct.Struct("<qqqqqqqB")
 
 
 @pytest.mark.parametrize(
@@ -140,7 +140,8 @@ _BODY = struct.Struct("<qqqqqqB")
         (3, 13, "not within"),  # span start after stop
         (4, 10**6, "not within"),  # span beyond the mask
         (5, 3, "header says 3"),  # plan block count
-        (6, 2, "out of range"),  # flags
+        (6, -1, "out of range"),  # token digest
+        (7, 2, "out of range"),  # flags
     ],
 )
 def test_decision_fields_are_range_checked(index: int, value: int, reason: str) -> None:

@@ -12,7 +12,19 @@ import pytest
 from node_agent.metrics import AgentMetrics
 from node_agent.pp.auth import CurveKeys
 from node_agent.pp.channel import FanoutServer, FaultPlan, Sender
-from node_agent.pp.messages import Ack, Envelope, Kind, Op, Release, Reset, encode, pack_batch
+from node_agent.pp.messages import (
+    Ack,
+    Envelope,
+    Kind,
+    Op,
+    Release,
+    Reset,
+    decode,
+    encode,
+    is_batch,
+    pack_batch,
+    unpack_batch,
+)
 from node_agent.pp.stream import FollowerStream, LeaderStream, StreamMetrics
 
 GROUP = "g0"
@@ -103,6 +115,18 @@ def _seqs(p: Pair) -> list[int]:
     return [s for s, _ in p.applied]
 
 
+def _hit(faults: FaultPlan) -> list[list[int]]:
+    """The stream seqs of each frame a fault hit, in order ([] for a heartbeat):
+    the leader's heartbeat thread may send at any moment, so tests assert on
+    what a fault hit, not on when it fired."""
+    out = []
+    for _, frames in faults.log:
+        data = frames[0]
+        msgs = [decode([m]) for m in (unpack_batch(data) if is_batch(data) else [data])]
+        out.append([m.env.seq for m in msgs if m.env.op.in_stream])
+    return out
+
+
 def _faults(p: Pair) -> FaultPlan:
     sender = p.leader.peer(1)
     assert sender is not None
@@ -117,6 +141,24 @@ def test_messages_apply_in_order_and_acks_flow_back(pair: Pair) -> None:
     assert pair.follower.send_ack(Ack(1, "r0", Kind.PUT, 0, 3, True))
     wait_for(lambda: len(pair.acks) == 1)
     assert pair.acks[0] == Ack(1, "r0", Kind.PUT, 0, 3, True)
+
+
+def test_an_ack_for_another_leader_incarnation_is_dropped(pair: Pair) -> None:
+    # A follower's ack of the previous leader process's decision reaches a new
+    # leader process at the same address: it must never count as one of its own.
+    assert pair.follower.incarnation == pair.leader.incarnation
+    rogue = Sender(pair.lead_ep, pair.keys)
+    try:
+        stale = Ack(1, "r0", Kind.PUT, 0, 3, True)
+        rogue.send(encode(Envelope(Op.ACK, GROUP, 5, 0,
+                                   incarnation=pair.leader.incarnation + 1), stale))
+        wait_for(lambda: pair.leader._stats.dropped.get("stale_incarnation") == 1)
+    finally:
+        rogue.close()
+    assert pair.acks == []
+    assert pair.follower.send_ack(Ack(1, "r1", Kind.PUT, 1, 4, True))  # its own stamp
+    wait_for(lambda: len(pair.acks) == 1)
+    assert pair.acks[0].rid == "r1"
 
 
 def test_duplicates_are_dropped_and_counted(pair: Pair) -> None:
@@ -200,7 +242,7 @@ def test_a_lone_message_is_not_held_back(batched_pair: Pair) -> None:
     time.sleep(0.1)  # outside the coalescing window of anything before
     before = p.leader.batches
     _send(p, 1)
-    wait_for(lambda: len(p.applied) == 1, timeout=1.0)
+    wait_for(lambda: len(p.applied) == 1)
     assert p.leader.batches == before
 
 
@@ -209,9 +251,14 @@ def test_a_duplicated_batch_is_dropped_message_by_message(batched_pair: Pair) ->
     _send(p, 1)  # sent alone; the next burst is queued behind it
     wait_for(lambda: len(p.applied) == 1)
     time.sleep(0.1)
-    _faults(p).duplicate(2)
+    faults = _faults(p)
+    faults.duplicate(2)
     _send(p, 6)  # seq 2 alone, then 3..7 as one batch; both frames arrive twice
-    wait_for(lambda: len(p.applied) == 7 and p.dropped("duplicate") == 6)
+    wait_for(lambda: len(p.applied) == 7 and len(faults.log) == 2)
+    # Every stream message in a duplicated frame is dropped once as a duplicate.
+    dups = sum(len(seqs) for seqs in _hit(faults))
+    assert dups >= 1
+    wait_for(lambda: p.dropped("duplicate") == dups)
     assert _seqs(p) == list(range(1, 8)) and p.follower.synced
 
 
@@ -221,11 +268,18 @@ def test_a_lost_batch_makes_the_follower_resync_never_skip(batched_pair: Pair) -
     wait_for(lambda: len(p.applied) == 2)
     p.leader.dirty = True
     time.sleep(0.1)
-    _faults(p).drop(2)
+    faults = _faults(p)
+    faults.drop(2)
     _send(p, 8)  # seq 3 alone and the batch 4..10 are lost
+    wait_for(lambda: len(faults.log) == 2)
+    lost = [s for seqs in _hit(faults) for s in seqs]
+    assert lost  # (a heartbeat may take one of the two drops)
     wait_for(lambda: p.flushes != [] and p.follower.synced)
     applied = _seqs(p)
-    assert applied == [1, 2] and p.dropped("gap") >= 1
+    # Applied up to the first lost message, never past it (the RESET of the
+    # flush comes with a later seq).
+    assert applied[:min(lost) - 1] == list(range(1, min(lost)))
+    assert not set(lost) & set(applied) and p.dropped("gap") >= 1
     more = _send(p, 20)
     wait_for(lambda: _seqs(p)[-1] == more[-1])
     assert _seqs(p)[-20:] == more
@@ -234,11 +288,17 @@ def test_a_lost_batch_makes_the_follower_resync_never_skip(batched_pair: Pair) -
 def test_reordered_batches_are_never_applied_out_of_order(batched_pair: Pair) -> None:
     p = batched_pair
     time.sleep(0.1)
-    _faults(p).reorder()
+    faults = _faults(p)
+    faults.reorder()
     _send(p, 40)  # seq 1 alone is held and arrives after the first batch
-    wait_for(lambda: p.dropped("gap") >= 1 and p.follower.synced)
+    wait_for(lambda: len(faults.log) == 1)
+    [held] = _hit(faults)
+    if held:  # a stream frame was held (not a heartbeat): the follower saw a gap
+        wait_for(lambda: p.dropped("gap") >= 1 and p.follower.synced)
+    else:
+        wait_for(lambda: len(p.applied) == 40)
     applied = _seqs(p)
-    assert applied == sorted(applied) and 1 not in applied
+    assert applied == sorted(applied) and not set(held) & set(applied)
     assert len(applied) == len(set(applied))
 
 
@@ -246,8 +306,9 @@ def test_a_malformed_message_inside_a_batch_is_dropped_and_counted(pair: Pair) -
     target = pair.leader.peer(1)
     assert target is not None
     seq = pair.follower.last_seq
-    good = [encode(Envelope(Op.RELEASE, GROUP, 5, seq + i), Release(f"x{i}"))[0]
-            for i in (1, 2)]
+    inc = pair.leader.incarnation  # as if the leader had sent them
+    good = [encode(Envelope(Op.RELEASE, GROUP, 5, seq + i, incarnation=inc),
+                   Release(f"x{i}"))[0] for i in (1, 2)]
     bad = good[1][:-3]
     rogue = Sender(target.endpoint, pair.keys)
     try:
