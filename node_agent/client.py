@@ -176,14 +176,20 @@ class EngineClient:
                 ) from None
             while True:
                 left = deadline - time.monotonic()
-                if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                try:
+                    if left <= 0:
+                        raise zmq.Again
+                    # A blocking receive bounded by RCVTIMEO: no poller built per call.
+                    sock.setsockopt(zmq.RCVTIMEO, int(left * 1000) + 1)
+                    got = sock.recv_multipart()
+                except zmq.Again:
                     # A late reply would be matched to a later call: start afresh.
                     self._reset_socket()
                     raise AgentTimeoutError(
                         f"{op}: no answer from the agent at ipc://{self.socket_path} within "
                         f"{budget}s; check the agent's /healthz or raise the client timeout"
-                    )
-                reply = protocol.decode_reply(sock.recv_multipart())
+                    ) from None
+                reply = protocol.decode_reply(got)
                 if reply.id == req_id or reply.id is None:
                     break
         if reply.ok:

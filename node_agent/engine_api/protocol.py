@@ -218,6 +218,9 @@ def int64_array(where: str, values: object) -> npt.NDArray[np.int64]:
         np.ascontiguousarray(arr.astype(np.int64))
 
 
+_JSON: Final = json.JSONEncoder(separators=(",", ":"))
+"""One compact encoder for every header (``json.dumps`` with options builds one per call)."""
+_DECODE: Final = json.JSONDecoder().decode
 _ZERO_COPY_BYTES: Final = 64 * 1024
 _WIRE_INT64: Final = np.dtype("<i8")
 
@@ -268,7 +271,7 @@ def encode_request(
         # large ones travel as a view of the array, without a copy.
         frames.append(arr.tobytes() if arr.nbytes < _ZERO_COPY_BYTES else arr.data)
     header["arrays"] = descs
-    return [json.dumps(header, separators=(",", ":")).encode(), *frames]
+    return [_JSON.encode(header).encode(), *frames]
 
 
 def decode_request(frames: Sequence[Frame]) -> Request:
@@ -310,7 +313,7 @@ def _decode_header(frames: Sequence[Frame]) -> dict[str, Any]:
             f"header of {len(frames[0])} bytes exceeds the limit of {MAX_HEADER_BYTES}"
         )
     try:
-        header = json.loads(bytes(frames[0]).decode("utf-8"))
+        header = _DECODE(bytes(frames[0]).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ProtocolError(f"header is not UTF-8 JSON ({exc}); send a JSON object") from exc
     if not isinstance(header, dict):
@@ -367,7 +370,7 @@ def _decode_arrays(
 def encode_reply(req_id: int | None, result: Any) -> list[bytes]:
     """Frames of a successful reply; ``result`` must be JSON-serialisable."""
     body = {"v": VERSION, "id": req_id, "ok": True, "result": result}
-    return [json.dumps(body, separators=(",", ":")).encode()]
+    return [_JSON.encode(body).encode()]
 
 
 def encode_error(req_id: int | None, error_type: str, message: str) -> list[bytes]:
@@ -375,7 +378,7 @@ def encode_error(req_id: int | None, error_type: str, message: str) -> list[byte
     etype = error_type if error_type in ERROR_TYPES else "InternalError"
     body = {"v": VERSION, "id": req_id, "ok": False,
             "error": {"type": etype, "message": message[:4096]}}
-    return [json.dumps(body, separators=(",", ":")).encode()]
+    return [_JSON.encode(body).encode()]
 
 
 def decode_reply(frames: Sequence[Frame]) -> Reply:

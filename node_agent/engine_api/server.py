@@ -152,6 +152,7 @@ class EngineServer:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
+        self._children: dict[tuple[str, str], tuple[Any, Any]] = {}
         self._accepting = True
         self._cut = False
         self._closing = False
@@ -224,6 +225,9 @@ class EngineServer:
     def _drain_requests(self, sock: zmq.Socket[bytes]) -> None:
         """Serve every message queued on the socket (at most a burst of 64)."""
         for _ in range(64):
+            # EVENTS instead of a failing NOBLOCK receive: zmq.Again is costly to raise.
+            if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                return
             try:
                 msg = self._recv_bounded(sock)
             except zmq.Again:
@@ -329,10 +333,19 @@ class EngineServer:
 
     def _finish(self, ident: bytes, op: str, req_id: int | None, start: float,
                 reply: list[bytes], outcome: str) -> None:
-        self._metrics.engine_requests.labels(op=op, outcome=outcome).inc()
-        self._metrics.engine_request_seconds.labels(op=op).observe(time.perf_counter() - start)
+        count, seconds = self._children.get((op, outcome)) or self._child_metrics(op, outcome)
+        count.inc()
+        seconds.observe(time.perf_counter() - start)
         self.served += 1
         self._send(ident, reply)
+
+    def _child_metrics(self, op: str, outcome: str) -> tuple[Any, Any]:
+        """The labelled counter and histogram of ``(op, outcome)``, looked up once
+        (ops come from the schema, outcomes from a fixed set: the cache stays small)."""
+        pair = (self._metrics.engine_requests.labels(op=op, outcome=outcome),
+                self._metrics.engine_request_seconds.labels(op=op))
+        self._children[(op, outcome)] = pair
+        return pair
 
     def _send(self, ident: bytes, reply: list[bytes]) -> None:
         assert self._sock is not None
