@@ -152,6 +152,8 @@ class EngineServer:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
+        self._pipe_lock = threading.Lock()
+        self._pipe_open = True
         self._children: dict[tuple[str, str], tuple[Any, Any]] = {}
         self._accepting = True
         self._cut = False
@@ -282,8 +284,7 @@ class EngineServer:
         except Exception as exc:
             reply, outcome = self._error_reply(req.op, req.id, exc)
         self._done.append((key, reply, outcome))
-        with contextlib.suppress(BlockingIOError, OSError):
-            os.write(self._wake_w, b"\x00")
+        self._wake()
 
     def _send_done(self) -> None:
         while self._done:
@@ -367,8 +368,13 @@ class EngineServer:
             self._errors.record("engine_api", f"{op}: {etype}: {message}")
 
     def _wake(self) -> None:
-        with contextlib.suppress(BlockingIOError, OSError):
-            os.write(self._wake_w, b"\x00")
+        """Wake the I/O thread (a byte on the pipe; a full pipe is awake already).
+        Under the pipe lock: :meth:`stop` closes the pipe only under it, so a
+        worker that outlives the server never writes to a reused descriptor."""
+        with self._pipe_lock:
+            if self._pipe_open:
+                with contextlib.suppress(BlockingIOError, OSError):
+                    os.write(self._wake_w, b"\x00")
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop receiving, let in-flight calls finish within ``grace`` seconds (default
@@ -388,9 +394,11 @@ class EngineServer:
             self._sock.close(linger=200)  # bounded flush of the last replies
         self._ctx.term()
         self._pool.shutdown(wait=False, cancel_futures=True)
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        with self._pipe_lock:
+            self._pipe_open = False
+            for fd in (self._wake_r, self._wake_w):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
         log.info("Engine API closed", extra={"endpoint": self.endpoint})
