@@ -5,8 +5,8 @@ An agent runs as its own process (``python -m node_agent run``, embedded backend
 one stage); this process is the engine: it registers shared-memory KV buffers
 through :class:`node_agent.client.EngineClient` and then measures
 
-* ``store``: ``store_kv`` of a fresh prompt plus waiting until ``poll_completed``
-  reports it, as GB/s of KV bytes; baseline: a plain torch ``copy_`` of the same
+* ``store``: ``store_kv`` of a fresh prompt plus waiting until the agent reports
+  it (``wait_completed``), as GB/s of KV bytes; baseline: a plain torch ``copy_`` of the same
   bytes from the same shared-memory planes into a preallocated tensor (the slots
   are contiguous, so this is the memcpy best case: the faster of torch ``copy_``
   and numpy ``copyto`` each round);
@@ -98,13 +98,12 @@ def start_agent(work: Path, layout: KVLayout, cpu_bytes: int) -> tuple[subproces
 
 
 def wait_stored(client: EngineClient, rid: str, timeout: float = 30.0) -> None:
+    """Until the agent reports ``rid`` stored (its completion notification,
+    ``wait_completed``, as an engine would use it)."""
     deadline = time.monotonic() + timeout
-    pause = 0.0002
-    while rid not in client.poll_completed():
+    while rid not in client.wait_completed(1.0):
         if time.monotonic() > deadline:
             raise TimeoutError(f"store {rid} did not complete")
-        time.sleep(pause)
-        pause = min(pause * 2, 0.005)
 
 
 def timed(fn: Any) -> float:

@@ -147,7 +147,8 @@ class Agent:
         # the server's bound is only a last resort behind them.
         budget = call_budget(cfg.timeouts.engine_call_seconds, cfg.timeouts.fanout_wait_seconds)
         self.engine = EngineServer(cfg.engine_endpoint, self.service, self.metrics,
-                                   budget.server_timeout_seconds, errors=self.errors)
+                                   budget.server_timeout_seconds, errors=self.errors,
+                                   inline_ops=frozenset({"ping"}))
         period = cfg.heartbeat.retry_period_seconds
         self.groups: FileGroupSource | KubeGroupSource | None = None
         self.heartbeat: LeaseHeartbeat | None = None

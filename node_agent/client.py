@@ -99,6 +99,7 @@ class EngineClient:
         path = os.fspath(socket_path)
         self.socket_path = Path(path.removeprefix("ipc://"))
         self.rank = rank
+        self._rank_wire = rank.to_wire()  # RankInfo is frozen: build the wire form once
         self.timeout = timeout
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock: zmq.Socket[bytes] | None = None
@@ -175,14 +176,20 @@ class EngineClient:
                 ) from None
             while True:
                 left = deadline - time.monotonic()
-                if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                try:
+                    if left <= 0:
+                        raise zmq.Again
+                    # A blocking receive bounded by RCVTIMEO: no poller built per call.
+                    sock.setsockopt(zmq.RCVTIMEO, int(left * 1000) + 1)
+                    got = sock.recv_multipart()
+                except zmq.Again:
                     # A late reply would be matched to a later call: start afresh.
                     self._reset_socket()
                     raise AgentTimeoutError(
                         f"{op}: no answer from the agent at ipc://{self.socket_path} within "
                         f"{budget}s; check the agent's /healthz or raise the client timeout"
-                    )
-                reply = protocol.decode_reply(sock.recv_multipart())
+                    ) from None
+                reply = protocol.decode_reply(got)
                 if reply.id == req_id or reply.id is None:
                     break
         if reply.ok:
@@ -239,12 +246,12 @@ class EngineClient:
         arrays: dict[str, Any] = {"token_ids": int64_array("lookup: token_ids", token_ids)}
         if token_mask is not None:
             arrays["token_mask"] = bool_array("lookup: token_mask", token_mask)
-        return int(self._call("lookup", {"rid": rid, "rank": self.rank.to_wire()}, arrays))
+        return int(self._call("lookup", {"rid": rid, "rank": self._rank_wire}, arrays))
 
     def retrieve(self, rid: str, slot_mapping: Sequence[int] | npt.ArrayLike) -> int:
         """Load the tokens the last ``lookup`` of ``rid`` hit into ``slot_mapping``;
         returns the number of tokens loaded."""
-        return int(self._call("retrieve", {"rid": rid, "rank": self.rank.to_wire()},
+        return int(self._call("retrieve", {"rid": rid, "rank": self._rank_wire},
                               {"slot_mapping": int64_array("retrieve: slot_mapping",
                                                            slot_mapping)}))
 
@@ -266,17 +273,33 @@ class EngineClient:
             )
         ids = int64_array("store_kv: token_ids", token_ids)
         idx = int64_array("store_kv: kv_indices", kv_indices)
-        return int(self._call("store_kv", {"rid": rid, "rank": self.rank.to_wire()},
+        return int(self._call("store_kv", {"rid": rid, "rank": self._rank_wire},
                               {"token_ids": ids, "kv_indices": idx}))
 
     def poll_completed(self) -> list[str]:
         """Request ids whose stores finished since the last poll (their slots are free)."""
-        result = self._call("poll_completed", {"rank": self.rank.to_wire()})
+        result = self._call("poll_completed", {"rank": self._rank_wire})
         return [str(r) for r in result]
+
+    def wait_completed(self, timeout: float) -> list[str]:
+        """Like :meth:`poll_completed`, but waits up to ``timeout`` seconds for at
+        least one rid (``[]`` when none finished in time). The agent watches for
+        completions itself, so a finished store is reported within a fraction of
+        a millisecond instead of at the engine's next poll."""
+        if timeout < 0:
+            raise ValueError(f"wait_completed: timeout {timeout} must be >= 0 seconds")
+        deadline = time.monotonic() + timeout
+        while True:
+            left_ms = max(0, math.ceil((deadline - time.monotonic()) * 1000))
+            step = min(left_ms, protocol.MAX_WAIT_MS)
+            result = self._call("wait_completed", {"rank": self._rank_wire, "timeoutMs": step},
+                                timeout=self.timeout + step / 1000)
+            if result or step == left_ms:
+                return [str(r) for r in result]
 
     def release(self, rid: str) -> None:
         """Forget ``rid``'s pending lookup (cancels an un-launched load)."""
-        self._call("release", {"rid": rid, "rank": self.rank.to_wire()})
+        self._call("release", {"rid": rid, "rank": self._rank_wire})
 
     def status(self) -> dict[str, Any]:
         """The agent's status (the same document as HTTP ``/status``)."""

@@ -41,6 +41,11 @@ MAX_FRAMES: Final = 8
 MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
 MAX_STRING: Final = 1024
 MAX_ARRAY_LEN: Final = 4 * 1024 * 1024
+MAX_WAIT_MS: Final = 1000
+"""Longest ``wait_completed`` wait (below any ``engineCallSeconds``); clients loop."""
+
+Frame = bytes | memoryview
+"""A frame as sent or received (``memoryview`` for large arrays sent without a copy)."""
 
 _DTYPES: Final = {"int64": np.dtype("<i8"), "bool": np.dtype("?")}
 
@@ -78,6 +83,7 @@ OPS: Final[Mapping[str, OpSchema]] = {
         arrays={"token_ids": ("int64", True), "kv_indices": ("int64", True)},
     ),
     "poll_completed": OpSchema(args={"rank": "json"}),
+    "wait_completed": OpSchema(args={"rank": "json", "timeoutMs": "int"}),
     "release": OpSchema(args={"rid": "str", "rank": "json"}),
     "status": OpSchema(),
 }
@@ -212,24 +218,42 @@ def int64_array(where: str, values: object) -> npt.NDArray[np.int64]:
         np.ascontiguousarray(arr.astype(np.int64))
 
 
+_JSON: Final = json.JSONEncoder(separators=(",", ":"))
+"""One compact encoder for every header (``json.dumps`` with options builds one per call)."""
+_DECODE: Final = json.JSONDecoder().decode
+_ZERO_COPY_BYTES: Final = 64 * 1024
+_WIRE_INT64: Final = np.dtype("<i8")
+
+
+def _is_wire_int64(value: object) -> bool:
+    """True for a 1-D, C-contiguous little-endian int64 ndarray (sent as it is)."""
+    return (type(value) is np.ndarray and value.dtype == _WIRE_INT64 and value.ndim == 1
+            and value.flags.c_contiguous)
+
+
 def encode_request(
     req_id: int,
     op: str,
     args: Mapping[str, Any] | None = None,
     arrays: Mapping[str, npt.ArrayLike | None] | None = None,
-) -> list[bytes]:
-    """Build the frames of a request. Arrays are converted to the op's dtype."""
+) -> list[Frame]:
+    """Build the frames of a request. Arrays are converted to the op's dtype (a
+    1-D contiguous int64 ndarray is sent as it is; large arrays as views of
+    their memory, so the caller must not change them until the send returns)."""
     schema = OPS.get(op)
     if schema is None:
         raise ProtocolError(f"unknown op {op!r}; known ops are {', '.join(sorted(OPS))}")
     header: dict[str, Any] = {"v": VERSION, "id": req_id, "op": op, "args": dict(args or {})}
-    frames: list[bytes] = []
+    frames: list[Frame] = []
     descs: dict[str, Any] = {}
     for name, value in (arrays or {}).items():
         if value is None:
             continue
         dtype_name = schema.arrays[name][0]
-        if dtype_name == "int64":
+        arr: npt.NDArray[Any]
+        if dtype_name == "int64" and isinstance(value, np.ndarray) and _is_wire_int64(value):
+            arr = value  # checked already (the client converts before encoding)
+        elif dtype_name == "int64":
             arr = int64_array(f"{op}: {name}", value)
         else:
             raw = np.asarray(value)
@@ -243,12 +267,14 @@ def encode_request(
                     f"safely to {dtype_name}; pass a {dtype_name} array"
                 ) from None
         descs[name] = {"frame": len(frames) + 1, "dtype": dtype_name, "len": int(arr.shape[0])}
-        frames.append(arr.tobytes())
+        # Small arrays are copied into the frame (cheaper than pinning a buffer);
+        # large ones travel as a view of the array, without a copy.
+        frames.append(arr.tobytes() if arr.nbytes < _ZERO_COPY_BYTES else arr.data)
     header["arrays"] = descs
-    return [json.dumps(header, separators=(",", ":")).encode(), *frames]
+    return [_JSON.encode(header).encode(), *frames]
 
 
-def decode_request(frames: Sequence[bytes]) -> Request:
+def decode_request(frames: Sequence[Frame]) -> Request:
     """Parse and check a request; raises :class:`ProtocolError` naming the defect."""
     header = _decode_header(frames)
     req_id = header.get("id")
@@ -274,7 +300,7 @@ def decode_request(frames: Sequence[bytes]) -> Request:
     return Request(id=req_id, op=op, args=args, arrays=arrays)
 
 
-def _decode_header(frames: Sequence[bytes]) -> dict[str, Any]:
+def _decode_header(frames: Sequence[Frame]) -> dict[str, Any]:
     if not frames:
         raise ProtocolError("empty message; send a JSON header frame")
     if len(frames) > MAX_FRAMES:
@@ -287,7 +313,7 @@ def _decode_header(frames: Sequence[bytes]) -> dict[str, Any]:
             f"header of {len(frames[0])} bytes exceeds the limit of {MAX_HEADER_BYTES}"
         )
     try:
-        header = json.loads(bytes(frames[0]).decode("utf-8"))
+        header = _DECODE(bytes(frames[0]).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ProtocolError(f"header is not UTF-8 JSON ({exc}); send a JSON object") from exc
     if not isinstance(header, dict):
@@ -301,7 +327,7 @@ def _decode_header(frames: Sequence[bytes]) -> dict[str, Any]:
 
 
 def _decode_arrays(
-    op: str, schema: OpSchema, descs: object, frames: Sequence[bytes]
+    op: str, schema: OpSchema, descs: object, frames: Sequence[Frame]
 ) -> dict[str, npt.NDArray[Any]]:
     if not isinstance(descs, dict):
         raise ProtocolError(f"{op}: 'arrays' must be an object")
@@ -337,14 +363,14 @@ def _decode_arrays(
                 f"{len(frames[idx])} bytes"
             )
         used.add(idx)
-        out[name] = np.frombuffer(bytes(frames[idx]), dtype=dtype).copy()
+        out[name] = np.frombuffer(frames[idx], dtype=dtype).copy()
     return out
 
 
 def encode_reply(req_id: int | None, result: Any) -> list[bytes]:
     """Frames of a successful reply; ``result`` must be JSON-serialisable."""
     body = {"v": VERSION, "id": req_id, "ok": True, "result": result}
-    return [json.dumps(body, separators=(",", ":")).encode()]
+    return [_JSON.encode(body).encode()]
 
 
 def encode_error(req_id: int | None, error_type: str, message: str) -> list[bytes]:
@@ -352,10 +378,10 @@ def encode_error(req_id: int | None, error_type: str, message: str) -> list[byte
     etype = error_type if error_type in ERROR_TYPES else "InternalError"
     body = {"v": VERSION, "id": req_id, "ok": False,
             "error": {"type": etype, "message": message[:4096]}}
-    return [json.dumps(body, separators=(",", ":")).encode()]
+    return [_JSON.encode(body).encode()]
 
 
-def decode_reply(frames: Sequence[bytes]) -> Reply:
+def decode_reply(frames: Sequence[Frame]) -> Reply:
     """Parse a reply; raises :class:`ProtocolError` when it is malformed."""
     header = _decode_header(frames)
     rid = header.get("id")
@@ -374,7 +400,7 @@ def decode_reply(frames: Sequence[bytes]) -> Reply:
     )
 
 
-def peek_id(frames: Sequence[bytes]) -> int | None:
+def peek_id(frames: Sequence[Frame]) -> int | None:
     """Best-effort request id of a message that failed to decode (for the error reply)."""
     try:
         if frames and len(frames[0]) <= MAX_HEADER_BYTES:

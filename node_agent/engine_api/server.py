@@ -1,14 +1,19 @@
 """The engine API server: a pyzmq ROUTER on the agent's ``ipc://`` engine socket.
 
-Every request is decoded and schema-checked (:mod:`.protocol`) on the event loop,
-then handed to the service callable in a bounded thread pool, because connector
-calls block (transfers, fan-out waits). The connector's own waits end every call
-inside ``engineCallSeconds`` (:mod:`.budget`); ``call_timeout`` is a last resort
-behind them (``engineCallSeconds`` plus a margin): when it runs out the engine
-gets a ``TimeoutError`` reply and the overrun is logged as an internal error,
-because the worker thread cannot be stopped and may still touch the slots. A
-malformed message of any kind gets an error reply (with the request id when it
-could be read) and the server keeps serving.
+One I/O thread owns the socket: it receives, decodes and schema-checks every
+request (:mod:`.protocol`), answers the ``inline_ops`` (``ping``: no stage, no
+blocking) itself, and hands every other call to a bounded thread pool, because
+connector calls block (transfers, fan-out waits). A worker queues its reply and
+wakes the I/O thread through a pipe; the I/O thread sends it. Keeping the socket
+off the asyncio loop (shared with HTTP and the heartbeat) and off worker threads
+makes a ping cost about one pyzmq round trip plus decoding. The connector's own
+waits end every call inside ``engineCallSeconds`` (:mod:`.budget`);
+``call_timeout`` is a last resort behind them (``engineCallSeconds`` plus a
+margin): when it runs out the engine gets a ``TimeoutError`` reply and the
+overrun is logged as an internal error, because the worker thread cannot be
+stopped and may still touch the slots. A malformed message of any kind gets an
+error reply (with the request id when it could be read) and the server keeps
+serving.
 
 What is bounded: calls in flight (``max_inflight``, default 4 x the worker
 threads; a message beyond it is answered ``NotReady: agent busy`` at once,
@@ -30,16 +35,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
+import math
 import os
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
 import zmq
-import zmq.asyncio
 
 from node_agent.engine_api import protocol
 from node_agent.engine_api.buffers import HandleError
@@ -88,8 +96,25 @@ def _error_type(exc: BaseException) -> str:
     return "InternalError"
 
 
+class _Call:
+    """One request being served: who asked, what, and when it must be answered."""
+
+    __slots__ = ("deadline", "ident", "op", "req_id", "start")
+
+    def __init__(self, ident: bytes, op: str, req_id: int | None, start: float,
+                 deadline: float) -> None:
+        self.ident = ident
+        self.op = op
+        self.req_id = req_id
+        self.start = start
+        self.deadline = deadline
+
+
 class EngineServer:
-    """Serves engine requests on ``endpoint`` (``ipc://<path>``) with ``service``."""
+    """Serves engine requests on ``endpoint`` (``ipc://<path>``) with ``service``.
+
+    ``inline_ops`` names operations that never block (``ping``): the I/O thread
+    answers them itself, without the hop to a worker thread."""
 
     name = "engine_api"
 
@@ -102,6 +127,7 @@ class EngineServer:
         errors: ErrorSink | None = None,
         max_workers: int = 8,
         max_inflight: int | None = None,
+        inline_ops: frozenset[str] = frozenset(),
     ) -> None:
         if not endpoint.startswith("ipc://"):
             raise ValueError(f"engine endpoint {endpoint!r} must be ipc://<path>")
@@ -111,28 +137,41 @@ class EngineServer:
         self._metrics = metrics
         self._timeout = call_timeout
         self._errors = errors
+        self._inline_ops = inline_ops
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="engine-call")
         self.max_inflight = max_inflight if max_inflight is not None else 4 * max_workers
         self.refused_busy = 0
-        self._ctx = zmq.asyncio.Context()
-        self._sock: zmq.asyncio.Socket | None = None
-        self._recv_task: asyncio.Task[None] | None = None
-        self._inflight: set[asyncio.Task[None]] = set()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._sock: zmq.Socket[bytes] | None = None
+        self._thread: threading.Thread | None = None
+        self._calls: dict[int, _Call] = {}
+        """Calls handed to a worker and not answered yet, by a server-local key."""
+        self._keys = itertools.count()
+        self._done: deque[tuple[int, list[bytes], str]] = deque()
+        """(call key, reply frames, outcome) from workers, sent by the I/O thread."""
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._pipe_lock = threading.Lock()
+        self._pipe_open = True
+        self._children: dict[tuple[str, str], tuple[Any, Any]] = {}
+        self._accepting = True
+        self._cut = False
         self._closing = False
         self.served = 0
 
     @property
     def alive(self) -> bool:
-        """True while the receive loop runs."""
-        return self._recv_task is not None and not self._recv_task.done()
+        """True while the I/O thread runs."""
+        return self._thread is not None and self._thread.is_alive()
 
     @property
     def inflight(self) -> int:
-        """Requests being served now."""
-        return len(self._inflight)
+        """Requests handed to a worker and not answered yet."""
+        return len(self._calls)
 
     async def start(self) -> None:
-        """Bind the socket (creating its directory) and start the receive loop."""
+        """Bind the socket (creating its directory) and start the I/O thread."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -143,138 +182,223 @@ class EngineServer:
         with contextlib.suppress(OSError):
             os.chmod(self.path, 0o660)
         self._sock = sock
-        self._recv_task = asyncio.create_task(self._recv_loop(), name="engine-api-recv")
+        self._thread = threading.Thread(target=self._io_loop, name="engine-api-io", daemon=True)
+        self._thread.start()
         log.info("Engine API listening", extra={"endpoint": self.endpoint})
 
-    async def _recv_loop(self) -> None:
-        assert self._sock is not None
-        while not self._closing:
-            try:
-                msg = await self._recv_bounded(self._sock)
-            except (zmq.ZMQError, asyncio.CancelledError):
-                if self._closing:
+    # -- the I/O thread (the only one that touches the socket) -------------------
+
+    def _io_loop(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        listening = True
+        try:
+            while True:
+                if listening and not self._accepting:
+                    poller.unregister(sock)
+                    listening = False
+                if self._cut:
+                    self._answer_cut_short()
                     return
-                raise
+                if self._closing and not self._calls and not self._done:
+                    return
+                wait_ms = self._next_wait_ms()
+                events = dict(poller.poll(wait_ms))
+                if self._wake_r in events:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self._wake_r, 4096)
+                self._send_done()
+                if listening and sock in events:
+                    self._drain_requests(sock)
+                self._expire_overruns()
+        except zmq.ZMQError as exc:
+            if not self._closing:
+                log.error("Engine API I/O thread stopped", extra={"error": str(exc)})
+
+    def _next_wait_ms(self) -> int:
+        if not self._calls:
+            return 100
+        first = min(c.deadline for c in self._calls.values())
+        return max(0, min(100, math.ceil((first - time.monotonic()) * 1000)))
+
+    def _drain_requests(self, sock: zmq.Socket[bytes]) -> None:
+        """Serve every message queued on the socket (at most a burst of 64)."""
+        for _ in range(64):
+            # EVENTS instead of a failing NOBLOCK receive: zmq.Again is costly to raise.
+            if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                return
+            try:
+                msg = self._recv_bounded(sock)
+            except zmq.Again:
+                return
             if len(msg) < 2:
                 continue  # ROUTER always prepends the identity; nothing to answer to
-            ident, frames = msg[0], msg[1:]
-            if len(self._inflight) >= self.max_inflight:
-                await self._refuse_busy(ident, frames)
-                continue
-            task = asyncio.create_task(self._serve(ident, frames))
-            self._inflight.add(task)
-            task.add_done_callback(self._inflight.discard)
+            self._accept(msg[0], msg[1:])
 
     @staticmethod
-    async def _recv_bounded(sock: zmq.asyncio.Socket) -> list[bytes]:
-        """One message, keeping at most one frame past ``MAX_FRAMES`` and one frame
-        past ``MAX_MESSAGE_BYTES`` (enough for the decoder to name the excess);
-        further frames are read and dropped, never kept."""
-        kept = [await sock.recv(copy=True)]
+    def _recv_bounded(sock: zmq.Socket[bytes]) -> list[bytes]:
+        """One message (``zmq.Again`` when none is queued), keeping at most one frame
+        past ``MAX_FRAMES`` and one frame past ``MAX_MESSAGE_BYTES`` (enough for the
+        decoder to name the excess); further frames are read and dropped, never kept.
+        libzmq delivers a message whole, so the frames after the first are there."""
+        kept = [sock.recv(zmq.NOBLOCK)]
         total = 0
         while sock.getsockopt(zmq.RCVMORE):
-            frame = await sock.recv(copy=True)
+            frame = sock.recv()
             # kept[0] is the peer identity; the decoder limits the rest.
             if len(kept) <= protocol.MAX_FRAMES + 1 and total <= protocol.MAX_MESSAGE_BYTES:
                 kept.append(frame)
                 total += len(frame)
         return kept
 
-    async def _refuse_busy(self, ident: bytes, frames: list[bytes]) -> None:
-        self.refused_busy += 1
-        self._metrics.engine_requests.labels(op="busy", outcome="error").inc()
-        reply = protocol.encode_error(
-            protocol.peek_id(frames), "NotReady",
-            f"agent busy: {len(self._inflight)} engine calls in flight (limit "
-            f"{self.max_inflight}); retry after a short back-off")
-        assert self._sock is not None
-        try:
-            await self._sock.send_multipart([ident, *reply], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            log.warning("Busy reply not sent", extra={"error": str(exc)})
-
-    async def _serve(self, ident: bytes, frames: list[bytes]) -> None:
+    def _accept(self, ident: bytes, frames: list[bytes]) -> None:
+        if len(self._calls) >= self.max_inflight:
+            self._refuse_busy(ident, frames)
+            return
         start = time.perf_counter()
-        op = "invalid"
-        req_id: int | None = None
         try:
             req = protocol.decode_request(frames)
-            op, req_id = req.op, req.id
-            loop = asyncio.get_running_loop()
-            work = loop.run_in_executor(self._pool, self._service, req)
-            done, _ = await asyncio.wait({work}, timeout=self._timeout)
-            if not done:
-                raise _Overran(op, self._timeout)
-            result = work.result()
-            reply = protocol.encode_reply(req_id, result)
-            outcome = "ok"
-        except asyncio.CancelledError:
-            # Shutdown cut this call short: still tell the engine, then stop.
-            if self._sock is not None and not self._sock.closed:
-                with contextlib.suppress(zmq.ZMQError):
-                    self._sock.send_multipart(
-                        [ident, *protocol.encode_error(
-                            req_id, "NotReady", "agent is shutting down; retry after restart"
-                        )],
-                        flags=zmq.NOBLOCK,
-                    )
-            raise
-        except _Overran as exc:
+        except Exception as exc:
+            self._finish(ident, "invalid", protocol.peek_id(frames), start,
+                         *self._error_reply("invalid", protocol.peek_id(frames), exc))
+            return
+        if req.op in self._inline_ops:
+            try:
+                reply, outcome = protocol.encode_reply(req.id, self._service(req)), "ok"
+            except Exception as exc:
+                reply, outcome = self._error_reply(req.op, req.id, exc)
+            self._finish(ident, req.op, req.id, start, reply, outcome)
+            return
+        key = next(self._keys)
+        self._calls[key] = _Call(ident, req.op, req.id, start,
+                                 time.monotonic() + self._timeout)
+        self._pool.submit(self._work, key, req)
+
+    def _work(self, key: int, req: protocol.Request) -> None:
+        """Worker thread: run the service, queue the reply, wake the I/O thread."""
+        try:
+            reply, outcome = protocol.encode_reply(req.id, self._service(req)), "ok"
+        except Exception as exc:
+            reply, outcome = self._error_reply(req.op, req.id, exc)
+        self._done.append((key, reply, outcome))
+        self._wake()
+
+    def _send_done(self) -> None:
+        while self._done:
+            key, reply, outcome = self._done.popleft()
+            call = self._calls.pop(key, None)
+            if call is None:
+                continue  # answered already (overran or cut short by shutdown)
+            self._finish(call.ident, call.op, call.req_id, call.start, reply, outcome)
+
+    def _expire_overruns(self) -> None:
+        if not self._calls:
+            return
+        now = time.monotonic()
+        for key in [k for k, c in self._calls.items() if c.deadline <= now]:
+            call = self._calls.pop(key)
             # The connector's own waits should have ended the call first: its worker
             # thread still runs, so this answer cannot promise the slots are idle.
-            reply = protocol.encode_error(req_id, "TimeoutError", str(exc))
-            outcome = "timeout"
-            self._record(op, "InternalError", str(exc))
+            msg = str(_Overran(call.op, self._timeout))
+            self._record(call.op, "InternalError", msg)
             log.error("Engine call overran the server's last-resort bound", extra={
-                "op": op, "request_id": req_id, "timeout_seconds": self._timeout})
-        except TimeoutError as exc:
+                "op": call.op, "request_id": call.req_id, "timeout_seconds": self._timeout})
+            self._finish(call.ident, call.op, call.req_id, call.start,
+                         protocol.encode_error(call.req_id, "TimeoutError", msg), "timeout")
+
+    def _answer_cut_short(self) -> None:
+        """Shutdown cut the remaining calls short: still tell their engines."""
+        self._send_done()
+        calls, self._calls = list(self._calls.values()), {}
+        if calls:
+            log.warning("Engine calls cut short by shutdown", extra={"count": len(calls)})
+        for call in calls:
+            self._send(call.ident, protocol.encode_error(
+                call.req_id, "NotReady", "agent is shutting down; retry after restart"))
+
+    def _error_reply(self, op: str, req_id: int | None, exc: Exception,
+                     ) -> tuple[list[bytes], str]:
+        if isinstance(exc, TimeoutError):
             msg = str(exc) or f"{op} timed out"
-            reply = protocol.encode_error(req_id, "TimeoutError", msg)
-            outcome = "timeout"
             self._record(op, "TimeoutError", msg)
-        except Exception as exc:
-            if req_id is None:
-                req_id = protocol.peek_id(frames)
-            etype = _error_type(exc)
-            reply = protocol.encode_error(req_id, etype, str(exc) or repr(exc))
-            outcome = "error"
-            self._record(op, etype, str(exc))
-            if etype == "InternalError":
-                log.exception("Engine call failed", extra={"op": op, "request_id": req_id})
-        self._metrics.engine_requests.labels(op=op, outcome=outcome).inc()
-        self._metrics.engine_request_seconds.labels(op=op).observe(time.perf_counter() - start)
+            return protocol.encode_error(req_id, "TimeoutError", msg), "timeout"
+        etype = _error_type(exc)
+        self._record(op, etype, str(exc))
+        if etype == "InternalError":
+            log.error("Engine call failed", exc_info=exc,
+                      extra={"op": op, "request_id": req_id})
+        return protocol.encode_error(req_id, etype, str(exc) or repr(exc)), "error"
+
+    def _finish(self, ident: bytes, op: str, req_id: int | None, start: float,
+                reply: list[bytes], outcome: str) -> None:
+        count, seconds = self._children.get((op, outcome)) or self._child_metrics(op, outcome)
+        count.inc()
+        seconds.observe(time.perf_counter() - start)
         self.served += 1
-        if self._sock is not None and not self._sock.closed:
-            try:
-                await self._sock.send_multipart([ident, *reply])
-            except zmq.ZMQError as exc:
-                log.warning("Engine reply not sent", extra={"op": op, "error": str(exc)})
+        self._send(ident, reply)
+
+    def _child_metrics(self, op: str, outcome: str) -> tuple[Any, Any]:
+        """The labelled counter and histogram of ``(op, outcome)``, looked up once
+        (ops come from the schema, outcomes from a fixed set: the cache stays small)."""
+        pair = (self._metrics.engine_requests.labels(op=op, outcome=outcome),
+                self._metrics.engine_request_seconds.labels(op=op))
+        self._children[(op, outcome)] = pair
+        return pair
+
+    def _send(self, ident: bytes, reply: list[bytes]) -> None:
+        assert self._sock is not None
+        try:
+            self._sock.send_multipart([ident, *reply], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("Engine reply not sent", extra={"error": str(exc)})
+
+    def _refuse_busy(self, ident: bytes, frames: list[bytes]) -> None:
+        self.refused_busy += 1
+        self._metrics.engine_requests.labels(op="busy", outcome="error").inc()
+        self._send(ident, protocol.encode_error(
+            protocol.peek_id(frames), "NotReady",
+            f"agent busy: {len(self._calls)} engine calls in flight (limit "
+            f"{self.max_inflight}); retry after a short back-off"))
 
     def _record(self, op: str, etype: str, message: str) -> None:
         if self._errors is not None:
             self._errors.record("engine_api", f"{op}: {etype}: {message}")
 
+    def _wake(self) -> None:
+        """Wake the I/O thread (a byte on the pipe; a full pipe is awake already).
+        Under the pipe lock: :meth:`stop` closes the pipe only under it, so a
+        worker that outlives the server never writes to a reused descriptor."""
+        with self._pipe_lock:
+            if self._pipe_open:
+                with contextlib.suppress(BlockingIOError, OSError):
+                    os.write(self._wake_w, b"\x00")
+
     async def stop(self, grace: float | None = None) -> None:
         """Stop receiving, let in-flight calls finish within ``grace`` seconds (default
         the call timeout), answer the rest "shutting down", close."""
         grace = self._timeout if grace is None else grace
+        self._accepting = False
         self._closing = True
-        if self._recv_task is not None:
-            self._recv_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, zmq.ZMQError):
-                await self._recv_task
-        if self._inflight:
-            _, pending = await asyncio.wait(set(self._inflight), timeout=grace)
-            for task in pending:
-                task.cancel()
-            if pending:
-                log.warning("Engine calls cut short by shutdown", extra={"count": len(pending)})
-                # Let them send their "shutting down" replies.
-                await asyncio.wait(pending, timeout=1.0)
+        self._wake()
+        deadline = time.monotonic() + grace
+        while self.alive and (self._calls or self._done) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        self._cut = True
+        self._wake()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 5.0)
         if self._sock is not None:
             self._sock.close(linger=200)  # bounded flush of the last replies
         self._ctx.term()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._pipe_lock:
+            self._pipe_open = False
+            for fd in (self._wake_r, self._wake_w):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
         log.info("Engine API closed", extra={"endpoint": self.endpoint})

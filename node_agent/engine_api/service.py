@@ -17,6 +17,9 @@ Contract of the operations (``rank`` identifies the calling engine rank):
   the KV of every TP rank of the stage (other ranks get ``ValueError``). A rank
   that has not registered gets ``NotReady`` (the client re-registers and retries
   once).
+* ``wait_completed`` is ``poll_completed`` repeated inside the agent until it
+  reports a rid or ``timeoutMs`` (at most ``MAX_WAIT_MS``) passes: the engine's
+  completion notification, without a socket round trip per poll.
 * ``ping`` and ``status`` answer without touching a stage.
 """
 
@@ -50,6 +53,24 @@ class Connector(Protocol):
     def close(self) -> None: ...
     def status(self) -> dict[str, Any]: ...
     def ready(self) -> bool: ...
+
+
+def wait_completed(conn: Connector, timeout_ms: int) -> list[str]:
+    """``poll_completed`` repeated inside the agent until it reports a rid or
+    ``timeout_ms`` passes (``[]`` then): the engine learns of a finished store
+    within a fraction of a millisecond without a socket round trip per poll.
+    Raises ``ValueError`` for a timeout outside ``0..MAX_WAIT_MS``."""
+    if not 0 <= timeout_ms <= protocol.MAX_WAIT_MS:
+        raise ValueError(f"wait_completed: timeoutMs {timeout_ms} is not in "
+                         f"0..{protocol.MAX_WAIT_MS}; wait longer by calling again")
+    deadline = time.monotonic() + timeout_ms / 1000
+    pause = 0.00005
+    while True:
+        done = conn.poll_completed()
+        if done or time.monotonic() >= deadline:
+            return [str(r) for r in done]
+        time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
+        pause = min(pause * 1.5, 0.0005)
 
 
 @dataclass(frozen=True)
@@ -167,6 +188,8 @@ class EngineService:
             return int(conn.store_kv(req.args["rid"], a["token_ids"], a["kv_indices"]))
         if req.op == "poll_completed":
             return [str(r) for r in conn.poll_completed()]
+        if req.op == "wait_completed":
+            return wait_completed(conn, req.args["timeoutMs"])
         if req.op == "release":
             conn.release(req.args["rid"])
             return None

@@ -1,0 +1,95 @@
+"""The engine socket's fast paths, through a real :class:`EngineServer` on an ipc
+socket: ``inline_ops`` are answered by the I/O thread even while every worker is
+busy, large arrays travel as views of the caller's memory and arrive intact,
+and an already-int64 array is sent as it is while every other input is still
+converted and checked."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from node_agent.client import EngineClient, RankInfo
+from node_agent.engine_api import protocol
+from node_agent.engine_api.server import EngineServer
+from node_agent.metrics import AgentMetrics
+from tests.agent.harness import wait_for
+
+pytestmark = pytest.mark.timeout(60)
+RANK = RankInfo(replica="r0")
+
+
+@pytest.fixture()
+def sock_path() -> Iterator[Path]:
+    path = Path(f"/tmp/fkv-fast-{os.getpid()}-{time.monotonic_ns()}.sock")
+    yield path
+    path.unlink(missing_ok=True)
+
+
+def test_large_int64_arrays_are_sent_as_views_and_small_ones_as_copies() -> None:
+    big = np.arange(20_000, dtype=np.int64)
+    frames = protocol.encode_request(1, "lookup", {"rid": "a", "rank": {}}, {"token_ids": big})
+    assert isinstance(frames[1], memoryview) and np.shares_memory(np.asarray(frames[1]), big)
+    req = protocol.decode_request([bytes(f) for f in frames])
+    assert np.array_equal(req.arrays["token_ids"], big)
+    small = protocol.encode_request(2, "lookup", {"rid": "a", "rank": {}},
+                                    {"token_ids": np.arange(8, dtype=np.int64)})
+    assert isinstance(small[1], bytes)
+    # Non-int64 input still goes through the checked conversion.
+    with pytest.raises(ValueError, match="has dtype float64"):
+        protocol.encode_request(3, "lookup", {"rid": "a", "rank": {}},
+                                {"token_ids": np.ones(4)})
+    with pytest.raises(ValueError, match="must be 1-D"):
+        protocol.encode_request(4, "lookup", {"rid": "a", "rank": {}},
+                                {"token_ids": np.ones((2, 2), dtype=np.int64)})
+
+
+async def test_inline_ping_answers_while_workers_are_busy_and_big_arrays_arrive(
+        sock_path: Path) -> None:
+    gate = threading.Event()
+    ops: list[str] = []
+
+    def service(req: protocol.Request) -> Any:
+        ops.append(req.op)
+        if req.op == "ping":
+            return {"version": protocol.VERSION, "thread": threading.current_thread().name}
+        if req.op == "release":
+            gate.wait(10)
+            return None
+        if req.op == "lookup":
+            arr = req.arrays["token_ids"]
+            return [len(arr), int(arr.sum()), int(arr[-1])]
+        return None
+
+    server = EngineServer(f"ipc://{sock_path}", service, AgentMetrics(), call_timeout=20,
+                          max_workers=1, inline_ops=frozenset({"ping"}))
+    await server.start()
+    blocked = EngineClient(sock_path, RANK, timeout=15)
+    other = EngineClient(sock_path, RANK, timeout=15)
+    try:
+        held = asyncio.create_task(asyncio.to_thread(blocked.release, "r"))
+        await wait_for(lambda: server.inflight == 1, 5, "the blocking call in flight")
+        pong = await asyncio.to_thread(other.ping)
+        assert pong["thread"] == "engine-api-io"
+        assert server.inflight == 1 and not held.done()
+        gate.set()
+        await held
+        big = np.arange(3, 3 + 300_000, dtype=np.int64)
+        got = await asyncio.to_thread(other._call,
+                                      "lookup", {"rid": "b", "rank": RANK.to_wire()},
+                                      {"token_ids": big})
+        assert got == [len(big), int(big.sum()), int(big[-1])]
+        assert big[0] == 3 and big[-1] == 3 + 300_000 - 1  # the caller's array is untouched
+    finally:
+        gate.set()
+        blocked.close()
+        other.close()
+        await server.stop(grace=2.0)
