@@ -70,7 +70,7 @@ ENV PATH=/opt/venv/bin:${PATH}
 # agent extra's `torch` requirement is already met and never pulls CUDA wheels.
 # DL3013: torch is pinned; hadolint misreads the optional --find-links value.
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" \
+RUN pip install --no-cache-dir ${TORCH_INDEX_URL:+--index-url "${TORCH_INDEX_URL}"} \
       ${TORCH_FIND_LINKS:+--find-links "${TORCH_FIND_LINKS}"} "torch==${TORCH_VERSION}"
 
 WORKDIR /src

@@ -30,7 +30,14 @@ fi
 bash scripts/bootstrap.sh
 CACHE=.image-cache
 SUITE=bookworm
-MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+# The Debian mirror: DEBIAN_MIRROR, else the first one this machine's apt uses.
+host_mirror() {
+  awk '/^URIs:/ {print $2; exit}' /etc/apt/sources.list.d/*.sources 2>/dev/null \
+    || true
+  awk '$1 == "deb" {print $2; exit}' /etc/apt/sources.list 2>/dev/null || true
+}
+MIRROR="${DEBIAN_MIRROR:-$(host_mirror | head -1)}"
+[ -n "$MIRROR" ] || skip "no Debian mirror: set DEBIAN_MIRROR"
 BASE=localhost/flexkv-ci-base:$SUITE
 OPERATOR_TAG=localhost/flexkv-operator:ci
 AGENT_TAG=localhost/flexkv-agent:ci
@@ -69,8 +76,8 @@ mkdir -p "$CACHE/wheels"
 ls "$CACHE/wheels"/torch-"$TORCH_VERSION"*.whl >/dev/null 2>&1 || \
   .venv/bin/python -m pip download -q --disable-pip-version-check --no-deps \
     -d "$CACHE/wheels" "torch==$TORCH_VERSION"
+# Empty: pip's default index.
 index=$(.venv/bin/python -m pip config get global.index-url 2>/dev/null || true)
-index="${index:-https://pypi.org/simple}"
 
 # Builds see this machine's CA bundle (TLS-inspecting egress proxies) in place
 # of the image's own, for the RUN steps only; nothing of it lands in a layer.

@@ -63,7 +63,12 @@ class StageRank:
             raise AssertionError(f"rank {self.rank} failed:\n{value}")
         return value
 
-    def call(self, op: str, timeout: float = 3 * CLIENT_TIMEOUT, **args: Any) -> Any:
+    def call(self, op: str, timeout: float | None = None, **args: Any) -> Any:
+        """Send ``op`` and wait for its answer: by default three client bounds, and
+        always one client bound more than a wait the op itself is asked to make
+        (``within``), so a slow but bounded answer is never taken for a hang."""
+        if timeout is None:
+            timeout = max(3 * CLIENT_TIMEOUT, float(args.get("within", 0)) + CLIENT_TIMEOUT)
         self.send(op, **args)
         return self.recv(timeout)
 
@@ -87,7 +92,9 @@ class Replica:
     socks: list[str] = field(default_factory=list)
     ranks: list[StageRank] = field(default_factory=list)
 
-    def both(self, op: str, timeout: float = 3 * CLIENT_TIMEOUT, **args: Any) -> list[Any]:
+    def both(self, op: str, timeout: float | None = None, **args: Any) -> list[Any]:
+        if timeout is None:
+            timeout = max(3 * CLIENT_TIMEOUT, float(args.get("within", 0)) + CLIENT_TIMEOUT)
         for r in self.ranks:
             r.send(op, **args)
         return [r.recv(timeout) for r in self.ranks]
