@@ -19,6 +19,15 @@ while [ $# -gt 0 ]; do
 done
 
 bash scripts/bootstrap.sh
+# promtool (Debian's `prometheus` package) checks the agent's /metrics exposition
+# in tests/agent; installed where this runs as root with apt-get (CI), else that
+# one check skips and says so.
+if [ "$lint_only" = 0 ] && ! command -v promtool >/dev/null && [ "$(id -u)" = 0 ] \
+    && command -v apt-get >/dev/null; then
+  { apt-get update -q && DEBIAN_FRONTEND=noninteractive \
+      apt-get install -y -q --no-install-recommends prometheus; } >/dev/null \
+    || echo "promtool could not be installed; its metrics check will skip" >&2
+fi
 # .venv-vllm: the vLLM CPU build for tests/vllm (real engines run under it as
 # subprocesses of the main pytest); its tests fail rather than skip here.
 [ "$lint_only" = 1 ] || bash scripts/bootstrap_vllm.sh
