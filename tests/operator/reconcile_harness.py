@@ -8,6 +8,7 @@ reads and writes goes over HTTP to the emulated server.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import Any
 from flexkv_apiserver import ApiServer
 from flexkv_harness import NS, POOLS
 from flexkv_operator.context import NodeCache, OperatorContext, OperatorSettings
+from flexkv_operator.controller import Controller
 from flexkv_operator.groups import GroupCache
 from flexkv_operator.kube import Connection, KubeClient
 from flexkv_operator.membership import LeaseTracker
@@ -76,3 +78,25 @@ async def add_node(api: ApiServer, name: str) -> None:
         "/api/v1/nodes", json={"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}}
     )
     assert response.status < 300, await response.text()
+
+
+@contextlib.asynccontextmanager
+async def running_controller(reconciler: Any, group_syncer: Any) -> AsyncIterator[Controller]:
+    """The real :class:`Controller` on the test's event loop (looptime-friendly),
+    driving ``reconciler`` and ``group_syncer`` instead of the API-backed ones."""
+    loop = asyncio.get_running_loop()
+    ctx = OperatorContext(
+        client=KubeClient(Connection(server="http://127.0.0.1:9")),
+        settings=OperatorSettings(identity="t", default_image="i", service_account="s"),
+        clock=loop.time,
+        tracker=LeaseTracker(clock=loop.time),
+        nodes=NodeCache(ttl=60, clock=loop.time),
+    )
+    ctl = Controller(ctx, reconciler=reconciler, group_syncer=group_syncer)
+    task = asyncio.create_task(ctl.run())
+    try:
+        yield ctl
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -15,6 +14,7 @@ from flexkv_operator.controller import Controller
 from flexkv_operator.kube import Connection, KubeClient
 from flexkv_operator.membership import LeaseTracker
 from flexkv_operator.reconcile import GroupSync, PoolGone, ReconcileResult
+from reconcile_harness import running_controller
 
 
 def pool(name: str = "p", spec: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -48,24 +48,9 @@ async def no_groups(ctx: OperatorContext, body: dict[str, Any], relist: bool) ->
     return GroupSync([], [], 30.0)
 
 
-@contextlib.asynccontextmanager
-async def controller(reconciler: Any, group_syncer: Any = no_groups) -> AsyncIterator[Controller]:
-    loop = asyncio.get_running_loop()
-    ctx = OperatorContext(
-        client=KubeClient(Connection(server="http://127.0.0.1:9")),
-        settings=OperatorSettings(identity="t", default_image="i", service_account="s"),
-        clock=loop.time,
-        tracker=LeaseTracker(clock=loop.time),
-        nodes=NodeCache(ttl=60, clock=loop.time),
-    )
-    ctl = Controller(ctx, reconciler=reconciler, group_syncer=group_syncer)
-    task = asyncio.create_task(ctl.run())
-    try:
-        yield ctl
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+def controller(reconciler: Any, group_syncer: Any = no_groups
+               ) -> contextlib.AbstractAsyncContextManager[Controller]:
+    return running_controller(reconciler, group_syncer)
 
 
 async def steady(ctx: OperatorContext, body: dict[str, Any]) -> ReconcileResult:

@@ -23,12 +23,16 @@ from flexkv_harness import (
     running_operator,
     wait_for,
 )
-from flexkv_operator.context import NodeCache, OperatorContext, OperatorSettings
+from flexkv_operator.context import OperatorContext
 from flexkv_operator.controller import Controller
-from flexkv_operator.kube import Connection, KubeClient
-from flexkv_operator.membership import LeaseTracker
 from flexkv_operator.reconcile import GroupSync, ReconcileResult
-from reconcile_harness import ManualClock, observe_leases, reconcile, reconcile_context
+from reconcile_harness import (
+    ManualClock,
+    observe_leases,
+    reconcile,
+    reconcile_context,
+    running_controller,
+)
 
 FAST = {
     "leaderElection": {
@@ -156,24 +160,9 @@ def lease_body(renew: str) -> dict[str, Any]:
     }
 
 
-@contextlib.asynccontextmanager
-async def controller(reconciler: Any, group_syncer: Any) -> AsyncIterator[Controller]:
-    loop = asyncio.get_running_loop()
-    ctx = OperatorContext(
-        client=KubeClient(Connection(server="http://127.0.0.1:9")),
-        settings=OperatorSettings(identity="t", default_image="i", service_account="s"),
-        clock=loop.time,
-        tracker=LeaseTracker(clock=loop.time),
-        nodes=NodeCache(ttl=60, clock=loop.time),
-    )
-    ctl = Controller(ctx, reconciler=reconciler, group_syncer=group_syncer)
-    task = asyncio.create_task(ctl.run())
-    try:
-        yield ctl
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+def controller(reconciler: Any, group_syncer: Any
+               ) -> contextlib.AbstractAsyncContextManager[Controller]:
+    return running_controller(reconciler, group_syncer)
 
 
 @pytest.mark.looptime
