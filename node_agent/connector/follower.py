@@ -349,6 +349,9 @@ class FollowerRole:
                 self._ack(msg.env.incarnation, kind, body.rid, body.n, body.task_id, False,
                           f"the stage's {kind.value} call gave up before the decision arrived")
             self._refuse_unpaired(self._book.take_evicted())
+            if self._book.take_lost():
+                self.stream.request_resync("too many rids pending: the stage lost track of "
+                                           "which life of a rid the leader is in")
         elif isinstance(body, Moves):
             if not self._exec.acquire(timeout=self.cfg.transfer_seconds):
                 self.stream.request_resync("moves could not wait for a running copy")

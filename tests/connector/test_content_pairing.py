@@ -224,3 +224,40 @@ def test_a_mismatched_call_never_applies_is_counted_and_resyncs(pair: InProcessG
     pair.settle()
     assert pair.load_everywhere("qa", A) == [0, 0]
     assert pair.load_everywhere("qo", other, base_slot=300) == [0, 0]
+
+
+def test_a_rid_evicted_by_the_bound_keeps_its_lives_so_a_lagging_lookup_never_takes_the_next_lifes_hit() -> None:  # noqa: E501
+    # Three pending decisions at most: the follower's book evicts the oldest rid.
+    g = InProcessGroup(2, max_pending=3, fanout_wait_seconds=1.0)
+    try:
+        tasks = [g.store(r, "s", B, _slots(16 * r)) for r in (0, 1)]
+        assert len({t.result(30) for t in tasks}) == 1
+        g.settle()
+        others = [np.arange(5000 + 100 * i, 5000 + 100 * i + TPB) for i in range(3)]
+
+        def leader_calls() -> list[Callable[[Connector], Any]]:
+            return [lambda c: c.lookup("a", B), lambda c: c.release("a"),
+                    *[lambda c, t=t, i=i: c.lookup(f"x{i}", t) for i, t in enumerate(others)],
+                    lambda c: c.lookup("a", B)]
+
+        # The leader's engine runs ahead: a lookup of B in the rid's first life
+        # (never retrieved), release, lookups of other rids (their decisions push
+        # the first life's out of the follower's book), then B again in the
+        # rid's second life.
+        got = [g.call(0, fn).result(30) for fn in leader_calls()]
+        assert got[0] == got[-1] == len(B)
+        g.caught_up(1)
+        # The follower makes the same calls later. Its first call is of the
+        # rid's first life, whose decision the bound dropped: a miss. The second
+        # life's decision (same tokens) is never its own.
+        assert g.call(1, lambda c: c.lookup("a", B)).result(30) == 0
+        for fn in leader_calls()[1:-1]:
+            g.call(1, fn).result(30)
+        # Both stages' second-life lookups got the same hit: both load it.
+        assert g.call(1, lambda c: c.lookup("a", B)).result(30) == len(B)
+        dst = np.arange(200, 200 + len(B))
+        loaded = [f.result(30) for f in [g.retrieve(r, "a", dst) for r in (0, 1)]]
+        assert loaded == [len(B), len(B)]
+        assert all(g.loaded_ok(r, B, dst, len(B)) for r in (0, 1))
+    finally:
+        g.close()
