@@ -412,9 +412,16 @@ class FollowerRole:
         self._gen += 1
         self._book.fail_waiters()
         self._results.fail_waiters()
-        self._fence()
+        copies_ended = self._fence()
         with self._state:
             self._gets.clear()
+            if copies_ended:
+                # This stage never sees the RESULT (or RESET) that ends these
+                # stores: the leader sends neither to an unsynced stage, and it
+                # flushes a dirty group before its SYNC. Their copies ended here:
+                # report them now, or the engine would wait for them for ever.
+                self._completed.add(self._stored.values())
+                self._stored.clear()
 
     def _on_new_leader(self, reason: str) -> None:
         """Another leader process (a new incarnation or endpoint) took over the

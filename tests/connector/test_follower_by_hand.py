@@ -1,7 +1,12 @@
-"""A follower stamps every ACK with the incarnation of the leader process whose
-decision it answers (DESIGN.md section 4, invariant 9): a leader restarted under
-the same epoch, whose rid, ``n`` and task id may equal its predecessor's, never
-counts an ack of a decision it did not make. One follower role driven by hand.
+"""One follower role driven message by message, with a stand-in sender that
+keeps its acks: call orders around a leader restart or a resync.
+
+* A follower stamps every ACK with the incarnation of the leader process whose
+  decision it answers (DESIGN.md section 4, invariant 9): a leader restarted
+  under the same epoch, whose rid, ``n`` and task id may equal its
+  predecessor's, never counts an ack of a decision it did not make.
+* A store this stage answered with a task id is reported by
+  ``poll_completed`` even when a resync skipped the message that ends it.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from node_agent.backend.replication import Direction
 from node_agent.backend.stage_store import TierStore
 from node_agent.connector import ConnectorConfig
 from node_agent.connector.follower import FollowerRole
-from node_agent.connector.inputs import prepare_lookup
+from node_agent.connector.inputs import prepare_lookup, prepare_store
 from node_agent.pp.messages import (
     Decision,
     Envelope,
@@ -93,5 +98,39 @@ def test_a_load_ack_of_the_old_leaders_decision_is_never_stamped_with_the_new_le
         assert acks and all(inc == 111 for inc, _ in acks), acks
     finally:
         finish.set()
+        role.close()
+        store_.close()
+
+
+def test_a_store_whose_result_a_resync_skipped_is_still_reported_complete() -> None:
+    cfg = ConnectorConfig(group=GROUP, pp_rank=1, layout=LAYOUT, engine_call_seconds=2.0,
+                          fanout_wait_seconds=0.5, transfer_seconds=0.4)
+    store_ = TierStore(backend_config(8, True))
+    store_.register_kv_buffers(0, make_buffers())
+    role = FollowerRole(cfg, 1, None, store_, None, StreamMetrics(GROUP, None), NUM_SLOTS)
+    store_.execute = lambda *_, **__: None  # type: ignore[method-assign]
+    capture = _Capture()
+    try:
+        role.start()
+        role.stream._sender = capture  # type: ignore[assignment]
+
+        def deliver(op: Op, seq: int, body: object) -> None:
+            role.handle(Message(Envelope(op, GROUP, 1, seq, incarnation=111), body))  # type: ignore[arg-type]
+
+        deliver(Op.SYNC, 10, Sync(1, 1))
+        tokens = np.arange(50, 50 + TPB)
+        inp = prepare_store(tokens, np.arange(TPB), TPB, NUM_SLOTS)
+        deliver(Op.PUT, 11, Decision(Direction.STORE, "r", 0, 7, np.ones(TPB, bool),
+                                     np.array([[0, 0, 1]], np.int64), None, inp.digest))
+        assert role.store_kv("r", inp) == 7  # the engine now waits for "r" to complete
+        # The leader's RESULT for it is lost (a gap): the stage resyncs. The
+        # leader flushes a dirty group before its SYNC, but the RESET goes only
+        # to synced followers, so this stage never sees it.
+        deliver(Op.HEARTBEAT, 13, Heartbeat())
+        assert not role.stream.synced
+        deliver(Op.SYNC, 14, Sync(1, 2))
+        assert role.stream.synced
+        assert role.poll_completed() == ["r"]
+    finally:
         role.close()
         store_.close()
