@@ -394,9 +394,14 @@ class FollowerRole:
             if self._stored.pop(key, None) is not None:
                 self._completed.add([r.rid])
 
-    def _reset_local(self, reason: str) -> None:
+    def _reset_local(self, reason: str, new_leader: bool = False) -> None:
+        """Flush this stage. A RESET in the stream keeps the decision book: the
+        lives of each rid go on in step with the leader's RELEASEs, and the
+        decisions it holds are refused by their stale generation when their
+        calls take them. A new leader process restarts the book."""
         self._gen += 1
-        self._book.fail_waiters()
+        if new_leader:
+            self._book.fail_waiters()
         self._results.fail_waiters()
         if not self._fence():
             log.error("A copy did not end before a reset", extra={"group": self.cfg.group})
@@ -427,7 +432,7 @@ class FollowerRole:
         """Another leader process (a new incarnation or endpoint) took over the
         stream: nothing this stage holds was decided by it. Flush the local
         store and report every store the old leader will never finish."""
-        self._reset_local(reason)
+        self._reset_local(reason, new_leader=True)
 
     def _on_dropped(self, msg: Message) -> None:
         body = msg.body

@@ -261,3 +261,24 @@ def test_a_rid_evicted_by_the_bound_keeps_its_lives_so_a_lagging_lookup_never_ta
         assert all(g.loaded_ok(r, B, dst, len(B)) for r in (0, 1))
     finally:
         g.close()
+
+
+def test_a_group_flush_keeps_the_lives_of_a_rid_so_a_lagging_store_never_takes_the_next_lifes_decision(  # noqa: E501
+        pair: InProcessGroup) -> None:
+    # The leader's engine runs ahead: A in the rid's first life, release, a group
+    # flush (RESET in the stream), A again in the rid's second life.
+    task_a = pair.store(0, "r", A, _slots(0)).result(30)
+    pair.call(0, lambda c: c.release("r")).result(30)
+    pair.call(0, lambda c: c.reset()).result(30)
+    task_a2 = pair.store(0, "r", A, _slots(16)).result(30)
+    assert task_a >= 0 and task_a2 >= 0 and task_a != task_a2
+    pair.caught_up(1)
+    # The follower's first-life store: its decision died with the flush. The
+    # second life's decision is never its own.
+    assert pair.store(1, "r", A, _slots(100)).result(30) == -1
+    pair.call(1, lambda c: c.release("r")).result(30)
+    pair.call(1, lambda c: c.reset()).result(30)
+    assert pair.store(1, "r", A, _slots(116)).result(30) == task_a2
+    pair.settle()
+    assert pair.conns[0].status()["counters"]["stores_published"] == 1
+    assert pair.load_everywhere("q", A) == [len(A), len(A)]
