@@ -128,7 +128,8 @@ def zmq_follower(rank: int, keys: CurveKeys, pipe: Connection) -> None:
             if d.rid.startswith("L"):
                 lags[d.n] = time.time() - msg.env.sent_at
             if d.rid.startswith("L") or d.rid == "END":
-                holder["s"].send_ack(Ack(rank, d.rid, Kind.PUT, d.n, d.task_id, True))
+                holder["s"].send_ack(Ack(rank, d.rid, Kind.PUT, d.n, d.task_id, True),
+                                    msg.env.incarnation)
 
     pipe.send(server.endpoint)
     while True:

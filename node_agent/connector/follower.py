@@ -48,6 +48,9 @@ from node_agent.pp.stream import FollowerStream, StreamMetrics
 
 log = logging.getLogger(__name__)
 
+Stamped = tuple[int, int, Decision]
+"""A decision as delivered: (stream generation, leader incarnation, decision)."""
+
 
 @dataclass
 class FollowerCounters:
@@ -88,15 +91,16 @@ class FollowerRole:
         self.counters = FollowerCounters()
         # Each decision is stamped with the stream generation it was delivered
         # under (in stream order), so a decision that a RESET or resync made
-        # stale is refused even when its engine call takes it afterwards.
-        self._book: DecisionBook[tuple[int, Decision]] = DecisionBook(cfg.max_pending)
+        # stale is refused even when its engine call takes it afterwards, and
+        # with the leader incarnation that made it, which every ack of it carries.
+        self._book: DecisionBook[Stamped] = DecisionBook(cfg.max_pending)
         self._results: Mailbox[Result] = Mailbox(cfg.max_pending)
         self._stats = stats
         self._exec = threading.Lock()
         self._state = threading.Lock()
         self._gen = 0
         self._cancelled: OrderedDict[Key, None] = OrderedDict()
-        self._gets: OrderedDict[str, tuple[int, int, Decision]] = OrderedDict()
+        self._gets: OrderedDict[str, Stamped] = OrderedDict()
         self._stored: OrderedDict[Key, str] = OrderedDict()
         """Stores this stage answered (or is copying) with the leader's task id,
         until the leader's RESULT: their rids go to ``poll_completed`` then."""
@@ -126,22 +130,24 @@ class FollowerRole:
 
     # -- helpers -------------------------------------------------------------------------
 
-    def _ack(self, kind: Kind, rid: str, n: int, task_id: int, ok: bool,
+    def _ack(self, inc: int, kind: Kind, rid: str, n: int, task_id: int, ok: bool,
              error: str | None = None) -> None:
-        self.stream.send_ack(Ack(self.cfg.pp_rank, rid, kind, n, task_id, ok, error))
+        """Answer a decision of leader incarnation ``inc`` (only that process
+        counts the ack, whatever this stage follows by the time it is sent)."""
+        self.stream.send_ack(Ack(self.cfg.pp_rank, rid, kind, n, task_id, ok, error), inc)
 
-    def _refuse_unpaired(self, values: list[tuple[int, Decision]]) -> None:
+    def _refuse_unpaired(self, values: list[Stamped]) -> None:
         """Decisions no call of this stage will take: never applied; a failure
         ack lets the leader end their task at once instead of at its deadline."""
-        for _, d in values:
+        for _, inc, d in values:
             self.counters.decisions_unpaired += 1
             if d.active:
                 kind = Kind.PUT if d.direction is Direction.STORE else Kind.GET
-                self._ack(kind, d.rid, d.n, d.task_id, False,
+                self._ack(inc, kind, d.rid, d.n, d.task_id, False,
                           f"stage {self.cfg.pp_rank} made no {kind.value} call for these "
                           "tokens")
 
-    def _unpaired(self, kind: Kind, rid: str, taken: Taken[tuple[int, Decision]]) -> None:
+    def _unpaired(self, kind: Kind, rid: str, taken: Taken[Stamped]) -> None:
         """A call ended without its decision: a timeout, or a mismatch (another
         decision of its rid and kind was pending): count it and resync."""
         if not taken.mismatch:
@@ -214,7 +220,7 @@ class FollowerRole:
         if taken.value is None:
             self._unpaired(Kind.PUT, rid, taken)
             return -1
-        gen, d = taken.value
+        gen, inc, d = taken.value
         if not d.active or d.error:
             return -1
         key: Key = (rid, Kind.PUT, d.n)
@@ -248,7 +254,7 @@ class FollowerRole:
             self.counters.store_failures += 1
             log.warning("Stage failed to store", extra={"group": self.cfg.group, "rid": rid,
                                                         "error": error})
-        self._ack(Kind.PUT, rid, d.n, d.task_id, error is None, error)
+        self._ack(inc, Kind.PUT, rid, d.n, d.task_id, error is None, error)
         return d.task_id if error is None else -1
 
     def poll_completed(self) -> list[str]:
@@ -272,17 +278,17 @@ class FollowerRole:
         if taken.value is None:
             self._unpaired(Kind.GET, rid, taken)
             return 0  # a late decision is answered with a failure ack on arrival
-        gen, d = taken.value
+        gen, inc, d = taken.value
         if not d.active or d.error or gen != self._gen:
             return 0
         if len(d.mask) != len(inp.tokens):
-            self._ack(Kind.GET, rid, d.n, d.task_id, False,
+            self._ack(inc, Kind.GET, rid, d.n, d.task_id, False,
                       f"stage {self.cfg.pp_rank} looked up {len(inp.tokens)} tokens for "
                       f"{rid!r} but the leader matched {len(d.mask)}")
             return 0
         with self._state:
             self._missed.pop(rid, None)
-            self._gets[rid] = (d.n, gen, d)
+            self._gets[rid] = taken.value
             while len(self._gets) > self.cfg.max_pending:
                 self._gets.popitem(last=False)
         return int(np.count_nonzero(d.mask))
@@ -297,17 +303,18 @@ class FollowerRole:
             if missed:
                 return 0  # the lookup missed: same answer as the leader
             raise UnknownRequestError(rid, "retrieve", "call lookup first")
-        n, gen, d = entry
+        gen, inc, d = entry
+        n = d.n
         key: Key = (rid, Kind.GET, n)
         self.counters.retrieves += 1
         hit = int(np.count_nonzero(d.mask))
         try:
             slots = prepare_slots(slot_mapping, hit, self.num_slots)  # type: ignore[arg-type]
         except ValueError as exc:
-            self._ack(Kind.GET, rid, n, d.task_id, False, str(exc))
+            self._ack(inc, Kind.GET, rid, n, d.task_id, False, str(exc))
             raise
         error = self._execute(key, gen, d, slots)
-        self._ack(Kind.GET, rid, n, d.task_id, error is None, error)
+        self._ack(inc, Kind.GET, rid, n, d.task_id, error is None, error)
         verdict = None
         if error is None:
             verdict = self._results.take(key, self.cfg.fanout_wait_seconds
@@ -335,13 +342,16 @@ class FollowerRole:
         body = msg.body
         if isinstance(body, Decision):
             kind = Kind.PUT if msg.env.op is Op.PUT else Kind.GET
-            stamped = (self._gen, body)
+            stamped = (self._gen, msg.env.incarnation, body)
             if not self._book.deliver(body.rid, kind, body.digest, stamped) and body.active:
                 # This stage's call already gave up (or its life of the rid
                 # ended): answer now so the leader ends the task at once.
-                self._ack(kind, body.rid, body.n, body.task_id, False,
+                self._ack(msg.env.incarnation, kind, body.rid, body.n, body.task_id, False,
                           f"the stage's {kind.value} call gave up before the decision arrived")
             self._refuse_unpaired(self._book.take_evicted())
+            if self._book.take_lost():
+                self.stream.request_resync("too many rids pending: the stage lost track of "
+                                           "which life of a rid the leader is in")
         elif isinstance(body, Moves):
             if not self._exec.acquire(timeout=self.cfg.transfer_seconds):
                 self.stream.request_resync("moves could not wait for a running copy")
@@ -384,9 +394,14 @@ class FollowerRole:
             if self._stored.pop(key, None) is not None:
                 self._completed.add([r.rid])
 
-    def _reset_local(self, reason: str) -> None:
+    def _reset_local(self, reason: str, new_leader: bool = False) -> None:
+        """Flush this stage. A RESET in the stream keeps the decision book: the
+        lives of each rid go on in step with the leader's RELEASEs, and the
+        decisions it holds are refused by their stale generation when their
+        calls take them. A new leader process restarts the book."""
         self._gen += 1
-        self._book.fail_waiters()
+        if new_leader:
+            self._book.fail_waiters()
         self._results.fail_waiters()
         if not self._fence():
             log.error("A copy did not end before a reset", extra={"group": self.cfg.group})
@@ -402,20 +417,27 @@ class FollowerRole:
         self._gen += 1
         self._book.fail_waiters()
         self._results.fail_waiters()
-        self._fence()
+        copies_ended = self._fence()
         with self._state:
             self._gets.clear()
+            if copies_ended:
+                # This stage never sees the RESULT (or RESET) that ends these
+                # stores: the leader sends neither to an unsynced stage, and it
+                # flushes a dirty group before its SYNC. Their copies ended here:
+                # report them now, or the engine would wait for them for ever.
+                self._completed.add(self._stored.values())
+                self._stored.clear()
 
     def _on_new_leader(self, reason: str) -> None:
         """Another leader process (a new incarnation or endpoint) took over the
         stream: nothing this stage holds was decided by it. Flush the local
         store and report every store the old leader will never finish."""
-        self._reset_local(reason)
+        self._reset_local(reason, new_leader=True)
 
     def _on_dropped(self, msg: Message) -> None:
         body = msg.body
         if isinstance(body, Decision) and msg.env.op is Op.PUT and body.active:
-            self._ack(Kind.PUT, body.rid, body.n, body.task_id, False,
+            self._ack(msg.env.incarnation, Kind.PUT, body.rid, body.n, body.task_id, False,
                       "decision dropped: the stage's stream was out of sync")
 
     # -- lifecycle -------------------------------------------------------------------------

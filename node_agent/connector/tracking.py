@@ -96,7 +96,11 @@ class DecisionBook(Generic[V]):
     leader gets a failure ack at once. ``release`` ends the local life: its
     pending decisions and marks are dropped (handed back). Bounded: at most
     ``limit`` rids and ``limit`` pending decisions; the oldest rid is evicted
-    first (its decisions handed back by ``take_evicted``).
+    first (its decisions handed back by ``take_evicted``). An evicted rid whose
+    leader and local lives differ keeps its two life counters (at most
+    ``limit`` such rids), so its later decisions and calls still pair by life;
+    when even those overflow, :meth:`take_lost` says the book lost track (the
+    caller resyncs).
     """
 
     def __init__(self, limit: int) -> None:
@@ -106,11 +110,17 @@ class DecisionBook(Generic[V]):
         self._count = 0
         self._epoch = 0
         self._evicted: list[V] = []
+        self._lives_of_evicted: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        """rid -> (stream_life, local_life) of evicted rids whose lives differ."""
+        self._lost = False
 
     def _book(self, rid: str) -> _RidBook:
         b = self._rids.get(rid)
         if b is None:
             b = self._rids[rid] = _RidBook()
+            lives = self._lives_of_evicted.pop(rid, None)
+            if lives is not None:
+                b.stream_life, b.local_life = lives
         self._rids.move_to_end(rid)
         return b
 
@@ -124,10 +134,17 @@ class DecisionBook(Generic[V]):
 
     def _bound(self) -> None:
         while self._rids and (len(self._rids) > self._limit or self._count > self._limit):
-            _, b = self._rids.popitem(last=False)
+            rid, b = self._rids.popitem(last=False)
             for lf in b.lives.values():
                 self._count -= len(lf.pending)
                 self._evicted.extend(v for _, _, v in lf.pending)
+            if b.stream_life != b.local_life:
+                # Restarting both at 0 would pair a call of one life with a
+                # decision of another: keep where each side stands.
+                self._lives_of_evicted[rid] = (b.stream_life, b.local_life)
+                while len(self._lives_of_evicted) > self._limit:
+                    self._lives_of_evicted.popitem(last=False)
+                    self._lost = True
 
     def deliver(self, rid: str, kind: Kind, digest: int, value: V) -> bool:
         """A decision from the stream; False when no call of this stage will take
@@ -218,6 +235,13 @@ class DecisionBook(Generic[V]):
         self._gc(rid)
         return Taken(None, [], mismatch)
 
+    def take_lost(self) -> bool:
+        """True (once) when the bound forgot the lives of a rid whose leader and
+        local lives differed: the caller must resync."""
+        with self._cond:
+            lost, self._lost = self._lost, False
+            return lost
+
     def take_evicted(self) -> list[V]:
         """Decisions dropped by the bound since the last call (answer them)."""
         with self._cond:
@@ -232,6 +256,8 @@ class DecisionBook(Generic[V]):
             out: list[V] = [v for b in self._rids.values() for lf in b.lives.values()
                             for _, _, v in lf.pending]
             self._rids.clear()
+            self._lives_of_evicted.clear()
+            self._lost = False
             self._count = 0
             self._cond.notify_all()
             return out

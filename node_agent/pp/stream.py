@@ -445,19 +445,22 @@ class FollowerStream:
                 self._left.popitem(last=False)
         self.incarnation = None
 
-    def send_ack(self, ack: Ack) -> bool:
+    def send_ack(self, ack: Ack, incarnation: int) -> bool:
         """Report a task outcome to the leader (False when not connected).
+
+        ``incarnation``: the leader process whose decision ``ack`` answers (the
+        one stamped on that decision's message), not the one followed now: a
+        leader that replaced it under the same epoch, maybe at the same address
+        and with the same rid, ``n`` and task id, drops the ack.
 
         Lock-free on purpose: engine threads ack while the server thread may
         hold the stream lock waiting for their copies to end.
         """
-        sender, epoch, inc = self._sender, self.epoch, self.incarnation
+        sender, epoch = self._sender, self.epoch
         if sender is None:
             return False
-        # Stamped with the leader incarnation the acked decision came from: a
-        # restarted leader at the same address never takes it for one of its own.
         return sender.send(encode(Envelope(Op.ACK, self.group, epoch, self.last_seq,
-                                           incarnation=inc or 0), ack))
+                                           incarnation=incarnation), ack))
 
     def request_resync(self, reason: str) -> None:
         """Stop applying and ask the leader for a flush point (a local fault)."""

@@ -137,6 +137,7 @@ def make_connector(
     metrics: AgentMetrics | None = None,
     server: FanoutServer | None = None,
     max_completed: int = 65536,
+    max_pending: int = 4096,
     **timeouts: float,
 ) -> Connector:
     """A connector with the real embedded backend (leader) and TierStore (follower)."""
@@ -149,6 +150,7 @@ def make_connector(
         fanout_wait_seconds=timeouts.get("fanout_wait_seconds", 2.5),
         transfer_seconds=timeouts.get("transfer_seconds", 1.1),
         heartbeat_seconds=0.1, leader_timeout_seconds=3.0, max_completed=max_completed,
+        max_pending=max_pending,
     )
     return Connector(
         cfg, view,

@@ -73,7 +73,8 @@ class StageThread:
 class InProcessGroup:
     """``size`` connectors of one group; rank 0 leads epoch 1."""
 
-    def __init__(self, size: int, cpu_blocks: int = 64, **timeouts: float) -> None:
+    def __init__(self, size: int, cpu_blocks: int = 64, max_pending: int = 4096,
+                 **timeouts: float) -> None:
         self.views = [GroupViewSource(GroupView(GROUP, 0, None, ())) for _ in range(size)]
         self.metrics = [AgentMetrics() for _ in range(size)]
         self.conns: list[Connector] = []
@@ -83,7 +84,8 @@ class InProcessGroup:
         try:
             for r in range(size):
                 c = make_connector(r, self.views[r], keys=None, cpu_blocks=cpu_blocks,
-                                   metrics=self.metrics[r], **timeouts)
+                                   metrics=self.metrics[r], max_pending=max_pending,
+                                   **timeouts)
                 c.start()
                 b = make_buffers()
                 c.register_kv_buffers(0, b)

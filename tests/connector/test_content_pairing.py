@@ -224,3 +224,61 @@ def test_a_mismatched_call_never_applies_is_counted_and_resyncs(pair: InProcessG
     pair.settle()
     assert pair.load_everywhere("qa", A) == [0, 0]
     assert pair.load_everywhere("qo", other, base_slot=300) == [0, 0]
+
+
+def test_a_rid_evicted_by_the_bound_keeps_its_lives_so_a_lagging_lookup_never_takes_the_next_lifes_hit() -> None:  # noqa: E501
+    # Three pending decisions at most: the follower's book evicts the oldest rid.
+    g = InProcessGroup(2, max_pending=3, fanout_wait_seconds=1.0)
+    try:
+        tasks = [g.store(r, "s", B, _slots(16 * r)) for r in (0, 1)]
+        assert len({t.result(30) for t in tasks}) == 1
+        g.settle()
+        others = [np.arange(5000 + 100 * i, 5000 + 100 * i + TPB) for i in range(3)]
+
+        def leader_calls() -> list[Callable[[Connector], Any]]:
+            return [lambda c: c.lookup("a", B), lambda c: c.release("a"),
+                    *[lambda c, t=t, i=i: c.lookup(f"x{i}", t) for i, t in enumerate(others)],
+                    lambda c: c.lookup("a", B)]
+
+        # The leader's engine runs ahead: a lookup of B in the rid's first life
+        # (never retrieved), release, lookups of other rids (their decisions push
+        # the first life's out of the follower's book), then B again in the
+        # rid's second life.
+        got = [g.call(0, fn).result(30) for fn in leader_calls()]
+        assert got[0] == got[-1] == len(B)
+        g.caught_up(1)
+        # The follower makes the same calls later. Its first call is of the
+        # rid's first life, whose decision the bound dropped: a miss. The second
+        # life's decision (same tokens) is never its own.
+        assert g.call(1, lambda c: c.lookup("a", B)).result(30) == 0
+        for fn in leader_calls()[1:-1]:
+            g.call(1, fn).result(30)
+        # Both stages' second-life lookups got the same hit: both load it.
+        assert g.call(1, lambda c: c.lookup("a", B)).result(30) == len(B)
+        dst = np.arange(200, 200 + len(B))
+        loaded = [f.result(30) for f in [g.retrieve(r, "a", dst) for r in (0, 1)]]
+        assert loaded == [len(B), len(B)]
+        assert all(g.loaded_ok(r, B, dst, len(B)) for r in (0, 1))
+    finally:
+        g.close()
+
+
+def test_a_group_flush_keeps_the_lives_of_a_rid_so_a_lagging_store_never_takes_the_next_lifes_decision(  # noqa: E501
+        pair: InProcessGroup) -> None:
+    # The leader's engine runs ahead: A in the rid's first life, release, a group
+    # flush (RESET in the stream), A again in the rid's second life.
+    task_a = pair.store(0, "r", A, _slots(0)).result(30)
+    pair.call(0, lambda c: c.release("r")).result(30)
+    pair.call(0, lambda c: c.reset()).result(30)
+    task_a2 = pair.store(0, "r", A, _slots(16)).result(30)
+    assert task_a >= 0 and task_a2 >= 0 and task_a != task_a2
+    pair.caught_up(1)
+    # The follower's first-life store: its decision died with the flush. The
+    # second life's decision is never its own.
+    assert pair.store(1, "r", A, _slots(100)).result(30) == -1
+    pair.call(1, lambda c: c.release("r")).result(30)
+    pair.call(1, lambda c: c.reset()).result(30)
+    assert pair.store(1, "r", A, _slots(116)).result(30) == task_a2
+    pair.settle()
+    assert pair.conns[0].status()["counters"]["stores_published"] == 1
+    assert pair.load_everywhere("q", A) == [len(A), len(A)]

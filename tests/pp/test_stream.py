@@ -138,7 +138,7 @@ def test_messages_apply_in_order_and_acks_flow_back(pair: Pair) -> None:
     sent = _send(pair, 50)
     wait_for(lambda: len(pair.applied) == 50)
     assert _seqs(pair) == sent == list(range(1, 51))
-    assert pair.follower.send_ack(Ack(1, "r0", Kind.PUT, 0, 3, True))
+    assert pair.follower.send_ack(Ack(1, "r0", Kind.PUT, 0, 3, True), pair.leader.incarnation)
     wait_for(lambda: len(pair.acks) == 1)
     assert pair.acks[0] == Ack(1, "r0", Kind.PUT, 0, 3, True)
 
@@ -156,7 +156,8 @@ def test_an_ack_for_another_leader_incarnation_is_dropped(pair: Pair) -> None:
     finally:
         rogue.close()
     assert pair.acks == []
-    assert pair.follower.send_ack(Ack(1, "r1", Kind.PUT, 1, 4, True))  # its own stamp
+    assert pair.follower.send_ack(Ack(1, "r1", Kind.PUT, 1, 4, True),
+                                  pair.leader.incarnation)  # its own stamp
     wait_for(lambda: len(pair.acks) == 1)
     assert pair.acks[0].rid == "r1"
 
