@@ -213,13 +213,24 @@ class FakeAgent:
 
 
 @contextlib.asynccontextmanager
-async def heartbeating(agents: list[FakeAgent], period: float) -> AsyncIterator[dict[str, bool]]:
-    """Renew every agent's Lease each ``period`` while ``alive[node]`` is True."""
+async def heartbeating(agents: list[FakeAgent], period: float, skip_refused: bool = False
+                      ) -> AsyncIterator[dict[str, bool]]:
+    """Renew every agent's Lease each ``period`` while ``alive[node]`` is True.
+
+    A refused renewal ends the loop with its error (raised on exit), unless
+    ``skip_refused``: then it is skipped, as an agent retries its next renewal."""
     alive = {a.node: True for a in agents}
+
+    async def beat(agent: FakeAgent) -> None:
+        if not skip_refused:
+            await agent.beat()
+            return
+        with contextlib.suppress(AssertionError):
+            await agent.beat()
 
     async def loop() -> None:
         while True:
-            await asyncio.gather(*(a.beat() for a in agents if alive[a.node]))
+            await asyncio.gather(*(beat(a) for a in agents if alive[a.node]))
             await asyncio.sleep(period)
 
     task = asyncio.create_task(loop())

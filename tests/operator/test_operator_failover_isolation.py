@@ -18,6 +18,7 @@ from flexkv_harness import (
     POOLS,
     FakeAgent,
     create,
+    heartbeating,
     patch,
     pool_manifest,
     running_operator,
@@ -235,25 +236,16 @@ async def test_after_an_api_outage_groups_resume_within_a_second_not_after_backo
 
 
 @contextlib.asynccontextmanager
-async def renewing(agents: list[FakeAgent], period: float) -> AsyncIterator[dict[str, bool]]:
-    """Renew every live agent's Lease each ``period``; a refused renewal is skipped."""
-    alive = {a.node: True for a in agents}
-
-    async def loop() -> None:
-        while True:
-            for agent in agents:
-                if alive[agent.node]:
-                    with contextlib.suppress(AssertionError):
-                        await agent.beat()
-            await asyncio.sleep(period)
-
-    task = asyncio.create_task(loop())
-    try:
+async def pool_with_first_leader(api: ApiServer) -> AsyncIterator[dict[str, bool]]:
+    """The real operator, a pool and two agents renewing 3 s Leases (a refused
+    renewal is skipped), once node-a leads; yields the agents' ``alive`` map."""
+    agents = agents_of(api, ["node-a", "node-b"], lease=3)
+    for agent in agents:
+        await agent.start()
+    async with running_operator(api), heartbeating(agents, 0.25, skip_refused=True) as alive:
+        await create(api, POOLS, pool_manifest(**FAST))
+        await wait_for(lambda: leader(api) == "node-a", 10, "first leader")
         yield alive
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 async def failover(api: ApiServer, alive: dict[str, bool], timeout: float = 15) -> None:
@@ -266,12 +258,7 @@ async def failover(api: ApiServer, alive: dict[str, bool], timeout: float = 15) 
 
 
 async def test_operator_fails_over_while_the_spec_is_invalid(api: ApiServer) -> None:
-    agents = agents_of(api, ["node-a", "node-b"], lease=3)
-    for agent in agents:
-        await agent.start()
-    async with running_operator(api), renewing(agents, 0.25) as alive:
-        await create(api, POOLS, pool_manifest(**FAST))
-        await wait_for(lambda: leader(api) == "node-a", 10, "first leader")
+    async with pool_with_first_leader(api) as alive:
         await patch(api, POOLS, "pool", {"spec": {"tiers": {"cpu": {"size": "0Gi"}}}})
         await wait_for(
             lambda: condition(api, "ConfigValid").get("status") == "False", 10, "invalid"
@@ -281,12 +268,7 @@ async def test_operator_fails_over_while_the_spec_is_invalid(api: ApiServer) -> 
 
 async def test_operator_fails_over_and_reports_while_a_child_is_refused(api: ApiServer) -> None:
     api.fail(422, action="create", plural="daemonsets", times=10**6)
-    agents = agents_of(api, ["node-a", "node-b"], lease=3)
-    for agent in agents:
-        await agent.start()
-    async with running_operator(api), renewing(agents, 0.25) as alive:
-        await create(api, POOLS, pool_manifest(**FAST))
-        await wait_for(lambda: leader(api) == "node-a", 10, "first leader")
+    async with pool_with_first_leader(api) as alive:
         await wait_for(
             lambda: condition(api, "Degraded").get("reason") == "ReconcileError", 10, "reported"
         )
@@ -301,12 +283,7 @@ async def test_operator_fails_over_and_reports_while_a_child_is_refused(api: Api
 
 
 async def test_operator_fails_over_right_after_its_api_outage(api: ApiServer) -> None:
-    agents = agents_of(api, ["node-a", "node-b"], lease=3)
-    for agent in agents:
-        await agent.start()
-    async with running_operator(api), renewing(agents, 0.25) as alive:
-        await create(api, POOLS, pool_manifest(**FAST))
-        await wait_for(lambda: leader(api) == "node-a", 10, "first leader")
+    async with pool_with_first_leader(api) as alive:
         # Every request of the operator's own client fails (its watches stay open).
         outage = api.fail(503, times=10**6, user_agent="flexkv-operator")
         await patch(api, POOLS, "pool", {"spec": {"cacheEpoch": 1}})  # a reconcile that fails
