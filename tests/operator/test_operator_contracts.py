@@ -136,4 +136,10 @@ def test_rendered_remote_section_is_accepted_by_the_agent() -> None:
         if "tiers.remote: unknown key" in str(exc):
             pytest.skip("this agent build has no remote tier in its config parser")
         raise
-    assert agent.tiers.remote is not None  # type: ignore[attr-defined]
+    remote: Any = agent.tiers.remote  # type: ignore[attr-defined]
+    mooncake = remote.mooncake
+    assert (remote.write_policy, remote.queue_blocks, remote.timeout_seconds) == ("store", 1024, 2)
+    assert mooncake.master_address == f"pool-mooncake-master.{NS}.svc:50051"
+    assert mooncake.metadata_server == f"http://pool-mooncake-master.{NS}.svc:8080/metadata"
+    assert (mooncake.protocol, mooncake.device_name, mooncake.store_port) == ("tcp", "", 17500)
+    assert (mooncake.segment_size, mooncake.local_buffer_size) == (4 << 30, 512 << 20)
