@@ -77,18 +77,24 @@ def agent_resources(config: PoolConfig) -> dict[str, Any]:
     """The pool's ``agent.resources``, with a request for CPU and memory where the pool
     sets neither a request nor a limit (Kubernetes takes a lone limit as the request),
     so a minimal pool is Burstable, never BestEffort, and its memory request covers
-    the CPU tier."""
+    the CPU tier and the remote tier's segment and staging buffer."""
     resources = copy.deepcopy(config.raw["agent"].get("resources") or {})
     requests = resources.get("requests") or {}
     limits = resources.get("limits") or {}
     defaults = {"cpu": DEFAULT_CPU_REQUEST,
-                "memory": str(config.cpu_bytes + MEMORY_OVERHEAD_BYTES)}
+                "memory": str(config.cpu_bytes + remote_bytes(config) + MEMORY_OVERHEAD_BYTES)}
     for name, value in defaults.items():
         if name not in requests and name not in limits:
             requests[name] = value
     if requests:
         resources["requests"] = requests
     return resources
+
+
+def remote_bytes(config: PoolConfig) -> int:
+    """Memory the remote tier takes in each agent: its segment and staging buffer."""
+    remote = config.remote
+    return 0 if remote is None else remote.segment_bytes + remote.local_buffer_bytes
 
 
 def agent_security_context(config: PoolConfig) -> dict[str, Any]:

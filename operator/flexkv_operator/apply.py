@@ -45,6 +45,7 @@ _PLURALS = {
     "Secret": "secrets",
     "Service": "services",
     "DaemonSet": "daemonsets",
+    "Deployment": "deployments",
     "PodDisruptionBudget": "poddisruptionbudgets",
 }
 
@@ -53,7 +54,7 @@ _PLURALS = {
 class ApplyResult:
     kind: str
     name: str
-    action: str  # created | updated | corrected (drift reverted) | unchanged
+    action: str  # created | updated | corrected (drift reverted) | unchanged | deleted
     live: dict[str, Any]
     drift: tuple[str, ...] = ()  # the drifted fields, for "corrected"
 
@@ -175,6 +176,33 @@ async def apply_child(client: KubeClient, manifest: dict[str, Any]) -> ApplyResu
     patch = removal_patch(last, new) if last is not None else new
     patched = await client.patch(object_path(manifest), patch)
     return ApplyResult(kind, name, "corrected" if drift else "updated", patched, tuple(drift))
+
+
+async def remove_child(
+    client: KubeClient, pool: PoolIdentity, api_version: str, kind: str, name: str
+) -> ApplyResult | None:
+    """Delete a child the pool no longer asks for (a managed master after ``managed``
+    or the remote tier was turned off). Only an object this pool owns (an owner
+    reference to its uid) is deleted, conditional on the version read, so a namesake
+    created by someone else is left alone; None when there is nothing to delete."""
+    manifest = {"apiVersion": api_version, "kind": kind,
+                "metadata": {"name": name, "namespace": pool.namespace}}
+    live = await client.get_or_none(object_path(manifest))
+    if live is None:
+        return None
+    meta = live.get("metadata") or {}
+    owners = [o for o in meta.get("ownerReferences") or [] if isinstance(o, dict)]
+    if not any(o.get("uid") == pool.owner.get("uid") for o in owners):
+        logger.warning(
+            "Leaving a namesake of a removed child alone: the pool does not own it",
+            extra={"kind": kind, "child": name, "namespace": pool.namespace},
+        )
+        return None
+    try:
+        await client.delete(object_path(manifest), resource_version=meta.get("resourceVersion"))
+    except Conflict:
+        return None  # changed meanwhile: the next reconcile looks again
+    return ApplyResult(kind, name, "deleted", live)
 
 
 def _valid_curve_secret(live: dict[str, Any]) -> bool:

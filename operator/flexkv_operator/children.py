@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from flexkv_operator import agent_pod, names
+from flexkv_operator import agent_pod, mooncake, names
 from flexkv_operator.spec import PoolConfig
 
 ANNOTATION_SPEC_HASH = "flexkv.io/spec-hash"
@@ -44,6 +44,8 @@ def agent_config(pool: PoolIdentity, config: PoolConfig) -> dict[str, Any]:
     }
     if config.ssd_paths:
         tiers["ssd"] = {"size": raw["tiers"]["ssd"]["size"], "paths": list(config.ssd_paths)}
+    if config.remote is not None:
+        tiers["remote"] = mooncake.agent_remote_section(pool.name, pool.namespace, config)
     eviction = raw["eviction"]
     return {
         "pool": pool.name,
@@ -174,6 +176,17 @@ def render_daemon_set(
         "ports": [
             {"name": "http", "containerPort": config.http_port, "protocol": "TCP"},
             {"name": "fanout", "containerPort": config.fanout_port, "protocol": "TCP"},
+            *(
+                [
+                    {
+                        "name": mooncake.STORE_PORT_NAME,
+                        "containerPort": config.remote.store_port,
+                        "protocol": "TCP",
+                    }
+                ]
+                if config.remote is not None
+                else []
+            ),
         ],
         "env": [
             field_env("NODE_NAME", "spec.nodeName"),
@@ -276,14 +289,38 @@ def render_pdb(pool: PoolIdentity, config: PoolConfig) -> dict[str, Any]:
     )
 
 
+def managed_master(pool: PoolIdentity, config: PoolConfig) -> bool:
+    """Whether the pool asks the operator to run its mooncake_master."""
+    return config.remote is not None and config.remote.managed
+
+
+def render_master(pool: PoolIdentity, config: PoolConfig) -> list[dict[str, Any]]:
+    """The managed mooncake_master's Service and Deployment; empty when not managed."""
+    if not managed_master(pool, config):
+        return []
+    return [
+        _stamp(mooncake.render_master_service(pool.name, pool.namespace, pool.owner)),
+        _stamp(mooncake.render_master_deployment(pool.name, pool.namespace, pool.owner, config)),
+    ]
+
+
 def render_all(
     pool: PoolIdentity, config: PoolConfig, service_account: str
 ) -> list[dict[str, Any]]:
-    """Every hashed child, ConfigMap first so agents never start without their config."""
+    """Every hashed child, ConfigMap first so agents never start without their config,
+    the managed master (if any) before the agents that connect to it."""
     return [
         render_config_map(pool, config),
         render_headless_service(pool, config),
         render_local_service(pool, config),
         render_pdb(pool, config),
+        *render_master(pool, config),
         render_daemon_set(pool, config, service_account),
     ]
+
+
+# Children the operator deletes when the pool no longer asks for them:
+# (apiVersion, kind, name) of the managed master's objects.
+def optional_children(pool: PoolIdentity) -> list[tuple[str, str, str]]:
+    name = names.mooncake_master_name(pool.name)
+    return [("apps/v1", "Deployment", name), ("v1", "Service", name)]

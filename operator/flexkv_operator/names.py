@@ -13,6 +13,7 @@ LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_POOL = "flexkv.io/pool"
 LABEL_NODE = "flexkv.io/node"
 AGENT_APP = "flexkv-agent"
+MOONCAKE_MASTER_APP = "flexkv-mooncake-master"
 MANAGER = "flexkv-operator"
 
 ANNOTATION_CONFIG_HASH = "flexkv.io/config-hash"
@@ -53,6 +54,15 @@ def headless_service_name(pool: str) -> str:
 def local_service_name(pool: str) -> str:
     """Node-local Service (internalTrafficPolicy: Local) engines use to reach their agent."""
     return f"{pool}-agent-local"
+
+
+def mooncake_master_name(pool: str) -> str:
+    """Deployment and Service of a pool's managed mooncake_master (``managed: true``)."""
+    return f"{pool}-mooncake-master"
+
+
+# A managed master's Service, ``<pool>-mooncake-master``, must be a DNS-1035 label.
+MAX_MANAGED_MASTER_POOL_NAME = 63 - len("-mooncake-master")
 
 
 def lease_name(node: str) -> str:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from flexkv_operator import crds, names
-from flexkv_operator.apply import ApplyResult, apply_child, ensure_curve_secret
-from flexkv_operator.children import PoolIdentity, config_hash, render_all
+from flexkv_operator.apply import ApplyResult, apply_child, ensure_curve_secret, remove_child
+from flexkv_operator.children import PoolIdentity, config_hash, optional_children, render_all
 from flexkv_operator.conditions import condition_status
 from flexkv_operator.context import OperatorContext
 from flexkv_operator.events import NORMAL, WARNING
@@ -349,6 +349,17 @@ async def _apply_children(
                 f"{manifest['kind']} {manifest['metadata']['name']}: "
                 f"{exc.status} {exc.message or exc}"
             )
+    rendered = {(m["kind"], m["metadata"]["name"]) for m in manifests}
+    for api_version, kind, child in optional_children(pool):
+        if (kind, child) in rendered:
+            continue
+        try:
+            removed = await remove_child(ctx.client, pool, api_version, kind, child)
+        except ApiError as exc:
+            errors.append(f"{kind} {child}: {exc.status} {exc.message or exc}")
+            continue
+        if removed is not None:
+            results.append(removed)
     return results, errors
 
 
@@ -367,7 +378,7 @@ async def reconcile_pool(ctx: OperatorContext, seen: dict[str, Any]) -> Reconcil
     meta = body["metadata"]
     generation = int(meta.get("generation") or 1)
     try:
-        config = parse_pool_spec(body.get("spec"), ctx.settings.default_image)
+        config = parse_pool_spec(body.get("spec"), ctx.settings.default_image, name=name)
     except ConfigInvalid as error:
         await sync_groups(ctx, body, election_timings(body.get("spec")))
         return await _reject(ctx, body, error)

@@ -1,8 +1,8 @@
 """SizingValid: do the tiers fit the nodes the agents are placed on?
 
-Compares the CPU tier (plus the agent's memory request) with each matching
-node's allocatable memory, and the SSD tier with its allocatable ephemeral
-storage, where the node reports them. Nodes are matched by the pool's
+Compares the CPU tier and the remote tier's segment and buffer (plus the agent's
+memory request) with each matching node's allocatable memory, and the SSD tier
+with its allocatable ephemeral storage, where the node reports them. Nodes are matched by the pool's
 nodeSelector only (affinity and taints are not evaluated here).
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from flexkv_operator.agent_pod import remote_bytes
 from flexkv_operator.conditions import Condition
 from flexkv_operator.quantity import parse_bytes
 from flexkv_operator.spec import PoolConfig
@@ -52,9 +53,11 @@ def fit(node: dict[str, Any], config: PoolConfig) -> NodeFit:
         extra = 0
     problems = []
     memory = _allocatable(node, "memory")
-    if memory is not None and config.cpu_bytes + extra > memory:
+    remote = remote_bytes(config)
+    if memory is not None and config.cpu_bytes + remote + extra > memory:
+        remote_part = f" + remote segment and buffer {remote} B" if remote else ""
         problems.append(
-            f"cpu tier {config.cpu_bytes} B + agent request {extra} B > "
+            f"cpu tier {config.cpu_bytes} B{remote_part} + agent request {extra} B > "
             f"allocatable memory {memory} B"
         )
     storage = _allocatable(node, "ephemeral-storage")

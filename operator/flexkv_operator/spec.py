@@ -8,13 +8,15 @@ field, the bad value and the fix.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any
 
-from flexkv_operator import crds
+from flexkv_operator import crds, names
 from flexkv_operator.defaults import apply_defaults
 from flexkv_operator.host_paths import ssd_path_problem
-from flexkv_operator.quantity import parse_bytes
+from flexkv_operator.quantity import parse_bytes, parse_quantity
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,26 @@ class Timings:
 
 
 @dataclass(frozen=True)
+class RemoteTier:
+    """``spec.tiers.remote``, checked. ``managed`` means the operator runs the pool's
+    mooncake_master; then ``master_address`` and ``metadata_server`` are empty and the
+    agents are pointed at the master's Service (:mod:`flexkv_operator.mooncake`)."""
+
+    write_policy: str
+    queue_blocks: int
+    timeout_seconds: float
+    managed: bool
+    master_address: str
+    metadata_server: str
+    protocol: str
+    device_name: str
+    segment_bytes: int
+    local_buffer_bytes: int
+    store_port: int
+    master_resources: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class PoolConfig:
     """The checked spec. ``raw`` is the defaulted spec dict (camelCase, as in the CRD)."""
 
@@ -62,10 +84,15 @@ class PoolConfig:
     agent_user: int
     agent_group: int
     placement: dict[str, Any] = field(default_factory=dict)
+    remote: RemoteTier | None = None
 
 
-def parse_pool_spec(spec: dict[str, Any] | None, default_image: str) -> PoolConfig:
-    """Default ``spec`` from the CRD and check it; raise ConfigInvalid listing every problem."""
+def parse_pool_spec(
+    spec: dict[str, Any] | None, default_image: str, *, name: str | None = None
+) -> PoolConfig:
+    """Default ``spec`` from the CRD and check it; raise ConfigInvalid listing every problem.
+    ``name`` (the pool's) is checked against what the spec asks to create from it."""
+    pool_name = name
     full = apply_defaults({"spec": dict(spec or {})}, crds.schema(crds.POOL_PLURAL))
     raw: dict[str, Any] = full["spec"]
     problems: list[ConfigProblem] = []
@@ -223,6 +250,26 @@ def parse_pool_spec(spec: dict[str, Any] | None, default_image: str) -> PoolConf
             continue
         ids[key] = value
 
+    remote = None
+    if tiers.get("remote") is not None:
+        remote = parse_remote_tier(tiers["remote"], call, (http, fanout), problems)
+        limit = names.MAX_MANAGED_MASTER_POOL_NAME
+        if (
+            remote is not None
+            and remote.managed
+            and pool_name is not None
+            and len(pool_name) > limit
+        ):
+            problems.append(
+                ConfigProblem(
+                    "tiers.remote.mooncake.managed",
+                    f"the pool name {pool_name!r} has {len(pool_name)} characters; a managed "
+                    f"master's Service <name>-mooncake-master needs a name of at most {limit}: "
+                    "use a shorter pool name or an existing master (masterAddress, "
+                    "metadataServer)",
+                )
+            )
+
     if problems:
         raise ConfigInvalid(problems)
     return PoolConfig(
@@ -241,7 +288,180 @@ def parse_pool_spec(spec: dict[str, Any] | None, default_image: str) -> PoolConf
         agent_user=ids["runAsUser"],
         agent_group=ids["runAsGroup"],
         placement=dict(raw.get("placement") or {}),
+        remote=remote,
     )
+
+
+_PORT = r"([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"
+_MASTER_ADDRESS = re.compile(
+    r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?):" + _PORT + "$"
+)
+_METADATA_SERVER = re.compile(r"^(P2PHANDSHAKE|https?://[^\s/]+(/\S*)?)$")
+
+
+def parse_remote_tier(
+    remote: object,
+    engine_call_seconds: object,
+    agent_ports: tuple[object, object],
+    problems: list[ConfigProblem],
+) -> RemoteTier | None:
+    """Check a defaulted ``spec.tiers.remote``, appending every problem to ``problems``
+    (the CRD's schema and CEL rules, again); None when it is unusable."""
+    base = "tiers.remote"
+    if not isinstance(remote, dict):
+        problems.append(ConfigProblem(base, f"{remote!r} must be an object with a mooncake key"))
+        return None
+    before = len(problems)
+
+    def bad(path: str, message: str) -> None:
+        problems.append(ConfigProblem(f"{base}.{path}", message))
+
+    policy = remote.get("writePolicy", "store")
+    if policy not in ("store", "evict"):
+        bad("writePolicy", f"{policy!r} is not a write policy; use store or evict")
+    queue = remote.get("queueBlocks", 1024)
+    if not isinstance(queue, int) or isinstance(queue, bool) or not 1 <= queue <= 1048576:
+        bad("queueBlocks", f"{queue!r} must be an integer in 1..1048576 (blocks), e.g. 1024")
+    timeout = remote.get("timeoutSeconds", 2)
+    if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout > 0:
+        bad("timeoutSeconds", f"{timeout!r} must be a number of seconds above 0, e.g. 2")
+    elif isinstance(engine_call_seconds, int | float) and not timeout < engine_call_seconds:
+        bad(
+            "timeoutSeconds",
+            f"{timeout} must be below timeouts.engineCallSeconds ({engine_call_seconds}): a "
+            "remote call is part of an engine call; e.g. 2 < 10",
+        )
+
+    mooncake = remote.get("mooncake")
+    if not isinstance(mooncake, dict):
+        bad("mooncake", "is required: set managed: true, or masterAddress and metadataServer")
+        return None
+    managed = mooncake.get("managed", False)
+    if not isinstance(managed, bool):
+        bad("mooncake.managed", f"{managed!r} must be true or false")
+        managed = False
+    address = mooncake.get("masterAddress")
+    metadata = mooncake.get("metadataServer")
+    if managed and (address is not None or metadata is not None):
+        bad(
+            "mooncake",
+            "managed: true runs the pool's own master, so masterAddress and metadataServer "
+            f"must be left out (got {address!r}, {metadata!r}); remove them or set "
+            "managed: false",
+        )
+    elif not managed and (address is None or metadata is None):
+        bad(
+            "mooncake",
+            "needs managed: true (the operator runs the master) or both masterAddress and "
+            f"metadataServer of an existing master (got {address!r}, {metadata!r})",
+        )
+    if address is not None and not (
+        isinstance(address, str) and len(address) <= 261 and _MASTER_ADDRESS.match(address)
+    ):
+        bad(
+            "mooncake.masterAddress",
+            f"{address!r} must be host:port with a port in 1..65535, e.g. 10.0.0.5:50051",
+        )
+    if metadata is not None and not (
+        isinstance(metadata, str) and len(metadata) <= 512 and _METADATA_SERVER.match(metadata)
+    ):
+        bad(
+            "mooncake.metadataServer",
+            f"{metadata!r} must be an http(s) URL such as http://10.0.0.5:8080/metadata, or "
+            "P2PHANDSHAKE",
+        )
+    protocol = mooncake.get("protocol", "tcp")
+    if protocol not in ("tcp", "rdma"):
+        bad("mooncake.protocol", f"{protocol!r} is not a protocol; use tcp or rdma")
+    device = mooncake.get("deviceName", "")
+    if not isinstance(device, str):
+        bad("mooncake.deviceName", f"{device!r} must be a string, e.g. mlx5_0")
+        device = ""
+    elif device and protocol != "rdma":
+        bad(
+            "mooncake.deviceName",
+            f"{device!r} names RDMA devices and is allowed only with protocol: rdma (protocol "
+            f"is {protocol!r}); clear it or set protocol: rdma",
+        )
+
+    def size(key: str, default: str) -> int:
+        try:
+            return parse_bytes(mooncake.get(key, default), f"spec.{base}.mooncake.{key}")
+        except ValueError as exc:
+            bad(f"mooncake.{key}", str(exc).split(": ", 1)[1])
+            return 0
+
+    segment = size("segmentSize", "4Gi")
+    buffer = size("localBufferSize", "512Mi")
+    store_port = mooncake.get("storePort", 17500)
+    if not isinstance(store_port, int) or isinstance(store_port, bool) or not (
+        1 <= store_port <= 65535
+    ):
+        bad("mooncake.storePort", f"{store_port!r} is not a port 1..65535, e.g. 17500")
+    elif store_port in agent_ports:
+        bad(
+            "mooncake.storePort",
+            f"{store_port} is also an agent port (agent.ports http {agent_ports[0]}, fanout "
+            f"{agent_ports[1]}); all three listen in the agent pod, so give it another port",
+        )
+    master = mooncake.get("master")
+    resources: dict[str, Any] = {}
+    if master is not None:
+        if not managed:
+            bad(
+                "mooncake.master",
+                "configures the operator's master and is allowed only with managed: true",
+            )
+        elif not isinstance(master, dict):
+            bad("mooncake.master", f"{master!r} must be an object, e.g. {{resources: {{...}}}}")
+        else:
+            resources = dict(master.get("resources") or {})
+            problem = resources_problem(resources)
+            if problem:
+                bad("mooncake.master.resources", problem)
+    if len(problems) > before:
+        return None
+    return RemoteTier(
+        write_policy=str(policy),
+        queue_blocks=int(queue),
+        timeout_seconds=float(timeout),
+        managed=managed,
+        master_address="" if managed else str(address),
+        metadata_server="" if managed else str(metadata),
+        protocol=str(protocol),
+        device_name=device,
+        segment_bytes=segment,
+        local_buffer_bytes=buffer,
+        store_port=int(store_port),
+        master_resources=resources,
+    )
+
+
+def resources_problem(resources: dict[str, Any]) -> str | None:
+    """What is wrong with a container's ``resources`` (every value a quantity, each
+    request at most its limit), or None."""
+    parsed: dict[str, dict[str, Decimal]] = {}
+    for kind in ("requests", "limits"):
+        values = resources.get(kind) or {}
+        if not isinstance(values, dict):
+            return f"{kind} {values!r} must map resource names to quantities"
+        for name, value in values.items():
+            quantity = (
+                Decimal(value)
+                if isinstance(value, int) and not isinstance(value, bool)
+                else parse_quantity(value) if isinstance(value, str) else None
+            )
+            if quantity is None or quantity < 0:
+                return f"{kind}.{name} {value!r} is not a quantity, e.g. 100m or 256Mi"
+            parsed.setdefault(kind, {})[name] = quantity
+    for name, limit in parsed.get("limits", {}).items():
+        request = parsed.get("requests", {}).get(name)
+        if request is not None and request > limit:
+            return (
+                f"requests.{name} {resources['requests'][name]!r} is above its limit "
+                f"{resources['limits'][name]!r}; lower the request or raise the limit"
+            )
+    return None
 
 
 def _valid_max_unavailable(value: object) -> bool:

@@ -32,7 +32,12 @@ OPERATOR_RULES = [
     {"apiGroups": ["flexkv.io"], "resources": ["kvcachegroups/status"], "verbs": ["patch"]},
     {"apiGroups": ["apps"], "resources": ["daemonsets"],
      "verbs": ["get", "list", "watch", "create", "patch"]},
-    {"apiGroups": [""], "resources": ["services", "configmaps", "secrets"],
+    # A pool's managed mooncake_master (Deployment and Service), deleted when the pool
+    # turns it off.
+    {"apiGroups": ["apps"], "resources": ["deployments"],
+     "verbs": ["get", "create", "patch", "delete"]},
+    {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "create", "patch", "delete"]},
+    {"apiGroups": [""], "resources": ["configmaps", "secrets"],
      "verbs": ["get", "create", "patch"]},
     {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"],
      "verbs": ["get", "create", "patch"]},
@@ -253,7 +258,7 @@ def test_all_namespaces_mode_writes_children_only_in_agent_namespaces(
     assert not {p for p in cluster if p[1] in ("secrets", "configmaps", "services",
                                                 "poddisruptionbudgets")}
     assert not {p for p in cluster if p[2] in ("create", "patch", "delete", "get")
-                and p[1] in ("daemonsets", "leases")}
+                and p[1] in ("daemonsets", "deployments", "leases")}
 
 
 # ------------------------------------------------------------------------- RBAC

@@ -102,6 +102,33 @@ def test_dashboard_covers_the_required_views() -> None:
     assert "by (tier)" in exprs and "by (direction" in exprs and "reason" in exprs
 
 
+def test_dashboard_has_a_remote_tier_row() -> None:
+    """The remote tier (Mooncake Store): up, hits, bytes by direction, queue depth,
+    drops by reason, errors by operation, in a row of their own."""
+    rows = [p for p in DASHBOARD["panels"] if p["type"] == "row"]
+    [row] = [r for r in rows if "Remote tier" in r["title"]]
+    panels = DASHBOARD["panels"]
+    start = panels.index(row)
+    end = next((i for i in range(start + 1, len(panels)) if panels[i]["type"] == "row"),
+               len(panels))
+    in_row = {t["expr"] for p in panels[start + 1:end] for t in p["targets"]}
+    by_metric = {m: e for e in in_row for m in METRIC.findall(e)}
+    assert set(by_metric) == {
+        "flexkv_agent_remote_up",
+        "flexkv_agent_remote_hit_blocks_total",
+        "flexkv_agent_remote_bytes_total",
+        "flexkv_agent_remote_queue_depth",
+        "flexkv_agent_remote_dropped_blocks_total",
+        "flexkv_agent_remote_errors_total",
+    }
+    assert "by (direction)" in by_metric["flexkv_agent_remote_bytes_total"]
+    assert "by (reason)" in by_metric["flexkv_agent_remote_dropped_blocks_total"]
+    assert "by (op)" in by_metric["flexkv_agent_remote_errors_total"]
+    for name, expr in by_metric.items():
+        if name.endswith("_total"):
+            assert "rate(" in expr, expr
+
+
 def test_every_queried_metric_is_exported_by_the_agent() -> None:
     metrics = pytest.importorskip("node_agent.metrics", reason="node_agent.metrics not importable")
     registry = metrics.AgentMetrics().registry

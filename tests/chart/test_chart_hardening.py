@@ -74,7 +74,9 @@ def test_network_policies_select_the_pods_and_name_their_ports(
     assert selector.items() <= agent_pod["metadata"]["labels"].items()
     ports = {p["name"] for c in agent_pod["spec"]["containers"] for p in c.get("ports", [])}
     by_port = {rule["ports"][0]["port"]: rule["from"] for rule in agents["spec"]["ingress"]}
-    assert set(by_port) == ports == {"http", "fanout"}
+    assert ports == {"http", "fanout"}, "a pool without a remote tier"
+    # The remote tier's ports (tests below): the named handshake port and the range.
+    assert set(by_port) == ports | {"mooncake", 15000}
     assert by_port["fanout"] == [{"podSelector": {"matchLabels": selector}}]
     assert {"podSelector": {}} in by_port["http"]
 
@@ -179,3 +181,79 @@ def test_admission_policy_refuses_pods_reaching_for_the_node(
     failed = _admit(policy, pod)
     assert len(failed) == 1, failed
     assert ("hostIPC" if case == "hostipc" else "hostPath") in failed[0]
+
+
+# -- the remote tier: Mooncake authenticates nothing, so only agents reach it -----------
+
+
+def _remote_pool() -> dict[str, Any]:
+    """docs/helm.md's pool with a managed Mooncake master."""
+    pool = next(
+        e for e in doc_examples()
+        if e["kind"] == "KVCachePool" and "remote" in e["spec"]["tiers"]
+    )
+    assert pool["spec"]["tiers"]["remote"]["mooncake"]["managed"] is True
+    return {**pool, "metadata": {**pool["metadata"], "namespace": NS}}
+
+
+def _pod(workload: dict[str, Any]) -> dict[str, Any]:
+    template = workload["spec"]["template"]
+    return {"metadata": template["metadata"], "spec": template["spec"]}
+
+
+def _selects(policy: dict[str, Any], pod: dict[str, Any]) -> bool:
+    return bool(
+        policy["spec"]["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    )
+
+
+def _port_names(pod: dict[str, Any]) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for c in pod["spec"]["containers"]
+            for p in c.get("ports", [])}
+
+
+def test_mooncake_ports_are_open_to_the_agents_only(hardened: Render) -> None:
+    children = test_chart_agent_pods._agent_children(hardened, _remote_pool())
+    agent = _pod(next(o for o in children if o["kind"] == "DaemonSet"))
+    master = _pod(next(o for o in children if o["kind"] == "Deployment"))
+    policies = {p["metadata"]["name"]: p for p in hardened.of_kind("NetworkPolicy")}
+    agents = next(p for n, p in policies.items() if n.endswith("-agents"))
+    masters = next(p for n, p in policies.items() if n.endswith("-mooncake-master"))
+    assert masters["metadata"]["namespace"] == NS
+    # Each policy selects its own pods and not the other's.
+    assert _selects(agents, agent) and not _selects(agents, master)
+    assert _selects(masters, master) and not _selects(masters, agent)
+    only_agents = [{"podSelector": agents["spec"]["podSelector"]}]
+
+    # The master: RPC and metadata (the ports the agents' agent.yaml names), from agents.
+    [rule] = masters["spec"]["ingress"]
+    assert rule["from"] == only_agents
+    master_ports = _port_names(master)
+    assert {p["port"] for p in rule["ports"]} == {"rpc", "metadata"}
+    assert (master_ports["rpc"], master_ports["metadata"]) == (50051, 8080)
+    assert "metrics" in master_ports, "declared, and left closed"
+
+    # The agents: the store port (by its name) and the data port range, from agents.
+    rules = {r["ports"][0]["port"]: r for r in agents["spec"]["ingress"]}
+    assert rules["mooncake"]["from"] == only_agents
+    store_port = _remote_pool()["spec"]["tiers"]["remote"]["mooncake"]["storePort"]
+    assert _port_names(agent)["mooncake"] == store_port
+    assert rules[15000]["from"] == only_agents
+    assert rules[15000]["ports"] == [{"port": 15000, "endPort": 17000, "protocol": "TCP"}]
+
+
+def test_mooncake_data_ports_follow_the_values(render_with: Any, helm: str) -> None:
+    render = render_with("--set", "networkPolicy.enabled=true",
+                         "--set", "networkPolicy.agents.mooncakeDataPorts.from=20000",
+                         "--set", "networkPolicy.agents.mooncakeDataPorts.to=20100")
+    agents = next(p for p in render.of_kind("NetworkPolicy")
+                  if p["metadata"]["name"].endswith("-agents"))
+    ranges = [r["ports"][0] for r in agents["spec"]["ingress"] if "endPort" in r["ports"][0]]
+    assert ranges == [{"port": 20000, "endPort": 20100, "protocol": "TCP"}]
+    out = run_helm(helm, "template", "kv", str(CHART), "--set", "networkPolicy.enabled=true",
+                   "--set", "networkPolicy.agents.mooncakeDataPorts.to=100", check=False)
+    assert out.returncode != 0
+    assert "mooncakeDataPorts: to (100) is below from (15000)" in out.stderr
+    out = run_helm(helm, "template", "kv", str(CHART),
+                   "--set", "networkPolicy.agents.mooncakeDataPorts.from=70000", check=False)
+    assert out.returncode != 0 and "mooncakeDataPorts" in out.stderr

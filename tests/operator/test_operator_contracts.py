@@ -123,3 +123,23 @@ async def test_published_group_is_read_by_the_agent(api: ApiServer) -> None:
         ("node-a", 0, True),
         ("node-b", 1, True),
     ]
+
+
+def test_rendered_remote_section_is_accepted_by_the_agent() -> None:
+    """``tiers.remote`` of agent.yaml (the remote tier's contract) parses in the agent."""
+    spec = yaml.safe_load((EXAMPLES / "pool-remote.yaml").read_text())["spec"]
+    doc = _agent_yaml(spec)
+    assert doc["tiers"]["remote"]["mooncake"]["masterAddress"].endswith(".svc:50051")
+    try:
+        agent = config_from_mapping(doc)
+    except ValueError as exc:
+        if "tiers.remote: unknown key" in str(exc):
+            pytest.skip("this agent build has no remote tier in its config parser")
+        raise
+    remote: Any = agent.tiers.remote  # type: ignore[attr-defined]
+    mooncake = remote.mooncake
+    assert (remote.write_policy, remote.queue_blocks, remote.timeout_seconds) == ("store", 1024, 2)
+    assert mooncake.master_address == f"pool-mooncake-master.{NS}.svc:50051"
+    assert mooncake.metadata_server == f"http://pool-mooncake-master.{NS}.svc:8080/metadata"
+    assert (mooncake.protocol, mooncake.device_name, mooncake.store_port) == ("tcp", "", 17500)
+    assert (mooncake.segment_size, mooncake.local_buffer_size) == (4 << 30, 512 << 20)

@@ -44,6 +44,7 @@ REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "flexkv-operator"
 RELEASE = "kv"
 OPERATOR_AGENTS = ("kopf/", "flexkv-operator")
+DEPLOYMENTS = "apps/v1/deployments"
 FAST = {
     "leaderElection": {
         "leaseDurationSeconds": 3,
@@ -138,9 +139,9 @@ async def test_every_operator_request_is_granted_and_every_grant_is_used(
     ]
     for agent in agents:
         await agent.start()
-    # Both Services refused in two reconciles: a ReconcileError Event, then the same
-    # Event counted again.
-    api.fail(422, action="create", plural="services", times=4)
+    # All three Services refused in two reconciles: a ReconcileError Event, then the
+    # same Event counted again.
+    api.fail(422, action="create", plural="services", times=6)
     async with (
         running_operator(
             api,
@@ -154,7 +155,11 @@ async def test_every_operator_request_is_granted_and_every_grant_is_used(
         ),
         heartbeating(agents, 0.25) as alive,
     ):
-        await create(api, POOLS, pool_manifest(**FAST))
+        # A managed Mooncake master: its Deployment and Service are children too.
+        remote = {"mooncake": {"managed": True}}
+        await create(
+            api, POOLS, pool_manifest(**FAST, tiers={"cpu": {"size": "1Gi"}, "remote": remote})
+        )
 
         def group(name: str) -> dict[str, Any]:
             return api.stored(GROUPS, NS, name) or {}
@@ -164,9 +169,10 @@ async def test_every_operator_request_is_granted_and_every_grant_is_used(
             15,
             "both groups",
         )
-        await wait_for(lambda: len(api.names("v1/services", NS)) == 2, 15, "Services created")
+        await wait_for(lambda: len(api.names("v1/services", NS)) == 3, 15, "Services created")
         # Every child is patched: image and maxUnavailable (DaemonSet, PDB), service
-        # labels (Services), cacheEpoch (ConfigMap), a broken key pair (Secret).
+        # labels (Services), cacheEpoch (ConfigMap), a broken key pair (Secret), the
+        # master's resources (Deployment).
         await patch(
             api,
             POOLS,
@@ -176,6 +182,13 @@ async def test_every_operator_request_is_granted_and_every_grant_is_used(
                     "cacheEpoch": 1,
                     "agent": {"image": "img:2", "maxUnavailable": 2},
                     "monitoring": {"serviceLabels": {"team": "kv"}},
+                    "tiers": {
+                        "remote": {
+                            "mooncake": {
+                                "master": {"resources": {"requests": {"cpu": "200m"}}}
+                            }
+                        }
+                    },
                 }
             },
         )
@@ -214,6 +227,31 @@ async def test_every_operator_request_is_granted_and_every_grant_is_used(
         await wait_for(lambda: group("pool-r0")["spec"]["ppSize"] == 3, 15, "ppSize patched")
         ds = api.stored(DAEMONSETS, NS, "pool-agent") or {}
         assert ds["spec"]["template"]["spec"]["containers"][0]["image"] == "img:2"
+        await wait_for(
+            lambda: (
+                (api.stored(DEPLOYMENTS, NS, "pool-mooncake-master") or {})
+                .get("spec", {})
+                .get("template", {})
+                .get("spec", {})
+                .get("containers", [{}])[0]
+                .get("resources", {})
+                .get("requests", {})
+                .get("cpu")
+                == "200m"
+            ),
+            15,
+            "master Deployment patched",
+        )
+        # The remote tier turned off: the master's Deployment and Service are deleted.
+        await patch(api, POOLS, "pool", {"spec": {"tiers": {"remote": None}}})
+        await wait_for(
+            lambda: (
+                "pool-mooncake-master" not in api.names(DEPLOYMENTS, NS)
+                and "pool-mooncake-master" not in api.names("v1/services", NS)
+            ),
+            15,
+            "master deleted",
+        )
         # A group deleted by hand is re-created.
         old_uid = group("pool-r0")["metadata"]["uid"]
         await delete(api, GROUPS, "pool-r0")

@@ -128,8 +128,9 @@ agents' DaemonSets; every reconcile re-reads its pool by name (get); the
 operator writes pool and group status through the status subresource,
 creates and merge-patches groups and pool children (never PUT, so no
 "update"), deletes groups whose replica is gone (children go by
-owner reference), deletes the Leases of agents whose node left the cluster,
-and posts Events. tests/chart checks this exact list.
+owner reference), deletes a pool's managed mooncake_master (Deployment and
+Service) when the pool turns it off, deletes the Leases of agents whose node
+left the cluster, and posts Events. tests/chart checks this exact list.
 */}}
 {{- define "flexkv-operator.operatorNamespacedRules" -}}
 - apiGroups: ["flexkv.io"]
@@ -147,8 +148,14 @@ and posts Events. tests/chart checks this exact list.
 - apiGroups: ["apps"]
   resources: ["daemonsets"]
   verbs: ["get", "list", "watch", "create", "patch"]
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["get", "create", "patch", "delete"]
 - apiGroups: [""]
-  resources: ["services", "configmaps", "secrets"]
+  resources: ["services"]
+  verbs: ["get", "create", "patch", "delete"]
+- apiGroups: [""]
+  resources: ["configmaps", "secrets"]
   verbs: ["get", "create", "patch"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
@@ -194,15 +201,22 @@ groups, post Events ...
 
 {{/*
 ... and, in each agent namespace only (a Role), the agents' children:
-DaemonSet, Services, ConfigMap, CurveZMQ Secret, PodDisruptionBudget, and the
-deletion of Leases of agents whose node left.
+DaemonSet, Services, ConfigMap, CurveZMQ Secret, PodDisruptionBudget, the
+managed mooncake_master's Deployment and Service, and the deletion of Leases of
+agents whose node left.
 */}}
 {{- define "flexkv-operator.operatorAgentNamespaceRules" -}}
 - apiGroups: ["apps"]
   resources: ["daemonsets"]
   verbs: ["get", "create", "patch"]
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["get", "create", "patch", "delete"]
 - apiGroups: [""]
-  resources: ["services", "configmaps", "secrets"]
+  resources: ["services"]
+  verbs: ["get", "create", "patch", "delete"]
+- apiGroups: [""]
+  resources: ["configmaps", "secrets"]
   verbs: ["get", "create", "patch"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
