@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from backend_helpers import config, small_layout
+from backend_helpers import config, small_layout, started, store, tokens
 
 from node_agent.backend import transfer
 from node_agent.backend.config import EmbeddedBackendConfig
@@ -208,3 +208,34 @@ def test_an_aborted_lane_copy_stops_every_lane_before_raising(
 def test_copy_lanes_must_be_positive() -> None:
     with pytest.raises(ValueError, match=r"copy_lanes=0 is invalid; it must be an int >= 1"):
         EmbeddedBackendConfig(layout=small_layout(), cpu_bytes=1 << 20, copy_lanes=0)
+
+
+def test_page_size_one_round_trip_and_bad_scattered_slots_write_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's page size 1 (one token per block), shuffled slots, lanes on: a round
+    trip is bit-exact, and a shuffled mapping with one repeated slot is refused
+    before any byte moves (then the same task still runs with good slots)."""
+    monkeypatch.setattr(transfer, "LANE_MIN_BYTES", 0)
+    layout = small_layout(tokens_per_block=1)
+    b, [bufs] = started(config(layout, cpu_blocks=64, copy_lanes=2), num_slots=256)
+    try:
+        rng = np.random.default_rng(11)
+        toks = tokens(48, seed=3)
+        src = rng.permutation(128)[:48].astype(np.int64)
+        store(b, toks, src)
+        tid, mask = b.get_match(toks)
+        bad = rng.permutation(np.arange(128, 256))[:48].astype(np.int64)
+        bad[30] = bad[5]
+        before = [t.clone() for g in bufs for t in g] + [b.store.cpu.pool.clone()]
+        with pytest.raises(ValueError, match=rf"holds slot {bad[5]} 2 times"):
+            b.launch([tid], [bad[mask]])
+        after = [t for g in bufs for t in g] + [b.store.cpu.pool]
+        assert all(x.view(torch.uint8).equal(y.view(torch.uint8))
+                   for x, y in zip(before, after, strict=True))
+        good = rng.permutation(np.arange(128, 256))[:48].astype(np.int64)
+        [w] = b.launch([tid], [good[mask]])
+        assert b.wait([w], timeout=10)[w].status.value == "success"
+        for x, y in zip(_planes(bufs, src), _planes(bufs, good), strict=True):
+            assert x.equal(y)
+    finally:
+        b.shutdown()
