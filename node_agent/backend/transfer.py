@@ -261,8 +261,8 @@ def _synchronize(devices: set[torch.device]) -> None:
 
 
 class _Units:
-    """One slot mapping prepared for a device: token slots, and page ids when aligned;
-    row plans computed once per task and reused for every plane and rank."""
+    """One task's slot mapping: token slots, and page ids when aligned; row plans
+    computed once per task and reused for every plane, rank and device."""
 
     def __init__(self, slots: torch.Tensor, pages: torch.Tensor | None, tpb: int) -> None:
         self.tpb = tpb
@@ -314,7 +314,7 @@ class BlockCopier:
         if abort is not None and abort.is_set():
             raise CopyAborted("copy stopped on request; the bytes it wrote are undefined")
 
-    def _units(self, buffers: Mapping[int, RegisteredBuffers], slots: torch.Tensor) -> _Units:
+    def _units(self, slots: torch.Tensor) -> _Units:
         tpb = self.layout.tokens_per_block
         pages = page_index(slots, tpb)
         if pages is None and self.layout.name.paged and len(slots):
@@ -347,7 +347,7 @@ class BlockCopier:
 
         Raises :class:`CopyAborted` (blocks undefined) once ``abort`` is set."""
         lay = self.layout
-        units = self._units(buffers, slots)
+        units = self._units(slots)
         devices = {buffers[r].device for r in range(lay.stored_ranks)}
         items: list[Callable[[], None]] = []
         try:
@@ -377,7 +377,7 @@ class BlockCopier:
         device is synchronised first, so nothing writes the slots afterwards."""
         cpu_pos = [i for i, loc in enumerate(locations) if loc.tier is Tier.CPU]
         ssd_pos = [i for i, loc in enumerate(locations) if loc.tier is Tier.SSD]
-        units = self._units(buffers, slots)
+        units = self._units(slots)
         try:
             if cpu_pos:
                 self._load_cpu(buffers, cpu_pos, [locations[i].index for i in cpu_pos],
