@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -261,6 +261,13 @@ class KVBackend(abc.ABC):
     @abc.abstractmethod
     def try_wait(self, task_ids: Sequence[int]) -> dict[int, KVResponse]:
         """Non-blocking ``wait``: returns only the tasks that are terminal, reaped."""
+
+    def set_completion_listener(self, listener: Callable[[], None] | None) -> None:
+        """Call ``listener()`` (from any thread, no lock held) whenever a launched
+        task becomes terminal, so a caller polling ``try_wait`` can look at once;
+        ``None`` removes it. The default keeps no listener: callers of a backend
+        that cannot notify keep polling (their own bounded interval)."""
+        return None
 
     @abc.abstractmethod
     def cancel(self, task_ids: Sequence[int]) -> None:

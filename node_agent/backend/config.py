@@ -28,6 +28,8 @@ class EmbeddedBackendConfig:
     unlaunched_match_seconds: float = 30.0
     max_tasks: int = 4096
     worker_threads: int = 2
+    copy_lanes: int = 2
+    """Threads sharing the planes of one large CPU copy (``transfer.LANE_MIN_BYTES``)."""
     hash_algorithm: HashAlgorithm = HashAlgorithm.XXH3_64
     deferred_visibility: bool = False
     expected_ranks: int = 0
@@ -70,6 +72,8 @@ class EmbeddedBackendConfig:
             )
         _int_at_least("max_tasks", self.max_tasks, 1, "use a positive task table size")
         _int_at_least("worker_threads", self.worker_threads, 1, "use at least 1 worker")
+        _int_at_least("copy_lanes", self.copy_lanes, 1,
+                      "use 1 to copy plane after plane, more to spread a copy over threads")
         try:
             object.__setattr__(self, "hash_algorithm", HashAlgorithm(self.hash_algorithm))
         except ValueError:

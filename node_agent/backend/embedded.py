@@ -103,6 +103,7 @@ class EmbeddedBackend(ReplicatedBackend):
         self._reaper: threading.Thread | None = None
         self._stopping = threading.Event()
         self._closed = False
+        self._listener: Callable[[], None] | None = None
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -398,6 +399,11 @@ class EmbeddedBackend(ReplicatedBackend):
                     out[i] = self._reap_locked(t)
             return out
 
+    def set_completion_listener(self, listener: Callable[[], None] | None) -> None:
+        """See :meth:`KVBackend.set_completion_listener`: called by the worker that
+        finished a copy, after the task's terminal status is recorded."""
+        self._listener = listener
+
     def try_wait(self, task_ids: Sequence[int]) -> dict[int, KVResponse]:
         out: dict[int, KVResponse] = {}
         with self._lock:
@@ -590,6 +596,12 @@ class EmbeddedBackend(ReplicatedBackend):
             if task.status is None:
                 self._finish_locked(task, status, error)
             self._cond.notify_all()
+        listener = self._listener
+        if listener is not None:
+            try:
+                listener()
+            except Exception:  # a listener's failure must not lose the task's outcome
+                log.exception("Completion listener failed", extra={"task_id": task.id})
         if self._metrics is not None and task.plan is not None:
             d = task.plan.direction.value
             self._metrics.transfer_seconds.labels(direction=d).observe(time.perf_counter() - t0)

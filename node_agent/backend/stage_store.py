@@ -62,7 +62,7 @@ class TierStore(StageStore):
             if config.ssd_blocks
             else None
         )
-        self.copier = BlockCopier(config.layout, self.cpu, self.ssd)
+        self.copier = BlockCopier(config.layout, self.cpu, self.ssd, config.copy_lanes)
         self._buffers: dict[int, RegisteredBuffers] = {}
         self._fences: dict[BlockLocation, threading.Thread] = {}
         self._lock = threading.Lock()

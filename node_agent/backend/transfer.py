@@ -1,10 +1,23 @@
 """Copies between registered engine buffers and tier blocks, batched per task.
 
-Every copy is a handful of torch index ops per plane (``index_select`` with
-``out=`` into a run of CPU blocks, ``index_copy_`` out of one), never a Python
-loop per token. Runs of consecutive blocks are copied in place; a task whose
-blocks are scattered over more than :data:`MAX_RUNS` runs is copied through one
-gathered row index instead.
+A copy moves *rows* (one token, or one page of ``tpb`` tokens, of one plane)
+between an engine plane and a CPU tier region (or the SSD staging buffer).
+Which source row goes to which destination row is the same for every plane and
+rank of a task, so it is planned once per task (:func:`plan_rows`) and then
+applied plane by plane with a handful of torch ops, never a Python step per
+token or block:
+
+* runs where both sides advance by one become slice copies (``copy_``, the same
+  kernel as a plain tensor copy);
+* a contiguous destination fed from scattered rows becomes one gather
+  (``index_select(out=...)``, whose CPU kernel is one ``memcpy`` per row) straight
+  into place;
+* destinations scattered over more than :data:`MAX_SEGMENTS` runs become one
+  scatter (``index_copy_``) when the source rows are few runs, else one gather
+  into a temporary and one scatter.
+
+Sorting by destination first means a load into any permutation of a dense slot
+range (SGLang with page size 1 hands out such sets) is a gather too.
 
 Copy unit: when every block's slots are one aligned engine page (``tpb``
 consecutive slots starting at a multiple of ``tpb``, as SGLang allocates with
@@ -19,54 +32,61 @@ then one copy crosses to or from the host) and for CPU tensors; a CUDA device is
 synchronised before a copy reports done.
 
 Stopping: ``store`` and ``load`` take an optional ``abort`` event and check it
-before every run / plane / SSD block copy; once it is set they synchronise the
-devices (no queued write is still in flight) and raise :class:`CopyAborted`. A
-copy therefore stops within one run or plane copy of the request; the bytes it
-already wrote (engine slots for a load, tier blocks for a store) are undefined.
+before every row op of every plane and every SSD block copy; once it is set
+they synchronise the devices (no queued write is still in flight) and raise
+:class:`CopyAborted`. A copy therefore stops within one row op (at most one
+plane) of the request; the bytes it already wrote (engine slots for a load,
+tier blocks for a store) are undefined.
 """
 
 from __future__ import annotations
 
+import enum
+import functools
 import threading
 from collections.abc import Callable, Mapping, Sequence
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from node_agent.backend.cpu_tier import CpuTier
+from node_agent.backend.lanes import run_items
 from node_agent.backend.layout import KVLayout, RegisteredBuffers
 from node_agent.backend.replication import BlockLocation, Tier
 from node_agent.backend.ssd_tier import SsdTier
 
-#: Above this many runs of consecutive blocks a copy uses one gathered index.
-MAX_RUNS = 8
+#: At most this many slice / gather ops per plane; beyond, one vectorised scatter.
+MAX_SEGMENTS = 16
+#: A stretch of consecutive rows shorter than this (on average) is gathered, not sliced.
+MIN_SLICE_ROWS = 16
+#: Copies smaller than this run in one lane (handing planes over costs more).
+LANE_MIN_BYTES = 4 * 1024 * 1024
 #: SSD loads go through a per-thread staging buffer of about this many bytes.
 STAGING_BYTES = 64 * 1024 * 1024
+
+Rows = npt.NDArray[np.int64]
 
 
 class CopyAborted(RuntimeError):
     """A copy stopped early because its abort event was set; what it wrote is undefined."""
 
 
-def block_runs(positions: Sequence[int], blocks: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Split parallel (position, block) lists into runs ``(first_pos, first_block, length)``
-    where both advance by one."""
-    runs: list[tuple[int, int, int]] = []
-    for pos, blk in zip(positions, blocks, strict=True):
-        if runs:
-            p0, b0, n = runs[-1]
-            if pos == p0 + n and blk == b0 + n:
-                runs[-1] = (p0, b0, n + 1)
-                continue
-        runs.append((pos, blk, 1))
-    return runs
+def run_starts(rows: Rows) -> Rows:
+    """Offsets where the maximal runs of ``rows`` that advance by one start
+    (``[0]`` for one run, empty for no rows)."""
+    if not len(rows):
+        return np.zeros(0, dtype=np.int64)
+    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+    return np.concatenate((np.zeros(1, dtype=np.int64), breaks.astype(np.int64)))
 
 
-def unit_rows(blocks: Sequence[int], units: int) -> torch.Tensor:
+def unit_rows(blocks: Sequence[int] | Rows, units: int) -> Rows:
     """Row indices of every unit of ``blocks`` (or block positions), ``units`` per block."""
-    base = torch.as_tensor(list(blocks), dtype=torch.int64)
+    base = np.asarray(blocks, dtype=np.int64)
     if units == 1:
         return base
-    return (base.unsqueeze(1) * units + torch.arange(units, dtype=torch.int64)).reshape(-1)
+    return (base[:, None] * units + np.arange(units, dtype=np.int64)).reshape(-1)
 
 
 def page_index(slots: torch.Tensor, tpb: int) -> torch.Tensor | None:
@@ -80,6 +100,141 @@ def page_index(slots: torch.Tensor, tpb: int) -> torch.Tensor | None:
     if not bool((per_block - first == torch.arange(tpb, dtype=slots.dtype)).all()):
         return None
     return (first.reshape(-1) // tpb).contiguous()
+
+
+class OpKind(enum.Enum):
+    """How one :class:`RowOp` moves rows."""
+
+    SLICE = "slice"
+    """``dst[d:d+n] = src[s:s+n]``"""
+    GATHER = "gather"
+    """``dst[d:d+n] = src[src_index]``"""
+    SCATTER = "scatter"
+    """``dst[dst_index] = src[s:s+n]``"""
+    GENERAL = "general"
+    """``dst[dst_index] = src[src_index]`` (through a temporary)"""
+
+
+class RowOp:
+    """One vectorised row move, the same for every plane; index tensors are cached
+    per device."""
+
+    __slots__ = (
+        "_dst_index",
+        "_on",
+        "_src_index",
+        "dst_start",
+        "kind",
+        "length",
+        "src_start",
+    )
+
+    def __init__(self, kind: OpKind, dst_start: int = 0, src_start: int = 0, length: int = 0,
+                 dst_index: Rows | None = None, src_index: Rows | None = None) -> None:
+        self.kind = kind
+        self.dst_start = dst_start
+        self.src_start = src_start
+        self.length = length
+        self._dst_index = None if dst_index is None else torch.from_numpy(
+            np.ascontiguousarray(dst_index, dtype=np.int64))
+        self._src_index = None if src_index is None else torch.from_numpy(
+            np.ascontiguousarray(src_index, dtype=np.int64))
+        self._on: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+    def index(self, which: str, device: torch.device) -> torch.Tensor:
+        """The ``"dst"`` or ``"src"`` row index on ``device``."""
+        t = self._dst_index if which == "dst" else self._src_index
+        assert t is not None, f"{self.kind.value} op has no {which} index"
+        if device.type == "cpu":
+            return t
+        key = (which, device)
+        got = self._on.get(key)
+        if got is None:
+            got = self._on[key] = t.to(device)
+        return got
+
+    def apply(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Move this op's rows from ``src`` into ``dst`` (2-D, rows first)."""
+        d, s, n = self.dst_start, self.src_start, self.length
+        kind = self.kind
+        if kind is OpKind.SLICE:
+            dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
+        elif kind is OpKind.GATHER:
+            out = dst[d:d + n]
+            idx = self.index("src", src.device)
+            if src.device == dst.device and out.is_contiguous():
+                torch.index_select(src, 0, idx, out=out)
+            else:
+                out.copy_(src.index_select(0, idx), non_blocking=True)
+        elif kind is OpKind.SCATTER:
+            dst.index_copy_(0, self.index("dst", dst.device), src[s:s + n].to(dst.device))
+        else:
+            rows = src.index_select(0, self.index("src", src.device))
+            dst.index_copy_(0, self.index("dst", dst.device), rows.to(dst.device))
+
+    def __repr__(self) -> str:
+        return (f"RowOp({self.kind.value}, dst_start={self.dst_start}, "
+                f"src_start={self.src_start}, length={self.length})")
+
+
+def plan_rows(dst: Rows, src: Rows, max_ops: int = MAX_SEGMENTS,
+              min_slice: int = MIN_SLICE_ROWS) -> list[RowOp]:
+    """Ops that together perform ``dst_rows[dst[i]] = src_rows[src[i]]`` for every
+    ``i``; ``dst`` must not repeat a row (``src`` may).
+
+    Sorted by destination, the rows split into runs of consecutive destinations;
+    with at most ``max_ops`` of them each is one slice copy per stretch of
+    consecutive sources (when that keeps within ``max_ops`` ops and the stretches
+    average ``min_slice`` rows; a single stretch always) or else one gather.
+    More destination runs than that: one scatter per run of consecutive sources
+    (sorted by source) when there are at most ``max_ops``, else one general op.
+    """
+    dst = np.asarray(dst, dtype=np.int64)
+    src = np.asarray(src, dtype=np.int64)
+    if dst.shape != src.shape or dst.ndim != 1:
+        raise ValueError(f"plan_rows: dst {dst.shape} and src {src.shape} must be equal 1-D "
+                         "shapes (one source row per destination row)")
+    n = len(dst)
+    if not n:
+        return []
+    if n > 1 and not bool((dst[1:] > dst[:-1]).all()):
+        order = np.argsort(dst, kind="stable")
+        d, s = dst[order], src[order]
+    else:
+        d, s = dst, src
+    starts = run_starts(d)
+    if len(starts) <= max_ops:
+        ops: list[RowOp] = []
+        share = max(1, max_ops // len(starts))
+        ends = np.append(starts[1:], n)
+        for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
+            part = s[a:b]
+            sub = run_starts(part)
+            if len(sub) == 1 or (len(sub) <= share and (b - a) >= min_slice * len(sub)):
+                sub_ends = np.append(sub[1:], b - a)
+                ops.extend(RowOp(OpKind.SLICE, int(d[a + x]), int(part[x]), int(y - x))
+                           for x, y in zip(sub.tolist(), sub_ends.tolist(), strict=True))
+            else:
+                ops.append(RowOp(OpKind.GATHER, int(d[a]), length=b - a, src_index=part))
+        return ops
+    order = np.argsort(src, kind="stable")
+    d, s = dst[order], src[order]
+    starts = run_starts(s)
+    if len(starts) <= max_ops:
+        ends = np.append(starts[1:], n)
+        return [RowOp(OpKind.SCATTER, src_start=int(s[a]), length=b - a, dst_index=d[a:b])
+                for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
+    return [RowOp(OpKind.GENERAL, length=n, dst_index=dst, src_index=src)]
+
+
+def _plan_of(dst: Rows, src: Rows, dst_subset: Rows | None = None) -> list[RowOp]:
+    """:func:`plan_rows` of ``dst`` (restricted to ``dst_subset`` when given) and ``src``."""
+    return plan_rows(dst if dst_subset is None else dst[dst_subset], src)
+
+
+def _apply(ops: Sequence[RowOp], dst: torch.Tensor, src: torch.Tensor) -> None:
+    for op in ops:
+        op.apply(dst, src)
 
 
 def _widest_view(t: torch.Tensor) -> torch.Tensor:
@@ -99,13 +254,6 @@ def _widest_view(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _gather_into(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
-    if src.device == out.device:
-        torch.index_select(src, 0, index, out=out)
-    else:
-        out.copy_(src.index_select(0, index), non_blocking=True)
-
-
 def _synchronize(devices: set[torch.device]) -> None:
     for d in devices:
         if d.type == "cuda":
@@ -113,16 +261,17 @@ def _synchronize(devices: set[torch.device]) -> None:
 
 
 class _Units:
-    """One slot mapping prepared for a device: token slots, and page ids when aligned."""
+    """One task's slot mapping: token slots, and page ids when aligned; row plans
+    computed once per task and reused for every plane, rank and device."""
 
-    def __init__(self, slots: torch.Tensor, pages: torch.Tensor | None, tpb: int,
-                 device: torch.device) -> None:
+    def __init__(self, slots: torch.Tensor, pages: torch.Tensor | None, tpb: int) -> None:
         self.tpb = tpb
-        self.tokens = slots.to(device)
-        self.pages = pages.to(device) if pages is not None else None
+        self.tokens = slots.numpy()
+        self.pages = pages.numpy() if pages is not None else None
+        self._plans: dict[tuple[str, int], list[RowOp]] = {}
 
     def pick(self, plane: torch.Tensor, paged: bool = False,
-             ) -> tuple[torch.Tensor, torch.Tensor, int]:
+             ) -> tuple[torch.Tensor, Rows, int]:
         """``(plane as rows of one unit, unit index, units per block)`` for ``plane``
         (``paged``: its rows are pages already)."""
         if paged:
@@ -133,29 +282,25 @@ class _Units:
             return plane[: n * self.tpb].view(n, -1), self.pages, 1
         return plane, self.tokens, self.tpb
 
-
-class _Subsets:
-    """Unit indices restricted to some block positions, computed once per index."""
-
-    def __init__(self, positions: Sequence[int]) -> None:
-        self.positions = positions
-        self._cache: dict[tuple[int, int], torch.Tensor] = {}
-
-    def of(self, index: torch.Tensor, units: int) -> torch.Tensor:
-        key = (id(index), units)  # the indexes live as long as this object
-        got = self._cache.get(key)
+    def plan(self, key: str, units: int, build: Callable[[], list[RowOp]]) -> list[RowOp]:
+        """The row plan ``key`` for ``units`` rows per block, built once."""
+        got = self._plans.get((key, units))
         if got is None:
-            got = self._cache[key] = index[unit_rows(self.positions, units).to(index.device)]
+            got = self._plans[(key, units)] = build()
         return got
 
 
 class BlockCopier:
     """Moves KV between engine buffers, the CPU tier and the SSD tier of one stage."""
 
-    def __init__(self, layout: KVLayout, cpu: CpuTier, ssd: SsdTier | None) -> None:
+    def __init__(self, layout: KVLayout, cpu: CpuTier, ssd: SsdTier | None,
+                 lanes: int = 1) -> None:
+        """``lanes``: threads that share the planes of one CPU copy of at least
+        :data:`LANE_MIN_BYTES` (:mod:`.lanes`); 1 copies plane after plane."""
         self.layout = layout
         self.cpu = cpu
         self.ssd = ssd
+        self.lanes = lanes
         self._local = threading.local()
         #: Called with the copy's abort event (or None) at every checkpoint, before
         #: the event is checked: a seam for tests that need a copy paused mid-way.
@@ -169,8 +314,7 @@ class BlockCopier:
         if abort is not None and abort.is_set():
             raise CopyAborted("copy stopped on request; the bytes it wrote are undefined")
 
-    def _units(self, buffers: Mapping[int, RegisteredBuffers], slots: torch.Tensor,
-               ) -> dict[torch.device, _Units]:
+    def _units(self, slots: torch.Tensor) -> _Units:
         tpb = self.layout.tokens_per_block
         pages = page_index(slots, tpb)
         if pages is None and self.layout.name.paged and len(slots):
@@ -179,13 +323,21 @@ class BlockCopier:
                 f"not form whole, aligned pages of {tpb} (slot = block * {tpb} + offset); "
                 "pass every slot of each block, in order"
             )
-        return {d: _Units(slots, pages, tpb, d) for d in {b.device for b in buffers.values()}}
+        return _Units(slots, pages, tpb)
 
     def _region(self, stored_rank: int, plane: int, dtype: torch.dtype, units: int,
                 ) -> torch.Tensor:
         """The CPU region of ``plane`` as rows of one unit (``units`` rows per block)."""
         region = self.cpu.region(stored_rank, plane).view(dtype)
         return region.view(self.cpu.num_blocks * units, -1)
+
+    def _run(self, items: list[Callable[[], None]], devices: set[torch.device],
+             nbytes: int, abort: threading.Event | None) -> None:
+        """Run one item per plane, checking ``abort`` before each; over several lanes
+        when every buffer is a CPU tensor and the copy moves ``LANE_MIN_BYTES`` or more."""
+        cpu_only = all(d.type == "cpu" for d in devices)
+        lanes = self.lanes if cpu_only and nbytes >= LANE_MIN_BYTES else 1
+        run_items(items, lanes, functools.partial(self._checkpoint, abort))
 
     def store(
         self, buffers: Mapping[int, RegisteredBuffers], blocks: Sequence[int],
@@ -195,30 +347,21 @@ class BlockCopier:
 
         Raises :class:`CopyAborted` (blocks undefined) once ``abort`` is set."""
         lay = self.layout
-        runs = block_runs(range(len(blocks)), blocks)
-        gathered = len(runs) > MAX_RUNS
-        prepared = self._units(buffers, slots)
-        rows: dict[int, torch.Tensor] = {}
+        units = self._units(slots)
+        devices = {buffers[r].device for r in range(lay.stored_ranks)}
+        items: list[Callable[[], None]] = []
         try:
             for r in range(lay.stored_ranks):
                 buf = buffers[r]
-                units = prepared[buf.device]
                 for p in range(lay.num_planes):
                     src, idx, u = units.pick(_widest_view(buf.planes[p]), buf.paged)
                     region = self._region(r, p, src.dtype, u)
-                    if not gathered:
-                        for pos, b0, n in runs:
-                            self._checkpoint(abort)
-                            _gather_into(src, idx[pos * u : (pos + n) * u],
-                                         region[b0 * u : (b0 + n) * u])
-                    else:
-                        self._checkpoint(abort)
-                        if u not in rows:
-                            rows[u] = unit_rows(blocks, u)
-                        region.index_copy_(0, rows[u],
-                                           src.index_select(0, idx).to(region.device))
+                    ops = units.plan("store", u, functools.partial(
+                        _plan_of, unit_rows(blocks, u), idx))
+                    items.append(functools.partial(_apply, ops, region, src))
+            self._run(items, devices, len(blocks) * lay.bytes_per_block, abort)
         finally:
-            _synchronize(set(prepared))
+            _synchronize(devices)
 
     def load(
         self,
@@ -234,58 +377,48 @@ class BlockCopier:
         device is synchronised first, so nothing writes the slots afterwards."""
         cpu_pos = [i for i, loc in enumerate(locations) if loc.tier is Tier.CPU]
         ssd_pos = [i for i, loc in enumerate(locations) if loc.tier is Tier.SSD]
-        prepared = self._units(buffers, slots)
+        units = self._units(slots)
         try:
             if cpu_pos:
                 self._load_cpu(buffers, cpu_pos, [locations[i].index for i in cpu_pos],
-                               prepared, abort)
+                               units, abort)
             ssd_blk = [locations[i].index for i in ssd_pos]
-            if ssd_pos and not self._load_ssd_direct(buffers, ssd_pos, ssd_blk, prepared,
+            if ssd_pos and not self._load_ssd_direct(buffers, ssd_pos, ssd_blk, units,
                                                      abort):
                 step = max(1, STAGING_BYTES // self.layout.bytes_per_block)
                 for c in range(0, len(ssd_pos), step):
                     self._load_ssd(buffers, ssd_pos[c : c + step], ssd_blk[c : c + step],
-                                   prepared, abort)
+                                   units, abort)
         finally:
-            _synchronize(set(prepared))
+            _synchronize({b.device for b in buffers.values()})
 
     def _load_cpu(
         self,
         buffers: Mapping[int, RegisteredBuffers],
         positions: Sequence[int],
         blocks: Sequence[int],
-        prepared: dict[torch.device, _Units],
+        units: _Units,
         abort: threading.Event | None,
     ) -> None:
         lay = self.layout
-        runs = block_runs(positions, blocks)
-        gathered = len(runs) > MAX_RUNS
-        rows: dict[int, torch.Tensor] = {}
-        subsets = _Subsets(positions)
+        items: list[Callable[[], None]] = []
         for rank, buf in buffers.items():
             sr = 0 if lay.is_mla else rank
-            units = prepared[buf.device]
             for p in range(lay.num_planes):
                 dst, idx, u = units.pick(_widest_view(buf.planes[p]), buf.paged)
                 region = self._region(sr, p, dst.dtype, u)
-                if not gathered:
-                    for pos, b0, n in runs:
-                        self._checkpoint(abort)
-                        dst.index_copy_(0, idx[pos * u : (pos + n) * u],
-                                        region[b0 * u : (b0 + n) * u].to(dst.device))
-                else:
-                    self._checkpoint(abort)
-                    if u not in rows:
-                        rows[u] = unit_rows(blocks, u)
-                    dst.index_copy_(0, subsets.of(idx, u),
-                                    region.index_select(0, rows[u]).to(dst.device))
+                ops = units.plan("load_cpu", u, functools.partial(
+                    _plan_of, idx, unit_rows(blocks, u), unit_rows(positions, u)))
+                items.append(functools.partial(_apply, ops, dst, region))
+        nbytes = len(blocks) * lay.bytes_per_block * (len(buffers) if lay.is_mla else 1)
+        self._run(items, {b.device for b in buffers.values()}, nbytes, abort)
 
     def _load_ssd_direct(
         self,
         buffers: Mapping[int, RegisteredBuffers],
         positions: Sequence[int],
         blocks: Sequence[int],
-        prepared: dict[torch.device, _Units],
+        units: _Units,
         abort: threading.Event | None,
     ) -> bool:
         """Read SSD ``blocks`` straight into the engine's pages, one ``preadv`` per block.
@@ -300,8 +433,7 @@ class BlockCopier:
             return False
         if any(b.device.type != "cpu" for b in buffers.values()):
             return False
-        units = prepared.get(torch.device("cpu"))
-        if units is None or units.pages is None:
+        if units.pages is None:
             return False
         tpb = lay.tokens_per_block
         pages = []  # one (num_pages, segment_bytes) byte view per region, in disk order
@@ -326,7 +458,7 @@ class BlockCopier:
         buffers: Mapping[int, RegisteredBuffers],
         positions: Sequence[int],
         blocks: Sequence[int],
-        prepared: dict[torch.device, _Units],
+        units: _Units,
         abort: threading.Event | None,
     ) -> None:
         """Read ``blocks`` into this thread's staging buffer, then scatter them."""
@@ -337,16 +469,18 @@ class BlockCopier:
         arr = staging.numpy()
         for j, b in enumerate(blocks):
             self.ssd.read(b, [arr[k, j].data for k in range(self.cpu.num_regions)])
-        subsets = _Subsets(positions)
+        plans: dict[int, list[RowOp]] = {}  # this chunk's plans (positions differ per chunk)
         for rank, buf in buffers.items():
             sr = 0 if lay.is_mla else rank
-            units = prepared[buf.device]
             for p in range(lay.num_planes):
                 dst, idx, u = units.pick(_widest_view(buf.planes[p]), buf.paged)
                 k = sr * lay.num_planes + p
                 data = staging[k, : len(blocks)].view(dst.dtype).view(len(blocks) * u, -1)
+                if u not in plans:
+                    plans[u] = plan_rows(idx[unit_rows(positions, u)],
+                                         np.arange(len(blocks) * u, dtype=np.int64))
                 self._checkpoint(abort)
-                dst.index_copy_(0, subsets.of(idx, u), data.to(dst.device))
+                _apply(plans[u], dst, data)
 
     def _staging(self, blocks: int) -> torch.Tensor:
         """This worker thread's reusable staging tensor ``(regions, >= blocks, segment_bytes)``

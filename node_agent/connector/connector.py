@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -88,7 +89,10 @@ class Connector:
         self._stats = StreamMetrics(config.group, metrics)
         self._lock = threading.RLock()
         self._role: Role | None = None
-        self._completed = CompletedRids(config.max_completed, self._stats.completed_dropped)
+        self._done = threading.Condition(threading.Lock())
+        """Notified whenever some rid becomes reportable (``wait_completed``)."""
+        self._completed = CompletedRids(config.max_completed, self._stats.completed_dropped,
+                                        self._notify_completed)
         """Rids of ended roles the engine has not polled yet (see ``_end_role``)."""
         self._store: StageStore | None = None
         self._buffers: dict[int, Sequence[Sequence[torch.Tensor]]] = {}
@@ -218,7 +222,7 @@ class Connector:
             backend.register_kv_buffers(r, bufs)
         backend.start()
         return LeaderRole(self.cfg, epoch, backend, followers, self._keys, self._stats,
-                          self._num_slots)
+                          self._num_slots, self._notify_completed)
 
     def _make_follower(self, epoch: int, leader_endpoint: str) -> FollowerRole:
         if self._store is None:
@@ -227,7 +231,7 @@ class Connector:
                 _registrable(store).register_kv_buffers(r, bufs)
             self._store = store
         return FollowerRole(self.cfg, epoch, leader_endpoint, self._store, self._keys,
-                            self._stats, self._num_slots)
+                            self._stats, self._num_slots, self._notify_completed)
 
     def _end_role(self) -> None:
         role, self._role = self._role, None
@@ -345,6 +349,26 @@ class Connector:
         if role is not None:
             out += role.poll_completed()
         return out
+
+    def wait_completed(self, timeout: float) -> list[str]:
+        """Like :meth:`poll_completed`, but waits up to ``timeout`` seconds for a rid
+        to become reportable (``[]`` then): the roles notify a condition when they
+        queue one, so the caller wakes at once, without polling."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        with self._done:
+            # Drained under the condition: a rid queued after the drain notifies
+            # only once this thread waits (the notifier needs the lock), so no
+            # wake-up is lost.
+            while True:
+                out = self.poll_completed()
+                remaining = deadline - time.monotonic()
+                if out or remaining <= 0:
+                    return out
+                self._done.wait(remaining)
+
+    def _notify_completed(self) -> None:
+        with self._done:
+            self._done.notify_all()
 
     def reset(self) -> None:
         """Flush: the leader flushes the whole group; a follower its pending state."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,7 +84,10 @@ class FollowerRole:
         keys: CurveKeys | None,
         stats: StreamMetrics,
         num_slots: int | None,
+        on_completed: Callable[[], None] | None = None,
     ) -> None:
+        """``on_completed()``: called whenever rids become reportable by
+        :meth:`poll_completed` (the connector's completion notification)."""
         self.cfg = cfg
         self.epoch = epoch
         self.store = store
@@ -106,7 +110,8 @@ class FollowerRole:
         until the leader's RESULT: their rids go to ``poll_completed`` then."""
         self._missed: OrderedDict[str, None] = OrderedDict()
         """Rids whose last lookup answered 0: their retrieve answers 0 (a miss)."""
-        self._completed = CompletedRids(cfg.max_completed, stats.completed_dropped)
+        self._completed = CompletedRids(cfg.max_completed, stats.completed_dropped,
+                                        on_completed)
         self.stream = FollowerStream(
             cfg.group, cfg.pp_rank, keys, stats, apply=self._apply,
             on_unsynced=self._on_unsynced, on_dropped=self._on_dropped,

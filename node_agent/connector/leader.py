@@ -23,6 +23,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -108,7 +109,10 @@ class LeaderRole:
         keys: CurveKeys | None,
         stats: StreamMetrics,
         num_slots: int | None,
+        on_completed: Callable[[], None] | None = None,
     ) -> None:
+        """``on_completed()``: called whenever rids become reportable by
+        :meth:`poll_completed` (the connector's completion notification)."""
         self.cfg = cfg
         self.epoch = epoch
         self.backend = backend
@@ -118,9 +122,12 @@ class LeaderRole:
         self._state = threading.Lock()
         self._puts: dict[int, _Put] = {}
         self._gets: OrderedDict[str, _Get] = OrderedDict()
-        self._completed = CompletedRids(cfg.max_completed, stats.completed_dropped)
+        self._completed = CompletedRids(cfg.max_completed, stats.completed_dropped,
+                                        on_completed)
         self._calls = DecisionNumbers()
         self._wake = threading.Event()
+        # A copy that ends wakes the reaper at once (it also looks every few ms).
+        backend.set_completion_listener(self._wake.set)
         self._stop = threading.Event()
         self._stats = stats
         self.newer_epoch: int | None = None
@@ -234,18 +241,19 @@ class LeaderRole:
 
     def _reap_loop(self) -> None:
         while not self._stop.is_set():
+            # Cleared before looking, so a wake-up (a finished copy, an ack) that
+            # arrives while this step runs makes the next wait return at once.
+            self._wake.clear()
             with self._state:
                 pending = list(self._puts.values())
             if not pending:
                 self._wake.wait(0.05)
-                self._wake.clear()
                 continue
             try:
                 self._reap(pending)
             except Exception:  # keep finishing the other puts; the deadline still holds
                 log.exception("Leader reaper step failed", extra={"group": self.cfg.group})
             self._wake.wait(0.002)
-            self._wake.clear()
 
     def _reap(self, pending: list[_Put]) -> None:
         live = [t.task_id for t in pending if t.local is None]
@@ -531,6 +539,7 @@ class LeaderRole:
         """Stop the reaper and the stream; shut the backend down."""
         self._stop.set()
         self._wake.set()
+        self.backend.set_completion_listener(None)
         if self._reaper.is_alive():
             # Bounded by the reaper's longest step (wait, cancel, wait) so that
             # take_unreported sees every put it did not finish.

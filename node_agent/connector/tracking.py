@@ -386,19 +386,25 @@ class CompletedRids:
     :attr:`dropped` counts them. Thread-safe.
     """
 
-    def __init__(self, limit: int, on_drop: Callable[[], None] | None = None) -> None:
+    def __init__(self, limit: int, on_drop: Callable[[], None] | None = None,
+                 on_add: Callable[[], None] | None = None) -> None:
+        """``on_add()`` is called (outside the lock) after every :meth:`add` that
+        queued a rid: the completion notification of whoever waits for rids."""
         if limit < 1:
             raise ValueError(f"CompletedRids limit={limit!r} must be >= 1")
         self._lock = threading.Lock()
         self._rids: deque[str] = deque()
         self._limit = limit
         self._on_drop = on_drop
+        self._on_add = on_add
         self.dropped = 0
 
     def add(self, rids: Iterable[str]) -> None:
         """Queue ``rids`` in order, dropping the oldest beyond the limit."""
         with self._lock:
+            before = len(self._rids)
             self._rids.extend(rids)
+            added = len(self._rids) > before
             over = len(self._rids) - self._limit
             for _ in range(max(over, 0)):
                 self._rids.popleft()
@@ -407,6 +413,8 @@ class CompletedRids:
         if over > 0 and self._on_drop is not None:
             for _ in range(over):
                 self._on_drop()
+        if added and self._on_add is not None:
+            self._on_add()
 
     def drain(self) -> list[str]:
         """Every queued rid, oldest first; the queue is then empty."""

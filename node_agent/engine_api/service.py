@@ -17,9 +17,10 @@ Contract of the operations (``rank`` identifies the calling engine rank):
   the KV of every TP rank of the stage (other ranks get ``ValueError``). A rank
   that has not registered gets ``NotReady`` (the client re-registers and retries
   once).
-* ``wait_completed`` is ``poll_completed`` repeated inside the agent until it
-  reports a rid or ``timeoutMs`` (at most ``MAX_WAIT_MS``) passes: the engine's
-  completion notification, without a socket round trip per poll.
+* ``wait_completed`` waits inside the agent on the connector's completion
+  condition until a rid is reportable or ``timeoutMs`` (at most ``MAX_WAIT_MS``)
+  passes: the engine's completion notification, without a socket round trip or
+  a poll loop.
 * ``ping`` and ``status`` answer without touching a stage.
 """
 
@@ -49,6 +50,7 @@ class Connector(Protocol):
     def retrieve(self, rid: str, slot_mapping: Any) -> int: ...
     def release(self, rid: str) -> None: ...
     def poll_completed(self) -> list[str]: ...
+    def wait_completed(self, timeout: float) -> list[str]: ...
     def reset(self) -> None: ...
     def close(self) -> None: ...
     def status(self) -> dict[str, Any]: ...
@@ -56,21 +58,13 @@ class Connector(Protocol):
 
 
 def wait_completed(conn: Connector, timeout_ms: int) -> list[str]:
-    """``poll_completed`` repeated inside the agent until it reports a rid or
-    ``timeout_ms`` passes (``[]`` then): the engine learns of a finished store
-    within a fraction of a millisecond without a socket round trip per poll.
-    Raises ``ValueError`` for a timeout outside ``0..MAX_WAIT_MS``."""
+    """The connector's ``wait_completed``: rids reported as soon as one becomes
+    reportable (the connector's roles notify it; no polling), or ``[]`` after
+    ``timeout_ms``. Raises ``ValueError`` for a timeout outside ``0..MAX_WAIT_MS``."""
     if not 0 <= timeout_ms <= protocol.MAX_WAIT_MS:
         raise ValueError(f"wait_completed: timeoutMs {timeout_ms} is not in "
                          f"0..{protocol.MAX_WAIT_MS}; wait longer by calling again")
-    deadline = time.monotonic() + timeout_ms / 1000
-    pause = 0.00005
-    while True:
-        done = conn.poll_completed()
-        if done or time.monotonic() >= deadline:
-            return [str(r) for r in done]
-        time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
-        pause = min(pause * 1.5, 0.0005)
+    return [str(r) for r in conn.wait_completed(timeout_ms / 1000)]
 
 
 @dataclass(frozen=True)

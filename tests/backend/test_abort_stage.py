@@ -98,7 +98,7 @@ def test_many_runs_copy_checks_the_abort_per_plane(
     st.execute(TransferPlan(Direction.STORE, tuple(BlockLocation(Tier.CPU, i)
                                                    for i in range(8))),
                np.arange(8 * TPB), timeout=5)
-    order = [7, 6, 5, 4, 3, 2, 1, 0, 7]  # 9 runs: above MAX_RUNS, one gathered copy per plane
+    order = [7, 6, 5, 4, 3, 2, 1, 0, 7]  # 9 one-block runs: gathered, one op per plane
     plan = TransferPlan(Direction.LOAD, tuple(BlockLocation(Tier.CPU, i) for i in order))
     slots = np.arange(20, 20 + len(order) * TPB)
     before = planes(bufs, slots)

@@ -27,7 +27,7 @@ def _run(script: str, *args: str, tmp: Path) -> list[dict[str, object]]:
 
 def test_transfer_bench_rows(tmp_path: Path) -> None:
     rows = _run("transfer.py", "--tokens", "64", "--ssd-tokens", "32", "--layers", "2",
-                "--heads", "2", "--head-size", "16", "--repeat", "1",
+                "--heads", "2", "--head-size", "16", "--repeat", "1", "--cpu-rounds", "3",
                 "--ssd-dir", str(tmp_path), tmp=tmp_path)
     assert [(r["row"], r.get("slots")) for r in rows] == [
         ("cpu_store", "pages"), ("cpu_load", "pages"), ("cpu_store", "tokens"),
@@ -36,7 +36,12 @@ def test_transfer_bench_rows(tmp_path: Path) -> None:
         assert r["bench"] == "transfer"
         assert {"gb_per_s", "baseline_gb_per_s", "ratio", "bytes"} <= set(r)
         assert float(r["ratio"]) > 0  # type: ignore[arg-type]
-    assert rows[0]["goal_ratio"] == 0.8 and isinstance(rows[0]["goal_met"], bool)
+    assert rows[0]["goal_ratio"] == 0.9 and isinstance(rows[0]["goal_met"], bool)
+    assert rows[2]["goal_ratio"] == 0.8
+    for r in rows[:4]:  # interleaved rounds: one ratio per round, the median reported
+        ratios = r["round_ratios"]
+        assert isinstance(ratios, list) and len(ratios) == 3
+        assert r["ratio"] == ratios[1] and len(r["loadavg"]) == 3  # type: ignore[arg-type]
 
 
 def test_match_bench_rows(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from backend_helpers import config, small_layout
 from node_agent.backend.layout import KVDtype, KVLayout
 from node_agent.backend.replication import BlockLocation, Direction, Tier, TierMove, TransferPlan
 from node_agent.backend.stage_store import TierStore
-from node_agent.backend.transfer import MAX_RUNS, block_runs, page_index
+from node_agent.backend.transfer import MAX_SEGMENTS, page_index
 
 
 def _random_bytes_buffers(layout: KVLayout, slots: int, seed: int) -> list[list[torch.Tensor]]:
@@ -34,11 +34,6 @@ def _random_bytes_buffers(layout: KVLayout, slots: int, seed: int) -> list[list[
 def _rows(bufs: list[list[torch.Tensor]], slots: np.ndarray) -> list[torch.Tensor]:
     idx = torch.as_tensor(slots)
     return [t.index_select(0, idx).contiguous().view(torch.uint8) for g in bufs for t in g]
-
-
-def test_block_runs_split_where_positions_or_blocks_jump() -> None:
-    assert block_runs([0, 1, 2, 3], [5, 6, 9, 10]) == [(0, 5, 2), (2, 9, 2)]
-    assert block_runs([0, 2], [1, 2]) == [(0, 1, 1), (2, 2, 1)]
 
 
 def test_page_index_only_for_aligned_consecutive_blocks() -> None:
@@ -64,11 +59,12 @@ def test_scattered_and_mixed_tier_plans_round_trip(tmp_path: Path, head_size: in
                                                    dtype: KVDtype, style: str) -> None:
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_size=head_size, dtype=dtype,
                       tokens_per_block=4)
-    st = TierStore(config(layout, cpu_blocks=32, ssd_blocks=8, ssd_dir=tmp_path))
+    st = TierStore(config(layout, cpu_blocks=2 * (MAX_SEGMENTS + 4), ssd_blocks=8,
+                          ssd_dir=tmp_path))
     bufs = _random_bytes_buffers(layout, 256, 0)
     st.register_kv_buffers(0, bufs)
     tpb = layout.tokens_per_block
-    scattered = [BlockLocation(Tier.CPU, b) for b in range(0, 2 * (MAX_RUNS + 4), 2)]
+    scattered = [BlockLocation(Tier.CPU, b) for b in range(0, 2 * (MAX_SEGMENTS + 4), 2)]
     rng = np.random.default_rng(1)
     src = _slots(style, rng, len(scattered), tpb, 0, 128)
     st.execute(TransferPlan(Direction.STORE, tuple(scattered)), src, timeout=10)
