@@ -2,8 +2,9 @@
 
 One I/O thread owns the socket: it receives, decodes and schema-checks every
 request (:mod:`.protocol`), answers the ``inline_ops`` (``ping``: no stage, no
-blocking) itself, and hands every other call to a bounded thread pool, because
-connector calls block (transfers, fan-out waits). A worker queues its reply and
+blocking) and the calls ``inline`` picks (a single-stage group's ``lookup`` and
+``release``: short locks only) itself, and hands every other call to a bounded
+thread pool, because connector calls block (transfers, fan-out waits). A worker queues its reply and
 wakes the I/O thread through a pipe; the I/O thread sends it. Keeping the socket
 off the asyncio loop (shared with HTTP and the heartbeat) and off worker threads
 makes a ping cost about one pyzmq round trip plus decoding. The connector's own
@@ -114,7 +115,10 @@ class EngineServer:
     """Serves engine requests on ``endpoint`` (``ipc://<path>``) with ``service``.
 
     ``inline_ops`` names operations that never block (``ping``): the I/O thread
-    answers them itself, without the hop to a worker thread."""
+    answers them itself, without the hop to a worker thread. ``inline(req)``,
+    when given, picks further requests to answer there (the service knows
+    which calls of which stage wait only for short locks); it must be cheap
+    and must not raise."""
 
     name = "engine_api"
 
@@ -128,6 +132,7 @@ class EngineServer:
         max_workers: int = 8,
         max_inflight: int | None = None,
         inline_ops: frozenset[str] = frozenset(),
+        inline: Callable[[protocol.Request], bool] | None = None,
     ) -> None:
         if not endpoint.startswith("ipc://"):
             raise ValueError(f"engine endpoint {endpoint!r} must be ipc://<path>")
@@ -138,6 +143,7 @@ class EngineServer:
         self._timeout = call_timeout
         self._errors = errors
         self._inline_ops = inline_ops
+        self._inline = inline
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="engine-call")
         self.max_inflight = max_inflight if max_inflight is not None else 4 * max_workers
         self.refused_busy = 0
@@ -265,7 +271,7 @@ class EngineServer:
             self._finish(ident, "invalid", protocol.peek_id(frames), start,
                          *self._error_reply("invalid", protocol.peek_id(frames), exc))
             return
-        if req.op in self._inline_ops:
+        if req.op in self._inline_ops or (self._inline is not None and self._inline(req)):
             try:
                 reply, outcome = protocol.encode_reply(req.id, self._service(req)), "ok"
             except Exception as exc:
