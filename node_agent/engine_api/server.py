@@ -57,6 +57,9 @@ from node_agent.metrics import AgentMetrics
 log = logging.getLogger(__name__)
 
 Service = Callable[[protocol.Request], Any]
+# Plain ints: pyzmq's IntFlag constants cost an enum operation per use on the hot path.
+_RCVMORE = int(zmq.RCVMORE)
+_NOBLOCK = int(zmq.NOBLOCK)
 _RCVHWM = 256
 """Messages libzmq queues for the server (beyond it, senders block or drop)."""
 
@@ -231,18 +234,19 @@ class EngineServer:
         return max(0, min(100, math.ceil((first - time.monotonic()) * 1000)))
 
     def _drain_requests(self, sock: zmq.Socket[bytes]) -> None:
-        """Serve every message queued on the socket (at most a burst of 64)."""
-        for _ in range(64):
-            # EVENTS instead of a failing NOBLOCK receive: zmq.Again is costly to raise.
-            if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-                return
-            try:
-                msg = self._recv_bounded(sock)
-            except zmq.Again:
-                return
-            if len(msg) < 2:
-                continue  # ROUTER always prepends the identity; nothing to answer to
-            self._accept(msg[0], msg[1:])
+        """Serve one message: the poll that woke the loop found it queued.
+
+        One per wake-up, not a drained burst: checking for a next message
+        (``EVENTS``) holds the GIL while libzmq processes its command queue,
+        about as long as the poll that does the same check with the GIL
+        released, and a rank's engine sends one call at a time."""
+        try:
+            msg = self._recv_bounded(sock)
+        except zmq.Again:
+            return  # a spurious wake-up
+        if len(msg) < 2:
+            return  # ROUTER always prepends the identity; nothing to answer to
+        self._accept(msg[0], msg[1:])
 
     @staticmethod
     def _recv_bounded(sock: zmq.Socket[bytes]) -> list[bytes]:
@@ -250,9 +254,9 @@ class EngineServer:
         past ``MAX_FRAMES`` and one frame past ``MAX_MESSAGE_BYTES`` (enough for the
         decoder to name the excess); further frames are read and dropped, never kept.
         libzmq delivers a message whole, so the frames after the first are there."""
-        kept = [sock.recv(zmq.NOBLOCK)]
+        kept = [sock.recv(_NOBLOCK)]
         total = 0
-        while sock.getsockopt(zmq.RCVMORE):
+        while sock.getsockopt(_RCVMORE):
             frame = sock.recv()
             # kept[0] is the peer identity; the decoder limits the rest.
             if len(kept) <= protocol.MAX_FRAMES + 1 and total <= protocol.MAX_MESSAGE_BYTES:
