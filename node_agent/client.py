@@ -52,6 +52,8 @@ from node_agent.engine_api import protocol
 from node_agent.engine_api.buffers import CREATED_HERE, cuda_handle, dtype_name
 from node_agent.engine_api.protocol import array_length, bool_array, int64_array, layout_to_wire
 
+_NOBLOCK = int(zmq.NOBLOCK)
+_RCVMORE = int(zmq.RCVMORE)
 SOCKET_CHECK_SECONDS = 0.1
 """A connected client checks that the agent's socket file exists at most this often."""
 
@@ -186,7 +188,10 @@ class EngineClient:
             frames = protocol.encode_request(req_id, op, args, arrays)
             sock = self._socket()
             try:
-                sock.send_multipart(frames, flags=zmq.NOBLOCK)
+                if len(frames) == 1:
+                    sock.send(frames[0], _NOBLOCK)
+                else:
+                    sock.send_multipart(frames, flags=_NOBLOCK)
             except zmq.Again:
                 self._reset_socket()
                 raise AgentUnavailableError(
@@ -204,7 +209,9 @@ class EngineClient:
                     if wait_ms != self._rcvtimeo:
                         sock.setsockopt(zmq.RCVTIMEO, wait_ms)
                         self._rcvtimeo = wait_ms
-                    got = sock.recv_multipart()
+                    got = [sock.recv()]
+                    while sock.getsockopt(_RCVMORE):
+                        got.append(sock.recv())
                 except zmq.Again:
                     # A late reply would be matched to a later call: start afresh.
                     self._reset_socket()
