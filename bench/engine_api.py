@@ -234,8 +234,8 @@ def bench_ping(client: EngineClient, work: Path, samples: int) -> None:
     process, the engine-to-agent topology (two processes, a libzmq I/O thread
     each), and one in a thread of this process, sharing one libzmq context with
     its dealer (one I/O thread for both ends: the cheapest ipc round trip
-    pyzmq makes). The three are alternated in batches of 25 so that background
-    load hits them alike."""
+    pyzmq makes). The three alternate call by call so that background load
+    hits them alike."""
     import threading
 
     import zmq
@@ -279,15 +279,12 @@ def bench_ping(client: EngineClient, work: Path, samples: int) -> None:
         client.ping()
         bare(dealer, None)
         bare(pdealer, None)
-    while len(ours) < samples:
-        for _ in range(25):
-            t0 = time.perf_counter()
-            client.ping()
-            ours.append(time.perf_counter() - t0)
-        for _ in range(25):
-            bare(pdealer, base_proc)
-        for _ in range(25):
-            bare(dealer, base)
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        client.ping()
+        ours.append(time.perf_counter() - t0)
+        bare(pdealer, base_proc)
+        bare(dealer, base)
     pdealer.send_multipart([b"stop"])
     echo_proc.wait(timeout=10)
     stop.set()
@@ -317,6 +314,7 @@ def main() -> int:
     tokens = 2048 if not args.quick else 256
     rounds = 12 if not args.quick else 3
     samples = 300 if not args.quick else 30
+    ping_samples = 2000 if not args.quick else 100
     cpu_bytes = (rounds + 4) * tokens * layout.bytes_per_token
     work = Path(tempfile.mkdtemp(prefix="fkv-bench-"))
     proc, sock, _ = start_agent(work, layout, cpu_bytes)
@@ -328,7 +326,7 @@ def main() -> int:
             planes.copy_(torch.randn(planes.shape).to(planes.dtype))
         bench_bandwidth(client, bufs, layout, tokens, rounds)
         bench_lookup(client, bufs, layout, cpu_bytes, tokens, samples)
-        bench_ping(client, work, samples)
+        bench_ping(client, work, ping_samples)
     finally:
         client.close()
         bufs.close()
