@@ -15,8 +15,11 @@ through :class:`node_agent.client.EngineClient` and then measures
 * ``lookup``: p50/p99 of a fully hit ``lookup`` + ``release`` through the
   socket; baseline: the same calls on an in-process connector holding the same
   blocks (what the engine would pay with the connector linked in);
-* ``ping``: p50/p99 of the agent's ``ping`` (transport, decoding, the worker
-  thread hop); baseline: a bare pyzmq DEALER/ROUTER echo on an ipc socket.
+* ``ping``: p50/p99 of the agent's ``ping`` (transport, decoding; the agent's
+  socket thread answers it itself); baselines: a bare pyzmq DEALER/ROUTER echo
+  on an ipc socket in its own process (the engine-to-agent topology) and one in
+  a thread of this process (one libzmq context for both ends), alternated call
+  by call with ours.
 
 Ratios are ours / baseline for bandwidth (higher is better) and baseline / ours
 for latency (the share of the socket round trip's cost; higher is better).
