@@ -215,11 +215,22 @@ async def test_cache_epoch_bump_in_config_file_flushes_the_cache(work: Path) -> 
             await stored(client, "a")
             assert await asyncio.to_thread(client.lookup, "b", tokens) == 16
             await asyncio.to_thread(client.release, "b")
+            # While the reset holds the stage's locks, its calls take worker
+            # threads instead of the engine socket's I/O thread.
+            [stage] = ra.agent.service.stages.values()
+            real_reset, seen = stage.connector.reset, []
+
+            def watched_reset() -> None:
+                seen.append(stage.inline_ops)
+                real_reset()
+
+            stage.connector.reset = watched_reset  # type: ignore[method-assign]
             path.write_text(yaml.safe_dump({**data, "cacheEpoch": 1}))
             deadline = asyncio.get_running_loop().time() + 10
             while (await ra.get("/status")).json()["cacheEpoch"] != 1:
                 assert asyncio.get_running_loop().time() < deadline, "epoch not applied"
                 await asyncio.sleep(0.05)
+            assert seen == [frozenset()] and stage.inline_ops == INLINE_CANDIDATES
             assert await asyncio.to_thread(client.lookup, "c", tokens) == 0
     finally:
         client.close()
