@@ -252,7 +252,9 @@ class LeaderStream:
                 self._outbox.append(frame)
                 if len(self._outbox) >= self._max_batch:
                     self._send_outbox()
-                else:
+                elif not self._pending.is_set():
+                    # Once per flusher cycle: setting a set Event still takes its
+                    # lock and notifies, a cost on every message of a burst.
                     self._pending.set()
             return self.seq
 
