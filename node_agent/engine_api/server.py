@@ -4,10 +4,11 @@ One I/O thread owns the socket: it receives, decodes and schema-checks every
 request (:mod:`.protocol`), answers the ``inline_ops`` (``ping``: no stage, no
 blocking) and the calls ``inline`` picks (a single-stage group's ``lookup`` and
 ``release``: short locks only) itself, and hands every other call to a bounded
-thread pool, because connector calls block (transfers, fan-out waits). A worker queues its reply and
-wakes the I/O thread through a pipe; the I/O thread sends it. Keeping the socket
-off the asyncio loop (shared with HTTP and the heartbeat) and off worker threads
-makes a ping cost about one pyzmq round trip plus decoding. The connector's own
+thread pool, because connector calls block (transfers, fan-out waits). A
+worker queues its reply and wakes the I/O thread through a pipe; the I/O
+thread sends it. Keeping the socket off the asyncio loop (shared with HTTP and
+the heartbeat) and off worker threads makes a ping cost about one pyzmq round
+trip plus decoding. The connector's own
 waits end every call inside ``engineCallSeconds`` (:mod:`.budget`);
 ``call_timeout`` is a last resort behind them (``engineCallSeconds`` plus a
 margin): when it runs out the engine gets a ``TimeoutError`` reply and the
