@@ -148,7 +148,7 @@ class Agent:
         budget = call_budget(cfg.timeouts.engine_call_seconds, cfg.timeouts.fanout_wait_seconds)
         self.engine = EngineServer(cfg.engine_endpoint, self.service, self.metrics,
                                    budget.server_timeout_seconds, errors=self.errors,
-                                   inline_ops=frozenset({"ping"}))
+                                   inline_ops=frozenset({"ping"}), inline=self.service.inline)
         period = cfg.heartbeat.retry_period_seconds
         self.groups: FileGroupSource | KubeGroupSource | None = None
         self.heartbeat: LeaseHeartbeat | None = None
@@ -212,7 +212,14 @@ class Agent:
     def flush(self, epoch: int) -> None:
         """Apply a new ``cacheEpoch``: reset every stage's connector (drops all tiers)."""
         for stage in list(self.service.stages.values()):
-            stage.connector.reset()
+            # The reset holds the stage's decision lock while copies stop (up to
+            # the backend's STOP_SECONDS on a hung device): meanwhile the stage's
+            # calls go to worker threads, never block the engine socket's I/O thread.
+            inline, stage.inline_ops = stage.inline_ops, frozenset()
+            try:
+                stage.connector.reset()
+            finally:
+                stage.inline_ops = inline
         log.info("Cache flushed for new epoch", extra={"old": self.cache_epoch, "new": epoch})
         self.cache_epoch = epoch
 

@@ -37,7 +37,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -51,6 +51,11 @@ from node_agent.backend.layout import KVLayout, LayoutName
 from node_agent.engine_api import protocol
 from node_agent.engine_api.buffers import CREATED_HERE, cuda_handle, dtype_name
 from node_agent.engine_api.protocol import array_length, bool_array, int64_array, layout_to_wire
+
+_NOBLOCK = int(zmq.NOBLOCK)
+_RCVMORE = int(zmq.RCVMORE)
+SOCKET_CHECK_SECONDS = 0.1
+"""A connected client checks that the agent's socket file exists at most this often."""
 
 
 class EngineAPIError(RuntimeError):
@@ -106,6 +111,11 @@ class EngineClient:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._registration: dict[str, Any] | None = None
+        self._path_str = str(self.socket_path)
+        self._file_seen = -math.inf
+        """When the socket file was last seen (monotonic); see _check_socket_file."""
+        self._rcvtimeo = -1
+        """The socket's RCVTIMEO as last set (ms)."""
 
     # -- transport -----------------------------------------------------------
 
@@ -121,6 +131,7 @@ class EngineClient:
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
+            self._rcvtimeo = -1
 
     def _call(self, op: str, args: Mapping[str, Any] | None = None,
               arrays: Mapping[str, Any] | None = None, timeout: float | None = None) -> Any:
@@ -136,38 +147,51 @@ class EngineClient:
             self._call_once("register", self._registration, None, deadline, budget)
             return self._call_once(op, args, arrays, deadline, budget)
 
-    @contextlib.contextmanager
-    def _locked(self, op: str, deadline: float, budget: float) -> Iterator[None]:
-        """The client's lock, waited for within the call's deadline."""
+    def _lock_within(self, op: str, deadline: float, budget: float) -> None:
+        """Take the client's lock, waiting at most until ``deadline``."""
         if not self._lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
             raise AgentTimeoutError(
                 f"{op}: another call on this client held it for the whole {budget}s; use one "
                 "client per thread or raise the client timeout"
             )
-        try:
-            yield
-        finally:
-            self._lock.release()
 
-    def _call_once(self, op: str, args: Mapping[str, Any] | None,
-                   arrays: Mapping[str, Any] | None, deadline: float, budget: float) -> Any:
-        if not self.socket_path.exists():
+    def _check_socket_file(self, now: float) -> None:
+        """Raise :class:`AgentUnavailableError` when the agent's socket file is gone.
+
+        A stat per call costs as much as a tenth of a ping, so a connected client
+        looks again only once :data:`SOCKET_CHECK_SECONDS` passed since the file
+        was last seen; a call sent in between to an agent that just went away
+        waits for a restarted agent (libzmq reconnects and delivers it) or ends
+        with :class:`AgentTimeoutError`."""
+        if self._sock is not None and now < self._file_seen + SOCKET_CHECK_SECONDS:
+            return
+        if not os.path.exists(self._path_str):
             raise AgentUnavailableError(
                 f"no flexkv agent at ipc://{self.socket_path}: the socket does not exist. "
                 "Start the agent (flexkv-agent run --config agent.yaml) or point the client at "
                 "the agent's engineSocket"
             )
-        if time.monotonic() >= deadline:
+        self._file_seen = now
+
+    def _call_once(self, op: str, args: Mapping[str, Any] | None,
+                   arrays: Mapping[str, Any] | None, deadline: float, budget: float) -> Any:
+        now = time.monotonic()
+        self._check_socket_file(now)
+        if now >= deadline:
             raise AgentTimeoutError(
                 f"{op}: the call's {budget}s were used up before it could be sent (a "
                 "re-registration took them); retry the call or raise the client timeout"
             )
-        with self._locked(op, deadline, budget):
+        self._lock_within(op, deadline, budget)
+        try:
             req_id = next(self._ids)
             frames = protocol.encode_request(req_id, op, args, arrays)
             sock = self._socket()
             try:
-                sock.send_multipart(frames, flags=zmq.NOBLOCK)
+                if len(frames) == 1:
+                    sock.send(frames[0], _NOBLOCK)
+                else:
+                    sock.send_multipart(frames, flags=_NOBLOCK)
             except zmq.Again:
                 self._reset_socket()
                 raise AgentUnavailableError(
@@ -179,9 +203,15 @@ class EngineClient:
                 try:
                     if left <= 0:
                         raise zmq.Again
-                    # A blocking receive bounded by RCVTIMEO: no poller built per call.
-                    sock.setsockopt(zmq.RCVTIMEO, int(left * 1000) + 1)
-                    got = sock.recv_multipart()
+                    # A blocking receive bounded by RCVTIMEO (no poller built per
+                    # call); the option is set only when the bound changes.
+                    wait_ms = int(left * 1000) + 1
+                    if wait_ms != self._rcvtimeo:
+                        sock.setsockopt(zmq.RCVTIMEO, wait_ms)
+                        self._rcvtimeo = wait_ms
+                    got = [sock.recv()]
+                    while sock.getsockopt(_RCVMORE):
+                        got.append(sock.recv())
                 except zmq.Again:
                     # A late reply would be matched to a later call: start afresh.
                     self._reset_socket()
@@ -192,6 +222,8 @@ class EngineClient:
                 reply = protocol.decode_reply(got)
                 if reply.id == req_id or reply.id is None:
                     break
+        finally:
+            self._lock.release()
         if reply.ok:
             return reply.result
         etype, msg = reply.error_type or "InternalError", reply.error_message or ""

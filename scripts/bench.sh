@@ -12,6 +12,7 @@ mkdir -p out
 : > out/bench.jsonl
 for b in transfer match fanout engine_api operator vllm_ttft; do
   echo "== bench/$b.py $*" >&2
-  python "bench/$b.py" "$@" | tee -a out/bench.jsonl
+  # -P: bench/ is not put on sys.path (bench/operator.py would shadow the stdlib module)
+  python -P "bench/$b.py" "$@" | tee -a out/bench.jsonl
 done
 echo "Results in out/bench.jsonl" >&2

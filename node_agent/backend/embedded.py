@@ -85,6 +85,8 @@ class EmbeddedBackend(ReplicatedBackend):
         self.config = config
         self.tokens_per_block = config.tokens_per_block
         self._metrics = metrics
+        self._gauges_set: tuple[tuple[int, int], ...] | None = None
+        """Tier gauge values last set (``_update_gauges`` skips unchanged ones)."""
         self._clock = clock
         self._hasher = BlockHasher(config.tokens_per_block, config.hash_algorithm)
         self._lock = threading.Lock()
@@ -707,10 +709,17 @@ class EmbeddedBackend(ReplicatedBackend):
             self._metrics.match_seconds.labels(op=op).observe(time.perf_counter() - t0)
 
     def _update_gauges(self) -> None:
+        """Set the tier gauges; skipped when no tier's size or use changed (most
+        matches and cancels), which keeps label look-ups off the lookup path."""
         m, index = self._metrics, self._index
         if m is None or index is None:
             return
         bpb = self.config.layout.bytes_per_block
-        for tier in (Tier.CPU, Tier.SSD):
-            m.tier_capacity_bytes.labels(tier=tier.value).set(index.capacity[tier] * bpb)
-            m.tier_used_bytes.labels(tier=tier.value).set(index.used(tier) * bpb)
+        values = tuple((index.capacity[tier] * bpb, index.used(tier) * bpb)
+                       for tier in (Tier.CPU, Tier.SSD))
+        if values == self._gauges_set:
+            return
+        self._gauges_set = values
+        for tier, (capacity, used) in zip((Tier.CPU, Tier.SSD), values, strict=True):
+            m.tier_capacity_bytes.labels(tier=tier.value).set(capacity)
+            m.tier_used_bytes.labels(tier=tier.value).set(used)

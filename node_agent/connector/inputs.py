@@ -16,7 +16,7 @@ applies a leader decision only to its own call of the same rid, kind and digest.
 from __future__ import annotations
 
 import functools
-import hashlib
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
@@ -24,6 +24,7 @@ from typing import ParamSpec, TypeVar
 import numpy as np
 import numpy.typing as npt
 import torch
+import xxhash
 
 from node_agent.backend.inputs import mask_span
 from node_agent.backend.slots import validate_slot_mapping
@@ -106,15 +107,19 @@ _DIGEST_MASK = (1 << 63) - 1
 
 def token_digest(tokens: IntArray, span: tuple[int, int] | None = None) -> int:
     """A 63-bit digest naming exactly ``tokens`` (and, for a lookup, the span its
-    token mask selects): BLAKE2b over the count, the little-endian int64 ids and
-    the span. Like the chained hash of the last block, it changes when any token
-    of the sequence changes; equal digests mean the same tokens."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(len(tokens).to_bytes(8, "little"))
-    h.update(np.ascontiguousarray(tokens, dtype="<i8").tobytes())
+    token mask selects): XXH3-128 over the count, the little-endian int64 ids
+    and the span, folded to 63 bits. Like the chained block hashes the cache
+    index already trusts (XXH3 as well), it changes when any token of the
+    sequence changes; equal digests mean the same tokens. XXH3 reads the 16 KiB
+    of a 2048-token prompt in about a microsecond (BLAKE2b took 15-40 µs)."""
+    h = xxhash.xxh3_128(len(tokens).to_bytes(8, "little"))
+    h.update(np.ascontiguousarray(tokens, dtype="<i8").data.cast("B"))
     if span is not None:
-        h.update(b"span" + span[0].to_bytes(8, "little") + span[1].to_bytes(8, "little"))
-    return int.from_bytes(h.digest(), "little") & _DIGEST_MASK
+        h.update(_SPAN.pack(b"span", span[0], span[1]))
+    return h.intdigest() & _DIGEST_MASK
+
+
+_SPAN = struct.Struct("<4sqq")
 
 
 def _length(kv_indices: object) -> int:

@@ -155,8 +155,9 @@ class LeaderRole:
                 error: str) -> None:
         """Broadcast an error decision (task -1) so followers answer at once."""
         op = Op.PUT if kind is Kind.PUT else Op.GET
-        self.stream.broadcast(op, self._decision(kind, rid, n, -1, np.zeros(length, bool),
-                                                 None, digest, error))
+        self.stream.broadcast(op, lambda: self._decision(kind, rid, n, -1,
+                                                         np.zeros(length, bool), None, digest,
+                                                         error))
 
     def _refusal(self) -> str | None:
         """Why this leader cannot decide now (None when it can); counts the refusal."""
@@ -363,8 +364,10 @@ class LeaderRole:
                 stale = []
                 while len(self._gets) > self.cfg.max_pending:
                     stale.append(self._gets.popitem(last=False))
-            self.stream.broadcast(Op.GET, self._decision(Kind.GET, rid, n, task_id, mask, plan,
-                                                         inp.digest))
+            # Built only when a follower will receive it (plan runs and encoding
+            # are most of a decision's cost; a single-stage group has no follower).
+            self.stream.broadcast(Op.GET, lambda: self._decision(Kind.GET, rid, n, task_id, mask,
+                                                                 plan, inp.digest))
             for old_rid, g in stale:  # lookups never retrieved nor released
                 if g.task_id >= 0 and not g.used:
                     self.backend.cancel([g.task_id])

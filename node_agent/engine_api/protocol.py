@@ -221,6 +221,8 @@ def int64_array(where: str, values: object) -> npt.NDArray[np.int64]:
 _JSON: Final = json.JSONEncoder(separators=(",", ":"))
 """One compact encoder for every header (``json.dumps`` with options builds one per call)."""
 _DECODE: Final = json.JSONDecoder().decode
+_BARE_HEADER: Final = b'{"v":%d,"id":%%d,"op":"%%s","args":{},"arrays":{}}' % VERSION
+"""The header of a request without arguments or arrays (``ping``, ``status``)."""
 _ZERO_COPY_BYTES: Final = 64 * 1024
 _WIRE_INT64: Final = np.dtype("<i8")
 
@@ -243,6 +245,9 @@ def encode_request(
     schema = OPS.get(op)
     if schema is None:
         raise ProtocolError(f"unknown op {op!r}; known ops are {', '.join(sorted(OPS))}")
+    if not args and not arrays and type(req_id) is int:
+        # ping, status: the header the encoder below would write, without building it.
+        return [_BARE_HEADER % (req_id, op.encode())]
     header: dict[str, Any] = {"v": VERSION, "id": req_id, "op": op, "args": dict(args or {})}
     frames: list[Frame] = []
     descs: dict[str, Any] = {}

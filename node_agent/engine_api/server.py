@@ -2,11 +2,13 @@
 
 One I/O thread owns the socket: it receives, decodes and schema-checks every
 request (:mod:`.protocol`), answers the ``inline_ops`` (``ping``: no stage, no
-blocking) itself, and hands every other call to a bounded thread pool, because
-connector calls block (transfers, fan-out waits). A worker queues its reply and
-wakes the I/O thread through a pipe; the I/O thread sends it. Keeping the socket
-off the asyncio loop (shared with HTTP and the heartbeat) and off worker threads
-makes a ping cost about one pyzmq round trip plus decoding. The connector's own
+blocking) and the calls ``inline`` picks (a single-stage group's ``lookup`` and
+``release``: short locks only) itself, and hands every other call to a bounded
+thread pool, because connector calls block (transfers, fan-out waits). A
+worker queues its reply and wakes the I/O thread through a pipe; the I/O
+thread sends it. Keeping the socket off the asyncio loop (shared with HTTP and
+the heartbeat) and off worker threads makes a ping cost about one pyzmq round
+trip plus decoding. The connector's own
 waits end every call inside ``engineCallSeconds`` (:mod:`.budget`);
 ``call_timeout`` is a last resort behind them (``engineCallSeconds`` plus a
 margin): when it runs out the engine gets a ``TimeoutError`` reply and the
@@ -56,6 +58,9 @@ from node_agent.metrics import AgentMetrics
 log = logging.getLogger(__name__)
 
 Service = Callable[[protocol.Request], Any]
+# Plain ints: pyzmq's IntFlag constants cost an enum operation per use on the hot path.
+_RCVMORE = int(zmq.RCVMORE)
+_NOBLOCK = int(zmq.NOBLOCK)
 _RCVHWM = 256
 """Messages libzmq queues for the server (beyond it, senders block or drop)."""
 
@@ -114,7 +119,10 @@ class EngineServer:
     """Serves engine requests on ``endpoint`` (``ipc://<path>``) with ``service``.
 
     ``inline_ops`` names operations that never block (``ping``): the I/O thread
-    answers them itself, without the hop to a worker thread."""
+    answers them itself, without the hop to a worker thread. ``inline(req)``,
+    when given, picks further requests to answer there (the service knows
+    which calls of which stage wait only for short locks); it must be cheap
+    and must not raise."""
 
     name = "engine_api"
 
@@ -128,6 +136,7 @@ class EngineServer:
         max_workers: int = 8,
         max_inflight: int | None = None,
         inline_ops: frozenset[str] = frozenset(),
+        inline: Callable[[protocol.Request], bool] | None = None,
     ) -> None:
         if not endpoint.startswith("ipc://"):
             raise ValueError(f"engine endpoint {endpoint!r} must be ipc://<path>")
@@ -138,6 +147,7 @@ class EngineServer:
         self._timeout = call_timeout
         self._errors = errors
         self._inline_ops = inline_ops
+        self._inline = inline
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="engine-call")
         self.max_inflight = max_inflight if max_inflight is not None else 4 * max_workers
         self.refused_busy = 0
@@ -225,18 +235,19 @@ class EngineServer:
         return max(0, min(100, math.ceil((first - time.monotonic()) * 1000)))
 
     def _drain_requests(self, sock: zmq.Socket[bytes]) -> None:
-        """Serve every message queued on the socket (at most a burst of 64)."""
-        for _ in range(64):
-            # EVENTS instead of a failing NOBLOCK receive: zmq.Again is costly to raise.
-            if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-                return
-            try:
-                msg = self._recv_bounded(sock)
-            except zmq.Again:
-                return
-            if len(msg) < 2:
-                continue  # ROUTER always prepends the identity; nothing to answer to
-            self._accept(msg[0], msg[1:])
+        """Serve one message: the poll that woke the loop found it queued.
+
+        One per wake-up, not a drained burst: checking for a next message
+        (``EVENTS``) holds the GIL while libzmq processes its command queue,
+        about as long as the poll that does the same check with the GIL
+        released, and a rank's engine sends one call at a time."""
+        try:
+            msg = self._recv_bounded(sock)
+        except zmq.Again:
+            return  # a spurious wake-up
+        if len(msg) < 2:
+            return  # ROUTER always prepends the identity; nothing to answer to
+        self._accept(msg[0], msg[1:])
 
     @staticmethod
     def _recv_bounded(sock: zmq.Socket[bytes]) -> list[bytes]:
@@ -244,9 +255,9 @@ class EngineServer:
         past ``MAX_FRAMES`` and one frame past ``MAX_MESSAGE_BYTES`` (enough for the
         decoder to name the excess); further frames are read and dropped, never kept.
         libzmq delivers a message whole, so the frames after the first are there."""
-        kept = [sock.recv(zmq.NOBLOCK)]
+        kept = [sock.recv(_NOBLOCK)]
         total = 0
-        while sock.getsockopt(zmq.RCVMORE):
+        while sock.getsockopt(_RCVMORE):
             frame = sock.recv()
             # kept[0] is the peer identity; the decoder limits the rest.
             if len(kept) <= protocol.MAX_FRAMES + 1 and total <= protocol.MAX_MESSAGE_BYTES:
@@ -265,7 +276,7 @@ class EngineServer:
             self._finish(ident, "invalid", protocol.peek_id(frames), start,
                          *self._error_reply("invalid", protocol.peek_id(frames), exc))
             return
-        if req.op in self._inline_ops:
+        if req.op in self._inline_ops or (self._inline is not None and self._inline(req)):
             try:
                 reply, outcome = protocol.encode_reply(req.id, self._service(req)), "ok"
             except Exception as exc:

@@ -22,6 +22,11 @@ Contract of the operations (``rank`` identifies the calling engine rank):
   passes: the engine's completion notification, without a socket round trip or
   a poll loop.
 * ``ping`` and ``status`` answer without touching a stage.
+
+:meth:`EngineService.inline` tells the server which calls its I/O thread may
+answer itself: those a stage lists in ``Stage.inline_ops`` (a single-stage
+group on the embedded backend lists ``lookup``, ``release`` and
+``poll_completed``, which wait on no peer, copy or timer).
 """
 
 from __future__ import annotations
@@ -65,6 +70,10 @@ def wait_completed(conn: Connector, timeout_ms: int) -> list[str]:
         raise ValueError(f"wait_completed: timeoutMs {timeout_ms} is not in "
                          f"0..{protocol.MAX_WAIT_MS}; wait longer by calling again")
     return [str(r) for r in conn.wait_completed(timeout_ms / 1000)]
+
+
+INLINE_CANDIDATES = frozenset({"lookup", "release", "poll_completed"})
+"""Operations a stage may let the I/O thread answer (:attr:`Stage.inline_ops`)."""
 
 
 @dataclass(frozen=True)
@@ -123,6 +132,11 @@ class Stage:
     registrations: int = 0
     last_call: float = field(default_factory=time.monotonic)
     """When an engine rank of this stage last called (monotonic clock)."""
+    inline_ops: frozenset[str] = frozenset()
+    """Operations of this stage that never wait on a peer, a copy or a timer
+    (a single-stage group's ``lookup``, ``release``, ``poll_completed`` on the
+    embedded backend): the engine socket's I/O thread answers them itself,
+    without the two thread hops of a worker call (see :meth:`EngineService.inline`)."""
 
     def close(self) -> None:
         """Close the connector (and with it the backend), then unmap the buffers."""
@@ -188,6 +202,22 @@ class EngineService:
             conn.release(req.args["rid"])
             return None
         raise protocol.ProtocolError(f"op {req.op!r} has no handler")  # schema and code disagree
+
+    def inline(self, req: protocol.Request) -> bool:
+        """True when ``req`` may run on the engine socket's I/O thread: its stage
+        lists the op in :attr:`Stage.inline_ops` (calls that wait only for the
+        stage's own short locks). Anything else, or a rank this cannot read
+        cheaply, goes to a worker (where ``__call__`` checks it in full)."""
+        if req.op not in INLINE_CANDIDATES:
+            return False
+        raw = req.args.get("rank")
+        if not isinstance(raw, dict):
+            return False
+        replica, pp_rank = raw.get("replica"), raw.get("ppRank", 0)
+        if not isinstance(replica, str) or type(pp_rank) is not int:
+            return False
+        stage = self.stages.get(StageKey(replica, pp_rank))
+        return stage is not None and req.op in stage.inline_ops
 
     def _connector(self, rank: RankRef) -> Connector:
         stage = self.stages.get(rank.stage)

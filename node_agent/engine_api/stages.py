@@ -13,6 +13,10 @@
 * the leader's backend is an :class:`EmbeddedBackend` with deferred visibility,
   sized by ``tiers``; a follower keeps a :class:`TierStore` of the same size.
 
+A single-stage group on the embedded backend lets the engine socket's I/O
+thread answer its ``lookup``, ``release`` and ``poll_completed`` itself
+(``Stage.inline_ops``): they wait on no follower, copy or timer.
+
 ``backend: flexkv`` serves one-stage groups: FlexKV's ``KVManager`` (through
 :class:`FlexKVBackend`) behind :class:`SingleStageBackend`. A group of several
 stages is refused with an error that says why: its followers must replay the
@@ -32,7 +36,7 @@ from node_agent.backend.single_stage import SingleStageBackend
 from node_agent.backend.stage_store import TierStore
 from node_agent.connector import Connector, ConnectorConfig
 from node_agent.engine_api.budget import call_budget
-from node_agent.engine_api.service import RankRef, Stage
+from node_agent.engine_api.service import INLINE_CANDIDATES, RankRef, Stage
 from node_agent.pp.auth import CurveKeys
 from node_agent.pp.group import GroupView, GroupViewSource, Member
 
@@ -104,5 +108,10 @@ def default_stage_builder(agent: Agent, rank: RankRef, layout: KVLayout) -> Stag
         store_factory=lambda: TierStore(bcfg),
         keys=keys, metrics=metrics,
     ).start()
+    # A single-stage group's leader never waits on a follower, and the embedded
+    # backend matches in memory: its lookups and releases take only short locks,
+    # so the engine socket's I/O thread answers them without a worker hop.
+    # FlexKV's manager may wait on its own server: its calls keep the workers.
+    inline = INLINE_CANDIDATES if rank.pp_size == 1 and cfg.backend != "flexkv" else frozenset()
     return Stage(key=rank.stage, pp_size=rank.pp_size, group=group, layout=layout,
-                 connector=connector, views=views)
+                 connector=connector, views=views, inline_ops=inline)

@@ -45,7 +45,7 @@ from node_agent.backend.replication import (
 )
 
 MAGIC = b"FKV1"
-WIRE_VERSION = 3
+WIRE_VERSION = 4
 _RUN_MAX = (1 << 31) - 1
 """Largest block index or run length on the wire (plan runs travel as int32)."""
 _HEADER = struct.Struct("<4sBBqqdq")

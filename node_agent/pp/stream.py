@@ -219,8 +219,14 @@ class LeaderStream:
 
     # -- sending -------------------------------------------------------------------------
 
-    def broadcast(self, op: Op, body: Body) -> int:
+    def broadcast(self, op: Op, body: Body | Callable[[], Body]) -> int:
         """Send one stream message to every synced follower; returns its seq.
+
+        ``body`` may be a function that builds it: it is called only when a
+        follower is synced (or messages are queued for one). With none, the
+        message would reach nobody (a follower that syncs later continues after
+        the SYNC's seq and never sees it), so it is neither built nor encoded;
+        its seq is used all the same.
 
         A follower whose queue is full is marked unsynced (it will see the gap
         through heartbeats and resync). The group becomes ``dirty`` after a PUT.
@@ -231,6 +237,10 @@ class LeaderStream:
                 self.dirty = True
             elif op is Op.RESET:
                 self.dirty = False
+            if not self._outbox and not any(p.synced for p in self._peers.values()):
+                return self.seq
+            if callable(body):
+                body = body()
             frame = encode(Envelope(op, self.group, self.epoch, self.seq,
                                     incarnation=self.incarnation), body)[0]
             now = time.monotonic()
@@ -242,7 +252,9 @@ class LeaderStream:
                 self._outbox.append(frame)
                 if len(self._outbox) >= self._max_batch:
                     self._send_outbox()
-                else:
+                elif not self._pending.is_set():
+                    # Once per flusher cycle: setting a set Event still takes its
+                    # lock and notifies, a cost on every message of a burst.
                     self._pending.set()
             return self.seq
 

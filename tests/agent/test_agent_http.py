@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from node_agent.client import EngineClient, RankInfo, SharedKVBuffers
+from node_agent.engine_api.service import INLINE_CANDIDATES
 from node_agent.pp.auth import CurveKeys
 from tests.agent.harness import (
     LAYOUT,
@@ -105,6 +106,10 @@ async def test_single_stage_agent_http_surface(work: Path) -> None:
             [stage] = status["stages"]
             assert stage["replica"] == "solo-0" and stage["registeredRanks"] == [0]
             assert stage["connector"]["role"] == "leader"
+            # A single-stage group's lookups and releases wait on no follower:
+            # the engine socket's I/O thread answers them without a worker hop.
+            [st] = ra.agent.service.stages.values()
+            assert st.inline_ops == INLINE_CANDIDATES == {"lookup", "release", "poll_completed"}
             assert (stage["role"], stage["epoch"]) == ("leader", 0) and stage["seq"] >= 1
             assert any("kv_indices" in e["message"] for e in status["recentErrors"])
 
@@ -169,6 +174,10 @@ async def test_pp_group_readiness_follows_registration_and_peer_loss(work: Path)
                 status = (await lead.get("/status")).json()
                 assert status["groups"]["rep"]["epoch"] == 1
                 assert status["stages"][0]["connector"]["role"] == "leader"
+                # Stages of a PP group wait on each other: every call takes a worker.
+                for r in (lead, foll):
+                    assert [s.inline_ops for s in r.agent.service.stages.values()] == [
+                        frozenset()]
             finally:
                 await foll_cm.__aexit__(None, None, None)
             # The follower is gone; the operator, seeing its Lease expire, marks the
@@ -206,11 +215,22 @@ async def test_cache_epoch_bump_in_config_file_flushes_the_cache(work: Path) -> 
             await stored(client, "a")
             assert await asyncio.to_thread(client.lookup, "b", tokens) == 16
             await asyncio.to_thread(client.release, "b")
+            # While the reset holds the stage's locks, its calls take worker
+            # threads instead of the engine socket's I/O thread.
+            [stage] = ra.agent.service.stages.values()
+            real_reset, seen = stage.connector.reset, []
+
+            def watched_reset() -> None:
+                seen.append(stage.inline_ops)
+                real_reset()
+
+            stage.connector.reset = watched_reset  # type: ignore[method-assign]
             path.write_text(yaml.safe_dump({**data, "cacheEpoch": 1}))
             deadline = asyncio.get_running_loop().time() + 10
             while (await ra.get("/status")).json()["cacheEpoch"] != 1:
                 assert asyncio.get_running_loop().time() < deadline, "epoch not applied"
                 await asyncio.sleep(0.05)
+            assert seen == [frozenset()] and stage.inline_ops == INLINE_CANDIDATES
             assert await asyncio.to_thread(client.lookup, "c", tokens) == 0
     finally:
         client.close()

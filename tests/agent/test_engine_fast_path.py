@@ -93,3 +93,46 @@ async def test_inline_ping_answers_while_workers_are_busy_and_big_arrays_arrive(
         blocked.close()
         other.close()
         await server.stop(grace=2.0)
+
+
+async def test_calls_the_service_picks_inline_are_answered_by_the_io_thread(
+        sock_path: Path) -> None:
+    """``inline`` picks requests by content: a picked lookup is answered on the I/O
+    thread while the only worker is blocked; an unpicked one waits for a worker."""
+    gate = threading.Event()
+    threads: dict[str, str] = {}
+
+    def service(req: protocol.Request) -> Any:
+        rid = req.args.get("rid", req.op)
+        threads[rid] = threading.current_thread().name
+        if req.op == "release":
+            gate.wait(10)
+        return len(req.arrays.get("token_ids", ()))
+
+    def inline(req: protocol.Request) -> bool:
+        return req.op == "lookup" and req.args["rid"].startswith("fast")
+
+    server = EngineServer(f"ipc://{sock_path}", service, AgentMetrics(), call_timeout=20,
+                          max_workers=1, inline_ops=frozenset({"ping"}), inline=inline)
+    await server.start()
+    blocked = EngineClient(sock_path, RANK, timeout=15)
+    other = EngineClient(sock_path, RANK, timeout=15)
+    slow_client = EngineClient(sock_path, RANK, timeout=15)
+    try:
+        held = asyncio.create_task(asyncio.to_thread(blocked.release, "r"))
+        await wait_for(lambda: server.inflight == 1, 5, "the blocking call in flight")
+        ids = np.arange(64, dtype=np.int64)
+        assert await asyncio.to_thread(other.lookup, "fast-1", ids) == 64
+        assert threads["fast-1"] == "engine-api-io"
+        slow = asyncio.create_task(asyncio.to_thread(slow_client.lookup, "slow-1", ids))
+        await wait_for(lambda: server.inflight == 2, 5, "the unpicked lookup queued")
+        assert "slow-1" not in threads and not held.done()
+        gate.set()
+        await held
+        assert await slow == 64
+        assert threads["slow-1"].startswith("engine-call")
+    finally:
+        gate.set()
+        for c in (blocked, other, slow_client):
+            c.close()
+        await server.stop(grace=2.0)

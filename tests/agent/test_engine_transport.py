@@ -25,6 +25,7 @@ import torch
 import zmq
 
 from node_agent.client import (
+    SOCKET_CHECK_SECONDS,
     AgentTimeoutError,
     AgentUnavailableError,
     EngineAPIError,
@@ -228,6 +229,23 @@ def test_client_names_socket_when_agent_is_down(tmp_path: Path) -> None:
         client.lookup("r", [1])
     assert str(tmp_path / "nobody.sock") in str(err.value)
     assert "flexkv-agent run --config" in str(err.value)
+
+
+async def test_connected_client_notices_a_removed_socket_file(sock_path: Path) -> None:
+    """A connected client skips the socket-file check on calls less than
+    SOCKET_CHECK_SECONDS apart, but an agent that went away (its socket file
+    removed) is still named as absent, not waited for, once that time passed."""
+    server, _, _ = await _serve(sock_path)
+    client = EngineClient(sock_path, RANK, timeout=5)
+    try:
+        assert await asyncio.to_thread(client.lookup, "r", [1, 2]) == 3
+        await server.stop(grace=1.0)
+        assert not sock_path.exists()
+        await asyncio.sleep(2 * SOCKET_CHECK_SECONDS)
+        with pytest.raises(AgentUnavailableError, match="the socket does not exist"):
+            await asyncio.to_thread(client.lookup, "r", [1, 2])
+    finally:
+        client.close()
 
 
 def test_client_takes_the_ipc_endpoint_form_of_the_socket(tmp_path: Path) -> None:

@@ -320,3 +320,44 @@ def test_a_malformed_message_inside_a_batch_is_dropped_and_counted(pair: Pair) -
     finally:
         rogue.close()
     assert _seqs(pair) == [seq + 1]
+
+
+
+def test_broadcast_builds_the_body_only_for_synced_followers() -> None:
+    """Before its follower is synced, a message takes its seq but is neither
+    built nor sent; the follower, once synced, continues strictly after those
+    seqs, and a message broadcast then is built once and applied."""
+    built: list[str] = []
+    applied: list[tuple[int, str]] = []
+
+    def body(rid: str) -> Callable[[], Release]:
+        def build() -> Release:
+            built.append(rid)
+            return Release(rid)
+        return build
+
+    keys = CurveKeys.generate()
+    lead_srv = FanoutServer("tcp://127.0.0.1:0", keys).start()
+    fol_srv = FanoutServer("tcp://127.0.0.1:0", keys).start()
+    leader = LeaderStream(GROUP, 5, keys, StreamMetrics(GROUP, None), lambda r: None,
+                          on_ack=lambda a: None, coalesce_seconds=0.0)
+    follower = FollowerStream(GROUP, 1, keys, StreamMetrics(GROUP, None),
+                              apply=lambda m: applied.append((m.env.seq, m.env.op.name)),
+                              on_unsynced=lambda r: None, on_dropped=lambda m: None,
+                              hello_interval=0.05)
+    try:
+        lead_srv.register(GROUP, leader.handle)
+        fol_srv.register(GROUP, follower.handle)
+        leader.set_followers({1: fol_srv.endpoint})  # known, not synced yet
+        assert [leader.broadcast(Op.RELEASE, body(f"early{i}")) for i in range(2)] == [1, 2]
+        assert built == []
+        follower.follow(5, lead_srv.endpoint)
+        wait_for(lambda: leader.all_synced() and follower.synced)
+        assert leader.broadcast(Op.RELEASE, body("late")) == 3
+        wait_for(lambda: bool(applied))
+        assert built == ["late"] and applied == [(3, "RELEASE")]
+    finally:
+        follower.close()
+        leader.close()
+        lead_srv.close()
+        fol_srv.close()
