@@ -202,15 +202,15 @@ class LeaderRole:
                 self.counters.moves_sent += len(moves)
                 self.stream.broadcast(Op.MOVES, Moves(tuple(moves)))
             if task_id < 0:
-                self.stream.broadcast(Op.PUT, self._decision(Kind.PUT, rid, n, -1, mask, None,
-                                                             inp.digest))
+                self.stream.broadcast(Op.PUT, lambda: self._decision(Kind.PUT, rid, n, -1, mask,
+                                                                     None, inp.digest))
                 return -1
             deadline = time.monotonic() + self.cfg.engine_call_seconds
             track = _Put(rid, n, task_id, AckCollector(self._expected()), deadline)
             with self._state:
                 self._puts[task_id] = track
-            self.stream.broadcast(Op.PUT, self._decision(Kind.PUT, rid, n, task_id, mask, plan,
-                                                         inp.digest))
+            self.stream.broadcast(Op.PUT, lambda: self._decision(Kind.PUT, rid, n, task_id, mask,
+                                                                 plan, inp.digest))
         try:
             self.backend.launch([task_id], [inp.slots[mask]])
         except Exception as exc:
