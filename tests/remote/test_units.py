@@ -88,7 +88,7 @@ def test_a_bounded_call_times_out_and_the_lane_answers_busy_until_it_returns() -
     lane = BoundedCaller("test")
     gate = threading.Event()
     try:
-        with pytest.raises(RemoteTimeout, match="no answer within 0.05 s"):
+        with pytest.raises(RemoteTimeout, match=r"no answer within 0\.05 s"):
             lane.call(lambda: gate.wait(30), 0.05, "lookup")
         with pytest.raises(RemoteBusy, match="still running"):
             lane.call(lambda: 1, 1.0, "lookup")
