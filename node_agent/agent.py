@@ -63,8 +63,8 @@ def build_remote_pool(cfg: AgentConfig, metrics: AgentMetrics) -> RemotePool | N
     rt = cfg.tiers.remote
     if rt is None:
         return None
-    check_available()
     mc = rt.mooncake
+    check_available(mc.store_port)
     pool = RemotePool(RemoteSettings(
         master_address=mc.master_address, metadata_server=mc.metadata_server,
         local_hostname=f"{cfg.advertise_address}:{mc.store_port}", protocol=mc.protocol,

@@ -199,7 +199,7 @@ class Mooncake:
     device_name: str = _key("deviceName", _str(nonempty=False), default="")
     segment_size: int = _key("segmentSize", _quantity, default=4 * 2**30)
     local_buffer_size: int = _key("localBufferSize", _quantity, default=512 * 2**20)
-    store_port: int = _key("storePort", _int(1, 65535), default=17500)
+    store_port: int = _key("storePort", _int(1, 65534), default=17500)
 
 
 @dataclass(frozen=True)

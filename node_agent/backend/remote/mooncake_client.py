@@ -11,6 +11,7 @@ is success (bytes for gets), a negative one an error code.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from node_agent.backend.remote.settings import RemoteSettings
@@ -34,6 +35,17 @@ def master_unreachable(code: int) -> bool:
     return -999 <= code <= -900
 
 
+def pin_ports(store_port: int) -> None:
+    """Make this process's transfer engine listen on fixed ports, so a NetworkPolicy
+    can name them: its handshake / RPC port is ``store_port`` (the port of the
+    advertised local hostname) and its TCP data port ``store_port + 1``. Mooncake
+    reads these variables when its library loads, so call this before the first
+    import; variables already set in the environment win."""
+    os.environ.setdefault("MC_LEGACY_RPC_PORT_BINDING", "1")
+    os.environ.setdefault("MC_MIN_RPC_PORT", str(store_port + 1))
+    os.environ.setdefault("MC_MAX_RPC_PORT", str(store_port + 1))
+
+
 def _import_store_class() -> Any:
     try:
         from mooncake.store import MooncakeDistributedStore
@@ -49,9 +61,11 @@ def _import_store_class() -> Any:
     return MooncakeDistributedStore
 
 
-def check_available() -> None:
+def check_available(store_port: int | None = None) -> None:
     """Raise :class:`MooncakeUnavailable` (saying what to install) unless
-    ``mooncake.store`` imports."""
+    ``mooncake.store`` imports; with ``store_port``, :func:`pin_ports` first."""
+    if store_port is not None:
+        pin_ports(store_port)
     _import_store_class()
 
 
@@ -92,6 +106,7 @@ def connect(settings: RemoteSettings) -> MooncakeStore:
     """Join the pool: this agent contributes ``segment_bytes`` of memory and serves
     peers at ``local_hostname``. Raises :class:`MooncakeUnavailable` when
     ``mooncake`` is missing or ``setup`` fails (the master must answer here)."""
+    pin_ports(int(settings.local_hostname.rsplit(":", 1)[1]))
     cls = _import_store_class()
     store = cls()
     rc = int(store.setup(
