@@ -157,6 +157,25 @@ class RemotePool:
             client.close()
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (bytes, last dimension) viewed with the widest integer type that tiles its
+    rows: torch's index kernels copy element by element. Only bytes are reinterpreted."""
+    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if t.shape[-1] % size == 0:
+            return t.view(dtype)
+    return t
+
+
+def _consecutive(blocks: Sequence[int]) -> tuple[int, int] | None:
+    """``(first, last + 1)`` when ``blocks`` are consecutive ascending, else None."""
+    n = len(blocks)
+    if n and int(blocks[-1]) - int(blocks[0]) == n - 1:
+        arr = np.asarray(blocks, dtype=np.int64)
+        if n == 1 or bool((np.diff(arr) == 1).all()):
+            return int(arr[0]), int(arr[-1]) + 1
+    return None
+
+
 def _getter(keys: list[str], ptrs: list[int],
             sizes: list[int]) -> Callable[[MooncakeStore], list[int]]:
     return lambda c: c.batch_get_into(keys, ptrs, sizes)
@@ -365,19 +384,31 @@ class RemoteTier:
 
     def _regions(self, area: torch.Tensor, n: int, cpu: CpuTier) -> torch.Tensor:
         seg = self.keyspace.layout.segment_bytes
-        return area[: n * self.bytes_per_block].view(n, cpu.num_regions, seg)
+        return _wide(area[: n * self.bytes_per_block].view(n, cpu.num_regions, seg))
 
     def _scatter(self, cpu: CpuTier, area: torch.Tensor, cpu_blocks: Sequence[int]) -> None:
-        idx = torch.as_tensor(np.asarray(cpu_blocks, dtype=np.int64))
-        staged = self._regions(area, len(idx), cpu)
+        """Staged blocks (region order) into CPU blocks ``cpu_blocks``: one slice copy
+        per region when the blocks are consecutive, else one ``index_copy_``."""
+        staged = self._regions(area, len(cpu_blocks), cpu)
+        run = _consecutive(cpu_blocks)
+        idx = None if run is not None else torch.as_tensor(np.asarray(cpu_blocks, np.int64))
         for k in range(cpu.num_regions):
-            cpu.segments(k).index_copy_(0, idx, staged[:, k])
+            segs = _wide(cpu.segments(k))
+            if run is not None:
+                segs[run[0]:run[1]].copy_(staged[:, k])
+            else:
+                segs.index_copy_(0, idx, staged[:, k])  # type: ignore[arg-type]
 
     def _gather(self, cpu: CpuTier, area: torch.Tensor, cpu_blocks: Sequence[int]) -> None:
-        idx = torch.as_tensor(np.asarray(cpu_blocks, dtype=np.int64))
-        staged = self._regions(area, len(idx), cpu)
+        staged = self._regions(area, len(cpu_blocks), cpu)
+        run = _consecutive(cpu_blocks)
+        idx = None if run is not None else torch.as_tensor(np.asarray(cpu_blocks, np.int64))
         for k in range(cpu.num_regions):
-            staged[:, k] = cpu.segments(k).index_select(0, idx)
+            segs = _wide(cpu.segments(k))
+            if run is not None:
+                staged[:, k] = segs[run[0]:run[1]]
+            else:
+                staged[:, k] = segs.index_select(0, idx)  # type: ignore[arg-type]
 
     def status(self) -> dict[str, Any]:
         return {**self.pool.status(), "fingerprint": self.keyspace.fingerprint,
