@@ -9,8 +9,9 @@ with an embedded backend, its own CPU tier and its own engine buffers:
   a fetch into B's CPU tier through its registered staging buffer) and the load
   into B's engine slots (shuffled whole pages), ``launch`` + ``wait``. The
   baseline is Mooncake's own contiguous ``batch_get_into`` of the same objects
-  (same bytes) by B's client into one registered buffer. Timed alternately, best of ``--iters``; B's index
-  is reset before every agent round so each one fetches again. Goal: ratio >= 0.8.
+  (same bytes) by B's client into one registered buffer. Timed alternately,
+  best of ``--iters``; B's index is reset before every agent round so each one
+  fetches again. Goal: ratio >= 0.8.
 * ``remote_lookup_miss`` / ``remote_lookup_local_hit``: ``get_match`` latency for
   a ``--lookup-tokens`` prompt with the remote tier on, p50/p99 over
   ``--lookup-iters`` calls: a prompt cached nowhere (the local miss plus one
