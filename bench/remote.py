@@ -14,7 +14,8 @@ with an embedded backend, its own CPU tier and its own engine buffers:
   fetches again. Goal: ratio >= 0.8.
 * ``remote_lookup_miss`` / ``remote_lookup_local_hit``: ``get_match`` latency for
   a ``--lookup-tokens`` prompt with the remote tier on, p50/p99 over
-  ``--lookup-iters`` calls: a prompt cached nowhere (the local miss plus one
+  ``--lookup-iters`` calls, with 16 and with 256 tokens per block (2048 and 128
+  objects for 32K tokens): a prompt cached nowhere (the local miss plus one
   ``batch_is_exist`` of every block) and a prompt cached in the CPU tier (no
   remote call). The baseline is the same miss on a backend without a remote
   tier. Goal: p99 <= 2 ms.
@@ -227,7 +228,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--lookup-tokens", type=int, default=32768)
-    ap.add_argument("--lookup-tpb", type=int, default=16)
+    ap.add_argument("--lookup-tpb", default="16,256",
+                    help="tokens per block of the lookup rows, comma-separated")
     ap.add_argument("--lookup-iters", type=int, default=200)
     ap.add_argument("--quick", action="store_true", help="small sizes, few iterations")
     args = ap.parse_args()
@@ -237,9 +239,10 @@ def main() -> None:
         proc, master, metadata = _start_master(Path(tmp) / "master.log")
         try:
             print(json.dumps(bench_load(master, metadata, args.tokens, args.iters)), flush=True)
-            for row in bench_lookup(master, metadata, args.lookup_tokens, args.lookup_tpb,
-                                    args.lookup_iters):
-                print(json.dumps(row), flush=True)
+            for tpb in (int(t) for t in str(args.lookup_tpb).split(",")):
+                for row in bench_lookup(master, metadata, args.lookup_tokens, tpb,
+                                        args.lookup_iters):
+                    print(json.dumps(row), flush=True)
         finally:
             proc.kill()
             proc.wait(timeout=10)

@@ -83,6 +83,11 @@ class MooncakeStore:
                 "tiers.remote.mooncake.localBufferSize or check the memory lock limit"
             )
 
+    def unregister_buffer(self, ptr: int) -> None:
+        rc = int(self._store.unregister_buffer(ptr))
+        if rc != 0:
+            log.warning("Mooncake unregister_buffer failed", extra={"code": rc})
+
     def batch_is_exist(self, keys: list[str]) -> list[int]:
         return [int(c) for c in self._store.batch_is_exist(keys)]
 

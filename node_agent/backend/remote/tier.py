@@ -110,6 +110,15 @@ class RemotePool:
         if client is not None:
             client.register_buffer(ptr, size)
 
+    def unregister(self, buf: torch.Tensor) -> None:
+        """Stop using ``buf`` for transfers (before it is freed)."""
+        ptr = buf.data_ptr()
+        with self._lock:
+            self._registered = [r for r in self._registered if r[0] != ptr]
+            client = self._client
+        if client is not None:
+            client.unregister_buffer(ptr)
+
     def client(self) -> MooncakeStore | None:
         """The joined client, joining now if a probe is due; None while unreachable."""
         if self.closed:
@@ -416,5 +425,11 @@ class RemoteTier:
                 "writtenBlocks": self.written_blocks}
 
     def close(self) -> None:
+        """Stop the writer (queued blocks are dropped) and release the staging buffer."""
         if self._writer is not None:
             self._writer.close()
+            self._writer = None
+        if self._staging is not None and not self.pool.closed:
+            with self._fetch_lock:
+                self.pool.unregister(self._staging)
+        self._staging = self._fetch_area = self._write_area = None
