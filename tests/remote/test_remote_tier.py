@@ -87,7 +87,7 @@ def test_a_block_of_another_layout_namespace_pool_or_epoch_is_never_loaded(
 def test_master_killed_mid_fetch_is_a_shorter_hit_without_a_hole_then_hits_resume(
         master: Master) -> None:
     a = node(master)
-    b = node(master, staging_blocks=4, timeout=3.0)  # fetches go 4 blocks per chunk
+    b = node(master, staging_blocks=8, timeout=3.0)  # fetches go 4 blocks per chunk
     try:
         ba, bufs_a = backend(a)
         bb, bufs_b = backend(b)

@@ -29,7 +29,7 @@ class RemoteBusy(RemoteCallError):
     """An earlier call through this caller overran its timeout and is still running."""
 
 
-class _Call(Generic[R]):
+class PendingCall(Generic[R]):
     def __init__(self, fn: Callable[[], R]) -> None:
         self.fn = fn
         self.done = threading.Event()
@@ -51,8 +51,8 @@ class BoundedCaller:
     def __init__(self, name: str) -> None:
         self.name = name
         self._lock = threading.Lock()
-        self._running: _Call[object] | None = None
-        self._queue: queue.SimpleQueue[_Call[object] | None] = queue.SimpleQueue()
+        self._running: PendingCall[object] | None = None
+        self._queue: queue.SimpleQueue[PendingCall[object] | None] = queue.SimpleQueue()
         self._worker = threading.Thread(target=self._serve, name=f"flexkv-remote-{name}",
                                         daemon=True)
         self._worker.start()
@@ -81,16 +81,26 @@ class BoundedCaller:
         :class:`RemoteCallError` wrapping any exception ``fn`` raised."""
         if timeout <= 0:
             raise RemoteTimeout(f"{what}: no time left in the remote call budget")
-        call: _Call[R] = _Call(fn)
+        return self.wait(self.submit(fn, what), timeout, what)
+
+    def submit(self, fn: Callable[[], R], what: str) -> PendingCall[R]:
+        """Start ``fn()`` on the lane without waiting; pass the handle to :meth:`wait`.
+        Raises :class:`RemoteBusy` while an earlier call still runs."""
+        call: PendingCall[R] = PendingCall(fn)
         with self._lock:
             if self._running is not None and not self._running.done.is_set():
                 raise RemoteBusy(
-                    f"{what}: an earlier {self.name} call overran its timeout and is still "
-                    "running; the remote tier answers misses until it returns"
+                    f"{what}: an earlier {self.name} call is still running (it overran its "
+                    "timeout or was not waited for); the remote tier answers misses until "
+                    "it returns"
                 )
             self._running = call  # type: ignore[assignment]
         self._queue.put(call)  # type: ignore[arg-type]
-        if not call.done.wait(timeout):
+        return call
+
+    def wait(self, call: PendingCall[R], timeout: float, what: str) -> R:
+        """The result of a submitted call, waiting at most ``timeout`` seconds."""
+        if not call.done.wait(max(0.0, timeout)):
             raise RemoteTimeout(f"{what}: no answer within {timeout:g} s "
                                 "(tiers.remote.timeoutSeconds); treated as a miss")
         if call.error is not None:

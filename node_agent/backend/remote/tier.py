@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from node_agent.backend.cpu_tier import CpuTier
-from node_agent.backend.remote.calls import BoundedCaller, RemoteCallError
+from node_agent.backend.remote.calls import BoundedCaller, PendingCall, RemoteCallError
 from node_agent.backend.remote.health import RemoteHealth
 from node_agent.backend.remote.keys import KeySpace
 from node_agent.backend.remote.mooncake_client import (
@@ -138,6 +138,28 @@ class RemotePool:
             return None
         try:
             return self._lanes[op].call(lambda: fn(client), timeout, f"remote {op}")
+        except RemoteCallError as exc:
+            self.error(op, str(exc))
+            return None
+
+    def submit(self, op: str, fn: Callable[[MooncakeStore], Any]) -> PendingCall[Any] | None:
+        """Start ``fn(client)`` on ``op``'s lane without waiting (see :meth:`finish`);
+        None when the tier is down or the lane is busy."""
+        if self.closed or (not self.health.up and not self.health.should_try()):
+            return None
+        client = self._client or self._connect(self.settings.timeout_seconds)
+        if client is None:
+            return None
+        try:
+            return self._lanes[op].submit(lambda: fn(client), f"remote {op}")
+        except RemoteCallError as exc:
+            self.error(op, str(exc))
+            return None
+
+    def finish(self, op: str, call: PendingCall[Any], timeout: float) -> Any:
+        r"""The result of a :meth:`submit`\ ted call within ``timeout``; None on failure."""
+        try:
+            return self._lanes[op].wait(call, timeout, f"remote {op}")
         except RemoteCallError as exc:
             self.error(op, str(exc))
             return None
@@ -298,16 +320,26 @@ class RemoteTier:
         self.bump(cpu_blocks[:n])
         done = 0
         with self._fetch_lock:
-            base = self._fetch_area.data_ptr()
-            while done < n:
-                if done and between_chunks is not None:
-                    between_chunks(done)
-                k = min(self.half_blocks, n - done)
-                keys = self.keyspace.keys(block_ids[done:done + k])
-                ptrs = [base + i * bpb for i in range(k)]
-                sizes = [bpb] * k
-                codes = self.pool.call("get", _getter(keys, ptrs, sizes),
-                                       deadline - time.monotonic())
+            # Two staging areas: the next chunk's get runs while this chunk is copied
+            # into the CPU tier (one area when the fetch half holds a single block).
+            nareas = 2 if self.half_blocks >= 2 else 1
+            q = self.half_blocks // nareas
+            areas = [self._fetch_area[i * q * bpb:(i + 1) * q * bpb] for i in range(nareas)]
+            chunks = [(s, min(q, n - s)) for s in range(0, n, q)]
+
+            def start(i: int) -> PendingCall[Any] | None:
+                s, k = chunks[i]
+                base = areas[i % nareas].data_ptr()
+                return self.pool.submit("get", _getter(
+                    self.keyspace.keys(block_ids[s:s + k]),
+                    [base + j * bpb for j in range(k)], [bpb] * k))
+
+            pending = start(0)
+            for i, (s, k) in enumerate(chunks):
+                if pending is None:
+                    break
+                codes = self.pool.finish("get", pending, deadline - time.monotonic())
+                pending = None
                 if codes is None:
                     break
                 ok = 0
@@ -319,11 +351,17 @@ class RemoteTier:
                                     down=master_unreachable(code))
                 else:
                     self.pool.health.succeeded()
+                    if i + 1 < len(chunks):
+                        if between_chunks is not None:
+                            between_chunks(done + ok)
+                        pending = start(i + 1)
                 if ok:
-                    self._scatter(cpu, self._fetch_area, cpu_blocks[done:done + ok])
+                    self._scatter(cpu, areas[i % nareas], cpu_blocks[s:s + ok])
                     done += ok
                 if ok < k:
                     break
+            if pending is not None:  # let a get still running finish before the area is reused
+                self.pool.finish("get", pending, deadline - time.monotonic())
         self.fetched_blocks += done
         m = self.pool.metrics
         if m is not None and done:
