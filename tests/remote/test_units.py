@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 
 import pytest
+import yaml
 
 from node_agent.backend.layout import KVDtype, KVLayout, LayoutName
 from node_agent.backend.remote.calls import BoundedCaller, RemoteBusy, RemoteTimeout
@@ -149,3 +151,25 @@ def test_remote_config_errors_name_key_value_and_fix(section: dict[str, object],
     with pytest.raises(ConfigError) as exc:
         config_from_mapping({"tiers": {"remote": section}})
     assert needle in str(exc.value)
+
+
+def test_a_missing_mooncake_is_an_actionable_error_and_the_agent_exits_2(
+        tmp_path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    from node_agent.__main__ import main
+    from node_agent.backend.remote.mooncake_client import MooncakeUnavailable, check_available
+
+    for var in ("MC_LEGACY_RPC_PORT_BINDING", "MC_MIN_RPC_PORT", "MC_MAX_RPC_PORT"):
+        monkeypatch.setenv(var, "")  # restored after the test (the agent sets them)
+    monkeypatch.setitem(sys.modules, "mooncake", None)
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)
+    with pytest.raises(MooncakeUnavailable) as exc:
+        check_available()
+    assert "flexkv-operator[remote]" in str(exc.value) and "libibverbs1" in str(exc.value)
+    assert "remove tiers.remote" in str(exc.value)
+    path = tmp_path / "agent.yaml"
+    path.write_text(yaml.safe_dump({
+        "kubernetes": "off", "engineSocket": str(tmp_path / "e.sock"),
+        "tiers": {"cpu": {"size": "1Mi", "pinned": False}, "remote": REMOTE}}))
+    assert main(["run", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "the remote tier cannot start" in err and "libibverbs1" in err

@@ -39,11 +39,12 @@ def pin_ports(store_port: int) -> None:
     """Make this process's transfer engine listen on fixed ports, so a NetworkPolicy
     can name them: its handshake / RPC port is ``store_port`` (the port of the
     advertised local hostname) and its TCP data port ``store_port + 1``. Mooncake
-    reads these variables when its library loads, so call this before the first
-    import; variables already set in the environment win."""
-    os.environ.setdefault("MC_LEGACY_RPC_PORT_BINDING", "1")
-    os.environ.setdefault("MC_MIN_RPC_PORT", str(store_port + 1))
-    os.environ.setdefault("MC_MAX_RPC_PORT", str(store_port + 1))
+    reads the port range when its library loads, so call this before the first
+    import; the values always follow ``storePort`` (an inherited environment
+    cannot move them elsewhere)."""
+    os.environ["MC_LEGACY_RPC_PORT_BINDING"] = "1"
+    os.environ["MC_MIN_RPC_PORT"] = str(store_port + 1)
+    os.environ["MC_MAX_RPC_PORT"] = str(store_port + 1)
 
 
 def _import_store_class() -> Any:
