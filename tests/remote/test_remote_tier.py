@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from node_agent.backend.layout import KVDtype
+from node_agent.backend.remote.settings import RemoteSettings
+from node_agent.backend.remote.tier import RemotePool
 from node_agent.backend.replication import Tier, TierMove
 from node_agent.pp import messages
-from tests.remote.conftest import Master
+from tests.remote.conftest import Master, free_port
 from tests.remote.stages import LAYOUT, TPB, backend, fill, follower, load, node, rows, store
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
@@ -231,3 +233,21 @@ def test_a_follower_whose_fetch_fails_never_loads_the_block(master: Master) -> N
     finally:
         for n in (a0, b0, b1):
             n.close()
+
+
+def test_a_node_whose_master_is_down_at_start_joins_when_it_comes_up(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    m = Master(tmp_path / "late-master.log")
+    pool = RemotePool(RemoteSettings(
+        m.address, m.metadata, f"127.0.0.1:{free_port()}", segment_bytes=16 << 20,
+        staging_bytes=1 << 20, timeout_seconds=2), retry_seconds=0.2)
+    try:
+        pool.start(30)
+        assert pool.health.up is False
+        assert pool.call("lookup", lambda c: c.batch_is_exist(["k"]), 2) is None  # a miss
+        m.start()
+        wait_until(lambda: pool.call("lookup", lambda c: c.batch_is_exist(["k"]), 2) == [0],
+                   90, "joined once the master is up")
+        assert pool.health.up
+    finally:
+        pool.close()
+        m.kill()

@@ -81,17 +81,16 @@ class RemotePool:
         the master is unreachable, and joins on a later call."""
         self._connect(timeout)
 
-    def _connect(self, timeout: float) -> MooncakeStore | None:
+    def _join(self) -> MooncakeStore:
+        """Lane ``connect``: join and install the client, even when the caller that
+        started the join stopped waiting (a late join must not leave a client with
+        its ports bound and no owner)."""
         s = self.settings
-        try:
-            client = self._lanes["connect"].call(lambda: self._connector(s), timeout,
-                                                 "remote join")
-        except RemoteCallError as exc:
-            self.health.failed(str(exc))
-            log.warning("Remote tier cannot join the Mooncake pool yet",
-                        extra={"master": s.master_address, "error": str(exc)})
-            return None
+        client = self._connector(s)
         with self._lock:
+            if self.closed:
+                client.close()
+                raise RuntimeError("the remote pool was closed while joining")
             self._client = client
             for ptr, size in self._registered:
                 client.register_buffer(ptr, size)
@@ -100,6 +99,15 @@ class RemotePool:
             "master": s.master_address, "local": s.local_hostname,
             "segment_bytes": s.segment_bytes})
         return client
+
+    def _connect(self, timeout: float) -> MooncakeStore | None:
+        try:
+            return self._lanes["connect"].call(self._join, timeout, "remote join")
+        except RemoteCallError as exc:
+            self.health.failed(str(exc))
+            log.warning("Remote tier cannot join the Mooncake pool yet",
+                        extra={"master": self.settings.master_address, "error": str(exc)})
+            return None
 
     def register(self, buf: torch.Tensor) -> None:
         """Register ``buf`` (host memory) for transfers, now and after every (re)join."""
