@@ -60,10 +60,11 @@ def buffers(layout: KVLayout = LAYOUT) -> tuple[list[torch.Tensor], list[torch.T
 
 
 def backend(n: Node, layout: KVLayout = LAYOUT, namespace: str = "ns1", pool: str = "tp",
-            epoch: int = 0, pp_rank: int = 0, pp_size: int = 1,
-            deferred: bool = False) -> tuple[EmbeddedBackend, tuple[list[torch.Tensor], ...]]:
+            epoch: int = 0, pp_rank: int = 0, pp_size: int = 1, deferred: bool = False,
+            cpu_blocks: int = 128) -> tuple[EmbeddedBackend, tuple[list[torch.Tensor], ...]]:
     tier = RemoteTier(n.pool, KeySpace(layout, pp_rank, pp_size, namespace, pool, epoch))
-    b = EmbeddedBackend(EmbeddedBackendConfig(layout=layout, cpu_bytes=128 * layout.bytes_per_block,
+    b = EmbeddedBackend(EmbeddedBackendConfig(layout=layout,
+                                              cpu_bytes=cpu_blocks * layout.bytes_per_block,
                                               pinned=False, deferred_visibility=deferred),
                         metrics=n.metrics, remote=tier)
     b.start()

@@ -251,3 +251,48 @@ def test_a_node_whose_master_is_down_at_start_joins_when_it_comes_up(tmp_path) -
     finally:
         pool.close()
         m.kill()
+
+
+def test_evict_policy_writes_blocks_leaving_the_cpu_tier_and_never_stale_bytes(
+        master: Master) -> None:
+    """``writePolicy: evict``: nothing is written on store; the blocks a later put
+    evicts are. A block whose CPU copy is reused before the writer took it is
+    dropped, never written with the new content under the old key."""
+    a, b = node(master, write_policy="evict"), node(master)
+    try:
+        ba, bufs_a = backend(a, cpu_blocks=16)
+        bb, bufs_b = backend(b)
+        assert ba.remote is not None
+        first, second, third = TOKENS, TOKENS + 100_000, TOKENS + 200_000
+        fill(bufs_a, SRC, seed=8)
+        store(ba, first, SRC)
+        assert ba.remote.drain(30) and ba.remote.written_blocks == 0
+        want_first = rows(bufs_a, SRC)
+        # The second prompt evicts the first (16-block tier): the writer copies the
+        # evicted blocks out before the new put's copy overwrites them.
+        tid, mask = ba.put_match(second)
+        assert ba.remote.drain(30)
+        assert ba.remote.written_blocks == 16
+        fill(bufs_a, SRC, seed=9)
+        [tid] = ba.launch([tid], [SRC[mask]])
+        assert ba.wait([tid], timeout=20)[tid].status.value == "success"
+        assert load(bb, first, DST) == len(first)
+        for want, got in zip(want_first, rows(bufs_b, DST), strict=True):
+            assert torch.equal(want, got)
+        # The third prompt evicts the second, but its copy runs before the writer:
+        # whatever reached the pool must be the second prompt's bytes.
+        want_second = rows(bufs_a, SRC)
+        written = ba.remote.written_blocks
+        fill(bufs_a, SRC, seed=10)
+        store(ba, third, SRC)
+        assert ba.remote.drain(30)
+        dropped = a.metrics.registry.get_sample_value(
+            "flexkv_agent_remote_dropped_blocks_total", {"reason": "overwritten"}) or 0
+        assert (ba.remote.written_blocks - written) + dropped == 16
+        hit = load(bb, second, DST)
+        assert hit % TPB == 0
+        for want, got in zip(want_second, rows(bufs_b, DST), strict=True):
+            assert torch.equal(want[:hit], got[:hit])
+    finally:
+        a.close()
+        b.close()
