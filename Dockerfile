@@ -4,7 +4,9 @@
 #   target `operator`: `flexkv-operator` (the kopf operator) with the
 #       `operator` extra only; no torch, no pyzmq (about 200 MB).
 #   target `agent` (the default, last stage): `flexkv-agent` (the node agent)
-#       with the `agent` extra and torch, CPU build unless told otherwise.
+#       with the `agent` and `remote` extras and torch, CPU build unless told
+#       otherwise. The `remote` extra (Mooncake Store, docs/remote.md) also
+#       carries `mooncake_master`: a pool's managed master runs this image.
 # The chart runs the operator image; the operator runs the agent image on every
 # node of a pool with `flexkv-agent run --config /etc/flexkv/agent.yaml`.
 #
@@ -77,7 +79,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY node_agent/ node_agent/
 COPY operator/ operator/
-RUN pip install --no-cache-dir "./[agent]" \
+RUN pip install --no-cache-dir "./[agent,remote]" \
     && flexkv-agent --help >/dev/null
 
 # FlexKV is built from source against CUDA (its build.sh compiles the C++/CUDA
@@ -133,19 +135,22 @@ FROM runtime AS agent
 ARG WITH_FLEXKV=false
 LABEL org.opencontainers.image.title="flexkv-agent" \
       org.opencontainers.image.description="Node agent of a disaggregated KV cache for LLM inference"
-# FlexKV's shared libraries need liburing and libxxhash.
+# Mooncake (the remote tier) loads libibverbs.so.1; FlexKV's shared libraries
+# need liburing and libxxhash.
 # DL3008: runtime libraries come from the base image's distribution.
 # hadolint ignore=DL3008
-RUN if [ "${WITH_FLEXKV}" = "true" ]; then \
-      apt-get update \
-      && apt-get install -y --no-install-recommends liburing2 libxxhash0 \
-      && rm -rf /var/lib/apt/lists/*; \
-    fi
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends libibverbs1 \
+    && if [ "${WITH_FLEXKV}" = "true" ]; then \
+         apt-get install -y --no-install-recommends liburing2 libxxhash0; \
+       fi \
+    && rm -rf /var/lib/apt/lists/*
 COPY --from=build-agent /opt/venv /opt/venv
 COPY --from=build-agent /opt/FlexKV /opt/FlexKV
 ENV LD_LIBRARY_PATH=/opt/FlexKV/build/lib
 USER 10001:10001
-# 8080: agent HTTP (/healthz /readyz /status /metrics); 5557: PP fan-out.
-EXPOSE 8080 5557
+# 8080: agent HTTP (/healthz /readyz /status /metrics); 5557: PP fan-out;
+# 17500-17501: the remote tier's Mooncake transfer engine (storePort, storePort+1).
+EXPOSE 8080 5557 17500 17501
 ENTRYPOINT ["flexkv-agent"]
 CMD ["--help"]

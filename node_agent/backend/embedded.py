@@ -46,7 +46,10 @@ from node_agent.backend.hashing import BlockHasher
 from node_agent.backend.index import NO_NODES, BlockIndex, NodeIds
 from node_agent.backend.inputs import as_token_ids, mask_span, span_mask
 from node_agent.backend.layout import RegisteredBuffers, register_buffers
+from node_agent.backend.remote.keys import BLOCK_ID_MASK
+from node_agent.backend.remote.tier import RemoteTier
 from node_agent.backend.replication import (
+    BlockLocation,
     Direction,
     ReplicatedBackend,
     Tier,
@@ -81,8 +84,11 @@ class EmbeddedBackend(ReplicatedBackend):
         config: EmbeddedBackendConfig,
         metrics: AgentMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        remote: RemoteTier | None = None,
     ) -> None:
         self.config = config
+        self.remote = remote
+        self._evicted: dict[int, int] = {}  # CPU block -> remote block id (evict policy)
         self.tokens_per_block = config.tokens_per_block
         self._metrics = metrics
         self._gauges_set: tuple[tuple[int, int], ...] | None = None
@@ -99,6 +105,7 @@ class EmbeddedBackend(ReplicatedBackend):
         self._moves: list[TierMove] = []
         self._pending_buffers: dict[int, RegisteredBuffers] = {}
         self._hits = {Tier.CPU: 0, Tier.SSD: 0}
+        self._remote_hits = 0
         self._store: TierStore | None = None
         self._index: BlockIndex | None = None
         self._pool: ThreadPoolExecutor | None = None
@@ -115,7 +122,7 @@ class EmbeddedBackend(ReplicatedBackend):
                 raise KVBackendError("the backend was shut down; create a new one to start again")
             if self._store is not None:
                 return
-            store = TierStore(self.config)
+            store = TierStore(self.config, self.remote)
             for reg in self._pending_buffers.values():
                 store.add_registered(reg)
             self._pending_buffers.clear()
@@ -126,6 +133,8 @@ class EmbeddedBackend(ReplicatedBackend):
                 mover=lambda move: store.apply_moves([move]),
                 hash_bits=self._hasher.bits,
             )
+            if self.remote is not None and self.remote.write_policy == "evict":
+                self._index.on_cpu_evict = self._on_cpu_evict
             self._pool = ThreadPoolExecutor(self.config.worker_threads,
                                             thread_name_prefix="flexkv-transfer")
             self._reaper = threading.Thread(target=self._reap_loop, name="flexkv-expiry",
@@ -232,6 +241,8 @@ class EmbeddedBackend(ReplicatedBackend):
         start, end = mask_span(token_mask, len(tokens), self.tokens_per_block)
         tpb = self.tokens_per_block
         hashes = self._hasher.hashes(tokens, namespace, limit=end // tpb)
+        if self.remote is not None and hashes:
+            self._continue_on_remote(hashes)
         with self._lock:
             index = self._require_started()
             self._expire_locked()
@@ -309,6 +320,84 @@ class EmbeddedBackend(ReplicatedBackend):
         self._observe_match("put", t0)
         assert task.mask is not None
         return task.id, task.mask
+
+    # -- remote tier -----------------------------------------------------------
+
+    def _continue_on_remote(self, hashes: list[int]) -> None:
+        """Extend the locally cached prefix of ``hashes`` from the remote tier.
+
+        One ``batch_is_exist`` for the blocks after the local prefix; the blocks
+        found (a run from the first) are reserved as pending CPU blocks, fetched
+        outside the lock, and the contiguous run that arrived whole is published
+        (with deferred visibility, as REMOTE -> CPU moves for the followers, queued
+        before any plan that loads them); the rest is removed. The whole
+        continuation is bounded by ``timeoutSeconds``; any failure is a shorter hit."""
+        remote = self.remote
+        assert remote is not None
+        deadline = time.monotonic() + remote.settings.timeout_seconds
+        with self._lock:
+            index = self._require_started()
+            keys = index.keys(hashes)
+            have = len(index.match(hashes, keys))
+            if have >= len(hashes) or index.contains(hashes[have]):
+                return  # fully cached, or another put / fetch is filling the next block
+        ids = [h & BLOCK_ID_MASK for h in hashes[have:]]
+        found = remote.lookup(ids, deadline - time.monotonic())
+        if not found:
+            return
+        with self._lock:
+            index = self._require_started()
+            epoch = index.epoch
+            prefix = index.match(hashes[: have + 1], keys[: have + 1])
+            if len(prefix) != have or index.contains(hashes[have]):
+                return  # the index changed meanwhile; match what is there
+            self._check_capacity_locked()
+            moves: list[TierMove] = []
+            parent = int(prefix[have - 1]) if have else None
+            created = index.add_pending(parent, hashes[have:have + found], moves,
+                                        keys[have:have + found])
+            self._record_moves_locked(moves)
+            if not len(created):
+                return
+            locs = index.locations(created)
+        got = 0
+        try:
+            got = remote.fetch(ids[: len(created)], [loc.index for loc in locs],
+                               deadline - time.monotonic(), self.remote_fetch_hook)
+        finally:
+            with self._lock:
+                index = self._require_started()
+                if index.epoch == epoch:
+                    index.remove_pending(created[got:])
+                    if got:
+                        index.publish(created[:got])
+                        if self.config.deferred_visibility:
+                            self._moves.extend(
+                                TierMove(BlockLocation(Tier.REMOTE, b), loc)
+                                for b, loc in zip(ids[:got], locs[:got], strict=False))
+                    self._update_gauges()
+        if got:
+            self._remote_hits += got
+
+    #: Tests: called between fetch chunks with the blocks fetched so far.
+    remote_fetch_hook: Callable[[int], None] | None = None
+
+    def _on_cpu_evict(self, key: int, cpu_block: int) -> None:
+        """Index callback (under the lock): a visible block leaves the CPU tier."""
+        self._evicted[cpu_block] = key & BLOCK_ID_MASK
+
+    def _remote_write_locked(self, nodes: NodeIds) -> None:
+        """A put became visible: with ``writePolicy: store`` write its blocks to the
+        remote tier (and tell followers to write theirs: CPU -> REMOTE moves)."""
+        remote, index = self.remote, self._index
+        if remote is None or index is None or remote.write_policy != "store" or not len(nodes):
+            return
+        ids = (index.node_keys(nodes) & np.uint64(BLOCK_ID_MASK)).tolist()
+        cpu = [loc.index for loc in index.locations(nodes)]
+        remote.offer(ids, cpu)
+        if self.config.deferred_visibility:
+            self._moves.extend(TierMove(BlockLocation(Tier.CPU, c), BlockLocation(Tier.REMOTE, b))
+                               for b, c in zip(ids, cpu, strict=True))
 
     # -- execution -----------------------------------------------------------
 
@@ -470,6 +559,7 @@ class EmbeddedBackend(ReplicatedBackend):
             index = self._require_started()
             done = np.concatenate(nodes)
             index.publish(done)
+            self._remote_write_locked(done)
             if self._metrics is not None:
                 self._metrics.stored_tokens.inc(len(done) * self.tokens_per_block)
 
@@ -565,14 +655,29 @@ class EmbeddedBackend(ReplicatedBackend):
         return task
 
     def _record_moves_locked(self, moves: list[TierMove]) -> None:
-        """Record tier moves the index decided (spills were already copied by its mover)."""
+        """Record tier moves the index decided (spills were already copied by its mover).
+
+        With ``writePolicy: evict`` a visible block leaving the CPU tier is first
+        offered to the remote tier (a CPU -> REMOTE move before its spill or drop)."""
+        if self._evicted:
+            evicted, self._evicted = self._evicted, {}
+            assert self.remote is not None
+            out: list[TierMove] = []
+            for m in moves:
+                b = evicted.get(m.src.index) if m.src.tier is Tier.CPU else None
+                if b is not None:
+                    self.remote.offer([b], [m.src.index])
+                    out.append(TierMove(m.src, BlockLocation(Tier.REMOTE, b)))
+                out.append(m)
+            moves = out
         if not moves:
             return
         if self.config.deferred_visibility:
             self._moves.extend(moves)
         if self._metrics is not None:
             for m in moves:
-                self._metrics.evictions.labels(tier=m.src.tier.value).inc()
+                if m.dst is None or m.dst.tier is not Tier.REMOTE:
+                    self._metrics.evictions.labels(tier=m.src.tier.value).inc()
 
     def _run(self, task: Task, slots: torch.Tensor) -> None:
         """Worker: run one task's copy, then record its outcome.
@@ -631,6 +736,7 @@ class EmbeddedBackend(ReplicatedBackend):
                 self._unpublished.setdefault(key, []).append(task.nodes)
             else:
                 index.publish(task.nodes)
+                self._remote_write_locked(task.nodes)
                 if self._metrics is not None:
                     self._metrics.stored_tokens.inc(len(task.nodes) * self.tokens_per_block)
         batch = task.batch

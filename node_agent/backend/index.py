@@ -101,6 +101,10 @@ class BlockIndex:
         self.low = low
         self._mover: Callable[[TierMove], None] = mover or (lambda move: None)
         self.spill_failures = 0
+        #: Called with ``(key, cpu block)`` when a visible block leaves the CPU tier
+        #: (spilled or dropped), before its CPU block can be reused (the remote
+        #: tier's ``writePolicy: evict``).
+        self.on_cpu_evict: Callable[[int, int], None] | None = None
         self.evictions = {Tier.CPU: 0, Tier.SSD: 0}
         self.epoch = 0
         n = cpu_blocks + ssd_blocks
@@ -306,6 +310,10 @@ class BlockIndex:
             if parent is not None:
                 self.unlock([parent])
 
+    def node_keys(self, nodes: NodeIds | Iterable[NodeId]) -> Keys:
+        """The table keys (low 64 bits of the hash) of ``nodes``."""
+        return self._key.take(as_node_ids(nodes))
+
     def publish(self, nodes: NodeIds | Iterable[NodeId]) -> None:
         """Make pending ``nodes`` visible and release their pending pin."""
         ids = as_node_ids(nodes)
@@ -482,6 +490,8 @@ class BlockIndex:
                         log.error("Spill to SSD failed; dropping a CPU block instead",
                                   extra={"src": src.index, "dst": dst, "error": str(e)})
                     else:
+                        if self.on_cpu_evict is not None and self._visible_v[i]:
+                            self.on_cpu_evict(int(self._key_v[i]), src.index)
                         self._tier_v[i], self._block_v[i] = _SSD, dst
                         p = self._parent_v[i]
                         if p >= 0:
@@ -498,6 +508,8 @@ class BlockIndex:
         i = self._pop(heap, lambda n: self._droppable(n, code))
         if i is None:
             return False
+        if code == _CPU and self.on_cpu_evict is not None and self._visible_v[i]:
+            self.on_cpu_evict(int(self._key_v[i]), int(self._block_v[i]))
         moves.append(TierMove(self.location(i), None))
         self.evictions[tier] += 1
         self._remove(i)

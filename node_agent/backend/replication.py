@@ -41,6 +41,9 @@ class Tier(enum.Enum):
 
     CPU = "cpu"
     SSD = "ssd"
+    #: The shared pool (node_agent/backend/remote). Only in tier moves: REMOTE -> CPU
+    #: (fetch; the source index is the remote block id) and CPU -> REMOTE (write).
+    REMOTE = "remote"
 
     # Members are singletons compared by identity; hashing by identity too keeps
     # BlockLocation hashing off Enum's Python-level __hash__ (index hot path).

@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from node_agent.backend.replication import (
 from node_agent.backend.slots import validate_slot_mapping
 from node_agent.backend.ssd_tier import SsdTier
 from node_agent.backend.transfer import BlockCopier
+
+if TYPE_CHECKING:
+    from node_agent.backend.remote.tier import RemoteTier
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +55,15 @@ class TierStore(StageStore):
 
     Sized from an :class:`EmbeddedBackendConfig` so that every stage of a group,
     given the same config, has the same number of blocks per tier.
+
+    With a ``remote`` tier (docs/remote.md) it also applies the leader's REMOTE
+    moves: REMOTE -> CPU fetches this stage's own copy of the block (its keys carry
+    its PP rank) and CPU -> REMOTE offers the block to the write-behind queue. A
+    CPU block whose fetch failed is *poisoned*: a load plan naming it fails (the
+    stage reports a miss) until a store or move writes the block again.
     """
 
-    def __init__(self, config: EmbeddedBackendConfig) -> None:
+    def __init__(self, config: EmbeddedBackendConfig, remote: RemoteTier | None = None) -> None:
         self.config = config
         self.layout: KVLayout = config.layout
         self.cpu = CpuTier(config.layout, config.cpu_blocks, config.pinned)
@@ -66,6 +76,10 @@ class TierStore(StageStore):
         self._buffers: dict[int, RegisteredBuffers] = {}
         self._fences: dict[BlockLocation, threading.Thread] = {}
         self._lock = threading.Lock()
+        self.remote = remote
+        self._poisoned: set[BlockLocation] = set()
+        if remote is not None:
+            remote.attach(self.cpu)
 
     # -- registration -------------------------------------------------------
 
@@ -118,7 +132,9 @@ class TierStore(StageStore):
     def num_blocks(self, tier: Tier) -> int:
         if tier is Tier.CPU:
             return self.cpu.num_blocks
-        return self.ssd.num_blocks if self.ssd is not None else 0
+        if tier is Tier.SSD:
+            return self.ssd.num_blocks if self.ssd is not None else 0
+        return 0  # REMOTE blocks are addressed by block id, never by a plan
 
     def check_plan(self, plan: TransferPlan) -> None:
         """Raise ``ValueError`` when a plan names a block outside this stage's tiers."""
@@ -130,6 +146,13 @@ class TierStore(StageStore):
                     f"plan names {loc.tier.value} block {loc.index} but this stage has "
                     f"{self.num_blocks(loc.tier)}; every stage of a group needs the same tier sizes"
                 )
+        if self._poisoned and plan.direction is Direction.LOAD:
+            bad = [b for b in plan.blocks if b in self._poisoned]
+            if bad:
+                raise ValueError(
+                    f"plan loads {_describe(bad)} whose fetch from the remote tier failed on "
+                    "this stage; the load is a miss (the blocks are rewritten by a later store)"
+                )
 
     def copy(self, plan: TransferPlan, slots: torch.Tensor,
              abort: threading.Event | None = None) -> None:
@@ -139,6 +162,7 @@ class TierStore(StageStore):
         every run / plane copy); what the copy wrote by then is undefined."""
         bufs = self.buffers()
         if plan.direction is Direction.STORE:
+            self._written([b.index for b in plan.blocks])
             self.copier.store(bufs, [b.index for b in plan.blocks], slots, abort)
         else:
             self.copier.load(bufs, plan.blocks, slots, abort)
@@ -199,10 +223,62 @@ class TierStore(StageStore):
         """See :meth:`StageStore.apply_moves`; waits (up to ``FENCE_SECONDS``) for a
         timed-out copy still writing a block the moves touch."""
         deadline = time.monotonic() + FENCE_SECONDS
+        fetches: list[TierMove] = []
         for m in moves:
+            if m.src.tier is Tier.REMOTE:
+                fetches.append(m)  # consecutive fetches go in one batch
+                continue
+            if fetches:
+                self._fetch(fetches, deadline)
+                fetches = []
+            if m.dst is not None and m.dst.tier is Tier.REMOTE:
+                self._remote().offer([m.dst.index], [m.src.index])
+                continue
             self._await_fences([m.src] if m.dst is None else [m.src, m.dst], deadline)
             if m.dst is not None:
+                if m.dst.tier is Tier.CPU:
+                    self._written([m.dst.index])
                 self.copier.move(m.src, m.dst)
+                if self._poisoned:  # a poisoned block stays poisoned where it moves
+                    if m.src in self._poisoned:
+                        self._poisoned.add(m.dst)
+                    else:
+                        self._poisoned.discard(m.dst)
+        if fetches:
+            self._fetch(fetches, deadline)
+
+    def _written(self, cpu_blocks: Sequence[int]) -> None:
+        """``cpu_blocks`` are about to be overwritten: a pending remote write of their
+        old content is void, and a poisoned block is healed by the new content."""
+        if self.remote is not None:
+            self.remote.bump(cpu_blocks)
+        if self._poisoned:
+            self._poisoned.difference_update(BlockLocation(Tier.CPU, i) for i in cpu_blocks)
+
+    def _remote(self) -> RemoteTier:
+        if self.remote is None:
+            raise ValueError(
+                "a move names the remote tier but this stage has none; every stage of a "
+                "group needs the same tiers (tiers.remote in agent.yaml)"
+            )
+        return self.remote
+
+    def _fetch(self, moves: Sequence[TierMove], deadline: float) -> None:
+        """REMOTE -> CPU moves: fetch this stage's own copy of each block (its keys carry
+        its PP rank). Blocks after the first that did not arrive are poisoned."""
+        remote = self._remote()
+        dst = []
+        for m in moves:
+            if m.dst is None or m.dst.tier is not Tier.CPU:
+                raise ValueError(f"move {m} must fetch a remote block into a CPU block")
+            dst.append(m.dst.index)
+        self._await_fences([m.dst for m in moves if m.dst is not None], deadline)
+        self._written(dst)
+        got = remote.fetch([m.src.index for m in moves], dst, remote.settings.timeout_seconds)
+        if got < len(dst):
+            self._poisoned.update(BlockLocation(Tier.CPU, i) for i in dst[got:])
+            log.warning("Stage could not fetch remote blocks; loads of them are misses",
+                        extra={"blocks": len(dst) - got})
 
     def _await_fences(self, blocks: Sequence[BlockLocation], deadline: float) -> None:
         """Wait for timed-out copies still writing any of ``blocks``; TimeoutError if
@@ -225,7 +301,11 @@ class TierStore(StageStore):
 
     def reset(self) -> None:
         """Nothing to forget: the store keeps no index, and every later plan overwrites
-        the blocks it names before any load reads them."""
+        the blocks it names before any load reads them. Remote writes still queued are
+        voided (their blocks count as overwritten) and poisoned blocks are forgotten."""
+        if self.remote is not None:
+            self.remote.bump(range(self.cpu.num_blocks))
+        self._poisoned.clear()
 
     def read_block(self, location: BlockLocation) -> bytes:
         """The raw bytes of one block (region order), for checks and debugging."""
@@ -236,6 +316,8 @@ class TierStore(StageStore):
         return self.ssd.read_block(location.index)
 
     def close(self) -> None:
-        """Release the SSD files."""
+        """Release the SSD files and stop the remote writer."""
         if self.ssd is not None:
             self.ssd.close()
+        if self.remote is not None:
+            self.remote.close()

@@ -318,6 +318,12 @@ class LeaderRole:
                     ok = False
             if not ok:
                 self.backend.discard(t.task_id)
+            # A publish may decide moves (a remote tier's CPU -> REMOTE writes): the
+            # followers get them now rather than with the next decision.
+            moves = self.backend.drain_moves()
+            if moves:
+                self.counters.moves_sent += len(moves)
+                self.stream.broadcast(Op.MOVES, Moves(tuple(moves)))
             self.stream.broadcast(Op.RESULT, Result(t.rid, Kind.PUT, t.n, t.task_id, ok))
         if ok:
             self.counters.stores_published += 1

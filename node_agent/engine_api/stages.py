@@ -11,7 +11,9 @@
 * the connector's waits are split from ``engineCallSeconds`` (:mod:`.budget`),
   so a call ends before the engine API would answer it with a timeout;
 * the leader's backend is an :class:`EmbeddedBackend` with deferred visibility,
-  sized by ``tiers``; a follower keeps a :class:`TierStore` of the same size.
+  sized by ``tiers``; a follower keeps a :class:`TierStore` of the same size;
+  with ``tiers.remote`` each gets a :class:`RemoteTier` over the agent's one
+  Mooncake client (docs/remote.md).
 
 A single-stage group on the embedded backend lets the engine socket's I/O
 thread answer its ``lookup``, ``release`` and ``poll_completed`` itself
@@ -31,6 +33,8 @@ from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.embedded import EmbeddedBackend
 from node_agent.backend.flexkv_adapter import start_flexkv_backend
 from node_agent.backend.layout import KVLayout
+from node_agent.backend.remote.keys import KeySpace
+from node_agent.backend.remote.tier import RemoteTier
 from node_agent.backend.replication import ReplicatedBackend
 from node_agent.backend.single_stage import SingleStageBackend
 from node_agent.backend.stage_store import TierStore
@@ -55,6 +59,18 @@ def backend_config(agent: Agent, layout: KVLayout) -> EmbeddedBackendConfig:
         unlaunched_match_seconds=cfg.timeouts.unlaunched_match_seconds,
         deferred_visibility=True,
     )
+
+
+def remote_tier(agent: Agent, rank: RankRef, layout: KVLayout) -> RemoteTier | None:
+    """The stage's remote tier over the agent's Mooncake pool (None without
+    ``tiers.remote``); its keys carry the stage's PP rank and the pool's salt."""
+    pool = agent.remote_pool
+    if pool is None:
+        return None
+    cfg = agent.cfg
+    keyspace = KeySpace(layout=layout, pp_rank=rank.pp_rank, pp_size=rank.pp_size,
+                        namespace=cfg.namespace, pool=cfg.pool, cache_epoch=agent.key_epoch)
+    return RemoteTier(pool, keyspace, epoch=lambda: agent.key_epoch)
 
 
 def connector_config(agent: Agent, rank: RankRef, layout: KVLayout, group: str,
@@ -100,12 +116,12 @@ def default_stage_builder(agent: Agent, rank: RankRef, layout: KVLayout) -> Stag
     def leader_backend() -> ReplicatedBackend:
         if cfg.backend == "flexkv":
             return SingleStageBackend(start_flexkv_backend(cfg, layout, metrics))
-        return EmbeddedBackend(bcfg, metrics=metrics)
+        return EmbeddedBackend(bcfg, metrics=metrics, remote=remote_tier(agent, rank, layout))
 
     connector = Connector(
         ccfg, views,
         backend_factory=leader_backend,
-        store_factory=lambda: TierStore(bcfg),
+        store_factory=lambda: TierStore(bcfg, remote_tier(agent, rank, layout)),
         keys=keys, metrics=metrics,
     ).start()
     # A single-stage group's leader never waits on a follower, and the embedded

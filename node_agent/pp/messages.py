@@ -49,7 +49,7 @@ WIRE_VERSION = 4
 _RUN_MAX = (1 << 31) - 1
 """Largest block index or run length on the wire (plan runs travel as int32)."""
 _HEADER = struct.Struct("<4sBBqqdq")
-_TIER_CODES = {Tier.CPU: 0, Tier.SSD: 1}
+_TIER_CODES = {Tier.CPU: 0, Tier.SSD: 1, Tier.REMOTE: 2}
 _TIER_BY_CODE = {v: k for k, v in _TIER_CODES.items()}
 _NO_TIER = 255
 _MAX_GROUP_LEN = 253

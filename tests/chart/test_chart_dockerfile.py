@@ -87,9 +87,11 @@ def test_each_target_installs_only_its_extra_and_smoke_checks_its_command() -> N
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert {"flexkv-operator", "flexkv-agent"} <= set(scripts)
     stages = _stages()
+    # The agent also carries the remote tier's extra (Mooncake, docs/remote.md).
+    extras = {"operator": "operator", "agent": "agent,remote"}
     for target in ("operator", "agent"):
         runs = " ".join(a for i, a in stages[f"build-{target}"] if i == "RUN")
-        assert f'"./[{target}]"' in runs, runs
+        assert f'"./[{extras[target]}]"' in runs, runs
         assert f"flexkv-{target} --help" in runs
         assert "torch" not in runs or target == "agent"
         copied = [a for i, a in stages[target] if i == "COPY"]
@@ -99,7 +101,7 @@ def test_each_target_installs_only_its_extra_and_smoke_checks_its_command() -> N
 def test_cpu_torch_pin_is_installed_before_the_project() -> None:
     runs = [a for i, a in _stages()["build-agent"] if i == "RUN"]
     torch_at = next(n for n, r in enumerate(runs) if "torch==${TORCH_VERSION}" in r)
-    project_at = next(n for n, r in enumerate(runs) if '"./[agent]"' in r)
+    project_at = next(n for n, r in enumerate(runs) if '"./[agent,remote]"' in r)
     assert torch_at < project_at
     args = dict(a.split("=", 1) for i, a in _instructions() if i == "ARG" and "=" in a)
     assert args["TORCH_VERSION"] == "2.13.0"
@@ -124,3 +126,9 @@ def test_dockerignore_keeps_local_state_out_of_the_context() -> None:
         for src in a.split()[:-1]
     }
     assert copied <= allowed, f"COPY of paths the .dockerignore excludes: {copied - allowed}"
+
+
+def test_agent_image_installs_libibverbs_for_mooncake() -> None:
+    """The remote extra's Mooncake loads libibverbs.so.1: the runtime stage installs it."""
+    runs = " ".join(a for i, a in _stages()["agent"] if i == "RUN")
+    assert "libibverbs1" in runs

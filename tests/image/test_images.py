@@ -96,6 +96,16 @@ def test_agent_image_runs_its_command_with_cpu_torch(agent_ctr: str) -> None:
     assert _run(agent_ctr, "python3", "-c", "import kopf").returncode != 0
 
 
+def test_agent_image_carries_mooncake_for_the_remote_tier(agent_ctr: str) -> None:
+    """The remote extra and libibverbs1 are in the agent image: the client imports and
+    the managed master's binary runs (KVCachePool spec.tiers.remote.mooncake.managed)."""
+    out = _run(agent_ctr, "mooncake_master", "--version")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "mooncake_master version 0.3.13" in out.stdout + out.stderr
+    probe = _run(agent_ctr, "python3", "-c", "import mooncake.store")
+    assert probe.returncode == 0, probe.stderr
+
+
 def test_agent_with_bad_config_exits_2_naming_the_key(agent_ctr: str) -> None:
     out = _run(agent_ctr, "sh", "-c",
                "printf 'tiers:\\n  cpu:\\n    size: 8GB\\n' > /tmp/bad.yaml && "

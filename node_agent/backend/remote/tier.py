@@ -1,0 +1,481 @@
+"""The remote tier of a stage: lookup, fetch into the CPU tier, write-behind.
+
+:class:`RemotePool` is one agent's membership of the Mooncake Store pool: one
+client (one ``storePort``), its health, and one bounded call lane per operation
+(``lookup``, ``get``, ``put``) so a slow write never delays a lookup.
+:class:`RemoteTier` is one PP stage's view of it: its :class:`~.keys.KeySpace`,
+its CPU tier and a registered staging buffer (``localBufferSize``), split in a
+fetch half and a write half.
+
+Objects are whole blocks in *region order* (the SSD on-disk order:
+``segments(0)[b] + segments(1)[b] + ...``), so a fetch is one ``batch_get_into``
+per staging-full of blocks into the staging buffer, then one ``index_copy_`` per
+region into the CPU blocks; Mooncake's scatter into many buffers
+(``batch_get_into_multi_buffers``) is not used: it fails for 4 or more objects per
+batch on this Mooncake version.
+
+Guarantees:
+
+* every call ends within its timeout (:class:`~.calls.BoundedCaller`); a master
+  that does not answer is a miss, never a hang;
+* a fetch uses only the contiguous prefix of blocks that arrived whole: the first
+  block that failed (or timed out) ends it, and nothing after it is copied;
+* a write takes a block's bytes only if no store, move or fetch wrote that CPU
+  block between the offer and the end of the copy-out (a generation check on both
+  sides of the copy), so a block reused for other content is never written under
+  the old key.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from node_agent.backend.cpu_tier import CpuTier
+from node_agent.backend.remote.calls import BoundedCaller, PendingCall, RemoteCallError
+from node_agent.backend.remote.health import RemoteHealth
+from node_agent.backend.remote.keys import KeySpace
+from node_agent.backend.remote.mooncake_client import (
+    MooncakeStore,
+    connect,
+    master_unreachable,
+)
+from node_agent.backend.remote.settings import RemoteSettings
+from node_agent.backend.remote.writer import Pending, WriteBehind
+from node_agent.metrics import AgentMetrics
+
+log = logging.getLogger(__name__)
+
+#: How long :meth:`RemotePool.start` waits for the first join (Mooncake's setup).
+JOIN_SECONDS = 10.0
+
+
+class RemotePool:
+    """One agent's Mooncake Store client, shared by its stages (see module docstring).
+
+    Joining is retried lazily: when ``setup`` fails (the master is down at start)
+    the pool stays down and the next due probe (``retry_seconds``) joins again."""
+
+    def __init__(self, settings: RemoteSettings, metrics: AgentMetrics | None = None,
+                 connector: Callable[[RemoteSettings], MooncakeStore] = connect,
+                 retry_seconds: float = 1.0) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.health = RemoteHealth(metrics, retry_seconds)
+        self._connector = connector
+        self._client: MooncakeStore | None = None
+        self._lock = threading.Lock()
+        self._lanes = {op: BoundedCaller(op) for op in ("connect", "lookup", "get", "put")}
+        self._registered: list[tuple[int, int]] = []
+        self.closed = False
+
+    def start(self, timeout: float = JOIN_SECONDS) -> None:
+        """Try to join once, waiting up to ``timeout``; the pool stays usable (down) when
+        the master is unreachable, and joins on a later call."""
+        self._connect(timeout)
+
+    def _join(self) -> MooncakeStore:
+        """Lane ``connect``: join and install the client, even when the caller that
+        started the join stopped waiting (a late join must not leave a client with
+        its ports bound and no owner)."""
+        s = self.settings
+        client = self._connector(s)
+        with self._lock:
+            if self.closed:
+                client.close()
+                raise RuntimeError("the remote pool was closed while joining")
+            self._client = client
+            for ptr, size in self._registered:
+                client.register_buffer(ptr, size)
+        self.health.succeeded()
+        log.info("Remote tier joined the Mooncake pool", extra={
+            "master": s.master_address, "local": s.local_hostname,
+            "segment_bytes": s.segment_bytes})
+        return client
+
+    def _connect(self, timeout: float) -> MooncakeStore | None:
+        try:
+            return self._lanes["connect"].call(self._join, timeout, "remote join")
+        except RemoteCallError as exc:
+            self.health.failed(str(exc))
+            log.warning("Remote tier cannot join the Mooncake pool yet",
+                        extra={"master": self.settings.master_address, "error": str(exc)})
+            return None
+
+    def register(self, buf: torch.Tensor) -> None:
+        """Register ``buf`` (host memory) for transfers, now and after every (re)join."""
+        ptr, size = buf.data_ptr(), buf.numel() * buf.element_size()
+        with self._lock:
+            self._registered.append((ptr, size))
+            client = self._client
+        if client is not None:
+            client.register_buffer(ptr, size)
+
+    def unregister(self, buf: torch.Tensor) -> None:
+        """Stop using ``buf`` for transfers (before it is freed)."""
+        ptr = buf.data_ptr()
+        with self._lock:
+            self._registered = [r for r in self._registered if r[0] != ptr]
+            client = self._client
+        if client is not None:
+            client.unregister_buffer(ptr)
+
+    def client(self) -> MooncakeStore | None:
+        """The joined client, joining now if a probe is due; None while unreachable."""
+        if self.closed:
+            return None
+        client = self._client
+        if client is None and self.health.should_try():
+            client = self._connect(self.settings.timeout_seconds)
+        return client
+
+    def call(self, op: str, fn: Callable[[MooncakeStore], Any], timeout: float) -> Any:
+        """Run ``fn(client)`` on ``op``'s lane within ``timeout``; None when the tier is down
+        (no probe due) or the call failed (counted in ``remote_errors_total{op}``)."""
+        if self.closed or (not self.health.up and not self.health.should_try()):
+            return None
+        client = self._client or self._connect(timeout)
+        if client is None:
+            return None
+        try:
+            return self._lanes[op].call(lambda: fn(client), timeout, f"remote {op}")
+        except RemoteCallError as exc:
+            self.error(op, str(exc))
+            return None
+
+    def submit(self, op: str, fn: Callable[[MooncakeStore], Any]) -> PendingCall[Any] | None:
+        """Start ``fn(client)`` on ``op``'s lane without waiting (see :meth:`finish`);
+        None when the tier is down or the lane is busy."""
+        if self.closed or (not self.health.up and not self.health.should_try()):
+            return None
+        client = self._client or self._connect(self.settings.timeout_seconds)
+        if client is None:
+            return None
+        try:
+            return self._lanes[op].submit(lambda: fn(client), f"remote {op}")
+        except RemoteCallError as exc:
+            self.error(op, str(exc))
+            return None
+
+    def finish(self, op: str, call: PendingCall[Any], timeout: float) -> Any:
+        r"""The result of a :meth:`submit`\ ted call within ``timeout``; None on failure."""
+        try:
+            return self._lanes[op].wait(call, timeout, f"remote {op}")
+        except RemoteCallError as exc:
+            self.error(op, str(exc))
+            return None
+
+    def error(self, op: str, reason: str, down: bool = True) -> None:
+        """Count a failed ``op``; ``down`` marks the tier down until a call succeeds."""
+        if self.metrics is not None:
+            self.metrics.remote_errors.labels(op=op).inc()
+        if down:
+            self.health.failed(f"{op}: {reason}")
+
+    def status(self) -> dict[str, Any]:
+        return {"up": self.health.up, "reason": self.health.reason,
+                "masterAddress": self.settings.master_address,
+                "localHostname": self.settings.local_hostname,
+                "segmentBytes": self.settings.segment_bytes,
+                "writePolicy": self.settings.write_policy}
+
+    def close(self) -> None:
+        self.closed = True
+        with self._lock:
+            client, self._client = self._client, None
+        for lane in self._lanes.values():
+            lane.close()
+        if client is not None:
+            client.close()
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (bytes, last dimension) viewed with the widest integer type that tiles its
+    rows: torch's index kernels copy element by element. Only bytes are reinterpreted."""
+    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if t.shape[-1] % size == 0:
+            return t.view(dtype)
+    return t
+
+
+def _consecutive(blocks: Sequence[int]) -> tuple[int, int] | None:
+    """``(first, last + 1)`` when ``blocks`` are consecutive ascending, else None."""
+    n = len(blocks)
+    if n and int(blocks[-1]) - int(blocks[0]) == n - 1:
+        arr = np.asarray(blocks, dtype=np.int64)
+        if n == 1 or bool((np.diff(arr) == 1).all()):
+            return int(arr[0]), int(arr[-1]) + 1
+    return None
+
+
+def _getter(keys: list[str], ptrs: list[int],
+            sizes: list[int]) -> Callable[[MooncakeStore], list[int]]:
+    return lambda c: c.batch_get_into(keys, ptrs, sizes)
+
+
+class RemoteTier:
+    """One stage's remote tier over a :class:`RemotePool` (see module docstring)."""
+
+    def __init__(self, pool: RemotePool, keyspace: KeySpace,
+                 epoch: Callable[[], int] | None = None) -> None:
+        self.pool = pool
+        self._base = keyspace
+        self._epoch = epoch
+        self.settings = pool.settings
+        self.bytes_per_block = keyspace.layout.bytes_per_block
+        self._cpu: CpuTier | None = None
+        self._gens: np.ndarray = np.zeros(0, dtype=np.int64)
+        self._fetch_lock = threading.Lock()
+        self._writer: WriteBehind | None = None
+        self._staging: torch.Tensor | None = None
+        self._fetch_area: torch.Tensor | None = None
+        self._write_area: torch.Tensor | None = None
+        self.half_blocks = 0
+        self.fetched_blocks = 0
+        self.written_blocks = 0
+
+    @property
+    def keyspace(self) -> KeySpace:
+        """The stage's key space under the current ``cacheEpoch`` (a bump changes every
+        key, so blocks written before it are never found again)."""
+        if self._epoch is not None:
+            e = self._epoch()
+            if e != self._base.cache_epoch:
+                self._base = replace(self._base, cache_epoch=e)
+        return self._base
+
+    @property
+    def write_policy(self) -> str:
+        return self.settings.write_policy
+
+    # -- set-up ----------------------------------------------------------------
+
+    def attach(self, cpu: CpuTier) -> None:
+        """Bind to the stage's CPU tier: allocate and register the staging buffer and
+        start the writer. Raises ``ValueError`` when staging cannot hold 2 blocks."""
+        bpb = self.bytes_per_block
+        half = self.settings.staging_bytes // 2 // bpb
+        if half < 1:
+            raise ValueError(
+                f"tiers.remote.mooncake.localBufferSize {self.settings.staging_bytes} bytes holds "
+                f"less than two {bpb}-byte blocks (one to fetch, one to write); raise it to at "
+                f"least {2 * bpb}"
+            )
+        self.half_blocks = half
+        staging = torch.zeros(2 * half * bpb, dtype=torch.uint8)  # faulted in now
+        self._staging = staging
+        self._fetch_area = staging[: half * bpb]
+        self._write_area = staging[half * bpb:]
+        self._cpu = cpu
+        self._gens = np.zeros(cpu.num_blocks, dtype=np.int64)
+        self.pool.register(staging)
+        self._writer = WriteBehind(self.settings.queue_blocks, half, self.write_batch,
+                                   self.pool.metrics)
+
+    # -- generations -------------------------------------------------------------
+
+    def bump(self, cpu_blocks: Sequence[int] | np.ndarray) -> None:
+        """Record that ``cpu_blocks`` are about to be overwritten (before the write)."""
+        if len(self._gens) and len(cpu_blocks):
+            self._gens[np.asarray(cpu_blocks, dtype=np.int64)] += 1
+
+    # -- read path -----------------------------------------------------------------
+
+    def lookup(self, block_ids: Sequence[int], timeout: float) -> int:
+        """How many of ``block_ids``, from the first, exist in the pool (one
+        ``batch_is_exist``); 0 when the tier is down or the call fails."""
+        if not block_ids:
+            return 0
+        keys = self.keyspace.keys(block_ids)
+        codes = self.pool.call("lookup", lambda c: c.batch_is_exist(keys), timeout)
+        if codes is None:
+            return 0
+        arr = np.asarray(codes, dtype=np.int64)
+        bad = arr < 0
+        if bad.any():
+            code = int(arr[bad][0])
+            self.pool.error("lookup", f"batch_is_exist answered {code}",
+                            down=master_unreachable(code))
+            if master_unreachable(code):
+                return 0
+        else:
+            self.pool.health.succeeded()
+        miss = np.flatnonzero(arr != 1)
+        return int(miss[0]) if len(miss) else len(arr)
+
+    def fetch(self, block_ids: Sequence[int], cpu_blocks: Sequence[int], timeout: float,
+              between_chunks: Callable[[int], None] | None = None) -> int:
+        """Copy the remote blocks ``block_ids`` into CPU blocks ``cpu_blocks`` (same
+        order); returns how many, from the first, arrived whole and were copied.
+
+        Stops at the first block that failed or when ``timeout`` runs out; CPU
+        blocks from the returned count on hold undefined bytes. ``between_chunks``
+        (tests) is called with the blocks copied so far before every chunk after
+        the first."""
+        assert self._cpu is not None and self._fetch_area is not None
+        n = min(len(block_ids), len(cpu_blocks))
+        if n == 0:
+            return 0
+        deadline = time.monotonic() + timeout
+        bpb, cpu = self.bytes_per_block, self._cpu
+        self.bump(cpu_blocks[:n])
+        done = 0
+        with self._fetch_lock:
+            # Two staging areas: the next chunk's get runs while this chunk is copied
+            # into the CPU tier (one area when the fetch half holds a single block).
+            nareas = 2 if self.half_blocks >= 2 else 1
+            q = self.half_blocks // nareas
+            areas = [self._fetch_area[i * q * bpb:(i + 1) * q * bpb] for i in range(nareas)]
+            chunks = [(s, min(q, n - s)) for s in range(0, n, q)]
+
+            def start(i: int) -> PendingCall[Any] | None:
+                s, k = chunks[i]
+                base = areas[i % nareas].data_ptr()
+                return self.pool.submit("get", _getter(
+                    self.keyspace.keys(block_ids[s:s + k]),
+                    [base + j * bpb for j in range(k)], [bpb] * k))
+
+            pending = start(0)
+            for i, (s, k) in enumerate(chunks):
+                if pending is None:
+                    break
+                codes = self.pool.finish("get", pending, deadline - time.monotonic())
+                pending = None
+                if codes is None:
+                    break
+                ok = 0
+                while ok < k and codes[ok] == bpb:
+                    ok += 1
+                if ok < k:
+                    code = int(codes[ok])
+                    self.pool.error("get", f"batch_get_into answered {code}",
+                                    down=master_unreachable(code))
+                else:
+                    self.pool.health.succeeded()
+                    if i + 1 < len(chunks):
+                        if between_chunks is not None:
+                            between_chunks(done + ok)
+                        pending = start(i + 1)
+                if ok:
+                    self._scatter(cpu, areas[i % nareas], cpu_blocks[s:s + ok])
+                    done += ok
+                if ok < k:
+                    break
+            if pending is not None:  # let a get still running finish before the area is reused
+                self.pool.finish("get", pending, deadline - time.monotonic())
+        self.fetched_blocks += done
+        m = self.pool.metrics
+        if m is not None and done:
+            m.remote_hit_blocks.inc(done)
+            m.remote_bytes.labels(direction="get").inc(done * bpb)
+        return done
+
+    # -- write path ----------------------------------------------------------------
+
+    def offer(self, block_ids: Sequence[int], cpu_blocks: Sequence[int]) -> int:
+        """Queue blocks for the write-behind (never blocks); returns how many were taken."""
+        if self._writer is None or not len(block_ids):
+            return 0
+        gens = self._gens[np.asarray(cpu_blocks, dtype=np.int64)].tolist()
+        return self._writer.offer(list(zip((int(b) for b in block_ids),
+                                           (int(c) for c in cpu_blocks), gens, strict=True)))
+
+    def write_batch(self, batch: list[Pending]) -> None:
+        """Writer: copy the still-valid blocks of ``batch`` out and put them."""
+        assert self._cpu is not None and self._write_area is not None
+        m = self.pool.metrics
+        gens = self._gens
+        valid = [p for p in batch if gens[p[1]] == p[2]]
+        if len(valid) < len(batch) and m is not None:
+            m.remote_dropped_blocks.labels(reason="overwritten").inc(len(batch) - len(valid))
+        if not valid:
+            return
+        bpb = self.bytes_per_block
+        self._gather(self._cpu, self._write_area, [p[1] for p in valid])
+        still = [i for i, p in enumerate(valid) if gens[p[1]] == p[2]]
+        if len(still) < len(valid) and m is not None:
+            m.remote_dropped_blocks.labels(reason="overwritten").inc(len(valid) - len(still))
+        if not still:
+            return
+        base = self._write_area.data_ptr()
+        keys = self.keyspace.keys([valid[i][0] for i in still])
+        ptrs = [base + i * bpb for i in still]
+        codes = self.pool.call("put", lambda c: c.batch_put_from(keys, ptrs, [bpb] * len(keys)),
+                               self.settings.timeout_seconds)
+        if codes is None:
+            if m is not None:
+                reason = "error" if self.pool.health.up else "down"
+                m.remote_dropped_blocks.labels(reason=reason).inc(len(keys))
+            return
+        failed = [int(c) for c in codes if c < 0]
+        put = len(keys) - len(failed)
+        if failed:
+            self.pool.error("put", f"batch_put_from answered {failed[0]} for {len(failed)} "
+                            "blocks", down=master_unreachable(failed[0]))
+            if m is not None:
+                m.remote_dropped_blocks.labels(reason="error").inc(len(failed))
+        else:
+            self.pool.health.succeeded()
+        self.written_blocks += put
+        if m is not None and put:
+            m.remote_bytes.labels(direction="put").inc(put * bpb)
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until the write-behind queue is empty (tests, benchmarks, shutdown)."""
+        return self._writer is None or self._writer.drain(timeout)
+
+    @property
+    def queue_depth(self) -> int:
+        return 0 if self._writer is None else self._writer.depth
+
+    # -- copies --------------------------------------------------------------------
+
+    def _regions(self, area: torch.Tensor, n: int, cpu: CpuTier) -> torch.Tensor:
+        seg = self.keyspace.layout.segment_bytes
+        return _wide(area[: n * self.bytes_per_block].view(n, cpu.num_regions, seg))
+
+    def _scatter(self, cpu: CpuTier, area: torch.Tensor, cpu_blocks: Sequence[int]) -> None:
+        """Staged blocks (region order) into CPU blocks ``cpu_blocks``: one slice copy
+        per region when the blocks are consecutive, else one ``index_copy_``."""
+        staged = self._regions(area, len(cpu_blocks), cpu)
+        run = _consecutive(cpu_blocks)
+        idx = None if run is not None else torch.as_tensor(np.asarray(cpu_blocks, np.int64))
+        for k in range(cpu.num_regions):
+            segs = _wide(cpu.segments(k))
+            if run is not None:
+                segs[run[0]:run[1]].copy_(staged[:, k])
+            else:
+                segs.index_copy_(0, idx, staged[:, k])  # type: ignore[arg-type]
+
+    def _gather(self, cpu: CpuTier, area: torch.Tensor, cpu_blocks: Sequence[int]) -> None:
+        staged = self._regions(area, len(cpu_blocks), cpu)
+        run = _consecutive(cpu_blocks)
+        idx = None if run is not None else torch.as_tensor(np.asarray(cpu_blocks, np.int64))
+        for k in range(cpu.num_regions):
+            segs = _wide(cpu.segments(k))
+            if run is not None:
+                staged[:, k] = segs[run[0]:run[1]]
+            else:
+                staged[:, k] = segs.index_select(0, idx)  # type: ignore[arg-type]
+
+    def status(self) -> dict[str, Any]:
+        return {**self.pool.status(), "fingerprint": self.keyspace.fingerprint,
+                "queueDepth": self.queue_depth, "fetchedBlocks": self.fetched_blocks,
+                "writtenBlocks": self.written_blocks}
+
+    def close(self) -> None:
+        """Stop the writer (queued blocks are dropped) and release the staging buffer."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if self._staging is not None and not self.pool.closed:
+            with self._fetch_lock:
+                self.pool.unregister(self._staging)
+        self._staging = self._fetch_area = self._write_area = None

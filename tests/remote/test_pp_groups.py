@@ -1,0 +1,177 @@
+"""Two PP groups of two stages, real connectors fanning out over loopback pyzmq, each
+stage with its own Mooncake client: group A stores a prompt, group B serves it from
+the remote tier. B's leader decides the fetch; it reaches B's follower as REMOTE -> CPU
+moves in the ordered stream, and every stage fetches its own stage's bytes."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from node_agent.backend.embedded import EmbeddedBackend
+from node_agent.backend.hashing import BlockHasher
+from node_agent.backend.remote.keys import KeySpace, block_id
+from node_agent.backend.remote.tier import RemoteTier
+from node_agent.backend.stage_store import TierStore
+from node_agent.connector import Connector, ConnectorConfig
+from node_agent.pp.group import GroupView, GroupViewSource
+from tests.connector.harness import (
+    LAYOUT,
+    backend_config,
+    group_status,
+    kv_content,
+    make_buffers,
+    read_slots,
+    wait_completed,
+    wait_for,
+    write_slots,
+)
+from tests.remote.conftest import Master
+from tests.remote.stages import Node, node
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
+TOKENS = np.arange(300, 332, dtype=np.int64)  # 8 blocks of 4 tokens
+SRC = np.arange(32, dtype=np.int64)
+DST = np.arange(200, 232, dtype=np.int64)
+
+
+class Group:
+    """Two connectors of one group (rank 0 leads), each with a remote tier."""
+
+    def __init__(self, name: str, nodes: list[Node]) -> None:
+        self.views = [GroupViewSource(GroupView(name, 0, None, ())) for _ in nodes]
+        self.conns: list[Connector] = []
+        self.bufs = []
+        for rank, n in enumerate(nodes):
+            def tier(n: Node = n, rank: int = rank) -> RemoteTier:
+                return RemoteTier(n.pool, KeySpace(LAYOUT, rank, len(nodes), "ns1", "tp", 0))
+
+            cfg = ConnectorConfig(
+                group=name, pp_rank=rank, layout=LAYOUT, fanout_endpoint="tcp://127.0.0.1:0",
+                engine_call_seconds=8.0, fanout_wait_seconds=3.5, transfer_seconds=1.4,
+                heartbeat_seconds=0.1, leader_timeout_seconds=3.0)
+            conn = Connector(
+                cfg, self.views[rank],
+                backend_factory=lambda tier=tier: EmbeddedBackend(backend_config(64, True),
+                                                                 remote=tier()),
+                store_factory=lambda tier=tier: TierStore(backend_config(64, True), tier()),
+                keys=None).start()
+            bufs = make_buffers()
+            conn.register_kv_buffers(0, bufs)
+            self.conns.append(conn)
+            self.bufs.append(bufs)
+        endpoints = {r: c.fanout_endpoint or "" for r, c in enumerate(self.conns)}
+        for v in self.views:
+            v.update_from_status(group_status(1, 0, endpoints))
+        wait_for(lambda: all(c.ready() for c in self.conns), f"{name} ready", 20)
+
+    def on_every_stage(self, fn: Callable[[int, Connector], Any]) -> list[Any]:
+        """Run ``fn`` on every stage at once (each stage is its own engine rank)."""
+        out: list[Any] = [None] * len(self.conns)
+        errors: list[BaseException] = []
+
+        def run(r: int) -> None:
+            try:
+                out[r] = fn(r, self.conns[r])
+            except BaseException as e:  # handed to the test
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(len(self.conns))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        return out
+
+    def close(self) -> None:
+        for c in reversed(self.conns):
+            c.close()
+
+
+@pytest.fixture
+def groups(master: Master) -> Iterator[tuple[Group, Group, list[Node]]]:
+    nodes = [node(master) for _ in range(4)]
+    made: list[Group] = []
+    try:
+        made.append(Group("tp-a", nodes[:2]))
+        made.append(Group("tp-b", nodes[2:]))
+        yield made[0], made[1], nodes
+    finally:
+        for g in made:
+            g.close()
+        for n in nodes:
+            n.close()
+
+
+def test_group_b_serves_group_a_prefix_each_stage_from_its_own_keys(
+        groups: tuple[Group, Group, list[Node]]) -> None:
+    a, b, nodes = groups
+
+    def store(r: int, c: Connector) -> int:
+        write_slots(a.bufs[r], SRC, kv_content(r, TOKENS))
+        return c.store_kv("p", TOKENS, torch.as_tensor(SRC))
+
+    assert all(t >= 0 for t in a.on_every_stage(store))
+    for c in a.conns:
+        wait_completed(c, "p", 20)
+    # Every stage of A writes its own blocks (the follower through CPU -> REMOTE moves).
+    wait_for(lambda: all((n.metrics.registry.get_sample_value(
+        "flexkv_agent_remote_bytes_total", {"direction": "put"}) or 0)
+        == 8 * LAYOUT.bytes_per_block for n in nodes[:2]), "A's stages wrote 8 blocks", 60)
+
+    hits = b.on_every_stage(lambda r, c: c.lookup("q", TOKENS))
+    assert hits == [len(TOKENS), len(TOKENS)]
+
+    def retrieve(r: int, c: Connector) -> int:
+        write_slots(b.bufs[r], DST, np.full((len(DST), LAYOUT.num_planes, LAYOUT.row_elems),
+                                            -7.0, np.float32))
+        return c.retrieve("q", torch.as_tensor(DST))
+
+    assert b.on_every_stage(retrieve) == [len(TOKENS), len(TOKENS)]
+    for r in range(2):
+        assert np.array_equal(read_slots(b.bufs[r], DST), kv_content(r, TOKENS)), r
+    for r, n in enumerate(nodes[2:]):
+        assert n.metrics.registry.get_sample_value(
+            "flexkv_agent_remote_hit_blocks_total") == 8, r
+    # The follower got the fetch as moves in the ordered stream, like any tier move.
+    assert b.conns[1].status()["counters"]["moves_applied"] >= 8
+
+
+def test_a_stage_whose_own_blocks_are_missing_makes_the_group_miss(
+        groups: tuple[Group, Group, list[Node]]) -> None:
+    """Stage 1's objects are gone from the pool (evicted by Mooncake, say) while
+    stage 0's are there: B's leader still finds its own, but B's follower cannot
+    fetch its stage; the group answers a miss and no stage loads undefined bytes."""
+    a, b, nodes = groups
+
+    def store(r: int, c: Connector) -> int:
+        write_slots(a.bufs[r], SRC, kv_content(r, TOKENS))
+        return c.store_kv("p", TOKENS, torch.as_tensor(SRC))
+
+    a.on_every_stage(store)
+    for c in a.conns:
+        wait_completed(c, "p", 20)
+    wait_for(lambda: all((n.metrics.registry.get_sample_value(
+        "flexkv_agent_remote_bytes_total", {"direction": "put"}) or 0)
+        == 8 * LAYOUT.bytes_per_block for n in nodes[:2]), "A's stages wrote 8 blocks", 60)
+    ids = [block_id(h) for h in BlockHasher(LAYOUT.tokens_per_block).hashes(TOKENS)]
+    client = nodes[1].pool.client()
+    assert client is not None
+    for key in KeySpace(LAYOUT, 1, 2, "ns1", "tp", 0).keys(ids):
+        assert client._store.remove(key) == 0  # the real Mooncake call, stage 1 only
+
+    assert b.on_every_stage(lambda r, c: c.lookup("q", TOKENS)) == [len(TOKENS)] * 2
+
+    def retrieve(r: int, c: Connector) -> int:
+        write_slots(b.bufs[r], DST, np.full((len(DST), LAYOUT.num_planes, LAYOUT.row_elems),
+                                            -7.0, np.float32))
+        return c.retrieve("q", torch.as_tensor(DST))
+
+    assert b.on_every_stage(retrieve) == [0, 0]
+    assert np.all(read_slots(b.bufs[1], DST) == -7.0)  # the follower never loaded

@@ -1,0 +1,298 @@
+"""The remote tier against a real mooncake_master on loopback: two nodes (each its own
+Mooncake client, CPU tier and engine buffers) sharing one pool."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from node_agent.backend.layout import KVDtype
+from node_agent.backend.remote.settings import RemoteSettings
+from node_agent.backend.remote.tier import RemotePool
+from node_agent.backend.replication import Tier, TierMove
+from node_agent.pp import messages
+from tests.remote.conftest import Master, free_port
+from tests.remote.stages import LAYOUT, TPB, backend, fill, follower, load, node, rows, store
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
+
+TOKENS = np.arange(5000, 5064, dtype=np.int64)  # 16 blocks of 4 tokens
+SRC = np.arange(64, dtype=np.int64)
+DST = np.arange(100, 164, dtype=np.int64)
+
+
+def wait_until(cond, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not met within {timeout}s")
+        time.sleep(0.05)
+
+
+def test_a_prefix_stored_on_one_node_is_served_on_another_bit_exactly(master: Master) -> None:
+    a, b = node(master), node(master)
+    try:
+        ba, bufs_a = backend(a)
+        bb, bufs_b = backend(b)
+        fill(bufs_a, SRC, seed=1)
+        store(ba, TOKENS, SRC)
+        assert ba.remote is not None and ba.remote.drain(30)
+        assert ba.remote.written_blocks == 16
+        assert load(bb, TOKENS, DST) == len(TOKENS)
+        for want, got in zip(rows(bufs_a, SRC), rows(bufs_b, DST), strict=True):
+            assert torch.equal(want, got)
+        # Now local on B: a second lookup hits the CPU tier without fetching again.
+        assert bb.remote is not None
+        fetched = bb.remote.fetched_blocks
+        assert load(bb, TOKENS, DST) == len(TOKENS)
+        assert bb.remote.fetched_blocks == fetched == 16
+        get = b.metrics.registry.get_sample_value
+        assert get("flexkv_agent_remote_hit_blocks_total") == 16
+        assert get("flexkv_agent_remote_bytes_total", {"direction": "get"}) == \
+            16 * LAYOUT.bytes_per_block
+        assert get("flexkv_agent_remote_up") == 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_block_of_another_layout_namespace_pool_or_epoch_is_never_loaded(
+        master: Master) -> None:
+    a, b = node(master), node(master)
+    try:
+        ba, bufs_a = backend(a)
+        fill(bufs_a, SRC, seed=2)
+        store(ba, TOKENS, SRC)
+        assert ba.remote is not None and ba.remote.drain(30)
+        # Same bytes per block, other dtype: the bytes would be misread.
+        bf16 = dataclasses.replace(LAYOUT, dtype=KVDtype.BFLOAT16)
+        assert bf16.bytes_per_block == LAYOUT.bytes_per_block
+        others = [backend(b, layout=bf16)[0], backend(b, namespace="ns2")[0],
+                  backend(b, pool="other")[0], backend(b, epoch=1)[0],
+                  backend(b, pp_rank=1, pp_size=2)[0]]
+        for other in others:
+            assert other.get_match(TOKENS)[0] == -1
+            assert other.remote is not None and other.remote.fetched_blocks == 0
+        same, bufs_same = backend(b)
+        assert load(same, TOKENS, DST) == len(TOKENS)  # the control: the same key space hits
+        for want, got in zip(rows(bufs_a, SRC), rows(bufs_same, DST), strict=True):
+            assert torch.equal(want, got)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_master_killed_mid_fetch_is_a_shorter_hit_without_a_hole_then_hits_resume(
+        master: Master) -> None:
+    a = node(master)
+    b = node(master, staging_blocks=8, timeout=3.0)  # fetches go 4 blocks per chunk
+    try:
+        ba, bufs_a = backend(a)
+        bb, bufs_b = backend(b)
+        fill(bufs_a, SRC, seed=3)
+        store(ba, TOKENS, SRC)
+        assert ba.remote is not None and ba.remote.drain(30)
+        calls: list[int] = []
+
+        def kill_after_first_chunk(done: int) -> None:
+            calls.append(done)
+            master.kill()
+
+        bb.remote_fetch_hook = kill_after_first_chunk
+        t0 = time.monotonic()
+        tid, mask = bb.get_match(TOKENS)
+        elapsed = time.monotonic() - t0
+        bb.remote_fetch_hook = None
+        assert calls == [4]
+        assert elapsed < 60  # bounded (the call budget is 3 s; generous for a loaded machine)
+        assert tid >= 0 and int(mask.sum()) == 4 * TPB and mask[: 4 * TPB].all()
+        [tid] = bb.launch([tid], [DST[: 4 * TPB]])
+        assert bb.wait([tid], timeout=20)[tid].status.value == "success"
+        for want, got in zip(rows(bufs_a, SRC[:16]), rows(bufs_b, DST[:16]), strict=True):
+            assert torch.equal(want, got)
+        # No partial block stayed behind: only the 4 fetched blocks are indexed.
+        assert bb.stats().tiers["cpu"].used_blocks == 4
+        # Master down: lookups are local hits only, and answer.
+        tid2, mask2 = bb.get_match(TOKENS)
+        assert int(mask2.sum()) == 4 * TPB
+        bb.cancel([tid2])
+        assert b.pool.health.up is False
+        assert b.metrics.registry.get_sample_value("flexkv_agent_remote_up") == 0
+
+        # The master returns (empty): a prompt stored after that is served again.
+        master.start()
+        tokens2 = TOKENS + 10_000
+        fill(bufs_a, SRC, seed=4)
+
+        def stored_and_written() -> bool:
+            tid, mask = ba.put_match(tokens2)
+            if tid >= 0:
+                [tid] = ba.launch([tid], [SRC[mask]])
+                ba.wait([tid], timeout=20)
+            assert ba.remote is not None
+            ba.remote.drain(30)
+            if bb.get_match(tokens2)[0] >= 0:
+                return True
+            # Writes dropped while the clients re-joined: evict and store again.
+            ba.reset()
+            return False
+
+        wait_until(stored_and_written, 90, "hits after the master restarted")
+        assert b.pool.health.up
+    finally:
+        a.close()
+        b.close()
+
+
+def _stage_bytes(bufs: tuple[list[torch.Tensor], ...], slots: np.ndarray) -> list[torch.Tensor]:
+    return rows(bufs, slots)
+
+
+def test_two_stage_groups_fetch_each_stage_its_own_keys(master: Master) -> None:
+    """Group A (leader stage 0 + follower stage 1) stores; group B serves the prefix from
+    the remote tier: B's leader decides, its REMOTE -> CPU moves travel through the
+    fan-out wire encoding, and each B stage fetches its own stage's bytes."""
+    a0, a1, b0, b1 = (node(master) for _ in range(4))
+    try:
+        lead_a, bufs_a0 = backend(a0, pp_rank=0, pp_size=2, deferred=True)
+        fol_a, bufs_a1 = follower(a1, LAYOUT, pp_rank=1, pp_size=2)
+        lead_b, bufs_b0 = backend(b0, pp_rank=0, pp_size=2, deferred=True)
+        fol_b, bufs_b1 = follower(b1, LAYOUT, pp_rank=1, pp_size=2)
+        fill(bufs_a0, SRC, seed=5)
+        fill(bufs_a1, SRC, seed=6)  # each stage holds other layers: other bytes
+
+        def wire(moves: list[TierMove]) -> tuple[TierMove, ...]:
+            env = messages.Envelope(messages.Op.MOVES, group="g", epoch=1, seq=1)
+            msg = messages.decode(messages.encode(env, messages.Moves(tuple(moves))))
+            assert isinstance(msg.body, messages.Moves)
+            return msg.body.moves
+
+        # Group A stores: both stages copy, the leader publishes, the CPU -> REMOTE moves
+        # tell the follower to write its own blocks.
+        tid, mask = lead_a.put_match(TOKENS)
+        plan = lead_a.plan_of(tid)
+        fol_a.apply_moves(wire(lead_a.drain_moves()))
+        [tid] = lead_a.launch([tid], [SRC[mask]])
+        assert lead_a.wait([tid], timeout=20)[tid].status.value == "success"
+        fol_a.execute(plan, SRC[mask], timeout=20)
+        lead_a.publish(tid)
+        writes = lead_a.drain_moves()
+        assert [m.dst.tier for m in writes if m.dst is not None] == [Tier.REMOTE] * 16
+        fol_a.apply_moves(wire(writes))
+        assert lead_a.remote is not None and fol_a.remote is not None
+        assert lead_a.remote.drain(30) and fol_a.remote.drain(30)
+        assert fol_a.remote.written_blocks == 16
+
+        # Group B: the leader's lookup fetches its stage, the moves make the follower
+        # fetch its own, then both load.
+        tid, mask = lead_b.get_match(TOKENS)
+        assert int(mask.sum()) == len(TOKENS)
+        plan = lead_b.plan_of(tid)
+        fetches = wire(lead_b.drain_moves())
+        assert [m.src.tier for m in fetches] == [Tier.REMOTE] * 16
+        fol_b.apply_moves(fetches)
+        assert fol_b.remote is not None and fol_b.remote.fetched_blocks == 16
+        [tid] = lead_b.launch([tid], [DST])
+        assert lead_b.wait([tid], timeout=20)[tid].status.value == "success"
+        fol_b.execute(plan, DST, timeout=20)
+        for want, got in zip(rows(bufs_a0, SRC), rows(bufs_b0, DST), strict=True):
+            assert torch.equal(want, got)
+        for want, got in zip(rows(bufs_a1, SRC), rows(bufs_b1, DST), strict=True):
+            assert torch.equal(want, got)
+        assert not all(torch.equal(x, y) for x, y in
+                       zip(rows(bufs_b0, DST), rows(bufs_b1, DST), strict=True))
+    finally:
+        for n in (a0, a1, b0, b1):
+            n.close()
+
+
+def test_a_follower_whose_fetch_fails_never_loads_the_block(master: Master) -> None:
+    """The leader found its stage's blocks but the follower's are missing: the
+    follower's load fails (a miss for the group), it never loads undefined bytes."""
+    a0, b0, b1 = node(master), node(master), node(master)
+    try:
+        lead_a, bufs_a0 = backend(a0, pp_rank=0, pp_size=2, deferred=True)
+        lead_b, _ = backend(b0, pp_rank=0, pp_size=2, deferred=True)
+        fol_b, _ = follower(b1, LAYOUT, pp_rank=1, pp_size=2)
+        fill(bufs_a0, SRC, seed=7)
+        tid, mask = lead_a.put_match(TOKENS)
+        [tid] = lead_a.launch([tid], [SRC[mask]])
+        lead_a.wait([tid], timeout=20)
+        lead_a.publish(tid)  # stage 1 of group A never wrote its blocks
+        assert lead_a.remote is not None and lead_a.remote.drain(30)
+        tid, mask = lead_b.get_match(TOKENS)
+        assert int(mask.sum()) == len(TOKENS)
+        plan = lead_b.plan_of(tid)
+        fol_b.apply_moves(lead_b.drain_moves())
+        with pytest.raises(ValueError, match="fetch from the remote tier failed"):
+            fol_b.execute(plan, DST, timeout=20)
+    finally:
+        for n in (a0, b0, b1):
+            n.close()
+
+
+def test_a_node_whose_master_is_down_at_start_joins_when_it_comes_up(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    m = Master(tmp_path / "late-master.log")
+    pool = RemotePool(RemoteSettings(
+        m.address, m.metadata, f"127.0.0.1:{free_port()}", segment_bytes=16 << 20,
+        staging_bytes=1 << 20, timeout_seconds=2), retry_seconds=0.2)
+    try:
+        pool.start(30)
+        assert pool.health.up is False
+        assert pool.call("lookup", lambda c: c.batch_is_exist(["k"]), 2) is None  # a miss
+        m.start()
+        wait_until(lambda: pool.call("lookup", lambda c: c.batch_is_exist(["k"]), 2) == [0],
+                   90, "joined once the master is up")
+        assert pool.health.up
+    finally:
+        pool.close()
+        m.kill()
+
+
+def test_evict_policy_writes_blocks_leaving_the_cpu_tier_and_never_stale_bytes(
+        master: Master) -> None:
+    """``writePolicy: evict``: nothing is written on store; the blocks a later put
+    evicts are. A block whose CPU copy is reused before the writer took it is
+    dropped, never written with the new content under the old key."""
+    a, b = node(master, write_policy="evict"), node(master)
+    try:
+        ba, bufs_a = backend(a, cpu_blocks=16)
+        bb, bufs_b = backend(b)
+        assert ba.remote is not None
+        first, second, third = TOKENS, TOKENS + 100_000, TOKENS + 200_000
+        fill(bufs_a, SRC, seed=8)
+        store(ba, first, SRC)
+        assert ba.remote.drain(30) and ba.remote.written_blocks == 0
+        want_first = rows(bufs_a, SRC)
+        # The second prompt evicts the first (16-block tier): the writer copies the
+        # evicted blocks out before the new put's copy overwrites them.
+        tid, mask = ba.put_match(second)
+        assert ba.remote.drain(30)
+        assert ba.remote.written_blocks == 16
+        fill(bufs_a, SRC, seed=9)
+        [tid] = ba.launch([tid], [SRC[mask]])
+        assert ba.wait([tid], timeout=20)[tid].status.value == "success"
+        assert load(bb, first, DST) == len(first)
+        for want, got in zip(want_first, rows(bufs_b, DST), strict=True):
+            assert torch.equal(want, got)
+        # The third prompt evicts the second, but its copy runs before the writer:
+        # whatever reached the pool must be the second prompt's bytes.
+        want_second = rows(bufs_a, SRC)
+        written = ba.remote.written_blocks
+        fill(bufs_a, SRC, seed=10)
+        store(ba, third, SRC)
+        assert ba.remote.drain(30)
+        dropped = a.metrics.registry.get_sample_value(
+            "flexkv_agent_remote_dropped_blocks_total", {"reason": "overwritten"}) or 0
+        assert (ba.remote.written_blocks - written) + dropped == 16
+        hit = load(bb, second, DST)
+        assert hit % TPB == 0
+        for want, got in zip(want_second, rows(bufs_b, DST), strict=True):
+            assert torch.equal(want[:hit], got[:hit])
+    finally:
+        a.close()
+        b.close()

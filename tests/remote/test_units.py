@@ -1,0 +1,175 @@
+"""Key derivation, write-behind bounds, bounded calls and tiers.remote config errors
+(no master needed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+
+import pytest
+import yaml
+
+from node_agent.backend.layout import KVDtype, KVLayout, LayoutName
+from node_agent.backend.remote.calls import BoundedCaller, RemoteBusy, RemoteTimeout
+from node_agent.backend.remote.keys import BLOCK_ID_MASK, KeySpace, block_id
+from node_agent.backend.remote.writer import WriteBehind
+from node_agent.config import ConfigError, config_from_mapping, load_config
+from node_agent.metrics import AgentMetrics
+
+LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_size=8, dtype=KVDtype.FLOAT16,
+                  tokens_per_block=4)
+
+
+def test_every_incompatibility_changes_the_key_and_nothing_else_does() -> None:
+    base = KeySpace(LAYOUT, 0, 2, "ns", "pool", 0)
+    variants = [
+        dataclasses.replace(base, layout=dataclasses.replace(LAYOUT, num_layers=5)),
+        dataclasses.replace(base, layout=dataclasses.replace(LAYOUT, num_kv_heads=4)),
+        dataclasses.replace(base, layout=dataclasses.replace(LAYOUT, head_size=16)),
+        dataclasses.replace(base, layout=dataclasses.replace(LAYOUT, dtype=KVDtype.BFLOAT16)),
+        dataclasses.replace(base, layout=dataclasses.replace(LAYOUT, tokens_per_block=8)),
+        dataclasses.replace(base, layout=dataclasses.replace(
+            LAYOUT, name=LayoutName.LAYER_KV_SLOT_HEAD)),
+        dataclasses.replace(base, layout=dataclasses.replace(LAYOUT, tp_size=2)),
+        dataclasses.replace(base, pp_rank=1),
+        dataclasses.replace(base, pp_size=3),
+        dataclasses.replace(base, namespace="other"),
+        dataclasses.replace(base, pool="other"),
+        dataclasses.replace(base, cache_epoch=1),
+        dataclasses.replace(base, hash_algorithm="blake2b"),
+    ]
+    keys = {v.keys([7])[0] for v in variants}
+    assert len(keys) == len(variants)
+    assert base.keys([7])[0] not in keys
+    assert KeySpace(LAYOUT, 0, 2, "ns", "pool", 0).keys([7, 8]) == base.keys([7, 8])
+    assert base.keys([7]) != base.keys([8])
+
+
+def test_block_ids_are_the_low_63_bits_of_the_hash() -> None:
+    h = (1 << 64) - 1
+    assert block_id(h) == BLOCK_ID_MASK
+    assert block_id(5) == 5
+    assert KeySpace(LAYOUT).keys([block_id(h)])[0].endswith("7fffffffffffffff")
+
+
+def test_key_space_refuses_a_rank_outside_the_group() -> None:
+    with pytest.raises(ValueError, match="pp_rank=2 is outside"):
+        KeySpace(LAYOUT, pp_rank=2, pp_size=2)
+
+
+def test_write_behind_is_bounded_counts_drops_and_never_blocks() -> None:
+    metrics = AgentMetrics()
+    release = threading.Event()
+    written: list[list[tuple[int, int, int]]] = []
+
+    def flush(batch: list[tuple[int, int, int]]) -> None:
+        release.wait(30)
+        written.append(batch)
+
+    w = WriteBehind(capacity=4, batch_blocks=2, flush=flush, metrics=metrics)
+    try:
+        assert w.offer([(1, 1, 0)]) == 1
+        # The worker holds the first block in its (blocked) flush; 4 more fit.
+        assert not w.drain(0.05)
+        taken = w.offer([(i, i, 0) for i in range(2, 10)])
+        assert taken == 4 and w.depth == 4
+        get = metrics.registry.get_sample_value
+        assert get("flexkv_agent_remote_dropped_blocks_total", {"reason": "queue_full"}) == 4
+        assert get("flexkv_agent_remote_queue_depth") == 4
+        release.set()
+        assert w.drain(30)
+        assert sorted(b[0] for batch in written for b in batch) == [1, 2, 3, 4, 5]
+        assert all(len(batch) <= 2 for batch in written)
+    finally:
+        release.set()
+        w.close()
+
+
+def test_a_bounded_call_times_out_and_the_lane_answers_busy_until_it_returns() -> None:
+    lane = BoundedCaller("test")
+    gate = threading.Event()
+    try:
+        with pytest.raises(RemoteTimeout, match=r"no answer within 0\.05 s"):
+            lane.call(lambda: gate.wait(30), 0.05, "lookup")
+        with pytest.raises(RemoteBusy, match="still running"):
+            lane.call(lambda: 1, 1.0, "lookup")
+        gate.set()
+        deadline = 30.0
+        while lane.busy() and deadline > 0:
+            threading.Event().wait(0.01)
+            deadline -= 0.01
+        assert lane.call(lambda: 42, 5.0, "lookup") == 42
+    finally:
+        gate.set()
+        lane.close()
+
+
+REMOTE = {"mooncake": {"masterAddress": "m.ns.svc:50051",
+                       "metadataServer": "http://m.ns.svc:8080/metadata"}}
+
+
+def test_remote_section_parses_with_defaults_and_env_overrides(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    cfg = config_from_mapping({"tiers": {"remote": REMOTE}})
+    rt = cfg.tiers.remote
+    assert rt is not None
+    assert (rt.write_policy, rt.queue_blocks, rt.timeout_seconds) == ("store", 1024, 2.0)
+    assert rt.mooncake.segment_size == 4 << 30 and rt.mooncake.local_buffer_size == 512 << 20
+    assert rt.mooncake.store_port == 17500 and rt.mooncake.protocol == "tcp"
+    assert config_from_mapping({"tiers": {"cpu": {"size": "1Gi"}}}).tiers.remote is None
+    path = tmp_path / "agent.yaml"
+    path.write_text("tiers:\n  remote:\n    mooncake:\n      metadataServer: P2PHANDSHAKE\n")
+    env = {"FLEXKV_TIERS_REMOTE_MOONCAKE_MASTER_ADDRESS": "10.0.0.5:50051",
+           "FLEXKV_TIERS_REMOTE_WRITE_POLICY": "evict"}
+    cfg = load_config(path, env)
+    assert cfg.tiers.remote is not None
+    assert cfg.tiers.remote.mooncake.master_address == "10.0.0.5:50051"
+    assert cfg.tiers.remote.write_policy == "evict"
+
+
+@pytest.mark.parametrize(("section", "needle"), [
+    ({"mooncake": {"metadataServer": "http://m:8080/metadata"}},
+     "tiers.remote.mooncake.masterAddress: missing"),
+    ({"mooncake": {"masterAddress": "m:50051"}}, "tiers.remote.mooncake.metadataServer: missing"),
+    ({**REMOTE, "writePolicy": "always"}, "tiers.remote.writePolicy: 'always' is not allowed"),
+    ({**REMOTE, "queueBlocks": 0}, "tiers.remote.queueBlocks: 0 is out of range"),
+    ({**REMOTE, "timeoutSeconds": 0}, "tiers.remote.timeoutSeconds: 0 is out of range"),
+    ({**REMOTE, "timeoutSeconds": 20}, "tiers.remote.timeoutSeconds: 20 is not below"),
+    ({"mooncake": {**REMOTE["mooncake"], "masterAddress": "nohost"}},
+     "masterAddress: 'nohost' is not a host:port"),
+    ({"mooncake": {**REMOTE["mooncake"], "metadataServer": "m:8080"}},
+     "metadataServer: 'm:8080' is not an http(s) URL"),
+    ({"mooncake": {**REMOTE["mooncake"], "protocol": "udp"}}, "protocol: 'udp' is not allowed"),
+    ({"mooncake": {**REMOTE["mooncake"], "deviceName": "mlx5_0"}}, "need protocol rdma"),
+    ({"mooncake": {**REMOTE["mooncake"], "segmentSize": "1Ki"}}, "segmentSize: 1024 bytes"),
+    ({"mooncake": {**REMOTE["mooncake"], "localBufferSize": "12Q"}}, "unknown suffix 'Q'"),
+    ({"mooncake": {**REMOTE["mooncake"], "storePort": 65535}}, "storePort: 65535 is out"),
+    ({**REMOTE, "size": "1Gi"}, "tiers.remote.size: unknown key"),
+])
+def test_remote_config_errors_name_key_value_and_fix(section: dict[str, object],
+                                                     needle: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        config_from_mapping({"tiers": {"remote": section}})
+    assert needle in str(exc.value)
+
+
+def test_a_missing_mooncake_is_an_actionable_error_and_the_agent_exits_2(
+        tmp_path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    from node_agent.__main__ import main
+    from node_agent.backend.remote.mooncake_client import MooncakeUnavailable, check_available
+
+    for var in ("MC_LEGACY_RPC_PORT_BINDING", "MC_MIN_RPC_PORT", "MC_MAX_RPC_PORT"):
+        monkeypatch.setenv(var, "")  # restored after the test (the agent sets them)
+    monkeypatch.setitem(sys.modules, "mooncake", None)
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)
+    with pytest.raises(MooncakeUnavailable) as exc:
+        check_available()
+    assert "flexkv-operator[remote]" in str(exc.value) and "libibverbs1" in str(exc.value)
+    assert "remove tiers.remote" in str(exc.value)
+    path = tmp_path / "agent.yaml"
+    path.write_text(yaml.safe_dump({
+        "kubernetes": "off", "engineSocket": str(tmp_path / "e.sock"),
+        "tiers": {"cpu": {"size": "1Mi", "pinned": False}, "remote": REMOTE}}))
+    assert main(["run", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "the remote tier cannot start" in err and "libibverbs1" in err
