@@ -1,4 +1,5 @@
-"""What an agent pod may touch on its node: host directories, their owner, privileges.
+"""What an agent pod may touch on its node and the network: host directories, their
+owner, privileges, container ports.
 
 The agent container runs as the pool's non-root user (``spec.agent.securityContext``,
 by default the image's user 10001:10001) with every capability dropped, no
@@ -18,6 +19,9 @@ shared-memory one, which becomes the containers' ``/dev/shm``):
   resolves a name to ``/dev/shm/<name>``) and the agent opens them by the same
   name, which works across pods only when both mount this directory at ``/dev/shm``;
 * each SSD tier directory.
+
+Container ports (:func:`container_ports`): ``http`` and ``fanout``, and with a remote
+tier Mooncake's ``mooncake`` (``storePort``) and ``mooncake-data`` (``storePort + 1``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
+from flexkv_operator import mooncake
 from flexkv_operator.host_paths import ENGINE_SOCKET_DIR, SHM_HOST_DIR, SHM_MOUNT, TMP_MOUNT
 from flexkv_operator.spec import PoolConfig
 
@@ -65,6 +70,18 @@ SCRATCH_SIZE_LIMIT = "1Gi"
 # plus the Python process (torch, pyzmq, uvicorn).
 DEFAULT_CPU_REQUEST = "250m"
 MEMORY_OVERHEAD_BYTES = 512 * 2**20
+
+
+def container_ports(config: PoolConfig) -> list[dict[str, Any]]:
+    """The agent container's named ports: HTTP, the PP fan-out and, with a remote tier,
+    Mooncake's RPC (``storePort``) and data (``storePort + 1``) ports."""
+    ports = [
+        {"name": "http", "containerPort": config.http_port, "protocol": "TCP"},
+        {"name": "fanout", "containerPort": config.fanout_port, "protocol": "TCP"},
+    ]
+    if config.remote is not None:
+        ports += mooncake.agent_container_ports(config.remote)
+    return ports
 
 
 def scratch_volume() -> tuple[dict[str, Any], dict[str, Any]]:

@@ -173,21 +173,7 @@ def render_daemon_set(
         "imagePullPolicy": agent["imagePullPolicy"],
         "command": ["flexkv-agent"],
         "args": ["run", "--config", f"{names.CONFIG_MOUNT}/{names.CONFIG_KEY}"],
-        "ports": [
-            {"name": "http", "containerPort": config.http_port, "protocol": "TCP"},
-            {"name": "fanout", "containerPort": config.fanout_port, "protocol": "TCP"},
-            *(
-                [
-                    {
-                        "name": mooncake.STORE_PORT_NAME,
-                        "containerPort": config.remote.store_port,
-                        "protocol": "TCP",
-                    }
-                ]
-                if config.remote is not None
-                else []
-            ),
-        ],
+        "ports": agent_pod.container_ports(config),
         "env": [
             field_env("NODE_NAME", "spec.nodeName"),
             field_env("POD_NAME", "metadata.name"),

@@ -395,14 +395,20 @@ def parse_remote_tier(
     buffer = size("localBufferSize", "512Mi")
     store_port = mooncake.get("storePort", 17500)
     if not isinstance(store_port, int) or isinstance(store_port, bool) or not (
-        1 <= store_port <= 65535
+        1 <= store_port <= 65534
     ):
-        bad("mooncake.storePort", f"{store_port!r} is not a port 1..65535, e.g. 17500")
-    elif store_port in agent_ports:
         bad(
             "mooncake.storePort",
-            f"{store_port} is also an agent port (agent.ports http {agent_ports[0]}, fanout "
-            f"{agent_ports[1]}); all three listen in the agent pod, so give it another port",
+            f"{store_port!r} is not a port 1..65534 (the agent also listens on storePort + 1), "
+            "e.g. 17500",
+        )
+    elif store_port in agent_ports or store_port + 1 in agent_ports:
+        bad(
+            "mooncake.storePort",
+            f"{store_port} puts Mooncake's RPC port ({store_port}) or data port "
+            f"({store_port + 1}) on an agent port (agent.ports http {agent_ports[0]}, fanout "
+            f"{agent_ports[1]}); all four listen in the agent pod, so pick a storePort whose "
+            "port and next port are both free",
         )
     master = mooncake.get("master")
     resources: dict[str, Any] = {}

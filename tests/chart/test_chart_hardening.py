@@ -73,10 +73,11 @@ def test_network_policies_select_the_pods_and_name_their_ports(
     selector = agents["spec"]["podSelector"]["matchLabels"]
     assert selector.items() <= agent_pod["metadata"]["labels"].items()
     ports = {p["name"] for c in agent_pod["spec"]["containers"] for p in c.get("ports", [])}
-    by_port = {rule["ports"][0]["port"]: rule["from"] for rule in agents["spec"]["ingress"]}
+    by_port = {p["port"]: rule["from"] for rule in agents["spec"]["ingress"]
+               for p in rule["ports"]}
     assert ports == {"http", "fanout"}, "a pool without a remote tier"
-    # The remote tier's ports (tests below): the named handshake port and the range.
-    assert set(by_port) == ports | {"mooncake", 15000}
+    # The remote tier's named ports (tests below): RPC and data, nothing else.
+    assert set(by_port) == ports | {"mooncake", "mooncake-data"}
     assert by_port["fanout"] == [{"podSelector": {"matchLabels": selector}}]
     assert {"podSelector": {}} in by_port["http"]
 
@@ -233,27 +234,22 @@ def test_mooncake_ports_are_open_to_the_agents_only(hardened: Render) -> None:
     assert (master_ports["rpc"], master_ports["metadata"]) == (50051, 8080)
     assert "metrics" in master_ports, "declared, and left closed"
 
-    # The agents: the store port (by its name) and the data port range, from agents.
-    rules = {r["ports"][0]["port"]: r for r in agents["spec"]["ingress"]}
-    assert rules["mooncake"]["from"] == only_agents
+    # The agents: Mooncake's RPC port (storePort) and data port (storePort + 1), both
+    # pinned by the agent and named by the DaemonSet, from agents only; no port range.
+    mooncake = [r for r in agents["spec"]["ingress"]
+                if {p["port"] for p in r["ports"]} & {"mooncake", "mooncake-data"}]
+    assert mooncake == [{"ports": [{"port": "mooncake", "protocol": "TCP"},
+                                   {"port": "mooncake-data", "protocol": "TCP"}],
+                         "from": only_agents}]
+    assert not any("endPort" in p for r in agents["spec"]["ingress"] for p in r["ports"])
     store_port = _remote_pool()["spec"]["tiers"]["remote"]["mooncake"]["storePort"]
-    assert _port_names(agent)["mooncake"] == store_port
-    assert rules[15000]["from"] == only_agents
-    assert rules[15000]["ports"] == [{"port": 15000, "endPort": 17000, "protocol": "TCP"}]
+    named = _port_names(agent)
+    assert (named["mooncake"], named["mooncake-data"]) == (store_port, store_port + 1)
 
 
-def test_mooncake_data_ports_follow_the_values(render_with: Any, helm: str) -> None:
-    render = render_with("--set", "networkPolicy.enabled=true",
-                         "--set", "networkPolicy.agents.mooncakeDataPorts.from=20000",
-                         "--set", "networkPolicy.agents.mooncakeDataPorts.to=20100")
-    agents = next(p for p in render.of_kind("NetworkPolicy")
-                  if p["metadata"]["name"].endswith("-agents"))
-    ranges = [r["ports"][0] for r in agents["spec"]["ingress"] if "endPort" in r["ports"][0]]
-    assert ranges == [{"port": 20000, "endPort": 20100, "protocol": "TCP"}]
+def test_the_removed_mooncake_port_range_value_is_refused(helm: str) -> None:
+    """Mooncake's ports are pinned by the agent; the old range value is an unknown key."""
     out = run_helm(helm, "template", "kv", str(CHART), "--set", "networkPolicy.enabled=true",
-                   "--set", "networkPolicy.agents.mooncakeDataPorts.to=100", check=False)
+                   "--set", "networkPolicy.agents.mooncakeDataPorts.from=15000", check=False)
     assert out.returncode != 0
-    assert "mooncakeDataPorts: to (100) is below from (15000)" in out.stderr
-    out = run_helm(helm, "template", "kv", str(CHART),
-                   "--set", "networkPolicy.agents.mooncakeDataPorts.from=70000", check=False)
-    assert out.returncode != 0 and "mooncakeDataPorts" in out.stderr
+    assert "Additional property mooncakeDataPorts is not allowed" in out.stderr

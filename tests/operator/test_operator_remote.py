@@ -128,7 +128,9 @@ async def test_managed_master_is_created_owned_and_agents_point_at_it(api: ApiSe
     ds = stored(api, DAEMONSETS, "pool-agent")
     assert ds is not None
     [agent] = ds["spec"]["template"]["spec"]["containers"]
+    # Mooncake's ports, both pinned by the agent: RPC on storePort, data on storePort + 1.
     assert {"name": "mooncake", "containerPort": 17500, "protocol": "TCP"} in agent["ports"]
+    assert {"name": "mooncake-data", "containerPort": 17501, "protocol": "TCP"} in agent["ports"]
     # The default memory request covers the CPU tier, the segment and the buffer.
     expected = (1 << 30) + (4 << 30) + (512 << 20) + (512 << 20)
     assert int(agent["resources"]["requests"]["memory"]) == expected
@@ -402,8 +404,31 @@ BAD_REMOTE = [
         "tiers.remote.mooncake.storePort",
     ),
     (
+        "store port 65535 leaves no data port",
+        _spec({"mooncake": {"managed": True, "storePort": 65535}}),
+        "tiers.remote.mooncake.storePort",
+    ),
+    (
         "store port on the agent's http port",
         _spec({"mooncake": {"managed": True, "storePort": 8080}}),
+        "tiers.remote.mooncake.storePort",
+    ),
+    (
+        "data port (store port + 1) on the agent's http port",
+        _spec({"mooncake": {"managed": True, "storePort": 8079}}),
+        "tiers.remote.mooncake.storePort",
+    ),
+    (
+        "data port (store port + 1) on the agent's fanout port",
+        _spec({"mooncake": {"managed": True, "storePort": 5556}}),
+        "tiers.remote.mooncake.storePort",
+    ),
+    (
+        "data port on a moved fanout port",
+        _spec(
+            {"mooncake": {"managed": True, "storePort": 18000}},
+            agent={"ports": {"fanout": 18001}},
+        ),
         "tiers.remote.mooncake.storePort",
     ),
     (
@@ -498,7 +523,7 @@ GOOD_REMOTE = [
                     "deviceName": "mlx5_0,mlx5_1",
                     "segmentSize": 8589934592,
                     "localBufferSize": "1e9",
-                    "storePort": 65535,
+                    "storePort": 65534,
                 },
             }
         ),
@@ -530,6 +555,50 @@ def test_the_crd_and_the_operator_accept_valid_remote_specs(spec: dict[str, Any]
     }
     assert refusals(crds.POOL_PLURAL, doc) == []
     assert parse_pool_spec(spec, "img:1", name="pool").remote is not None
+
+
+def _pool_doc(spec: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "flexkv.io/v1alpha1",
+        "kind": "KVCachePool",
+        "metadata": {"name": "pool"},
+        "spec": copy.deepcopy(spec),
+    }
+
+
+def _store_port_problem(store_port: int) -> str:
+    spec = _spec({"mooncake": {"managed": True, "storePort": store_port}})
+    with pytest.raises(ConfigInvalid) as caught:
+        parse_pool_spec(spec, "img:1", name="pool")
+    [problem] = caught.value.problems
+    assert problem.field == "tiers.remote.mooncake.storePort"
+    return problem.message
+
+
+def test_store_port_errors_name_the_value_the_data_port_and_the_fix() -> None:
+    """storePort + 1 is the agent's Mooncake data port: it must be a port and must not
+    land on agent.ports; the operator and the CRD's CEL rule say which port collides."""
+    top = _store_port_problem(65535)
+    assert "65535" in top and "1..65534" in top and "storePort + 1" in top
+    data = _store_port_problem(8079)
+    assert "8079" in data and "8080" in data and "data port" in data
+    assert "next port" in data, "the fix"
+    rpc = _store_port_problem(5557)
+    assert "5557" in rpc and "fanout 5557" in rpc
+
+    [cel] = refusals(crds.POOL_PLURAL, _pool_doc(_spec({"mooncake": {"managed": True,
+                                                                       "storePort": 8079}})))
+    assert "storePort + 1" in cel and "agent.ports.http" in cel and "next port" in cel
+    [bound] = refusals(crds.POOL_PLURAL, _pool_doc(_spec({"mooncake": {"managed": True,
+                                                                        "storePort": 65535}})))
+    assert "65534" in bound
+
+    # Just above the agent's ports, and the highest port with a data port, are fine.
+    for ok in (8081, 5558, 65534):
+        spec = _spec({"mooncake": {"managed": True, "storePort": ok}})
+        assert refusals(crds.POOL_PLURAL, _pool_doc(spec)) == [], ok
+        remote = parse_pool_spec(spec, "img:1", name="pool").remote
+        assert remote is not None and remote.store_port == ok
 
 
 def test_the_crd_refuses_a_managed_master_for_a_long_pool_name() -> None:
