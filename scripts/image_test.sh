@@ -51,14 +51,14 @@ mkdir -p "$CACHE"
 "${B[@]}" info >/dev/null 2>&1 || skip "buildah cannot run here: $("${B[@]}" info 2>&1 | tail -1)"
 
 # ---- base image: Debian bookworm + python3 + venv (+ libstdc++ for torch, as
-# in the python:*-slim images), no docs or locales
+# in the python:*-slim images, + Mooncake's libibverbs1, libcurl4, libnuma1), no docs or locales
 base_hash=$(printf '%s %s %s' "$SUITE" "$MIRROR" "$(sed -n '/^# ---- base image/,/^# ---- end base/p' "$0")" \
   | sha1sum | cut -c1-12)
 stamp="$CACHE/base-$base_hash"
 t0=$(date +%s)
 if [ ! -f "$stamp" ] || ! "${B[@]}" inspect --type image "$BASE" >/dev/null 2>&1; then
   rm -f "$CACHE"/base-* "$CACHE/rootfs.tar"
-  mmdebstrap --variant=essential --include=python3,python3-venv,passwd,ca-certificates,libstdc++6 \
+  mmdebstrap --variant=essential --include=python3,python3-venv,passwd,ca-certificates,libstdc++6,libibverbs1,libcurl4,libnuma1 \
     --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/doc/*' \
     --dpkgopt='path-exclude=/usr/share/locale/*' --dpkgopt='path-exclude=/usr/share/info/*' \
     "$SUITE" "$CACHE/rootfs.tar" "$MIRROR"

@@ -51,10 +51,13 @@ def _import_store_class() -> Any:
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as exc:
-        hint = ("install the Debian package libibverbs1 (apt-get install -y libibverbs1)"
-                if "libibverbs" in str(exc) else
+        native = {"libibverbs": "libibverbs1", "libcurl": "libcurl4", "libnuma": "libnuma1"}
+        debs = [deb for lib, deb in native.items() if lib in str(exc)]
+        hint = (f"install the Debian package {debs[0]} (apt-get install -y {debs[0]})"
+                if debs else
                 "install the agent's remote extra: pip install 'flexkv-operator[remote]' "
-                "(mooncake-transfer-engine-non-cuda) and Debian's libibverbs1")
+                "(mooncake-transfer-engine-non-cuda) and Debian's libibverbs1, libcurl4 "
+                "and libnuma1")
         raise MooncakeUnavailable(
             f"the remote tier needs Mooncake Store but `import mooncake.store` failed ({exc}); "
             f"{hint}, or remove tiers.remote from agent.yaml"
