@@ -105,6 +105,41 @@ def test_a_bounded_call_times_out_and_the_lane_answers_busy_until_it_returns() -
         lane.close()
 
 
+def test_a_second_caller_waits_for_a_call_in_time_instead_of_failing_busy() -> None:
+    """Stages of one agent share the pool's lanes: a call arriving while another
+    caller's call runs (within its timeout) waits its turn; only a call that
+    overran its timeout makes the lane answer busy."""
+    lane = BoundedCaller("test")
+    started, release = threading.Event(), threading.Event()
+    results: dict[str, object] = {}
+
+    def first() -> int:
+        started.set()
+        assert release.wait(30)
+        return 1
+
+    def run(name: str, fn) -> None:  # type: ignore[no-untyped-def]
+        try:
+            results[name] = lane.call(fn, 30.0, name)
+        except Exception as exc:
+            results[name] = exc
+
+    t1 = threading.Thread(target=run, args=("put a", first))
+    t1.start()
+    try:
+        assert started.wait(30)
+        t2 = threading.Thread(target=run, args=("put b", lambda: 2))
+        t2.start()
+        t2.join(1.0)  # on a busy lane the second caller fails here at once
+        release.set()
+        t1.join(30)
+        t2.join(30)
+        assert results == {"put a": 1, "put b": 2}
+    finally:
+        release.set()
+        lane.close()
+
+
 REMOTE = {"mooncake": {"masterAddress": "m.ns.svc:50051",
                        "metadataServer": "http://m.ns.svc:8080/metadata"}}
 
