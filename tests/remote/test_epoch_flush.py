@@ -164,3 +164,51 @@ def test_a_key_epoch_switch_in_the_middle_of_a_fetch_never_mixes_epochs(
     finally:
         a.close()
         b.close()
+
+
+def test_a_put_that_overran_its_timeout_never_sends_the_next_batchs_bytes(
+        master: Master) -> None:
+    """A put that outlives its timeout still reads the write staging area until the
+    native call returns: the next batch must not be copied into that area meanwhile,
+    or the late put stores the next batch's bytes under the first batch's keys."""
+    a = node(master, timeout=1.0)
+    b = node(master)
+    try:
+        ba, bufs_a = backend(a)
+        client = a.pool.client()
+        assert client is not None
+        real_put = client.batch_put_from
+        gate, held = threading.Event(), threading.Event()
+
+        def slow_first_put(keys, ptrs, sizes):  # type: ignore[no-untyped-def]
+            if not held.is_set():
+                held.set()
+                assert gate.wait(60)  # a peer that answers late
+            return real_put(keys, ptrs, sizes)
+
+        client.batch_put_from = slow_first_put  # type: ignore[method-assign]
+        fill(bufs_a, SRC, seed=41)
+        want = rows(bufs_a, SRC)
+        store(ba, TOKENS, SRC)
+        assert held.wait(30), "the first put did not start"
+        other = TOKENS + 90_000
+        fill(bufs_a, DST, seed=42)
+        store(ba, other, DST)
+        assert ba.remote is not None and ba.remote.drain(30)  # the first put timed out
+        gate.set()
+        lane = a.pool._lanes["put"]
+        for _ in range(600):
+            if not lane.busy():
+                break
+            threading.Event().wait(0.05)
+        assert not lane.busy()
+
+        bb, bufs_b = backend(b)
+        hit = load(bb, TOKENS, DST)
+        assert hit == len(TOKENS), "the late put of the first batch was lost"
+        for w, got in zip(want, rows(bufs_b, DST), strict=True):
+            assert torch.equal(w, got), "a late put stored another batch's bytes"
+    finally:
+        gate.set()
+        a.close()
+        b.close()

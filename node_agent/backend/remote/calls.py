@@ -78,6 +78,13 @@ class BoundedCaller:
         with self._lock:
             return self._running is not None and not self._running.done.is_set()
 
+    def overrunning(self) -> bool:
+        """Whether a call whose caller stopped waiting (it overran its timeout) still
+        runs: it may still read or write the memory it was given."""
+        with self._lock:
+            r = self._running
+            return r is not None and r.overran and not r.done.is_set()
+
     def call(self, fn: Callable[[], R], timeout: float, what: str) -> R:
         """Run ``fn()`` and return its result within ``timeout`` seconds.
 

@@ -26,7 +26,8 @@ Guarantees:
 * a write takes a block's bytes only if no store, move or fetch wrote that CPU
   block between the offer and the end of the copy-out (a generation check on both
   sides of the copy), so a block reused for other content is never written under
-  the old key;
+  the old key; and nothing is copied into the write area while a put that overran
+  its timeout may still be reading it (the batch is dropped);
 * a write lands only under the cache epoch its bytes were written into the CPU
   tier under (recorded on every bump): a block cached before a ``cacheEpoch``
   flush and written after the key epoch switched is dropped (``flushed``), never
@@ -180,6 +181,10 @@ class RemotePool:
         except RemoteCallError as exc:
             self.error(op, str(exc))
             return None
+
+    def overrunning(self, op: str) -> bool:
+        """Whether a call on ``op``'s lane overran its timeout and still runs."""
+        return self._lanes[op].overrunning()
 
     def error(self, op: str, reason: str, down: bool = True) -> None:
         """Count a failed ``op``; ``down`` marks the tier down until a call succeeds."""
@@ -440,6 +445,12 @@ class RemoteTier:
         if len(valid) < len(current) and m is not None:
             m.remote_dropped_blocks.labels(reason="overwritten").inc(len(current) - len(valid))
         if not valid:
+            return
+        if self.pool.overrunning("put"):
+            # A put that overran may still be reading a write area (this stage's):
+            # copying this batch in now would send its bytes under the late put's keys.
+            if m is not None:
+                m.remote_dropped_blocks.labels(reason="error").inc(len(valid))
             return
         bpb = self.bytes_per_block
         self._gather(self._cpu, self._write_area, [p[1] for p in valid])
