@@ -92,8 +92,12 @@ class RemotePool:
     def _join(self) -> MooncakeStore:
         """Lane ``connect``: join and install the client, even when the caller that
         started the join stopped waiting (a late join must not leave a client with
-        its ports bound and no owner)."""
+        its ports bound and no owner). A caller that waited for another's join
+        takes the client that join installed."""
         s = self.settings
+        with self._lock:
+            if self._client is not None:
+                return self._client
         client = self._connector(s)
         with self._lock:
             if self.closed:
