@@ -129,7 +129,7 @@ class AgentMetrics:
         )
         self.remote_dropped_blocks = Counter(
             "flexkv_agent_remote_dropped_blocks",
-            "Blocks not written to the remote tier (queue_full, error, overwritten, down)",
+            "Blocks not written to the remote tier (queue_full, error, overwritten, flushed, down)",
             ["reason"], registry=r,
         )
         self.remote_errors = Counter(

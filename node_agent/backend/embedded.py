@@ -360,10 +360,11 @@ class EmbeddedBackend(ReplicatedBackend):
             if not len(created):
                 return
             locs = index.locations(created)
+            resets = remote.resets  # a reset from now on frees the reserved blocks
         got = 0
         try:
             got = remote.fetch(ids[: len(created)], [loc.index for loc in locs],
-                               deadline - time.monotonic(), self.remote_fetch_hook)
+                               deadline - time.monotonic(), self.remote_fetch_hook, resets)
         finally:
             with self._lock:
                 index = self._require_started()

@@ -302,9 +302,10 @@ class TierStore(StageStore):
     def reset(self) -> None:
         """Nothing to forget: the store keeps no index, and every later plan overwrites
         the blocks it names before any load reads them. Remote writes still queued are
-        voided (their blocks count as overwritten) and poisoned blocks are forgotten."""
+        voided (their blocks count as overwritten), a remote fetch in flight stops
+        writing CPU blocks, and poisoned blocks are forgotten."""
         if self.remote is not None:
-            self.remote.bump(range(self.cpu.num_blocks))
+            self.remote.invalidate()
         self._poisoned.clear()
 
     def read_block(self, location: BlockLocation) -> bytes:

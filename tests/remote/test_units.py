@@ -105,6 +105,86 @@ def test_a_bounded_call_times_out_and_the_lane_answers_busy_until_it_returns() -
         lane.close()
 
 
+def test_a_second_caller_waits_for_a_call_in_time_instead_of_failing_busy() -> None:
+    """Stages of one agent share the pool's lanes: a call arriving while another
+    caller's call runs (within its timeout) waits its turn; only a call that
+    overran its timeout makes the lane answer busy."""
+    lane = BoundedCaller("test")
+    started, release = threading.Event(), threading.Event()
+    results: dict[str, object] = {}
+
+    def first() -> int:
+        started.set()
+        assert release.wait(30)
+        return 1
+
+    def run(name: str, fn) -> None:  # type: ignore[no-untyped-def]
+        try:
+            results[name] = lane.call(fn, 30.0, name)
+        except Exception as exc:
+            results[name] = exc
+
+    t1 = threading.Thread(target=run, args=("put a", first))
+    t1.start()
+    try:
+        assert started.wait(30)
+        t2 = threading.Thread(target=run, args=("put b", lambda: 2))
+        t2.start()
+        t2.join(1.0)  # on a busy lane the second caller fails here at once
+        release.set()
+        t1.join(30)
+        t2.join(30)
+        assert results == {"put a": 1, "put b": 2}
+    finally:
+        release.set()
+        lane.close()
+
+
+class _JoinedClient:
+    """What a joined Mooncake client offers the pool when no buffer is registered."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_callers_that_join_at_once_share_one_join() -> None:
+    """Two stages reaching an unjoined pool at once: the second waits for the first
+    join and takes its client (a second join would bind storePort again)."""
+    from node_agent.backend.remote.settings import RemoteSettings
+    from node_agent.backend.remote.tier import RemotePool
+
+    gate, joining = threading.Event(), threading.Event()
+    clients: list[_JoinedClient] = []
+
+    def connector(settings: RemoteSettings) -> _JoinedClient:
+        joining.set()
+        assert gate.wait(30)
+        clients.append(_JoinedClient())
+        return clients[-1]
+
+    settings = RemoteSettings(master_address="127.0.0.1:1", metadata_server="P2PHANDSHAKE",
+                              local_hostname="127.0.0.1:2", timeout_seconds=30.0)
+    pool = RemotePool(settings, connector=connector)  # type: ignore[arg-type]
+    first = threading.Thread(target=pool.start, kwargs={"timeout": 30.0})
+    first.start()
+    try:
+        assert joining.wait(30)
+        second = threading.Thread(target=pool.start, kwargs={"timeout": 30.0})
+        second.start()
+        second.join(1.0)
+        gate.set()
+        first.join(30)
+        second.join(30)
+        assert len(clients) == 1 and pool.client() is clients[0]
+        assert pool.health.up
+    finally:
+        gate.set()
+        pool.close()
+
+
 REMOTE = {"mooncake": {"masterAddress": "m.ns.svc:50051",
                        "metadataServer": "http://m.ns.svc:8080/metadata"}}
 

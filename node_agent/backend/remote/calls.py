@@ -2,15 +2,19 @@
 
 Mooncake's calls are native and cannot be interrupted; a peer that stops answering
 can hold one for a long time. :class:`BoundedCaller` runs each call on its lane's
-worker thread and the caller waits at most the call's timeout. A call that overran keeps its
-worker busy until the native call returns; while it does, further calls through
-the same caller fail at once (:class:`RemoteBusy`) instead of piling up threads.
+worker thread and the caller waits at most the call's timeout. Callers of one lane
+(the stages of an agent share its pool's lanes) take turns: a call arriving while
+another caller's call runs waits for it, within its own timeout. A call that
+overran keeps its worker busy until the native call returns; while it does, further
+calls through the same caller fail at once (:class:`RemoteBusy`) instead of piling
+up threads.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -35,6 +39,7 @@ class PendingCall(Generic[R]):
         self.done = threading.Event()
         self.result: R | None = None
         self.error: BaseException | None = None
+        self.overran = False  # its caller stopped waiting before it returned
 
     def run(self) -> None:
         try:
@@ -73,6 +78,13 @@ class BoundedCaller:
         with self._lock:
             return self._running is not None and not self._running.done.is_set()
 
+    def overrunning(self) -> bool:
+        """Whether a call whose caller stopped waiting (it overran its timeout) still
+        runs: it may still read or write the memory it was given."""
+        with self._lock:
+            r = self._running
+            return r is not None and r.overran and not r.done.is_set()
+
     def call(self, fn: Callable[[], R], timeout: float, what: str) -> R:
         """Run ``fn()`` and return its result within ``timeout`` seconds.
 
@@ -81,27 +93,41 @@ class BoundedCaller:
         :class:`RemoteCallError` wrapping any exception ``fn`` raised."""
         if timeout <= 0:
             raise RemoteTimeout(f"{what}: no time left in the remote call budget")
-        return self.wait(self.submit(fn, what), timeout, what)
+        deadline = time.monotonic() + timeout
+        call = self.submit(fn, what, timeout)
+        return self.wait(call, deadline - time.monotonic(), what, budget=timeout)
 
-    def submit(self, fn: Callable[[], R], what: str) -> PendingCall[R]:
-        """Start ``fn()`` on the lane without waiting; pass the handle to :meth:`wait`.
-        Raises :class:`RemoteBusy` while an earlier call still runs."""
+    def submit(self, fn: Callable[[], R], what: str, turn: float = 0.0) -> PendingCall[R]:
+        """Start ``fn()`` on the lane without waiting for it; pass the handle to
+        :meth:`wait`. Waits up to ``turn`` seconds for another caller's call that
+        is still within its timeout. Raises :class:`RemoteBusy` while a call that
+        overran its timeout still runs, or when the turn did not come in time."""
         call: PendingCall[R] = PendingCall(fn)
-        with self._lock:
-            if self._running is not None and not self._running.done.is_set():
+        deadline = time.monotonic() + turn
+        while True:
+            with self._lock:
+                running = self._running
+                if running is None or running.done.is_set():
+                    self._running = call  # type: ignore[assignment]
+                    break
+                overran = running.overran
+            left = deadline - time.monotonic()
+            if overran or left <= 0 or not running.done.wait(left):
                 raise RemoteBusy(
                     f"{what}: an earlier {self.name} call is still running (it overran its "
-                    "timeout or was not waited for); the remote tier answers misses until "
-                    "it returns"
+                    "timeout, or another caller's call outlasted this one's budget); the "
+                    "remote tier answers misses until it returns"
                 )
-            self._running = call  # type: ignore[assignment]
         self._queue.put(call)  # type: ignore[arg-type]
         return call
 
-    def wait(self, call: PendingCall[R], timeout: float, what: str) -> R:
-        """The result of a submitted call, waiting at most ``timeout`` seconds."""
+    def wait(self, call: PendingCall[R], timeout: float, what: str,
+             budget: float | None = None) -> R:
+        """The result of a submitted call, waiting at most ``timeout`` seconds (of
+        ``budget``, the call's whole timeout, which the error names)."""
         if not call.done.wait(max(0.0, timeout)):
-            raise RemoteTimeout(f"{what}: no answer within {timeout:g} s "
+            call.overran = True
+            raise RemoteTimeout(f"{what}: no answer within {budget or timeout:g} s "
                                 "(tiers.remote.timeoutSeconds); treated as a miss")
         if call.error is not None:
             raise RemoteCallError(f"{what}: {type(call.error).__name__}: {call.error}") \

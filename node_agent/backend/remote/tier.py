@@ -20,10 +20,18 @@ Guarantees:
   that does not answer is a miss, never a hang;
 * a fetch uses only the contiguous prefix of blocks that arrived whole: the first
   block that failed (or timed out) ends it, and nothing after it is copied;
+* a fetch reads every block under the key epoch of its start, and writes no CPU
+  block once :meth:`RemoteTier.invalidate` (a stage reset) returned: blocks the
+  reset freed may hold new content at once;
 * a write takes a block's bytes only if no store, move or fetch wrote that CPU
   block between the offer and the end of the copy-out (a generation check on both
   sides of the copy), so a block reused for other content is never written under
-  the old key.
+  the old key; and nothing is copied into the write area while a put that overran
+  its timeout may still be reading it (the batch is dropped);
+* a write lands only under the cache epoch its bytes were written into the CPU
+  tier under (recorded on every bump): a block cached before a ``cacheEpoch``
+  flush and written after the key epoch switched is dropped (``flushed``), never
+  stored under the new epoch's key.
 """
 
 from __future__ import annotations
@@ -84,8 +92,12 @@ class RemotePool:
     def _join(self) -> MooncakeStore:
         """Lane ``connect``: join and install the client, even when the caller that
         started the join stopped waiting (a late join must not leave a client with
-        its ports bound and no owner)."""
+        its ports bound and no owner). A caller that waited for another's join
+        takes the client that join installed."""
         s = self.settings
+        with self._lock:
+            if self._client is not None:
+                return self._client
         client = self._connector(s)
         with self._lock:
             if self.closed:
@@ -150,16 +162,18 @@ class RemotePool:
             self.error(op, str(exc))
             return None
 
-    def submit(self, op: str, fn: Callable[[MooncakeStore], Any]) -> PendingCall[Any] | None:
-        """Start ``fn(client)`` on ``op``'s lane without waiting (see :meth:`finish`);
-        None when the tier is down or the lane is busy."""
+    def submit(self, op: str, fn: Callable[[MooncakeStore], Any],
+               turn: float = 0.0) -> PendingCall[Any] | None:
+        """Start ``fn(client)`` on ``op``'s lane without waiting for it (see
+        :meth:`finish`), after up to ``turn`` seconds for another caller's call; None
+        when the tier is down or the lane is busy."""
         if self.closed or (not self.health.up and not self.health.should_try()):
             return None
         client = self._client or self._connect(self.settings.timeout_seconds)
         if client is None:
             return None
         try:
-            return self._lanes[op].submit(lambda: fn(client), f"remote {op}")
+            return self._lanes[op].submit(lambda: fn(client), f"remote {op}", turn)
         except RemoteCallError as exc:
             self.error(op, str(exc))
             return None
@@ -171,6 +185,10 @@ class RemotePool:
         except RemoteCallError as exc:
             self.error(op, str(exc))
             return None
+
+    def overrunning(self, op: str) -> bool:
+        """Whether a call on ``op``'s lane overran its timeout and still runs."""
+        return self._lanes[op].overrunning()
 
     def error(self, op: str, reason: str, down: bool = True) -> None:
         """Count a failed ``op``; ``down`` marks the tier down until a call succeeds."""
@@ -232,7 +250,10 @@ class RemoteTier:
         self.bytes_per_block = keyspace.layout.bytes_per_block
         self._cpu: CpuTier | None = None
         self._gens: np.ndarray = np.zeros(0, dtype=np.int64)
+        self._epochs: np.ndarray = np.zeros(0, dtype=np.int64)  # key epoch of each block
         self._fetch_lock = threading.Lock()
+        self._scatter_lock = threading.Lock()  # a reset waits for a scatter in progress
+        self._resets = 0
         self._writer: WriteBehind | None = None
         self._staging: torch.Tensor | None = None
         self._fetch_area: torch.Tensor | None = None
@@ -275,6 +296,7 @@ class RemoteTier:
         self._write_area = staging[half * bpb:]
         self._cpu = cpu
         self._gens = np.zeros(cpu.num_blocks, dtype=np.int64)
+        self._epochs = np.full(cpu.num_blocks, self.keyspace.cache_epoch, dtype=np.int64)
         self.pool.register(staging)
         self._writer = WriteBehind(self.settings.queue_blocks, half, self.write_batch,
                                    self.pool.metrics)
@@ -282,9 +304,20 @@ class RemoteTier:
     # -- generations -------------------------------------------------------------
 
     def bump(self, cpu_blocks: Sequence[int] | np.ndarray) -> None:
-        """Record that ``cpu_blocks`` are about to be overwritten (before the write)."""
+        """Record that ``cpu_blocks`` are about to be overwritten (before the write),
+        with bytes of the current key epoch."""
         if len(self._gens) and len(cpu_blocks):
-            self._gens[np.asarray(cpu_blocks, dtype=np.int64)] += 1
+            idx = np.asarray(cpu_blocks, dtype=np.int64)
+            self._epochs[idx] = self.keyspace.cache_epoch
+            self._gens[idx] += 1
+
+    def invalidate(self) -> None:
+        """The stage was reset: every CPU block may be reused right away. Voids the
+        queued writes (every block's generation moves) and stops fetches in flight:
+        no fetch writes a CPU block after this returns."""
+        with self._scatter_lock:
+            self._resets += 1
+            self.bump(np.arange(len(self._gens)))
 
     # -- read path -----------------------------------------------------------------
 
@@ -310,21 +343,33 @@ class RemoteTier:
         miss = np.flatnonzero(arr != 1)
         return int(miss[0]) if len(miss) else len(arr)
 
+    @property
+    def resets(self) -> int:
+        """How many times :meth:`invalidate` ran (pass it to :meth:`fetch`)."""
+        return self._resets
+
     def fetch(self, block_ids: Sequence[int], cpu_blocks: Sequence[int], timeout: float,
-              between_chunks: Callable[[int], None] | None = None) -> int:
+              between_chunks: Callable[[int], None] | None = None,
+              resets: int | None = None) -> int:
         """Copy the remote blocks ``block_ids`` into CPU blocks ``cpu_blocks`` (same
         order); returns how many, from the first, arrived whole and were copied.
 
         Stops at the first block that failed or when ``timeout`` runs out; CPU
         blocks from the returned count on hold undefined bytes. ``between_chunks``
         (tests) is called with the blocks copied so far before every chunk after
-        the first."""
+        the first. ``resets`` is :attr:`resets` read when ``cpu_blocks`` were
+        reserved (default: now): after a later reset nothing is copied."""
         assert self._cpu is not None and self._fetch_area is not None
         n = min(len(block_ids), len(cpu_blocks))
         if n == 0:
             return 0
         deadline = time.monotonic() + timeout
         bpb, cpu = self.bytes_per_block, self._cpu
+        ks = self.keyspace  # one epoch for the whole prefix
+        if resets is None:
+            resets = self._resets
+        elif resets != self._resets:
+            return 0  # reset since the blocks were reserved: they may hold new content
         self.bump(cpu_blocks[:n])
         done = 0
         with self._fetch_lock:
@@ -339,8 +384,9 @@ class RemoteTier:
                 s, k = chunks[i]
                 base = areas[i % nareas].data_ptr()
                 return self.pool.submit("get", _getter(
-                    self.keyspace.keys(block_ids[s:s + k]),
-                    [base + j * bpb for j in range(k)], [bpb] * k))
+                    ks.keys(block_ids[s:s + k]),
+                    [base + j * bpb for j in range(k)], [bpb] * k),
+                    max(0.0, deadline - time.monotonic()))
 
             pending = start(0)
             for i, (s, k) in enumerate(chunks):
@@ -364,7 +410,10 @@ class RemoteTier:
                             between_chunks(done + ok)
                         pending = start(i + 1)
                 if ok:
-                    self._scatter(cpu, areas[i % nareas], cpu_blocks[s:s + ok])
+                    with self._scatter_lock:
+                        if self._resets != resets:
+                            break  # the stage was reset: these CPU blocks are not ours now
+                        self._scatter(cpu, areas[i % nareas], cpu_blocks[s:s + ok])
                     done += ok
                 if ok < k:
                     break
@@ -391,11 +440,21 @@ class RemoteTier:
         """Writer: copy the still-valid blocks of ``batch`` out and put them."""
         assert self._cpu is not None and self._write_area is not None
         m = self.pool.metrics
-        gens = self._gens
-        valid = [p for p in batch if gens[p[1]] == p[2]]
-        if len(valid) < len(batch) and m is not None:
-            m.remote_dropped_blocks.labels(reason="overwritten").inc(len(batch) - len(valid))
+        ks = self.keyspace  # keys of this batch; a later epoch switch cannot move them
+        gens, epochs = self._gens, self._epochs
+        current = [p for p in batch if epochs[p[1]] == ks.cache_epoch]
+        if len(current) < len(batch) and m is not None:
+            m.remote_dropped_blocks.labels(reason="flushed").inc(len(batch) - len(current))
+        valid = [p for p in current if gens[p[1]] == p[2]]
+        if len(valid) < len(current) and m is not None:
+            m.remote_dropped_blocks.labels(reason="overwritten").inc(len(current) - len(valid))
         if not valid:
+            return
+        if self.pool.overrunning("put"):
+            # A put that overran may still be reading a write area (this stage's):
+            # copying this batch in now would send its bytes under the late put's keys.
+            if m is not None:
+                m.remote_dropped_blocks.labels(reason="error").inc(len(valid))
             return
         bpb = self.bytes_per_block
         self._gather(self._cpu, self._write_area, [p[1] for p in valid])
@@ -405,7 +464,7 @@ class RemoteTier:
         if not still:
             return
         base = self._write_area.data_ptr()
-        keys = self.keyspace.keys([valid[i][0] for i in still])
+        keys = ks.keys([valid[i][0] for i in still])
         ptrs = [base + i * bpb for i in still]
         codes = self.pool.call("put", lambda c: c.batch_put_from(keys, ptrs, [bpb] * len(keys)),
                                self.settings.timeout_seconds)
