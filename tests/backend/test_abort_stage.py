@@ -41,6 +41,10 @@ def stage() -> tuple[TierStore, list[list[torch.Tensor]]]:
 
 
 LOAD_PLAN = TransferPlan(Direction.LOAD, (BlockLocation(Tier.CPU, 0), BlockLocation(Tier.CPU, 1)))
+MID_COPY_TIMEOUT = 1.0
+"""Timeout of the tests that pause a copy after its first checkpoint: long enough
+that the part before the pause finishes first even on a loaded machine (the
+pause itself only ends when the timeout aborts the copy)."""
 TARGET = np.arange(32, 32 + 2 * TPB)
 
 
@@ -67,7 +71,7 @@ def test_timed_out_load_stops_mid_copy_within_one_plane(
     hook = PauseAt(2)  # the first plane is copied, then the copy pauses
     st.copier.checkpoint_hook = hook
     with pytest.raises(TimeoutError, match="undefined data"):
-        st.execute(LOAD_PLAN, TARGET, timeout=0.05)
+        st.execute(LOAD_PLAN, TARGET, timeout=MID_COPY_TIMEOUT)
     assert no_stage_copy_thread()  # joined: nothing can write the slots any more
     after = planes(bufs, TARGET)
     assert torch.equal(after[0], source[0])  # the plane copied before the pause
@@ -104,7 +108,7 @@ def test_many_runs_copy_checks_the_abort_per_plane(
     before = planes(bufs, slots)
     st.copier.checkpoint_hook = PauseAt(2)  # the first plane is copied, then the copy pauses
     with pytest.raises(TimeoutError, match="undefined data"):
-        st.execute(plan, slots, timeout=0.05)
+        st.execute(plan, slots, timeout=MID_COPY_TIMEOUT)
     after = planes(bufs, slots)
     assert not torch.equal(after[0], before[0])
     assert all(torch.equal(a, b) for a, b in zip(after[1:], before[1:], strict=True))
@@ -130,7 +134,7 @@ def test_timed_out_ssd_load_stops_mid_copy(tmp_path: Path, aligned: bool) -> Non
         hook = PauseAt(2)
         st.copier.checkpoint_hook = hook
         with pytest.raises(TimeoutError, match=r"blocks ssd:2, ssd:3\).*undefined data"):
-            st.execute(TransferPlan(Direction.LOAD, ssd), target, timeout=0.05)
+            st.execute(TransferPlan(Direction.LOAD, ssd), target, timeout=MID_COPY_TIMEOUT)
         after = planes(bufs, target)
         assert hook.calls == 2
         if aligned:  # block 0 read into its page in every plane, block 1 not
