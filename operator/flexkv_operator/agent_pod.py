@@ -30,7 +30,6 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-from flexkv_operator import mooncake
 from flexkv_operator.host_paths import ENGINE_SOCKET_DIR, SHM_HOST_DIR, SHM_MOUNT, TMP_MOUNT
 from flexkv_operator.spec import PoolConfig
 
@@ -72,6 +71,12 @@ DEFAULT_CPU_REQUEST = "250m"
 MEMORY_OVERHEAD_BYTES = 512 * 2**20
 
 
+STORE_PORT_NAME = "mooncake"
+"""The agent's Mooncake RPC / handshake port (``storePort``)."""
+DATA_PORT_NAME = "mooncake-data"
+"""The agent's Mooncake TCP data port (``storePort + 1``)."""
+
+
 def container_ports(config: PoolConfig) -> list[dict[str, Any]]:
     """The agent container's named ports: HTTP, the PP fan-out and, with a remote tier,
     Mooncake's RPC (``storePort``) and data (``storePort + 1``) ports."""
@@ -80,7 +85,13 @@ def container_ports(config: PoolConfig) -> list[dict[str, Any]]:
         {"name": "fanout", "containerPort": config.fanout_port, "protocol": "TCP"},
     ]
     if config.remote is not None:
-        ports += mooncake.agent_container_ports(config.remote)
+        # Both pinned by the agent (MC_LEGACY_RPC_PORT_BINDING=1, MC_MIN_RPC_PORT =
+        # MC_MAX_RPC_PORT = storePort + 1); named for the chart's NetworkPolicy.
+        store = config.remote.store_port
+        ports += [
+            {"name": STORE_PORT_NAME, "containerPort": store, "protocol": "TCP"},
+            {"name": DATA_PORT_NAME, "containerPort": store + 1, "protocol": "TCP"},
+        ]
     return ports
 
 

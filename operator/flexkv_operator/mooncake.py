@@ -13,8 +13,7 @@ empty and the agents register again.
 
 Each agent's Mooncake client listens on two ports the agent pins itself (docs/remote.md):
 RPC / handshake on ``storePort`` and TCP data on ``storePort + 1``; the agent DaemonSet
-declares them as :data:`STORE_PORT_NAME` and :data:`DATA_PORT_NAME`
-(:func:`agent_container_ports`).
+declares them by name (:func:`flexkv_operator.agent_pod.container_ports`).
 
 Mooncake has no authentication: whoever reaches these ports can read and write the
 pool's cached KV. The chart's NetworkPolicies restrict them (docs/helm.md).
@@ -26,6 +25,7 @@ import copy
 from typing import Any
 
 from flexkv_operator import names
+from flexkv_operator.agent_pod import agent_security_context
 from flexkv_operator.host_paths import TMP_MOUNT
 from flexkv_operator.spec import PoolConfig, RemoteTier
 
@@ -33,8 +33,6 @@ RPC_PORT = 50051
 METADATA_PORT = 8080
 METRICS_PORT = 9003
 METADATA_PATH = "/metadata"
-STORE_PORT_NAME = "mooncake"  # an agent's Mooncake RPC / handshake port: storePort
-DATA_PORT_NAME = "mooncake-data"  # its TCP data port: storePort + 1
 COMPONENT = "mooncake-master"
 DEFAULT_RESOURCES = {"requests": {"cpu": "100m", "memory": "256Mi"}}
 SCRATCH_SIZE_LIMIT = "64Mi"
@@ -75,17 +73,6 @@ def agent_remote_section(pool: str, namespace: str, config: PoolConfig) -> dict[
             "storePort": remote.store_port,
         },
     }
-
-
-def agent_container_ports(remote: RemoteTier) -> list[dict[str, Any]]:
-    """The agent container's Mooncake ports, named for the chart's NetworkPolicy: RPC /
-    handshake on ``storePort`` and TCP data on ``storePort + 1``, both pinned by the agent
-    (``MC_LEGACY_RPC_PORT_BINDING=1``, ``MC_MIN_RPC_PORT = MC_MAX_RPC_PORT = storePort +
-    1``)."""
-    return [
-        {"name": STORE_PORT_NAME, "containerPort": remote.store_port, "protocol": "TCP"},
-        {"name": DATA_PORT_NAME, "containerPort": remote.store_port + 1, "protocol": "TCP"},
-    ]
 
 
 def master_args() -> list[str]:
@@ -167,14 +154,7 @@ def render_master_deployment(
             "failureThreshold": 3,
         },
         "resources": master_resources(remote),
-        "securityContext": {
-            "runAsUser": config.agent_user,
-            "runAsGroup": config.agent_group,
-            "runAsNonRoot": True,
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": agent_security_context(config),
         "volumeMounts": [{"name": "tmp", "mountPath": TMP_MOUNT}],
     }
     return {

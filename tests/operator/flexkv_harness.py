@@ -26,6 +26,14 @@ NS = "ns1"
 POOLS = "flexkv.io/v1alpha1/kvcachepools"
 GROUPS = "flexkv.io/v1alpha1/kvcachegroups"
 DAEMONSETS = "apps/v1/daemonsets"
+FAST = {
+    "leaderElection": {
+        "leaseDurationSeconds": 3,
+        "renewDeadlineSeconds": 2,
+        "retryPeriodSeconds": 1,
+    }
+}
+"""Pool spec fragment: agent leases short enough for failover tests (3 s)."""
 
 
 @contextlib.asynccontextmanager

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from flexkv_apiserver import ApiServer
 from flexkv_harness import (
     DAEMONSETS,
+    FAST,
     GROUPS,
     NS,
     POOLS,
@@ -31,13 +32,6 @@ from flexkv_operator.leadership import LeaderElection
 from reconcile_harness import ManualClock
 
 LEASES = "coordination.k8s.io/v1/leases"
-FAST = {
-    "leaderElection": {
-        "leaseDurationSeconds": 3,
-        "renewDeadlineSeconds": 2,
-        "retryPeriodSeconds": 1,
-    }
-}
 ELECTION = {
     "leader_election": True,
     "election_lease_duration": 3.0,

@@ -12,6 +12,7 @@ import yaml
 from flexkv_apiserver import ApiServer
 from flexkv_harness import (
     DAEMONSETS,
+    FAST,
     GROUPS,
     NS,
     POOLS,
@@ -26,13 +27,6 @@ from flexkv_harness import (
 )
 from flexkv_operator.names import ANNOTATION_CONFIG_HASH
 
-FAST = {
-    "leaderElection": {
-        "leaseDurationSeconds": 3,
-        "renewDeadlineSeconds": 2,
-        "retryPeriodSeconds": 1,
-    }
-}
 LEASE, RETRY = 3.0, 1.0
 CHILDREN = {
     "v1/configmaps": ["pool-agent-config"],

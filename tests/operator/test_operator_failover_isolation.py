@@ -13,6 +13,7 @@ import pytest
 from flexkv_apiserver import ApiServer
 from flexkv_harness import (
     DAEMONSETS,
+    FAST,
     GROUPS,
     NS,
     POOLS,
@@ -34,14 +35,6 @@ from reconcile_harness import (
     reconcile_context,
     running_controller,
 )
-
-FAST = {
-    "leaderElection": {
-        "leaseDurationSeconds": 3,
-        "renewDeadlineSeconds": 2,
-        "retryPeriodSeconds": 1,
-    }
-}
 
 
 def group(api: ApiServer, name: str = "pool-r0") -> dict[str, Any]:

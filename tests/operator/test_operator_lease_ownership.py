@@ -9,6 +9,7 @@ from typing import Any
 from flexkv_apiserver import ApiServer
 from flexkv_harness import (
     DAEMONSETS,
+    FAST,
     GROUPS,
     NS,
     POOLS,
@@ -25,13 +26,6 @@ from flexkv_operator.membership import LeaseTracker
 
 LEASES = "coordination.k8s.io/v1/leases"
 PODS = "v1/pods"
-FAST = {
-    "leaderElection": {
-        "leaseDurationSeconds": 3,
-        "renewDeadlineSeconds": 2,
-        "retryPeriodSeconds": 1,
-    }
-}
 
 
 def owner(obj: dict[str, Any], controller: bool = False) -> dict[str, Any]:

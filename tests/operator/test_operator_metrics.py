@@ -10,6 +10,7 @@ import socket
 import aiohttp
 from flexkv_apiserver import ApiServer
 from flexkv_harness import (
+    FAST,
     GROUPS,
     NS,
     POOLS,
@@ -22,14 +23,6 @@ from flexkv_harness import (
 )
 from flexkv_operator.metrics import OperatorMetrics, Readiness
 from prometheus_client.parser import text_string_to_metric_families
-
-FAST = {
-    "leaderElection": {
-        "leaseDurationSeconds": 3,
-        "renewDeadlineSeconds": 2,
-        "retryPeriodSeconds": 1,
-    }
-}
 
 
 def free_port() -> int:

@@ -25,6 +25,7 @@ import yaml
 from flexkv_apiserver import ApiServer
 from flexkv_harness import (
     DAEMONSETS,
+    FAST,
     GROUPS,
     NS,
     POOLS,
@@ -45,13 +46,6 @@ CHART = REPO / "charts" / "flexkv-operator"
 RELEASE = "kv"
 OPERATOR_AGENTS = ("kopf/", "flexkv-operator")
 DEPLOYMENTS = "apps/v1/deployments"
-FAST = {
-    "leaderElection": {
-        "leaseDurationSeconds": 3,
-        "renewDeadlineSeconds": 2,
-        "retryPeriodSeconds": 1,
-    }
-}
 
 Permission = tuple[str, str, str]  # (apiGroup, resource[/subresource], verb)
 

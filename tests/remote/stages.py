@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,8 +62,12 @@ def buffers(layout: KVLayout = LAYOUT) -> tuple[list[torch.Tensor], list[torch.T
 
 def backend(n: Node, layout: KVLayout = LAYOUT, namespace: str = "ns1", pool: str = "tp",
             epoch: int = 0, pp_rank: int = 0, pp_size: int = 1, deferred: bool = False,
-            cpu_blocks: int = 128) -> tuple[EmbeddedBackend, tuple[list[torch.Tensor], ...]]:
-    tier = RemoteTier(n.pool, KeySpace(layout, pp_rank, pp_size, namespace, pool, epoch))
+            cpu_blocks: int = 128, key_epoch: Callable[[], int] | None = None,
+            ) -> tuple[EmbeddedBackend, tuple[list[torch.Tensor], ...]]:
+    """A started backend whose remote tier is on node ``n``, with registered buffers.
+    ``key_epoch`` (as the agent passes its own) makes the keys follow that epoch."""
+    tier = RemoteTier(n.pool, KeySpace(layout, pp_rank, pp_size, namespace, pool, epoch),
+                      epoch=key_epoch)
     b = EmbeddedBackend(EmbeddedBackendConfig(layout=layout,
                                               cpu_bytes=cpu_blocks * layout.bytes_per_block,
                                               pinned=False, deferred_visibility=deferred),

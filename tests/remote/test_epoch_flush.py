@@ -9,12 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from node_agent.backend.config import EmbeddedBackendConfig
-from node_agent.backend.embedded import EmbeddedBackend
-from node_agent.backend.remote.keys import KeySpace
-from node_agent.backend.remote.tier import RemoteTier
 from tests.remote.conftest import Master
-from tests.remote.stages import LAYOUT, backend, buffers, fill, load, node, rows, store
+from tests.remote.stages import backend, fill, load, node, rows, store
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
@@ -31,15 +27,9 @@ def test_a_write_queued_before_an_epoch_flush_never_lands_under_the_new_epoch(
     a, b = node(master), node(master)
     epoch = [0]
     try:
-        tier = RemoteTier(a.pool, KeySpace(LAYOUT, 0, 1, "ns1", "tp", 0),
-                          epoch=lambda: epoch[0])
-        ba = EmbeddedBackend(EmbeddedBackendConfig(
-            layout=LAYOUT, cpu_bytes=128 * LAYOUT.bytes_per_block, pinned=False),
-            metrics=a.metrics, remote=tier)
-        ba.start()
-        a.closers.append(ba)
-        bufs = buffers()
-        ba.register_kv_buffers(0, bufs)
+        ba, bufs = backend(a, key_epoch=lambda: epoch[0])
+        tier = ba.remote
+        assert tier is not None
         writer = tier._writer
         assert writer is not None
         gate, held = threading.Event(), threading.Event()
@@ -139,15 +129,9 @@ def test_a_key_epoch_switch_in_the_middle_of_a_fetch_never_mixes_epochs(
         want0 = rows(bufs0, SRC)
 
         epoch = [0]
-        tier = RemoteTier(b.pool, KeySpace(LAYOUT, 0, 1, "ns1", "tp", 0),
-                          epoch=lambda: epoch[0])
-        reader = EmbeddedBackend(EmbeddedBackendConfig(
-            layout=LAYOUT, cpu_bytes=128 * LAYOUT.bytes_per_block, pinned=False),
-            metrics=b.metrics, remote=tier)
-        reader.start()
-        b.closers.append(reader)
-        bufs_r = buffers()
-        reader.register_kv_buffers(0, bufs_r)
+        reader, bufs_r = backend(b, key_epoch=lambda: epoch[0])
+        tier = reader.remote
+        assert tier is not None
 
         def switch(done: int) -> None:
             epoch[0] = 1

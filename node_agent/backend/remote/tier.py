@@ -233,6 +233,15 @@ def _consecutive(blocks: Sequence[int]) -> tuple[int, int] | None:
     return None
 
 
+def _block_rows(cpu_blocks: Sequence[int]) -> tuple[tuple[int, int] | None, torch.Tensor]:
+    """How to address ``cpu_blocks`` in a region: ``(start, stop)`` when they are
+    consecutive (a slice), else ``None`` and their indices as a tensor."""
+    run = _consecutive(cpu_blocks)
+    if run is not None:
+        return run, torch.empty(0, dtype=torch.int64)
+    return None, torch.as_tensor(np.asarray(cpu_blocks, np.int64))
+
+
 def _getter(keys: list[str], ptrs: list[int],
             sizes: list[int]) -> Callable[[MooncakeStore], list[int]]:
     return lambda c: c.batch_get_into(keys, ptrs, sizes)
@@ -504,25 +513,23 @@ class RemoteTier:
         """Staged blocks (region order) into CPU blocks ``cpu_blocks``: one slice copy
         per region when the blocks are consecutive, else one ``index_copy_``."""
         staged = self._regions(area, len(cpu_blocks), cpu)
-        run = _consecutive(cpu_blocks)
-        idx = None if run is not None else torch.as_tensor(np.asarray(cpu_blocks, np.int64))
+        run, idx = _block_rows(cpu_blocks)
         for k in range(cpu.num_regions):
             segs = _wide(cpu.segments(k))
             if run is not None:
                 segs[run[0]:run[1]].copy_(staged[:, k])
             else:
-                segs.index_copy_(0, idx, staged[:, k])  # type: ignore[arg-type]
+                segs.index_copy_(0, idx, staged[:, k])
 
     def _gather(self, cpu: CpuTier, area: torch.Tensor, cpu_blocks: Sequence[int]) -> None:
         staged = self._regions(area, len(cpu_blocks), cpu)
-        run = _consecutive(cpu_blocks)
-        idx = None if run is not None else torch.as_tensor(np.asarray(cpu_blocks, np.int64))
+        run, idx = _block_rows(cpu_blocks)
         for k in range(cpu.num_regions):
             segs = _wide(cpu.segments(k))
             if run is not None:
                 staged[:, k] = segs[run[0]:run[1]]
             else:
-                staged[:, k] = segs.index_select(0, idx)  # type: ignore[arg-type]
+                staged[:, k] = segs.index_select(0, idx)
 
     def status(self) -> dict[str, Any]:
         return {**self.pool.status(), "fingerprint": self.keyspace.fingerprint,
