@@ -285,6 +285,34 @@ class PoolGone(Exception):
     """The pool no longer exists (or is being deleted): forget it, create nothing."""
 
 
+async def live_overlaps(ctx: OperatorContext, namespace: str, pool: str) -> list[str]:
+    """:meth:`LeaseTracker.overlaps` of ``pool``, naming only pools that exist.
+
+    The tracker learns pools from Lease labels, and a deleted pool's agent can
+    renew its node Lease once more after the operator forgot the pool (then a
+    new pool's agent taking the Lease over looks like a pool flip). Every pool
+    an overlap would name is read first; one that is gone (or being deleted) is
+    forgotten, Leases and flips with it. A pool that cannot be read (another
+    error than 404) is taken as existing."""
+    for other_ns, other in sorted(ctx.tracker.overlapping_pools(namespace, pool)):
+        try:
+            live = await ctx.client.get_or_none(_pool_path(other_ns, other))
+        except ApiError as exc:
+            logger.info(
+                "Cannot read a pool that overlaps; reporting the overlap",
+                extra={"namespace": namespace, "pool": pool, "other": f"{other_ns}/{other}",
+                       "error": str(exc)},
+            )
+            continue
+        if live is None or (live.get("metadata") or {}).get("deletionTimestamp"):
+            logger.info(
+                "Forgetting the Leases of a pool that no longer exists",
+                extra={"namespace": other_ns, "pool": other, "overlapping": pool},
+            )
+            ctx.tracker.forget_pool(other_ns, other)
+    return ctx.tracker.overlaps(namespace, pool)
+
+
 async def refresh_leases(ctx: OperatorContext, namespace: str, pool: str) -> None:
     """Re-read the pool's agent Leases into the tracker. Used after the API server
     failed a group pass: the watch may have missed renewals meanwhile, and an agent
@@ -456,7 +484,7 @@ async def reconcile_pool(ctx: OperatorContext, seen: dict[str, Any]) -> Reconcil
         config_hash=config_hash(pool, config),
         sizing=sizing_condition(nodes, config),
         now=ctx.wall_clock(),
-        overlaps=ctx.tracker.overlaps(namespace, name),
+        overlaps=await live_overlaps(ctx, namespace, name),
         reconcile_errors=errors,
     )
     if status != previous:
