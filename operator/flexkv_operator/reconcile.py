@@ -57,7 +57,8 @@ def _pool_path(namespace: str, name: str, sub: str | None = None) -> str:
     return api_path(crds.API_VERSION, crds.POOL_PLURAL, namespace, name, sub)
 
 
-async def _write_status(client: KubeClient, body: dict[str, Any], status: dict[str, Any]) -> None:
+async def _write_status(client: KubeClient, body: dict[str, Any], status: dict[str, Any]) -> bool:
+    """Patch the pool's status; False when the pool vanished meanwhile."""
     meta = body["metadata"]
     try:
         await client.patch(
@@ -65,6 +66,8 @@ async def _write_status(client: KubeClient, body: dict[str, Any], status: dict[s
         )
     except NotFound:
         logger.info("Pool vanished before its status was written", extra={"pool": meta["name"]})
+        return False
+    return True
 
 
 async def _reject(
@@ -487,8 +490,9 @@ async def reconcile_pool(ctx: OperatorContext, seen: dict[str, Any]) -> Reconcil
         overlaps=await live_overlaps(ctx, namespace, name),
         reconcile_errors=errors,
     )
-    if status != previous:
-        await _write_status(ctx.client, body, status)
+    # A pool deleted during its reconcile gets no status and no Event: its overlap
+    # with the pool that replaced it on its nodes is not news.
+    if status != previous and await _write_status(ctx.client, body, status):
         await _condition_events(ctx, body, previous, status)
 
     # Lease expiries are the controller's failover timer's job (sync_groups); a full

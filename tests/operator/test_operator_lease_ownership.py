@@ -25,6 +25,7 @@ from flexkv_harness import (
 )
 from flexkv_operator import names
 from flexkv_operator.membership import LeaseTracker
+from reconcile_harness import ManualClock, observe_leases, reconcile, reconcile_context
 
 LEASES = "coordination.k8s.io/v1/leases"
 PODS = "v1/pods"
@@ -64,6 +65,10 @@ async def agent_pod(api: ApiServer, pool: str, node: str) -> dict[str, Any]:
 
 def pool_status(api: ApiServer, pool: str) -> dict[str, Any]:
     return dict((api.stored(POOLS, NS, pool) or {}).get("status") or {})
+
+
+def events(api: ApiServer) -> list[dict[str, Any]]:
+    return [api.stored("v1/events", NS, n) or {} for n in api.names("v1/events", NS)]
 
 
 def condition(api: ApiServer, pool: str, type_: str) -> dict[str, Any]:
@@ -238,8 +243,32 @@ async def test_a_late_renewal_of_a_deleted_pools_agent_never_makes_an_overlap_wi
     finally:
         controller_log.setLevel(level)
         controller_log.removeHandler(forgotten)
-    overlap_events = [
-        e for e in (api.stored("v1/events", NS, n) or {} for n in api.names("v1/events", NS))
-        if e.get("reason") == "PoolsOverlap"
-    ]
-    assert overlap_events == []
+    overlap_events = [e for e in events(api) if e.get("reason") == "PoolsOverlap"]
+    assert overlap_events == [], [(e["involvedObject"]["name"], e.get("message"))
+                                  for e in overlap_events]
+
+
+async def test_a_pool_deleted_during_its_reconcile_posts_no_overlap_event(api: ApiServer) -> None:
+    """Pool ``old`` is reconciled while ``new``'s agent takes over its node Lease, and
+    ``old`` is deleted before the reconcile writes its status: the status write finds
+    nothing, and no ``PoolsOverlap`` Event is posted for the deleted pool."""
+    await create(api, POOLS, pool_manifest("old", **FAST))
+    await create(api, POOLS, pool_manifest("new", **FAST))
+    clock = ManualClock()
+    async with reconcile_context(api, clock) as ctx:
+        await FakeAgent(api, "old", "node-a").start()
+        observe_leases(ctx, api)
+        await FakeAgent(api, "new", "node-a").beat()  # takes the node's Lease over
+        body = api.stored(POOLS, NS, "old")
+        assert body is not None
+        write = ctx.client.patch
+
+        async def deleted_before_status(path: str, patch_body: dict[str, Any]) -> dict[str, Any]:
+            if path.endswith("/kvcachepools/old/status"):
+                await delete(api, POOLS, "old")  # the user deletes the pool meanwhile
+            return await write(path, patch_body)
+
+        ctx.client.patch = deleted_before_status  # type: ignore[method-assign]
+        await reconcile(ctx, api, "old")
+        assert api.stored(POOLS, NS, "old") is None
+    assert [e for e in events(api) if e.get("reason") == "PoolsOverlap"] == []
