@@ -21,6 +21,7 @@ import torch
 from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.embedded import EmbeddedBackend
 from node_agent.backend.layout import KVDtype, KVLayout, LayoutName
+from node_agent.backend.slots import check_whole_pages
 from node_agent.backend.stage_store import TierStore
 from node_agent.connector import Connector, ConnectorConfig
 from node_agent.connector.inputs import prepare_slots, prepare_store
@@ -173,6 +174,12 @@ def test_inputs_refuse_slots_that_are_not_whole_aligned_pages(
     # The same slots are fine for a layout copied slot by slot.
     assert prepare_store(A, bad, TPB, NUM_BLOCKS * TPB).aligned == len(A)
     assert len(prepare_slots(bad, len(bad), NUM_BLOCKS * TPB)) == len(bad)
+
+
+def test_a_count_of_slots_that_is_not_whole_pages_is_named() -> None:
+    with pytest.raises(ValueError, match=r"^kv: has 6 slots, not a multiple of the page size 4"):
+        check_whole_pages(np.arange(6), TPB, "kv:")
+    check_whole_pages(pages([7, 0, 3]), TPB)  # whole pages, in any page order
 
 
 @pytest.mark.parametrize("what, bad, message", BAD_SLOTS, ids=[b[0] for b in BAD_SLOTS])
