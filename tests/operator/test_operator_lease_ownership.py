@@ -1,6 +1,8 @@
 """Agent Leases are owned by their pods and go with their pool: the emulated API
 server's garbage collector deletes owned objects, a deleted pool's Leases are gone,
-and a pool created afterwards on the same nodes sees no ghost overlap."""
+and a pool created afterwards on the same nodes sees no ghost overlap, also when the
+deleted pool's agent renews its Lease after the operator forgot the pool and the new
+pool's agent takes that Lease over before it is collected."""
 
 from __future__ import annotations
 
