@@ -61,3 +61,44 @@ def validate_slot_mapping(
                 "needs its own slot"
             )
     return torch.from_numpy(np.ascontiguousarray(arr))
+
+
+def check_whole_pages(slots: np.ndarray, page: int, what: str = "slot_mapping") -> None:
+    """Raise ``ValueError`` unless ``slots`` are whole, aligned pages of ``page`` slots.
+
+    A layout copied by whole pages only (``layer_block_head_token_kv``) needs
+    every ``page`` consecutive entries to be one engine page in order: the
+    first a multiple of ``page``, each next one the slot after it (slot =
+    ``block * page + offset``). The message names the page size, the first
+    offending position and its slot. ``slots`` is a validated 1-D int array.
+    """
+    n = len(slots)
+    if n % page:
+        raise ValueError(
+            f"{what} has {n} slots, not a multiple of the page size {page}; the paged layout "
+            f"is copied by whole pages: pass all {page} slots of each page"
+        )
+    if not n:
+        return
+    per_page = np.asarray(slots, dtype=np.int64).reshape(-1, page)
+    starts = per_page[:, 0]
+    off = per_page != starts[:, None] + np.arange(page, dtype=np.int64)
+    bad_start = starts % page != 0
+    bad = np.flatnonzero(bad_start | off.any(axis=1))
+    if not len(bad):
+        return
+    b = int(bad[0])
+    if bad_start[b]:
+        pos, slot = b * page, int(starts[b])
+        detail = (f"position {pos} starts a page with slot {slot}, not a multiple of the page "
+                  f"size {page}")
+    else:
+        j = int(np.argmax(off[b]))
+        pos, slot = b * page + j, int(per_page[b, j])
+        detail = (f"position {pos} holds slot {slot} but page {int(starts[b]) // page} "
+                  f"continues with slot {int(starts[b]) + j}")
+    raise ValueError(
+        f"{what} does not form whole, aligned pages of page size {page}: {detail}; the paged "
+        f"layout is copied by whole pages: pass every slot of each page in order "
+        f"(slot = block * {page} + offset)"
+    )

@@ -71,3 +71,10 @@ class ConnectorConfig:
     def tokens_per_block(self) -> int:
         """Page size: stores are aligned down to whole blocks."""
         return self.layout.tokens_per_block
+
+    @property
+    def whole_pages(self) -> int | None:
+        """The page size when the layout is copied by whole pages only
+        (``layer_block_head_token_kv``): then every store's and retrieve's slots
+        must be whole, aligned pages. None for the other layouts."""
+        return self.layout.tokens_per_block if self.layout.name.paged else None

@@ -283,12 +283,15 @@ class Connector:
         Raises ``ValueError`` when the lengths differ ("store_kv: token_ids has N
         entries but kv_indices has M entries") or an input is invalid, with
         nothing decided or written: a rejected call leaves the fan-out stream as
-        if it had not been made. Aligns down to whole pages; returns the task id of
+        if it had not been made; so are slots that are not whole, aligned pages of a
+        paged layout (``ValueError`` naming the page size, the position and the
+        slot). Aligns down to whole pages; returns the task id of
         the group store, or -1 when nothing is stored (nothing new, aligned
         length 0, a degraded group, a timeout, a failure on this stage).
         ``poll_completed`` later reports ``rid`` once every stage is terminal.
         """
-        inp = prepare_store(token_ids, kv_indices, self.cfg.tokens_per_block, self._num_slots)
+        inp = prepare_store(token_ids, kv_indices, self.cfg.tokens_per_block, self._num_slots,
+                            self.cfg.whole_pages)
         role = self._role
         if role is None:
             return -1
@@ -321,6 +324,9 @@ class Connector:
         per hit token). Returns the tokens loaded: the hit when every stage
         loaded its layers, else 0 (treat the slots as garbage); 0 as well when
         the role that answered the lookup ended since (a new epoch or leader).
+        Raises ``ValueError`` for a bad slot mapping (with a paged layout, also
+        slots that are not whole, aligned pages), before anything is loaded; its
+        lookup ends as a miss.
         Raises ``UnknownRequestError`` when ``rid`` has no open lookup."""
         role = self._role
         with self._lock:

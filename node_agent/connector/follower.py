@@ -314,7 +314,8 @@ class FollowerRole:
         self.counters.retrieves += 1
         hit = int(np.count_nonzero(d.mask))
         try:
-            slots = prepare_slots(slot_mapping, hit, self.num_slots)  # type: ignore[arg-type]
+            slots = prepare_slots(slot_mapping, hit, self.num_slots,  # type: ignore[arg-type]
+                                  self.cfg.whole_pages)
         except ValueError as exc:
             self._ack(inc, Kind.GET, rid, n, d.task_id, False, str(exc))
             raise

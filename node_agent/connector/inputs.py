@@ -3,7 +3,9 @@
 ``store_kv``'s contract is the seed's: token ids and kv slot indices are
 parallel arrays; lengths that differ raise ``ValueError`` naming both counts
 and nothing is written. Slot indices must be 1-D integers, in range of the
-registered buffers, non-negative and unique within one call.
+registered buffers, non-negative and unique within one call. With a layout
+copied by whole pages (``layer_block_head_token_kv``), the slots of a store
+and of a retrieve must also be whole, aligned pages in order.
 
 Every check here runs before a call is paired with a leader decision, and any
 failure (whatever the input) is raised as ``ValueError``: a rejected call
@@ -27,7 +29,7 @@ import torch
 import xxhash
 
 from node_agent.backend.inputs import mask_span
-from node_agent.backend.slots import validate_slot_mapping
+from node_agent.backend.slots import check_whole_pages, validate_slot_mapping
 
 IntArray = npt.NDArray[np.int64]
 P = ParamSpec("P")
@@ -197,12 +199,14 @@ def prepare_store(
     kv_indices: torch.Tensor | npt.NDArray[np.integer],
     tokens_per_block: int,
     num_slots: int | None,
+    whole_pages: int | None = None,
 ) -> StoreInput:
     """Validate a ``store_kv`` call and align it down to whole pages.
 
     Order matters: the length check comes first (seed contract), then slot
     validation of the aligned part (integer, 1-D, in ``[0, num_slots)`` when
-    ``num_slots`` is known, unique), so a bad call raises before any decision.
+    ``num_slots`` is known, unique, and whole, aligned pages of ``whole_pages``
+    slots when set), so a bad call raises before any decision.
     """
     tokens = token_array(token_ids, "store_kv: token_ids")
     n, m = len(tokens), _length(kv_indices)
@@ -217,6 +221,8 @@ def prepare_store(
         idx[:aligned], aligned, num_slots if num_slots is not None else 1 << 62,
         what="store_kv: kv_indices",
     ).numpy()
+    if whole_pages is not None:
+        check_whole_pages(slots, whole_pages, "store_kv: kv_indices")
     return StoreInput(tokens[:aligned], slots, token_digest(tokens[:aligned]))
 
 
@@ -225,9 +231,14 @@ def prepare_slots(
     slot_mapping: torch.Tensor | npt.NDArray[np.integer] | Sequence[int],
     expected: int,
     num_slots: int | None,
+    whole_pages: int | None = None,
 ) -> IntArray:
-    """Validate a ``retrieve`` slot mapping: one slot per hit token."""
-    return validate_slot_mapping(
+    """Validate a ``retrieve`` slot mapping: one slot per hit token (whole,
+    aligned pages of ``whole_pages`` slots when set)."""
+    slots = validate_slot_mapping(
         slot_mapping, expected, num_slots if num_slots is not None else 1 << 62,
         what="retrieve: slot_mapping",
     ).numpy()
+    if whole_pages is not None:
+        check_whole_pages(slots, whole_pages, "retrieve: slot_mapping")
+    return slots

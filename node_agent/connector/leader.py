@@ -419,7 +419,8 @@ class LeaderRole:
             self.counters.retrieve_misses += 1
             return 0
         try:
-            slots = prepare_slots(slot_mapping, g.hit, self.num_slots)  # type: ignore[arg-type]
+            slots = prepare_slots(slot_mapping, g.hit, self.num_slots,  # type: ignore[arg-type]
+                                  self.cfg.whole_pages)
         except ValueError:
             self._end_get(rid, g, ok=False)
             raise

@@ -10,7 +10,9 @@ declared lost one lease duration later, never earlier.
 One pool per node: the Lease name holds only the node, so two pools in one
 namespace on one node share (and keep flipping) one Lease, and two pools in
 different namespaces collide on the node's engine socket and shared memory.
-:meth:`LeaseTracker.overlaps` reports both cases for the pool's status.
+:meth:`LeaseTracker.overlaps` reports both cases for the pool's status; the
+reconcile first forgets every pool it names that no longer exists (a deleted
+pool's agent can renew its Lease once more after the operator forgot the pool).
 """
 
 from __future__ import annotations
@@ -267,10 +269,27 @@ class LeaseTracker:
             )
         return sorted(views, key=lambda v: (v.record.node, v.record.lease))
 
+    def overlapping_pools(self, namespace: str, pool: str) -> set[tuple[str, str]]:
+        """``(namespace, pool)`` of every other pool :meth:`overlaps` names for ``pool``.
+
+        The tracker knows pools only from Lease labels: a deleted pool's agent may
+        renew its Lease after the operator forgot the pool. Callers check that
+        these pools exist and :meth:`forget_pool` those that do not."""
+        return {(ns, other) for ns, other, _ in self._overlap_sources(namespace, pool)}
+
     def overlaps(self, namespace: str, pool: str) -> list[str]:
         """Messages naming every other pool that claims a node of ``pool``: a Lease of
         another namespace on the same node, or a Lease whose pool label flipped
         between ``pool`` and another within the last ``flip_memory`` seconds."""
+        return [
+            f"Pools {namespace}/{pool} and {ns}/{other} both run an agent on node {node} "
+            f"({how}); run one pool per node: give the pools disjoint "
+            "spec.placement.nodeSelector"
+            for (ns, other, node), how in sorted(self._overlap_sources(namespace, pool).items())
+        ]
+
+    def _overlap_sources(self, namespace: str, pool: str) -> dict[tuple[str, str, str], str]:
+        """``(namespace, other pool, node)`` -> how the overlap was seen."""
         found: dict[tuple[str, str, str], str] = {}
         mine = {
             s.record.node
@@ -291,12 +310,7 @@ class LeaseTracker:
             holder = self._seen.get((ns, lease))
             node = holder.record.node if holder else lease
             found[(ns, other_pool, node)] = f"Lease {ns}/{lease} switches between both pools"
-        return [
-            f"Pools {namespace}/{pool} and {ns}/{other} both run an agent on node {node} "
-            f"({how}); run one pool per node: give the pools disjoint "
-            "spec.placement.nodeSelector"
-            for (ns, other, node), how in sorted(found.items())
-        ]
+        return found
 
     def __len__(self) -> int:
         return len(self._seen)

@@ -57,7 +57,8 @@ def _pool_path(namespace: str, name: str, sub: str | None = None) -> str:
     return api_path(crds.API_VERSION, crds.POOL_PLURAL, namespace, name, sub)
 
 
-async def _write_status(client: KubeClient, body: dict[str, Any], status: dict[str, Any]) -> None:
+async def _write_status(client: KubeClient, body: dict[str, Any], status: dict[str, Any]) -> bool:
+    """Patch the pool's status; False when the pool vanished meanwhile."""
     meta = body["metadata"]
     try:
         await client.patch(
@@ -65,6 +66,8 @@ async def _write_status(client: KubeClient, body: dict[str, Any], status: dict[s
         )
     except NotFound:
         logger.info("Pool vanished before its status was written", extra={"pool": meta["name"]})
+        return False
+    return True
 
 
 async def _reject(
@@ -285,6 +288,34 @@ class PoolGone(Exception):
     """The pool no longer exists (or is being deleted): forget it, create nothing."""
 
 
+async def live_overlaps(ctx: OperatorContext, namespace: str, pool: str) -> list[str]:
+    """:meth:`LeaseTracker.overlaps` of ``pool``, naming only pools that exist.
+
+    The tracker learns pools from Lease labels, and a deleted pool's agent can
+    renew its node Lease once more after the operator forgot the pool (then a
+    new pool's agent taking the Lease over looks like a pool flip). Every pool
+    an overlap would name is read first; one that is gone (or being deleted) is
+    forgotten, Leases and flips with it. A pool that cannot be read (another
+    error than 404) is taken as existing."""
+    for other_ns, other in sorted(ctx.tracker.overlapping_pools(namespace, pool)):
+        try:
+            live = await ctx.client.get_or_none(_pool_path(other_ns, other))
+        except ApiError as exc:
+            logger.info(
+                "Cannot read a pool that overlaps; reporting the overlap",
+                extra={"namespace": namespace, "pool": pool, "other": f"{other_ns}/{other}",
+                       "error": str(exc)},
+            )
+            continue
+        if live is None or (live.get("metadata") or {}).get("deletionTimestamp"):
+            logger.info(
+                "Forgetting the Leases of a pool that no longer exists",
+                extra={"namespace": other_ns, "pool": other, "overlapping": pool},
+            )
+            ctx.tracker.forget_pool(other_ns, other)
+    return ctx.tracker.overlaps(namespace, pool)
+
+
 async def refresh_leases(ctx: OperatorContext, namespace: str, pool: str) -> None:
     """Re-read the pool's agent Leases into the tracker. Used after the API server
     failed a group pass: the watch may have missed renewals meanwhile, and an agent
@@ -456,11 +487,12 @@ async def reconcile_pool(ctx: OperatorContext, seen: dict[str, Any]) -> Reconcil
         config_hash=config_hash(pool, config),
         sizing=sizing_condition(nodes, config),
         now=ctx.wall_clock(),
-        overlaps=ctx.tracker.overlaps(namespace, name),
+        overlaps=await live_overlaps(ctx, namespace, name),
         reconcile_errors=errors,
     )
-    if status != previous:
-        await _write_status(ctx.client, body, status)
+    # A pool deleted during its reconcile gets no status and no Event: its overlap
+    # with the pool that replaced it on its nodes is not news.
+    if status != previous and await _write_status(ctx.client, body, status):
         await _condition_events(ctx, body, previous, status)
 
     # Lease expiries are the controller's failover timer's job (sync_groups); a full
