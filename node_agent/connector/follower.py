@@ -415,6 +415,15 @@ class FollowerRole:
         elif isinstance(body, Reset):
             self._reset_local(body.reason)
 
+    def _miss_open_lookups(self) -> None:
+        """A flush or resync voided every open lookup's decision: their retrieve
+        answers 0 (a miss), like the leader's (``_state`` held)."""
+        for rid in self._gets:
+            self._missed[rid] = None
+        while len(self._missed) > self.cfg.max_pending:
+            self._missed.popitem(last=False)
+        self._gets.clear()
+
     def _refuse_remote_moves(self, body: Moves, own: int) -> None:
         """Count the REMOTE moves of ``body`` (made under another cache epoch than
         this stage's ``own``) that are refused: no other epoch's object is fetched
@@ -458,7 +467,7 @@ class FollowerRole:
         self.store.reset()
         self.counters.resets += 1
         with self._state:
-            self._gets.clear()
+            self._miss_open_lookups()
             self._completed.add(self._stored.values())
             self._stored.clear()
         log.info("Stage flushed", extra={"group": self.cfg.group, "reason": reason})
@@ -469,7 +478,7 @@ class FollowerRole:
         self._results.fail_waiters()
         copies_ended = self._fence()
         with self._state:
-            self._gets.clear()
+            self._miss_open_lookups()
             if copies_ended:
                 # This stage never sees the RESULT (or RESET) that ends these
                 # stores: the leader sends neither to an unsynced stage, and it
@@ -507,7 +516,7 @@ class FollowerRole:
     def reset(self) -> None:
         """Local part of an engine reset (the leader flushes the group)."""
         with self._state:
-            self._gets.clear()
+            self._miss_open_lookups()
 
     def handle(self, msg: Message) -> None:
         """A message from the leader (server thread)."""

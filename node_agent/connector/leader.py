@@ -536,7 +536,11 @@ class LeaderRole:
             with self._state:
                 ended = [t.rid for t in self._puts.values()]
                 self._puts.clear()
-                self._gets.clear()
+                # The reset voided every open lookup's task: its retrieve is a miss
+                # (a retrieve already running keeps its own entry and ends as one).
+                for rid, g in list(self._gets.items()):
+                    if not g.used:
+                        self._gets[rid] = _Get(g.n, -1, 0, AckCollector(frozenset()))
                 self._completed.add(ended)
             self.stream.broadcast(Op.RESET, Reset(reason))
         log.info("Group cache flushed", extra={"group": self.cfg.group, "reason": reason,

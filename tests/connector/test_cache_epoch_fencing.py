@@ -97,3 +97,19 @@ def test_between_its_key_switch_and_its_flush_the_leader_decides_nothing(
     pair.settle()
     assert pair.load_everywhere("qb", B) == [len(B), len(B)]
     assert pair.load_everywhere("qa", A, base_slot=300) == [0, 0]
+
+
+def test_a_lookup_open_across_the_flush_of_a_bump_retrieves_as_a_miss_on_every_stage(
+        pair: InProcessGroup) -> None:
+    assert len(set(_store_everywhere(pair, "s", A))) == 1
+    pair.settle()
+    hits = [f.result(30) for f in [pair.call(r, lambda c: c.lookup("q", A)) for r in (0, 1)]]
+    assert hits == [len(A), len(A)]
+    # Both agents apply a bump between the engine's lookup and its retrieve.
+    pair.cache_epochs[0] = pair.cache_epochs[1] = 1
+    for r in (0, 1):
+        pair.call(r, lambda c: c.reset()).result(30)
+    pair.caught_up(1)
+    dst = np.arange(200, 200 + len(A))
+    assert [f.result(30) for f in [pair.retrieve(r, "q", dst) for r in (0, 1)]] == [0, 0]
+    assert not any(pair.loaded_ok(r, A, dst, len(A)) for r in (0, 1))
