@@ -74,14 +74,18 @@ class StageThread:
 
 class DropOps(FaultPlan):
     """A fault plan that drops every frame holding a stream message of ``ops``
-    (a batch frame is dropped whole): a gap that surely hides those messages."""
+    (a batch frame is dropped whole), or only the first ``count`` such frames: a
+    gap that surely hides those messages."""
 
-    def __init__(self, ops: set[Op]) -> None:
+    def __init__(self, ops: set[Op], count: int | None = None) -> None:
         super().__init__()
         self.ops = ops
+        self.count = count
         self.dropped = 0
 
     def mangle(self, frames: list[bytes]) -> list[list[bytes]]:
+        if self.count is not None and self.dropped >= self.count:
+            return [frames]
         data = frames[0]
         msgs = unpack_batch(data) if is_batch(data) else [data]
         if any(decode([m]).env.op in self.ops for m in msgs):
@@ -211,12 +215,13 @@ class InProcessGroup:
         wait_for(lambda: self.conns[rank].status()["lastSeq"] >= lead.status()["lastSeq"],
                  f"stage {rank} caught up with the leader's stream", timeout)
 
-    def drop_to(self, rank: int, ops: set[Op]) -> DropOps:
+    def drop_to(self, rank: int, ops: set[Op], count: int | None = None) -> DropOps:
         """From now on the leader's stream to ``rank`` loses every message of
-        ``ops`` (see :class:`DropOps`); :meth:`stop_dropping` ends it."""
+        ``ops``, or the next ``count`` of them (see :class:`DropOps`);
+        :meth:`stop_dropping` ends it."""
         sender = self.conns[0]._role.stream.peer(rank)  # type: ignore[union-attr]
         assert sender is not None, f"the leader has no sender to stage {rank}"
-        plan = DropOps(ops)
+        plan = DropOps(ops, count)
         sender.faults = plan
         return plan
 
