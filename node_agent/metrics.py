@@ -104,6 +104,12 @@ class AgentMetrics:
             "Follower engine calls that found only leader decisions for other tokens "
             "(never applied; the stage resyncs)", ["group", "kind"], registry=r,
         )
+        self.cache_epoch_refused = Counter(
+            "flexkv_agent_cache_epoch_refused",
+            "Decisions and remote moves a stage refused because they were made under "
+            "another cacheEpoch than its own (kind: put, get, fetch, write)",
+            ["group", "kind"], registry=r,
+        )
         self.pp_degraded = Gauge(
             "flexkv_agent_pp_degraded",
             "1 while this stage cannot serve its PP group (a follower not synced with the "

@@ -127,8 +127,13 @@ class StageStore(abc.ABC):
         """
 
     @abc.abstractmethod
-    def apply_moves(self, moves: Sequence[TierMove]) -> None:
-        """Apply leader-decided tier moves in order (copy, then the source is free)."""
+    def apply_moves(self, moves: Sequence[TierMove], remote: bool = True) -> None:
+        """Apply leader-decided tier moves in order (copy, then the source is free).
+
+        ``remote`` False: the moves were made under another cache epoch than this
+        stage's, so their REMOTE part is refused: a REMOTE -> CPU fetch reads
+        nothing and leaves its CPU block unloadable (a later load of it fails),
+        a CPU -> REMOTE write is skipped; every other move applies."""
 
     @abc.abstractmethod
     def reset(self) -> None:

@@ -219,7 +219,7 @@ class TierStore(StageStore):
             )
         raise TimeoutError(f"{what}; the copy was stopped; {consequence}")
 
-    def apply_moves(self, moves: Sequence[TierMove]) -> None:
+    def apply_moves(self, moves: Sequence[TierMove], remote: bool = True) -> None:
         """See :meth:`StageStore.apply_moves`; waits (up to ``FENCE_SECONDS``) for a
         timed-out copy still writing a block the moves touch."""
         deadline = time.monotonic() + FENCE_SECONDS
@@ -229,10 +229,11 @@ class TierStore(StageStore):
                 fetches.append(m)  # consecutive fetches go in one batch
                 continue
             if fetches:
-                self._fetch(fetches, deadline)
+                self._fetch(fetches, deadline, remote)
                 fetches = []
             if m.dst is not None and m.dst.tier is Tier.REMOTE:
-                self._remote().offer([m.dst.index], [m.src.index])
+                if remote:
+                    self._remote().offer([m.dst.index], [m.src.index])
                 continue
             self._await_fences([m.src] if m.dst is None else [m.src, m.dst], deadline)
             if m.dst is not None:
@@ -245,7 +246,7 @@ class TierStore(StageStore):
                     else:
                         self._poisoned.discard(m.dst)
         if fetches:
-            self._fetch(fetches, deadline)
+            self._fetch(fetches, deadline, remote)
 
     def _written(self, cpu_blocks: Sequence[int]) -> None:
         """``cpu_blocks`` are about to be overwritten: a pending remote write of their
@@ -263,9 +264,11 @@ class TierStore(StageStore):
             )
         return self.remote
 
-    def _fetch(self, moves: Sequence[TierMove], deadline: float) -> None:
+    def _fetch(self, moves: Sequence[TierMove], deadline: float, allowed: bool = True) -> None:
         """REMOTE -> CPU moves: fetch this stage's own copy of each block (its keys carry
-        its PP rank). Blocks after the first that did not arrive are poisoned."""
+        its PP rank). Blocks after the first that did not arrive are poisoned; with
+        ``allowed`` False (another cache epoch's moves) nothing is fetched and every
+        destination block is poisoned."""
         remote = self._remote()
         dst = []
         for m in moves:
@@ -274,7 +277,10 @@ class TierStore(StageStore):
             dst.append(m.dst.index)
         self._await_fences([m.dst for m in moves if m.dst is not None], deadline)
         self._written(dst)
-        got = remote.fetch([m.src.index for m in moves], dst, remote.settings.timeout_seconds)
+        got = 0
+        if allowed:
+            got = remote.fetch([m.src.index for m in moves], dst,
+                               remote.settings.timeout_seconds)
         if got < len(dst):
             self._poisoned.update(BlockLocation(Tier.CPU, i) for i in dst[got:])
             log.warning("Stage could not fetch remote blocks; loads of them are misses",

@@ -70,11 +70,15 @@ class Connector:
         keys: CurveKeys | None = None,
         metrics: AgentMetrics | None = None,
         server: FanoutServer | None = None,
+        cache_epoch: Callable[[], int] | None = None,
     ) -> None:
         """``server``: an agent-wide, started :class:`FanoutServer` shared by every
         group this agent takes part in (one fan-out port per agent); this
         connector registers its group on it and never closes it. Without one, the
-        connector binds its own at ``config.fanout_endpoint`` (when set)."""
+        connector binds its own at ``config.fanout_endpoint`` (when set).
+        ``cache_epoch()``: the agent's current ``cacheEpoch`` (its remote tier's key
+        epoch, switched before the flush that applies it; 0 when not given): every
+        decision names it, and a stage on another epoch refuses the decision."""
         if view.view.group != config.group:
             raise ValueError(
                 f"Group view is for {view.view.group!r} but the connector is for "
@@ -86,6 +90,7 @@ class Connector:
         self._store_factory = store_factory
         self._keys = keys
         self._metrics = metrics
+        self._cache_epoch = cache_epoch
         self._stats = StreamMetrics(config.group, metrics)
         self._lock = threading.RLock()
         self._role: Role | None = None
@@ -222,7 +227,7 @@ class Connector:
             backend.register_kv_buffers(r, bufs)
         backend.start()
         return LeaderRole(self.cfg, epoch, backend, followers, self._keys, self._stats,
-                          self._num_slots, self._notify_completed)
+                          self._num_slots, self._notify_completed, self._cache_epoch)
 
     def _make_follower(self, epoch: int, leader_endpoint: str) -> FollowerRole:
         if self._store is None:
@@ -231,7 +236,8 @@ class Connector:
                 _registrable(store).register_kv_buffers(r, bufs)
             self._store = store
         return FollowerRole(self.cfg, epoch, leader_endpoint, self._store, self._keys,
-                            self._stats, self._num_slots, self._notify_completed)
+                            self._stats, self._num_slots, self._notify_completed,
+                            self._cache_epoch)
 
     def _end_role(self) -> None:
         role, self._role = self._role, None
@@ -409,6 +415,7 @@ class Connector:
             "registeredRanks": sorted(self._buffers),
             "fanoutEndpoint": self.fanout_endpoint,
             "dropped": dict(self._stats.dropped),
+            "cacheEpochRefused": dict(self._stats.epoch_refused),
         }
         if role is not None:
             out.update(role.status())

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from node_agent.backend.replication import Direction, StageStore
+from node_agent.backend.replication import Direction, StageStore, Tier
 from node_agent.connector.config import ConnectorConfig
 from node_agent.connector.errors import UnknownRequestError
 from node_agent.connector.inputs import LookupInput, StoreInput, prepare_slots
@@ -68,6 +68,7 @@ class FollowerCounters:
     retrieve_misses: int = 0
     moves_applied: int = 0
     resets: int = 0
+    cache_epoch_refusals: int = 0
 
 
 class FollowerRole:
@@ -85,10 +86,14 @@ class FollowerRole:
         stats: StreamMetrics,
         num_slots: int | None,
         on_completed: Callable[[], None] | None = None,
+        cache_epoch: Callable[[], int] | None = None,
     ) -> None:
         """``on_completed()``: called whenever rids become reportable by
-        :meth:`poll_completed` (the connector's completion notification)."""
+        :meth:`poll_completed` (the connector's completion notification).
+        ``cache_epoch()``: this agent's current ``cacheEpoch`` (the remote tier's
+        key epoch): decisions and remote moves of another epoch are refused."""
         self.cfg = cfg
+        self._cache_epoch = cache_epoch or (lambda: 0)
         self.epoch = epoch
         self.store = store
         self.num_slots = num_slots
@@ -165,6 +170,20 @@ class FollowerRole:
         self.stream.request_resync(f"{kind.value} decision for {rid!r} does not match the "
                                    "stage's tokens")
 
+    def _other_epoch(self, kind: Kind, rid: str, d: Decision) -> str | None:
+        """Why ``d`` must not be applied on this stage (None when it may): it was
+        made under another cache epoch than this stage's. Counts the refusal."""
+        own = self._cache_epoch()
+        if d.cache_epoch == own:
+            return None
+        self.counters.cache_epoch_refusals += 1
+        self._stats.cache_epoch_refused(kind.value)
+        log.warning("Leader decision of another cache epoch refused",
+                    extra={"group": self.cfg.group, "rid": rid, "kind": kind.value,
+                           "decision_epoch": d.cache_epoch, "stage_epoch": own})
+        return (f"stage {self.cfg.pp_rank} is on cacheEpoch {own} but the leader decided "
+                f"under cacheEpoch {d.cache_epoch}")
+
     def _wait_s(self) -> float:
         return min(self.cfg.fanout_wait_seconds, self.cfg.engine_call_seconds)
 
@@ -229,6 +248,10 @@ class FollowerRole:
         if not d.active or d.error:
             return -1
         key: Key = (rid, Kind.PUT, d.n)
+        refused = self._other_epoch(Kind.PUT, rid, d)
+        if refused is not None:
+            self._ack(inc, Kind.PUT, rid, d.n, d.task_id, False, refused)
+            return -1
         tpb = self.cfg.tokens_per_block
         error: str | None = None
         if len(d.mask) != inp.aligned:
@@ -285,6 +308,10 @@ class FollowerRole:
             return 0  # a late decision is answered with a failure ack on arrival
         gen, inc, d = taken.value
         if not d.active or d.error or gen != self._gen:
+            return 0
+        refused = self._other_epoch(Kind.GET, rid, d)
+        if refused is not None:
+            self._ack(inc, Kind.GET, rid, d.n, d.task_id, False, refused)
             return 0
         if len(d.mask) != len(inp.tokens):
             self._ack(inc, Kind.GET, rid, d.n, d.task_id, False,
@@ -349,21 +376,23 @@ class FollowerRole:
         if isinstance(body, Decision):
             kind = Kind.PUT if msg.env.op is Op.PUT else Kind.GET
             stamped = (self._gen, msg.env.incarnation, body)
-            if not self._book.deliver(body.rid, kind, body.digest, stamped) and body.active:
+            if not self._book.deliver(body.rid, kind, body.digest, body.life, stamped) \
+                    and body.active:
                 # This stage's call already gave up (or its life of the rid
                 # ended): answer now so the leader ends the task at once.
                 self._ack(msg.env.incarnation, kind, body.rid, body.n, body.task_id, False,
                           f"the stage's {kind.value} call gave up before the decision arrived")
             self._refuse_unpaired(self._book.take_evicted())
-            if self._book.take_lost():
-                self.stream.request_resync("too many rids pending: the stage lost track of "
-                                           "which life of a rid the leader is in")
         elif isinstance(body, Moves):
             if not self._exec.acquire(timeout=self.cfg.transfer_seconds):
                 self.stream.request_resync("moves could not wait for a running copy")
                 return
             try:
-                self.store.apply_moves(body.moves)
+                own = self._cache_epoch()
+                remote = body.cache_epoch == own
+                if not remote:
+                    self._refuse_remote_moves(body, own)
+                self.store.apply_moves(body.moves, remote=remote)
                 self.counters.moves_applied += len(body.moves)
             except Exception as exc:
                 # This stage no longer holds the leader's blocks: stop applying
@@ -383,9 +412,34 @@ class FollowerRole:
         elif isinstance(body, Release):
             # The leader's next decisions for the rid belong to its next life;
             # decisions of this life stay for this stage's own (maybe lagging) calls.
-            self._book.stream_release(body.rid)
+            self._book.stream_release(body.rid, body.life)
         elif isinstance(body, Reset):
             self._reset_local(body.reason)
+
+    def _miss_open_lookups(self) -> None:
+        """A flush or resync voided every open lookup's decision: their retrieve
+        answers 0 (a miss), like the leader's (``_state`` held)."""
+        for rid in self._gets:
+            self._missed[rid] = None
+        while len(self._missed) > self.cfg.max_pending:
+            self._missed.popitem(last=False)
+        self._gets.clear()
+
+    def _refuse_remote_moves(self, body: Moves, own: int) -> None:
+        """Count the REMOTE moves of ``body`` (made under another cache epoch than
+        this stage's ``own``) that are refused: no other epoch's object is fetched
+        or written."""
+        fetches = sum(1 for m in body.moves if m.src.tier is Tier.REMOTE)
+        writes = sum(1 for m in body.moves if m.dst is not None and m.dst.tier is Tier.REMOTE)
+        if fetches:
+            self._stats.cache_epoch_refused("fetch", fetches)
+        if writes:
+            self._stats.cache_epoch_refused("write", writes)
+        if fetches or writes:
+            self.counters.cache_epoch_refusals += fetches + writes
+            log.warning("Remote moves of another cache epoch refused",
+                        extra={"group": self.cfg.group, "moves_epoch": body.cache_epoch,
+                               "stage_epoch": own, "fetches": fetches, "writes": writes})
 
     def _on_result(self, r: Result) -> None:
         key: Key = (r.rid, r.kind, r.n)
@@ -402,19 +456,19 @@ class FollowerRole:
 
     def _reset_local(self, reason: str, new_leader: bool = False) -> None:
         """Flush this stage. A RESET in the stream keeps the decision book: the
-        lives of each rid go on in step with the leader's RELEASEs, and the
-        decisions it holds are refused by their stale generation when their
-        calls take them. A new leader process restarts the book."""
+        lives of each rid go on in step with the leader's, and the decisions it
+        holds are refused by their stale generation when their calls take them.
+        A new leader process numbers lives from 0: the book is rebased on it."""
         self._gen += 1
         if new_leader:
-            self._book.fail_waiters()
+            self._book.rebase()
         self._results.fail_waiters()
         if not self._fence():
             log.error("A copy did not end before a reset", extra={"group": self.cfg.group})
         self.store.reset()
         self.counters.resets += 1
         with self._state:
-            self._gets.clear()
+            self._miss_open_lookups()
             self._completed.add(self._stored.values())
             self._stored.clear()
         log.info("Stage flushed", extra={"group": self.cfg.group, "reason": reason})
@@ -425,7 +479,7 @@ class FollowerRole:
         self._results.fail_waiters()
         copies_ended = self._fence()
         with self._state:
-            self._gets.clear()
+            self._miss_open_lookups()
             if copies_ended:
                 # This stage never sees the RESULT (or RESET) that ends these
                 # stores: the leader sends neither to an unsynced stage, and it
@@ -463,7 +517,7 @@ class FollowerRole:
     def reset(self) -> None:
         """Local part of an engine reset (the leader flushes the group)."""
         with self._state:
-            self._gets.clear()
+            self._miss_open_lookups()
 
     def handle(self, msg: Message) -> None:
         """A message from the leader (server thread)."""

@@ -30,13 +30,14 @@ import numpy as np
 import numpy.typing as npt
 
 from node_agent.backend.base import KVResponseStatus
-from node_agent.backend.replication import Direction, ReplicatedBackend, TransferPlan
+from node_agent.backend.replication import Direction, ReplicatedBackend, TierMove, TransferPlan
 from node_agent.connector.config import ConnectorConfig
 from node_agent.connector.errors import UnknownRequestError
 from node_agent.connector.inputs import LookupInput, StoreInput, prepare_slots
-from node_agent.connector.tracking import AckCollector, CompletedRids, DecisionNumbers
+from node_agent.connector.tracking import AckCollector, CompletedRids, DecisionNumbers, RidLives
 from node_agent.pp.auth import CurveKeys
 from node_agent.pp.messages import (
+    NO_CACHE_EPOCH,
     Ack,
     Cancel,
     Decision,
@@ -90,6 +91,7 @@ class LeaderCounters:
     retrieve_misses: int = 0
     manager_errors: int = 0
     degraded_refusals: int = 0
+    cache_epoch_refusals: int = 0
     stepped_down_refusals: int = 0
     flushes: int = 0
     moves_sent: int = 0
@@ -110,9 +112,12 @@ class LeaderRole:
         stats: StreamMetrics,
         num_slots: int | None,
         on_completed: Callable[[], None] | None = None,
+        cache_epoch: Callable[[], int] | None = None,
     ) -> None:
         """``on_completed()``: called whenever rids become reportable by
-        :meth:`poll_completed` (the connector's completion notification)."""
+        :meth:`poll_completed` (the connector's completion notification).
+        ``cache_epoch()``: this agent's current ``cacheEpoch`` (the remote tier's
+        key epoch; switched before the flush that applies it)."""
         self.cfg = cfg
         self.epoch = epoch
         self.backend = backend
@@ -125,6 +130,10 @@ class LeaderRole:
         self._completed = CompletedRids(cfg.max_completed, stats.completed_dropped,
                                         on_completed)
         self._calls = DecisionNumbers()
+        self._lives = RidLives()
+        self._cache_epoch = cache_epoch or (lambda: 0)
+        self._content_epoch = self._cache_epoch()
+        """The cache epoch the group cache holds blocks of (set by each flush)."""
         self._wake = threading.Event()
         # A copy that ends wakes the reaper at once (it also looks every few ms).
         backend.set_completion_listener(self._wake.set)
@@ -147,20 +156,49 @@ class LeaderRole:
 
     def _decision(self, kind: Kind, rid: str, n: int, task_id: int,
                   mask: npt.NDArray[np.bool_], plan: TransferPlan | None, digest: int,
-                  error: str | None = None) -> Decision:
+                  error: str | None = None, cache_epoch: int = 0) -> Decision:
+        """A decision in the rid's current life (call under the decision lock)."""
         direction = Direction.STORE if kind is Kind.PUT else Direction.LOAD
-        return Decision.build(direction, rid, n, task_id, mask, plan, error, digest)
+        return Decision.build(direction, rid, n, task_id, mask, plan, error, digest,
+                              self._lives.life(rid), cache_epoch)
 
     def _refuse(self, kind: Kind, rid: str, n: int, length: int, digest: int,
                 error: str) -> None:
         """Broadcast an error decision (task -1) so followers answer at once."""
         op = Op.PUT if kind is Kind.PUT else Op.GET
+        epoch = self._content_epoch
         self.stream.broadcast(op, lambda: self._decision(kind, rid, n, -1,
                                                          np.zeros(length, bool), None, digest,
-                                                         error))
+                                                         error, epoch))
 
-    def _refusal(self) -> str | None:
-        """Why this leader cannot decide now (None when it can); counts the refusal."""
+    def _send_moves(self, moves: list[TierMove], cache_epoch: int) -> None:
+        """Broadcast tier moves decided under ``cache_epoch`` (decision lock held)."""
+        if moves:
+            self.counters.moves_sent += len(moves)
+            self.stream.broadcast(Op.MOVES, Moves(tuple(moves), cache_epoch))
+
+    def _switched(self, kind: Kind, epoch: int) -> str | None:
+        """Why a decision that started under cache epoch ``epoch`` cannot stand
+        (None when it can): the agent's ``cacheEpoch`` moved meanwhile, so the
+        match may have used either epoch's remote keys. Counts the refusal."""
+        now = self._cache_epoch()
+        if now == epoch:
+            return None
+        self.counters.cache_epoch_refusals += 1
+        self._stats.cache_epoch_refused(kind.value)
+        return (f"cacheEpoch moved from {epoch} to {now} while the leader decided; the "
+                "group cache is flushed for the new epoch next")
+
+    def _refusal(self, kind: Kind, epoch: int) -> str | None:
+        """Why this leader cannot decide now under cache epoch ``epoch`` (None
+        when it can); counts the refusal."""
+        if epoch != self._content_epoch:
+            # Between the key switch and the flush: the cache still holds blocks of
+            # the old epoch, and a fetch would read the new one's keys.
+            self.counters.cache_epoch_refusals += 1
+            self._stats.cache_epoch_refused(kind.value)
+            return (f"cacheEpoch {epoch} applies on this agent but the group cache still "
+                    f"holds blocks of epoch {self._content_epoch} until its flush")
         if self.newer_epoch is not None:
             self.counters.stepped_down_refusals += 1
             return (f"leader of epoch {self.epoch} stepped down: epoch {self.newer_epoch} "
@@ -180,7 +218,8 @@ class LeaderRole:
             return -1  # every stage answers -1 without a decision
         n = self._calls.next()
         with self._decide:
-            refusal = self._refusal()
+            epoch = self._cache_epoch()
+            refusal = self._refusal(Kind.PUT, epoch)
             if refusal is not None:
                 self._refuse(Kind.PUT, rid, n, inp.aligned, inp.digest, refusal)
                 return -1
@@ -198,19 +237,25 @@ class LeaderRole:
                 self._refuse(Kind.PUT, rid, n, inp.aligned, inp.digest,
                              f"leader put_match failed: {exc}")
                 return -1
-            if moves:
-                self.counters.moves_sent += len(moves)
-                self.stream.broadcast(Op.MOVES, Moves(tuple(moves)))
+            switched = self._switched(Kind.PUT, epoch)
+            self._send_moves(moves, NO_CACHE_EPOCH if switched else epoch)
+            if switched is not None:
+                if task_id >= 0:
+                    self.backend.cancel([task_id])
+                self._refuse(Kind.PUT, rid, n, inp.aligned, inp.digest, switched)
+                return -1
             if task_id < 0:
                 self.stream.broadcast(Op.PUT, lambda: self._decision(Kind.PUT, rid, n, -1, mask,
-                                                                     None, inp.digest))
+                                                                     None, inp.digest,
+                                                                     cache_epoch=epoch))
                 return -1
             deadline = time.monotonic() + self.cfg.engine_call_seconds
             track = _Put(rid, n, task_id, AckCollector(self._expected()), deadline)
             with self._state:
                 self._puts[task_id] = track
             self.stream.broadcast(Op.PUT, lambda: self._decision(Kind.PUT, rid, n, task_id, mask,
-                                                                 plan, inp.digest))
+                                                                 plan, inp.digest,
+                                                                 cache_epoch=epoch))
         try:
             self.backend.launch([task_id], [inp.slots[mask]])
         except Exception as exc:
@@ -322,8 +367,9 @@ class LeaderRole:
             # followers get them now rather than with the next decision.
             moves = self.backend.drain_moves()
             if moves:
-                self.counters.moves_sent += len(moves)
-                self.stream.broadcast(Op.MOVES, Moves(tuple(moves)))
+                epoch = self._cache_epoch()
+                self._send_moves(moves, epoch if epoch == self._content_epoch
+                                 else NO_CACHE_EPOCH)
             self.stream.broadcast(Op.RESULT, Result(t.rid, Kind.PUT, t.n, t.task_id, ok))
         if ok:
             self.counters.stores_published += 1
@@ -341,7 +387,8 @@ class LeaderRole:
         self.counters.lookups += 1
         self._cancel_get(rid)
         with self._decide:
-            refusal = self._refusal()
+            epoch = self._cache_epoch()
+            refusal = self._refusal(Kind.GET, epoch)
             if refusal is not None:
                 self._refuse(Kind.GET, rid, n, len(tokens), inp.digest, refusal)
                 self._remember_miss(rid, n)
@@ -361,9 +408,14 @@ class LeaderRole:
                              f"leader get_match failed: {exc}")
                 self._remember_miss(rid, n)
                 return 0
-            if moves:
-                self.counters.moves_sent += len(moves)
-                self.stream.broadcast(Op.MOVES, Moves(tuple(moves)))
+            switched = self._switched(Kind.GET, epoch)
+            self._send_moves(moves, NO_CACHE_EPOCH if switched else epoch)
+            if switched is not None:
+                if task_id >= 0:
+                    self.backend.cancel([task_id])
+                self._refuse(Kind.GET, rid, n, len(tokens), inp.digest, switched)
+                self._remember_miss(rid, n)
+                return 0
             hit = int(np.count_nonzero(mask)) if task_id >= 0 else 0
             with self._state:
                 self._gets[rid] = _Get(n, task_id, hit, AckCollector(self._expected()))
@@ -373,7 +425,8 @@ class LeaderRole:
             # Built only when a follower will receive it (plan runs and encoding
             # are most of a decision's cost; a single-stage group has no follower).
             self.stream.broadcast(Op.GET, lambda: self._decision(Kind.GET, rid, n, task_id, mask,
-                                                                 plan, inp.digest))
+                                                                 plan, inp.digest,
+                                                                 cache_epoch=epoch))
             for old_rid, g in stale:  # lookups never retrieved nor released
                 if g.task_id >= 0 and not g.used:
                     self.backend.cancel([g.task_id])
@@ -456,11 +509,12 @@ class LeaderRole:
     # -- lifecycle -------------------------------------------------------------------------
 
     def release(self, rid: str) -> None:
-        """The engine is done with ``rid``: cancel its un-used load and tell the
-        followers (their next decisions for ``rid`` belong to its next life)."""
+        """The engine is done with ``rid``: cancel its un-used load, start the
+        rid's next life and tell the followers (the leader's next decisions for
+        ``rid`` carry that life)."""
         self._cancel_get(rid)
         with self._decide:
-            self.stream.broadcast(Op.RELEASE, Release(rid))
+            self.stream.broadcast(Op.RELEASE, Release(rid, self._lives.release(rid)))
 
     def take_unreported(self) -> list[str]:
         """After :meth:`close`: rids the engine was never told are complete (queued
@@ -477,11 +531,17 @@ class LeaderRole:
     def _flush(self, reason: str) -> None:
         with self._decide:
             self.counters.flushes += 1
+            epoch = self._cache_epoch()  # read before the reset: a later switch refuses
             self.backend.reset()
+            self._content_epoch = epoch
             with self._state:
                 ended = [t.rid for t in self._puts.values()]
                 self._puts.clear()
-                self._gets.clear()
+                # The reset voided every open lookup's task: its retrieve is a miss
+                # (a retrieve already running keeps its own entry and ends as one).
+                for rid, g in list(self._gets.items()):
+                    if not g.used:
+                        self._gets[rid] = _Get(g.n, -1, 0, AckCollector(frozenset()))
                 self._completed.add(ended)
             self.stream.broadcast(Op.RESET, Reset(reason))
         log.info("Group cache flushed", extra={"group": self.cfg.group, "reason": reason,

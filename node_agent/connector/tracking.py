@@ -38,6 +38,40 @@ class DecisionNumbers:
             return n
 
 
+LIVES_LIMIT = 1 << 16
+"""Rids whose life numbers a stage remembers while nothing of theirs is pending
+(least recently used first out; see :class:`DecisionBook` and the leader's
+:class:`RidLives`)."""
+
+
+class RidLives:
+    """The leader's life of each rid: how many times its engine released the rid
+    while this leader role ran. Every decision carries it, so a follower pairs a
+    call with a decision of the same life even when a RELEASE was lost in a gap.
+
+    Bounded by ``limit`` rids (least recently used out): a rid forgotten here
+    restarts at life 0, whose decisions a follower that remembers a later life
+    refuses (a miss, never another life's data). Not thread-safe: the leader
+    uses it under its decision lock.
+    """
+
+    def __init__(self, limit: int = LIVES_LIMIT) -> None:
+        self._lives: OrderedDict[str, int] = OrderedDict()
+        self._limit = limit
+
+    def life(self, rid: str) -> int:
+        """The current life of ``rid`` (0 until its first release)."""
+        return self._lives.get(rid, 0)
+
+    def release(self, rid: str) -> int:
+        """End the current life of ``rid``; returns the next one."""
+        life = self._lives.pop(rid, 0) + 1
+        self._lives[rid] = life
+        while len(self._lives) > self._limit:
+            self._lives.popitem(last=False)
+        return life
+
+
 @dataclass
 class _Life:
     """One life of a rid on a follower: the leader decisions of that life not
@@ -50,9 +84,10 @@ class _Life:
 @dataclass
 class _RidBook:
     stream_life: int = 0
-    """Leader releases of the rid seen in the stream."""
+    """The latest leader life of the rid seen (on its decisions and RELEASEs)."""
     local_life: int = 0
-    """Releases of the rid by this stage's engine."""
+    """This stage's life of the rid in the leader's numbering: the engine's
+    releases of the rid, shifted when a new leader process restarts the count."""
     lives: dict[int, _Life] = field(default_factory=dict)
     waiters: int = 0
     """Calls waiting in :meth:`DecisionBook.take` (the book must outlive them)."""
@@ -61,8 +96,8 @@ class _RidBook:
         return self.lives.setdefault(k, _Life())
 
     def idle(self) -> bool:
-        return self.stream_life == self.local_life and not self.waiters and not any(
-            lf.pending or lf.gave_up for lf in self.lives.values())
+        return not self.waiters and not any(lf.pending or lf.gave_up
+                                            for lf in self.lives.values())
 
 
 @dataclass
@@ -81,48 +116,61 @@ class Taken(Generic[V]):
 class DecisionBook(Generic[V]):
     """A follower's pending leader decisions, paired with engine calls by content.
 
-    Each rid has *lives*: the stream's RELEASE of the rid starts the leader's
-    next life, the stage's own ``release`` its next local life. A decision
-    arriving in the stream belongs to the leader's current life of its rid; a
-    call of local life ``k`` takes only a decision of life ``k`` with its own
-    kind and digest (the oldest such). So a follower that lags behind a leader
-    that already released and reused a rid still pairs each call with the
-    decision made for it, and a follower ahead of its leader refuses decisions
-    of lives it already ended. Call order only orders: older decisions of the
-    same kind that a call passes over are handed back (skipped), never applied.
+    Each rid has *lives*, numbered by the leader: every decision carries the
+    leader's life of its rid (its engine's releases of the rid), and this
+    stage's own ``release`` starts its next local life. A call of local life
+    ``k`` takes only a decision of life ``k`` with its own kind and digest (the
+    oldest such). So a follower that lags behind a leader that already released
+    and reused a rid still pairs each call with the decision made for it, even
+    when the stream's RELEASE was lost in a gap, and a follower ahead of its
+    leader refuses decisions of lives it already ended. Call order only orders:
+    older decisions of the same kind that a call passes over are handed back
+    (skipped), never applied.
+
+    The life numbers of a rid outlive a resync (:meth:`fail_waiters`) and its
+    pending decisions: a rid with nothing pending keeps them in a table of at
+    most ``lives_limit`` rids (least recently used out; a forgotten rid restarts
+    at life 0 here, so its calls miss until the leader's numbers come back
+    down, never pair with another life). A new leader process numbers lives
+    from 0: :meth:`rebase` moves this stage's lives to its numbering.
 
     ``gave_up``: a call that timed out marks its (kind, digest) in its life, so
     the late decision is refused on arrival (``deliver`` returns False) and the
     leader gets a failure ack at once. ``release`` ends the local life: its
     pending decisions and marks are dropped (handed back). Bounded: at most
-    ``limit`` rids and ``limit`` pending decisions; the oldest rid is evicted
-    first (its decisions handed back by ``take_evicted``). An evicted rid whose
-    leader and local lives differ keeps its two life counters (at most
-    ``limit`` such rids), so its later decisions and calls still pair by life;
-    when even those overflow, :meth:`take_lost` says the book lost track (the
-    caller resyncs).
+    ``limit`` rids with pending decisions and ``limit`` pending decisions; the
+    oldest rid is evicted first (its decisions handed back by
+    ``take_evicted``; its life numbers kept).
     """
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, lives_limit: int = LIVES_LIMIT) -> None:
         self._cond = threading.Condition()
         self._rids: OrderedDict[str, _RidBook] = OrderedDict()
         self._limit = limit
         self._count = 0
         self._epoch = 0
         self._evicted: list[V] = []
-        self._lives_of_evicted: OrderedDict[str, tuple[int, int]] = OrderedDict()
-        """rid -> (stream_life, local_life) of evicted rids whose lives differ."""
-        self._lost = False
+        self._known: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        """rid -> (stream_life, local_life) of rids with nothing pending."""
+        self._known_limit = lives_limit
 
     def _book(self, rid: str) -> _RidBook:
         b = self._rids.get(rid)
         if b is None:
             b = self._rids[rid] = _RidBook()
-            lives = self._lives_of_evicted.pop(rid, None)
+            lives = self._known.pop(rid, None)
             if lives is not None:
                 b.stream_life, b.local_life = lives
         self._rids.move_to_end(rid)
         return b
+
+    def _remember(self, rid: str, b: _RidBook) -> None:
+        """Keep the life numbers of ``rid`` (its book leaves the active table)."""
+        if b.stream_life or b.local_life:
+            self._known[rid] = (b.stream_life, b.local_life)
+            self._known.move_to_end(rid)
+            while len(self._known) > self._known_limit:
+                self._known.popitem(last=False)
 
     def _gc(self, rid: str) -> None:
         b = self._rids.get(rid)
@@ -131,6 +179,7 @@ class DecisionBook(Generic[V]):
                 del b.lives[k]
             if b.idle():
                 del self._rids[rid]
+                self._remember(rid, b)
 
     def _bound(self) -> None:
         while self._rids and (len(self._rids) > self._limit or self._count > self._limit):
@@ -138,20 +187,15 @@ class DecisionBook(Generic[V]):
             for lf in b.lives.values():
                 self._count -= len(lf.pending)
                 self._evicted.extend(v for _, _, v in lf.pending)
-            if b.stream_life != b.local_life:
-                # Restarting both at 0 would pair a call of one life with a
-                # decision of another: keep where each side stands.
-                self._lives_of_evicted[rid] = (b.stream_life, b.local_life)
-                while len(self._lives_of_evicted) > self._limit:
-                    self._lives_of_evicted.popitem(last=False)
-                    self._lost = True
+            self._remember(rid, b)
 
-    def deliver(self, rid: str, kind: Kind, digest: int, value: V) -> bool:
-        """A decision from the stream; False when no call of this stage will take
-        it (its life already ended here, or its call gave up): answer it now."""
+    def deliver(self, rid: str, kind: Kind, digest: int, life: int, value: V) -> bool:
+        """A decision from the stream, made in the leader's life ``life`` of
+        ``rid``; False when no call of this stage will take it (its life already
+        ended here, or its call gave up): answer it now."""
         with self._cond:
             b = self._book(rid)
-            life = b.stream_life
+            b.stream_life = max(b.stream_life, life)
             if life < b.local_life:
                 self._gc(rid)
                 return False
@@ -166,15 +210,13 @@ class DecisionBook(Generic[V]):
             self._cond.notify_all()
             return True
 
-    def stream_release(self, rid: str) -> list[V]:
+    def stream_release(self, rid: str, life: int) -> None:
         """The leader released ``rid`` (in stream order): its next decisions
-        belong to the next life. Returns decisions of lives this stage already
-        ended (none normally)."""
+        belong to its life ``life``."""
         with self._cond:
             b = self._book(rid)
-            b.stream_life += 1
+            b.stream_life = max(b.stream_life, life)
             self._gc(rid)
-            return []
 
     def release(self, rid: str) -> list[V]:
         """This stage's engine released ``rid``: end its local life; returns the
@@ -190,6 +232,14 @@ class DecisionBook(Generic[V]):
             self._gc(rid)
             self._cond.notify_all()
             return dropped
+
+    def lives(self, rid: str) -> tuple[int, int]:
+        """``(leader life seen, local life)`` of ``rid`` (status and tests)."""
+        with self._cond:
+            b = self._rids.get(rid)
+            if b is not None:
+                return b.stream_life, b.local_life
+            return self._known.get(rid, (0, 0))
 
     def take(self, rid: str, kind: Kind, digest: int, timeout: float) -> Taken[V]:
         """Wait (bounded) for the decision of this call: same rid, kind, digest,
@@ -235,13 +285,6 @@ class DecisionBook(Generic[V]):
         self._gc(rid)
         return Taken(None, [], mismatch)
 
-    def take_lost(self) -> bool:
-        """True (once) when the bound forgot the lives of a rid whose leader and
-        local lives differed: the caller must resync."""
-        with self._cond:
-            lost, self._lost = self._lost, False
-            return lost
-
     def take_evicted(self) -> list[V]:
         """Decisions dropped by the bound since the last call (answer them)."""
         with self._cond:
@@ -249,17 +292,33 @@ class DecisionBook(Generic[V]):
             return out
 
     def fail_waiters(self) -> list[V]:
-        """The stream broke: wake every waiter empty-handed and forget every rid
-        (lives restart in step with the leader after the resync)."""
+        """The stream broke: wake every waiter empty-handed and drop every
+        pending decision and given-up mark (returned: the decisions). The life
+        numbers of every rid are kept: the leader's RELEASEs lost in the gap
+        show in the lives its next decisions carry."""
         with self._cond:
             self._epoch += 1
             out: list[V] = [v for b in self._rids.values() for lf in b.lives.values()
                             for _, _, v in lf.pending]
+            for rid, b in self._rids.items():
+                self._remember(rid, b)
             self._rids.clear()
-            self._lives_of_evicted.clear()
-            self._lost = False
             self._count = 0
             self._cond.notify_all()
+            return out
+
+    def rebase(self) -> list[V]:
+        """A new leader process took over (it numbers every rid's lives from 0):
+        :meth:`fail_waiters`, then shift every rid's local life by the old
+        leader's life of it, so a life this stage has not reached yet (it lags)
+        stays ahead of it and a life it already ended stays behind it."""
+        with self._cond:
+            out = self.fail_waiters()
+            known = self._known
+            self._known = OrderedDict()
+            for rid, (stream, local) in known.items():
+                if local != stream:
+                    self._known[rid] = (0, local - stream)
             return out
 
 

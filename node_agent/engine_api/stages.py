@@ -122,7 +122,7 @@ def default_stage_builder(agent: Agent, rank: RankRef, layout: KVLayout) -> Stag
         ccfg, views,
         backend_factory=leader_backend,
         store_factory=lambda: TierStore(bcfg, remote_tier(agent, rank, layout)),
-        keys=keys, metrics=metrics,
+        keys=keys, metrics=metrics, cache_epoch=lambda: agent.key_epoch,
     ).start()
     # A single-stage group's leader never waits on a follower, and the embedded
     # backend matches in memory: its lookups and releases take only short locks,

@@ -45,7 +45,13 @@ from node_agent.backend.replication import (
 )
 
 MAGIC = b"FKV1"
-WIRE_VERSION = 4
+WIRE_VERSION = 5
+"""Version 5: decisions carry the leader's life of their rid and the cache epoch
+they were made under; MOVES carry their cache epoch; RELEASE carries the rid's
+next life. A message of any other version is refused (:class:`MalformedMessage`)."""
+NO_CACHE_EPOCH = -1
+"""The cache epoch of moves made while the leader's ``cacheEpoch`` switched: no
+stage applies their remote part."""
 _RUN_MAX = (1 << 31) - 1
 """Largest block index or run length on the wire (plan runs travel as int32)."""
 _HEADER = struct.Struct("<4sBBqqdq")
@@ -132,6 +138,13 @@ class Decision:
     ``(tier code, first block index, count)`` (None when ``task_id`` is -1);
     :attr:`plan` expands it. ``error`` is set when the leader's manager call
     failed (task -1, nothing to do).
+
+    ``life`` is the leader's life of the rid (how many times the leader's
+    engine released the rid before this call, counted by the leader role): a
+    follower's call takes only a decision of its own life of the rid, even
+    when the RELEASE that ended a life was lost in a gap. ``cache_epoch`` is
+    the ``cacheEpoch`` the decision was made under: a stage whose key epoch
+    differs refuses it.
     """
 
     direction: Direction
@@ -142,6 +155,8 @@ class Decision:
     runs: npt.NDArray[np.int64] | None
     error: str | None = None
     digest: int = 0
+    life: int = 0
+    cache_epoch: int = 0
 
     @classmethod
     def build(
@@ -154,6 +169,8 @@ class Decision:
         plan: TransferPlan | None,
         error: str | None = None,
         digest: int = 0,
+        life: int = 0,
+        cache_epoch: int = 0,
     ) -> Decision:
         """A decision from a backend plan (checks the plan's direction)."""
         if plan is not None and plan.direction is not direction:
@@ -162,7 +179,7 @@ class Decision:
             )
         runs = None if plan is None else plan_runs(plan)
         return cls(direction, rid, n, task_id, np.asarray(mask, dtype=np.bool_), runs, error,
-                   digest)
+                   digest, life, cache_epoch)
 
     @property
     def num_blocks(self) -> int:
@@ -188,16 +205,23 @@ class Decision:
 
 @dataclass(frozen=True)
 class Moves:
-    """``Op.MOVES``: tier moves in decision order."""
+    """``Op.MOVES``: tier moves in decision order.
+
+    ``cache_epoch``: the ``cacheEpoch`` whose remote keys the REMOTE moves name
+    (:data:`NO_CACHE_EPOCH` when it switched while they were decided); a stage
+    on another epoch fetches and writes none of them."""
 
     moves: tuple[TierMove, ...]
+    cache_epoch: int = 0
 
 
 @dataclass(frozen=True)
 class Release:
-    """``Op.RELEASE``: the request is finished on the engine side."""
+    """``Op.RELEASE``: the request is finished on the engine side; ``life`` is
+    the leader's next life of the rid (the life of its next decisions)."""
 
     rid: str
+    life: int = 1
 
 
 @dataclass(frozen=True)
@@ -290,9 +314,9 @@ class Message:
 
 
 # A decision's body frame: n, task_id, mask length, span start, span stop (-1, -1:
-# packed bits follow), plan block count (-1: no plan), token digest, flags (bit 0:
-# error set).
-_DECISION = struct.Struct("<qqqqqqqB")
+# packed bits follow), plan block count (-1: no plan), token digest, life of the
+# rid, cache epoch, flags (bit 0: error set).
+_DECISION = struct.Struct("<qqqqqqqqqB")
 
 
 def _encode_decision(d: Decision) -> list[bytes]:
@@ -318,8 +342,8 @@ def _encode_decision(d: Decision) -> list[bytes]:
                 "limit; use fewer, larger blocks per tier"
             )
         extra.append(np.ascontiguousarray(d.runs, dtype="<i4").tobytes())
-    body = _DECISION.pack(d.n, d.task_id, m.size, start, stop, plan, d.digest,
-                          d.error is not None)
+    body = _DECISION.pack(d.n, d.task_id, m.size, start, stop, plan, d.digest, d.life,
+                          d.cache_epoch, d.error is not None)
     return [body, d.rid.encode(), (d.error or "").encode(), *extra]
 
 
@@ -381,15 +405,17 @@ def _decode_decision(op: Op, frames: list[bytes], defer: _Deferred | None = None
     appended to it."""
     if len(frames) < 3 or len(frames[0]) != _DECISION.size:
         raise MalformedMessage(f"{op.name} needs a {_DECISION.size}-byte body, rid and error")
-    n, task_id, length, start, stop, plan, digest, flags = _DECISION.unpack(frames[0])
+    n, task_id, length, start, stop, plan, digest, life, cache_epoch, flags = \
+        _DECISION.unpack(frames[0])
     try:
         rid, error = frames[1].decode(), frames[2].decode()
     except UnicodeDecodeError:
         raise MalformedMessage(f"{op.name} rid or error is not UTF-8") from None
-    if n < 0 or task_id < -1 or flags > 1 or digest < 0 or not 0 <= length <= _MAX_TOKENS:
+    if n < 0 or task_id < -1 or flags > 1 or digest < 0 or life < 0 or cache_epoch < 0 \
+            or not 0 <= length <= _MAX_TOKENS:
         raise MalformedMessage(
             f"{op.name} fields out of range: n={n} task_id={task_id} mask_len={length} "
-            f"digest={digest}"
+            f"digest={digest} life={life} cache_epoch={cache_epoch}"
         )
     arrays = frames[3:]
     if start == -1 and stop == -1:
@@ -419,7 +445,8 @@ def _decode_decision(op: Op, frames: list[bytes], defer: _Deferred | None = None
     elif plan != -1 or arrays:
         raise MalformedMessage(f"{op.name} has plan count {plan} and {len(arrays)} extra frames")
     direction = Direction.STORE if op is Op.PUT else Direction.LOAD
-    return Decision(direction, rid, n, task_id, mask, runs, error if flags else None, digest)
+    return Decision(direction, rid, n, task_id, mask, runs, error if flags else None, digest,
+                    life, cache_epoch)
 
 
 def plan_runs(plan: TransferPlan) -> npt.NDArray[np.int64]:
@@ -558,10 +585,10 @@ def encode_sections(env: Envelope, body: Body) -> list[bytes]:
             )
             for m in body.moves
         ]
-        fields = {"count": len(rows)}
+        fields = {"count": len(rows), "cache_epoch": body.cache_epoch}
         arrays.append(np.array(rows, dtype="<i8").reshape(-1, 4).tobytes())
     elif op is Op.RELEASE and isinstance(body, Release):
-        fields = {"rid": body.rid}
+        fields = {"rid": body.rid, "life": body.life}
     elif op is Op.CANCEL and isinstance(body, Cancel):
         fields = {"rid": body.rid, "kind": body.kind.value, "n": body.n, "task_id": body.task_id}
     elif op is Op.RESULT and isinstance(body, Result):
@@ -670,10 +697,14 @@ def _decode_body(op: Op, fields: dict[str, Any], arrays: list[bytes]) -> Body:
                 moves.append(TierMove(src, BlockLocation(_TIER_BY_CODE[d_tier], d_idx)))
             else:
                 raise MalformedMessage(f"Move destination ({d_tier}, {d_idx}) is invalid")
-        return Moves(tuple(moves))
+        cache_epoch: int = _get(fields, "cache_epoch", int)
+        if cache_epoch < NO_CACHE_EPOCH:
+            raise MalformedMessage(f"Field 'cache_epoch' must be >= {NO_CACHE_EPOCH}, "
+                                   f"got {cache_epoch}")
+        return Moves(tuple(moves), cache_epoch)
     _expect_frames(arrays, 0, op)
     if op is Op.RELEASE:
-        return Release(_get(fields, "rid", str))
+        return Release(_get(fields, "rid", str), _nonneg(fields, "life"))
     if op is Op.CANCEL:
         return Cancel(
             _get(fields, "rid", str), _kind(fields), _nonneg(fields, "n"),
@@ -765,8 +796,13 @@ def decode_sections(frames: list[bytes], defer: _Deferred | None = None) -> Mess
     if len(frames[0]) != _HEADER.size:
         raise MalformedMessage(f"Header frame must be {_HEADER.size} bytes, got {len(frames[0])}")
     magic, code, version, epoch, seq, sent_at, incarnation = _HEADER.unpack(frames[0])
-    if magic != MAGIC or version != WIRE_VERSION:
-        raise MalformedMessage(f"Bad magic {magic!r} or wire version {version}")
+    if magic != MAGIC:
+        raise MalformedMessage(f"Bad magic {magic!r}, expected {MAGIC!r}")
+    if version != WIRE_VERSION:
+        raise MalformedMessage(
+            f"Fan-out wire version {version} is not supported: this agent speaks version "
+            f"{WIRE_VERSION}; run the same agent version on every stage of the group"
+        )
     op = _OPS.get(code)
     if op is None:
         raise MalformedMessage(f"Unknown op code {code}")

@@ -78,6 +78,14 @@ class StreamMetrics:
         self.metrics = metrics
         self.dropped: dict[str, int] = {}
         self.mismatched: dict[str, int] = {}
+        self.epoch_refused: dict[str, int] = {}
+
+    def cache_epoch_refused(self, kind: str, count: int = 1) -> None:
+        """Count ``count`` decisions (``put``, ``get``) or remote moves
+        (``fetch``, ``write``) refused for being of another cache epoch."""
+        self.epoch_refused[kind] = self.epoch_refused.get(kind, 0) + count
+        if self.metrics is not None:
+            self.metrics.cache_epoch_refused.labels(group=self.group, kind=kind).inc(count)
 
     def mismatch(self, kind: str) -> None:
         """Count one engine call that found only decisions for other tokens."""

@@ -138,9 +138,11 @@ def make_connector(
     server: FanoutServer | None = None,
     max_completed: int = 65536,
     max_pending: int = 4096,
+    cache_epoch: Callable[[], int] | None = None,
     **timeouts: float,
 ) -> Connector:
-    """A connector with the real embedded backend (leader) and TierStore (follower)."""
+    """A connector with the real embedded backend (leader) and TierStore (follower);
+    ``cache_epoch`` stands for the agent's ``cacheEpoch`` (its key epoch)."""
     cfg = ConnectorConfig(
         group=view.view.group, pp_rank=rank, layout=LAYOUT, fanout_endpoint=endpoint,
         # Generous against stalls on a shared 2-core machine; the waits that end
@@ -156,7 +158,7 @@ def make_connector(
         cfg, view,
         backend_factory=lambda: EmbeddedBackend(backend_config(cpu_blocks, True)),
         store_factory=lambda: TierStore(backend_config(cpu_blocks, True)),
-        keys=keys, metrics=metrics, server=server,
+        keys=keys, metrics=metrics, server=server, cache_epoch=cache_epoch,
     )
 
 

@@ -22,7 +22,9 @@ import torch
 
 from node_agent.connector import Connector
 from node_agent.metrics import AgentMetrics
+from node_agent.pp.channel import FaultPlan
 from node_agent.pp.group import GroupView, GroupViewSource
+from node_agent.pp.messages import Op, decode, is_batch, unpack_batch
 
 from .harness import (
     GROUP,
@@ -70,8 +72,33 @@ class StageThread:
         self._t.join(timeout=30)
 
 
+class DropOps(FaultPlan):
+    """A fault plan that drops every frame holding a stream message of ``ops``
+    (a batch frame is dropped whole), or only the first ``count`` such frames: a
+    gap that surely hides those messages."""
+
+    def __init__(self, ops: set[Op], count: int | None = None) -> None:
+        super().__init__()
+        self.ops = ops
+        self.count = count
+        self.dropped = 0
+
+    def mangle(self, frames: list[bytes]) -> list[list[bytes]]:
+        if self.count is not None and self.dropped >= self.count:
+            return [frames]
+        data = frames[0]
+        msgs = unpack_batch(data) if is_batch(data) else [data]
+        if any(decode([m]).env.op in self.ops for m in msgs):
+            self.dropped += 1
+            self.log.append(("drop", frames))
+            return []
+        return [frames]
+
+
 class InProcessGroup:
-    """``size`` connectors of one group; rank 0 leads epoch 1."""
+    """``size`` connectors of one group; rank 0 leads epoch 1. ``cache_epochs[r]``
+    is stage ``r``'s ``cacheEpoch`` (its agent's key epoch), 0 at first: a test
+    moves it as an agent applying a bump would (key switch, then reset)."""
 
     def __init__(self, size: int, cpu_blocks: int = 64, max_pending: int = 4096,
                  **timeouts: float) -> None:
@@ -81,11 +108,12 @@ class InProcessGroup:
         self.bufs: list[Buffers] = []
         self.threads: list[StageThread] = []
         self.epoch = 0
+        self.cache_epochs = [0] * size
         try:
             for r in range(size):
                 c = make_connector(r, self.views[r], keys=None, cpu_blocks=cpu_blocks,
                                    metrics=self.metrics[r], max_pending=max_pending,
-                                   **timeouts)
+                                   cache_epoch=lambda r=r: self.cache_epochs[r], **timeouts)
                 c.start()
                 b = make_buffers()
                 c.register_kv_buffers(0, b)
@@ -186,6 +214,21 @@ class InProcessGroup:
         lead = self.conns[0]
         wait_for(lambda: self.conns[rank].status()["lastSeq"] >= lead.status()["lastSeq"],
                  f"stage {rank} caught up with the leader's stream", timeout)
+
+    def drop_to(self, rank: int, ops: set[Op], count: int | None = None) -> DropOps:
+        """From now on the leader's stream to ``rank`` loses every message of
+        ``ops``, or the next ``count`` of them (see :class:`DropOps`);
+        :meth:`stop_dropping` ends it."""
+        sender = self.conns[0]._role.stream.peer(rank)  # type: ignore[union-attr]
+        assert sender is not None, f"the leader has no sender to stage {rank}"
+        plan = DropOps(ops, count)
+        sender.faults = plan
+        return plan
+
+    def stop_dropping(self, rank: int) -> None:
+        sender = self.conns[0]._role.stream.peer(rank)  # type: ignore[union-attr]
+        if sender is not None:
+            sender.faults = None
 
     def metric(self, rank: int, name: str, **labels: str) -> float:
         return self.metrics[rank].registry.get_sample_value(name, labels) or 0.0

@@ -27,6 +27,7 @@ from node_agent.pp.messages import (
     Heartbeat,
     Message,
     Op,
+    Release,
     Sync,
     decode,
 )
@@ -131,6 +132,41 @@ def test_a_store_whose_result_a_resync_skipped_is_still_reported_complete() -> N
         deliver(Op.SYNC, 14, Sync(1, 2))
         assert role.stream.synced
         assert role.poll_completed() == ["r"]
+    finally:
+        role.close()
+        store_.close()
+
+
+def test_a_new_leader_process_keeps_a_lagging_life_behind_its_first_decisions() -> None:
+    cfg = ConnectorConfig(group=GROUP, pp_rank=1, layout=LAYOUT, engine_call_seconds=2.0,
+                          fanout_wait_seconds=0.5, transfer_seconds=0.4)
+    store_ = TierStore(backend_config(8, True))
+    store_.register_kv_buffers(0, make_buffers())
+    role = FollowerRole(cfg, 1, None, store_, None, StreamMetrics(GROUP, None), NUM_SLOTS)
+    store_.execute = lambda *_, **__: None  # type: ignore[method-assign]
+    capture = _Capture()
+    try:
+        role.start()
+        role.stream._sender = capture  # type: ignore[assignment]
+
+        def deliver(op: Op, seq: int, inc: int, body: object) -> None:
+            role.handle(Message(Envelope(op, GROUP, 1, seq, incarnation=inc), body))  # type: ignore[arg-type]
+
+        deliver(Op.SYNC, 10, 111, Sync(1, 1))
+        # Leader 111's engine released "r"; this stage's engine has not yet.
+        deliver(Op.RELEASE, 11, 111, Release("r", 1))
+        # Leader 111 is replaced by 222 (it numbers lives from 0), whose engine is
+        # in the rid's next life and stores the same tokens again.
+        deliver(Op.HEARTBEAT, 0, 222, Heartbeat())
+        deliver(Op.SYNC, 0, 222, Sync(1, 2))
+        inp = prepare_store(np.arange(50, 50 + TPB), np.arange(TPB), TPB, NUM_SLOTS)
+        deliver(Op.PUT, 1, 222, Decision(Direction.STORE, "r", 0, 9, np.ones(TPB, bool),
+                                         np.array([[0, 0, 1]], np.int64), None, inp.digest,
+                                         life=0))
+        # This stage's call of the rid's earlier life never takes it.
+        assert role.store_kv("r", inp) == -1
+        role.release("r")
+        assert role.store_kv("r", inp) == 9
     finally:
         role.close()
         store_.close()

@@ -54,13 +54,16 @@ class Driven:
         self.seq += 1
         self.role.handle(Message(Envelope(op, GROUP, EPOCH, self.seq), body))  # type: ignore[arg-type]
 
-    def put_decision(self, rid: str, n: int, task_id: int, blocks: int, base: int = 0) -> None:
-        """The leader's put decision for tokens ``base .. base + blocks * TPB``."""
+    def put_decision(self, rid: str, n: int, task_id: int, blocks: int, base: int = 0,
+                     life: int = 0) -> None:
+        """The leader's put decision for tokens ``base .. base + blocks * TPB``, in
+        the leader's life ``life`` of ``rid``."""
         plan = TransferPlan(Direction.STORE,
                             tuple(BlockLocation(Tier.CPU, i) for i in range(blocks)))
         digest = token_digest(np.arange(base, base + blocks * TPB))
         self.send(Op.PUT, Decision.build(Direction.STORE, rid, n, task_id,
-                                         np.ones(blocks * TPB, bool), plan, digest=digest))
+                                         np.ones(blocks * TPB, bool), plan, digest=digest,
+                                         life=life))
 
 
 @pytest.fixture
@@ -146,7 +149,7 @@ def test_a_call_ahead_of_the_leaders_release_still_takes_its_decision(driven: Dr
     caller.start()
     wait_for(lambda: "r" in driven.role._book._rids
              and driven.role._book._rids["r"].waiters == 1, "the call waiting")
-    driven.send(Op.RELEASE, Release("r"))
-    driven.put_decision("r", 0, task_id=7, blocks=1)
+    driven.send(Op.RELEASE, Release("r", 1))
+    driven.put_decision("r", 0, task_id=7, blocks=1, life=1)
     caller.join(10)
     assert answers == [7]

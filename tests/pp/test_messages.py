@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from node_agent.backend.replication import BlockLocation, Direction, Tier, TierMove, TransferPlan
 from node_agent.pp.messages import (
+    WIRE_VERSION,
     Ack,
     Cancel,
     Decision,
@@ -69,6 +70,27 @@ def test_put_decision_round_trips_with_plan_runs() -> None:
     assert out.runs is not None and out.runs.tolist() == [[0, 5, 3], [0, 2, 1], [0, 9, 2]]
 
 
+def test_a_decision_carries_the_life_of_its_rid_and_its_cache_epoch() -> None:
+    mask = np.zeros(12, dtype=bool)
+    mask[4:8] = True
+    plan = TransferPlan(Direction.LOAD, (BlockLocation(Tier.CPU, 3),))
+    d = Decision.build(Direction.LOAD, "r", 5, 9, mask, plan, digest=77, life=3,
+                       cache_epoch=12)
+    out = _roundtrip(Op.GET, d)
+    assert isinstance(out, Decision)
+    assert (out.life, out.cache_epoch, out.digest) == (3, 12, 77)
+
+
+def test_a_message_of_the_previous_wire_version_is_refused_naming_both_versions() -> None:
+    frames = _frames(Op.PUT, _decision(Direction.STORE, [1, 2]))
+    old = frames[0][:5] + bytes([WIRE_VERSION - 1]) + frames[0][6:]
+    with pytest.raises(MalformedMessage,
+                       match=f"wire version {WIRE_VERSION - 1} is not supported: this agent "
+                             f"speaks version {WIRE_VERSION}"):
+        decode_sections([old, *frames[1:]])
+    assert WIRE_VERSION == 5
+
+
 def test_non_contiguous_mask_falls_back_to_packed_bits() -> None:
     mask = np.array([True, False, True, True, False, False, True, False, True])
     d = Decision(Direction.LOAD, "r", 0, -1, mask, None, "manager failed: boom")
@@ -80,10 +102,12 @@ def test_non_contiguous_mask_falls_back_to_packed_bits() -> None:
 
 def test_control_bodies_round_trip() -> None:
     moves = Moves((TierMove(BlockLocation(Tier.CPU, 3), BlockLocation(Tier.SSD, 8)),
-                   TierMove(BlockLocation(Tier.SSD, 1), None)))
+                   TierMove(BlockLocation(Tier.SSD, 1), None)), cache_epoch=4)
     cases: list[tuple[Op, object]] = [
         (Op.MOVES, moves),
-        (Op.RELEASE, Release("r")),
+        (Op.MOVES, Moves((TierMove(BlockLocation(Tier.REMOTE, 7), BlockLocation(Tier.CPU, 1)),),
+                         cache_epoch=-1)),
+        (Op.RELEASE, Release("r", 6)),
         (Op.CANCEL, Cancel("r", Kind.PUT, 1, 4)),
         (Op.RESULT, Result("r", Kind.GET, 0, 5, True)),
         (Op.RESET, Reset("flush")),
@@ -128,7 +152,7 @@ def test_malformed_frames_are_refused(mutate: object, reason: str) -> None:
         decode_sections(mutate(frames))  # type: ignore[operator]
 
 
-_BODY = struct.Struct("<qqqqqqqB")
+_BODY = struct.Struct("<qqqqqqqqqB")
 
 
 @pytest.mark.parametrize(
@@ -141,7 +165,9 @@ _BODY = struct.Struct("<qqqqqqqB")
         (4, 10**6, "not within"),  # span beyond the mask
         (5, 3, "header says 3"),  # plan block count
         (6, -1, "out of range"),  # token digest
-        (7, 2, "out of range"),  # flags
+        (7, -1, "out of range"),  # life of the rid
+        (8, -2, "out of range"),  # cache epoch
+        (9, 2, "out of range"),  # flags
     ],
 )
 def test_decision_fields_are_range_checked(index: int, value: int, reason: str) -> None:

@@ -41,15 +41,20 @@ DST = np.arange(200, 232, dtype=np.int64)
 
 
 class Group:
-    """Two connectors of one group (rank 0 leads), each with a remote tier."""
+    """Two connectors of one group (rank 0 leads), each with a remote tier.
+    ``epochs[r]`` is stage r's ``cacheEpoch`` (its agent's key epoch), which both
+    its remote keys and its connector follow, as in the agent."""
 
-    def __init__(self, name: str, nodes: list[Node]) -> None:
+    def __init__(self, name: str, nodes: list[Node], epochs: list[int] | None = None) -> None:
         self.views = [GroupViewSource(GroupView(name, 0, None, ())) for _ in nodes]
         self.conns: list[Connector] = []
         self.bufs = []
+        self.epochs = list(epochs or [0] * len(nodes))
         for rank, n in enumerate(nodes):
             def tier(n: Node = n, rank: int = rank) -> RemoteTier:
-                return RemoteTier(n.pool, KeySpace(LAYOUT, rank, len(nodes), "ns1", "tp", 0))
+                return RemoteTier(n.pool, KeySpace(LAYOUT, rank, len(nodes), "ns1", "tp",
+                                                   self.epochs[rank]),
+                                  epoch=lambda: self.epochs[rank])
 
             cfg = ConnectorConfig(
                 group=name, pp_rank=rank, layout=LAYOUT, fanout_endpoint="tcp://127.0.0.1:0",
@@ -60,7 +65,8 @@ class Group:
                 backend_factory=lambda tier=tier: EmbeddedBackend(backend_config(64, True),
                                                                  remote=tier()),
                 store_factory=lambda tier=tier: TierStore(backend_config(64, True), tier()),
-                keys=None).start()
+                keys=None, metrics=n.metrics,
+                cache_epoch=lambda rank=rank: self.epochs[rank]).start()
             bufs = make_buffers()
             conn.register_kv_buffers(0, bufs)
             self.conns.append(conn)
@@ -175,3 +181,59 @@ def test_a_stage_whose_own_blocks_are_missing_makes_the_group_miss(
 
     assert b.on_every_stage(retrieve) == [0, 0]
     assert np.all(read_slots(b.bufs[1], DST) == -7.0)  # the follower never loaded
+
+
+def test_a_follower_on_another_cache_epoch_never_fetches_that_epochs_objects(
+        master: Master) -> None:
+    """B's follower applied a ``cacheEpoch`` bump before B's leader. B's leader
+    finds A's epoch-0 objects and decides their fetch; the follower is on epoch 1,
+    where another writer stored other bytes under its stage's keys for the same
+    tokens. It fetches nothing (the REMOTE moves name epoch 0), refuses the load
+    decision, and the group answers a miss: no stage loads another epoch's bytes."""
+    nodes = [node(master) for _ in range(4)]
+    made: list[Group] = []
+    try:
+        a = Group("ep-a", nodes[:2])
+        made.append(a)
+        a1 = Group("ep-a1", nodes[:2], epochs=[1, 1])  # epoch 1, other bytes
+        made.append(a1)
+        b = Group("ep-b", nodes[2:], epochs=[0, 1])
+        made.append(b)
+
+        def store(g: Group, offset: int) -> Callable[[int, Connector], int]:
+            def run(r: int, c: Connector) -> int:
+                write_slots(g.bufs[r], SRC, kv_content(r + offset, TOKENS))
+                return c.store_kv("p", TOKENS, torch.as_tensor(SRC))
+            return run
+
+        for g, offset in ((a, 0), (a1, 5)):
+            assert all(t >= 0 for t in g.on_every_stage(store(g, offset)))
+            for c in g.conns:
+                wait_completed(c, "p", 20)
+        wait_for(lambda: all((n.metrics.registry.get_sample_value(
+            "flexkv_agent_remote_bytes_total", {"direction": "put"}) or 0)
+            == 16 * LAYOUT.bytes_per_block for n in nodes[:2]),
+            "both epochs' objects written by every stage", 60)
+
+        assert b.on_every_stage(lambda r, c: c.lookup("q", TOKENS)) == [len(TOKENS), 0]
+
+        def retrieve(r: int, c: Connector) -> int:
+            write_slots(b.bufs[r], DST, np.full((len(DST), LAYOUT.num_planes,
+                                                 LAYOUT.row_elems), -7.0, np.float32))
+            return c.retrieve("q", torch.as_tensor(DST if r == 0 else DST[:0]))
+
+        assert b.on_every_stage(retrieve) == [0, 0]
+        assert np.all(read_slots(b.bufs[1], DST) == -7.0)  # the follower never loaded
+        follower = nodes[3].metrics.registry
+        assert (follower.get_sample_value("flexkv_agent_remote_hit_blocks_total") or 0) == 0
+        assert (follower.get_sample_value("flexkv_agent_remote_bytes_total",
+                                          {"direction": "get"}) or 0) == 0
+        refused = {k: nodes[3].metrics.registry.get_sample_value(
+            "flexkv_agent_cache_epoch_refused_total", {"group": "ep-b", "kind": k})
+            for k in ("fetch", "get")}
+        assert refused == {"fetch": 8, "get": 1}
+    finally:
+        for g in made:
+            g.close()
+        for n in nodes:
+            n.close()
