@@ -413,7 +413,7 @@ class FollowerRole:
         self.store.reset()
         self.counters.resets += 1
         with self._state:
-            self._gets.clear()
+            self._gets_missed_locked()
             self._completed.add(self._stored.values())
             self._stored.clear()
         log.info("Stage flushed", extra={"group": self.cfg.group, "reason": reason})
@@ -462,7 +462,16 @@ class FollowerRole:
     def reset(self) -> None:
         """Local part of an engine reset (the leader flushes the group)."""
         with self._state:
-            self._gets.clear()
+            self._gets_missed_locked()
+
+    def _gets_missed_locked(self) -> None:
+        """A flush ends every open lookup: its retrieve answers 0 (a miss), as after
+        a lookup that missed, instead of raising for an unknown rid."""
+        for rid in self._gets:
+            self._missed[rid] = None
+        self._gets.clear()
+        while len(self._missed) > self.cfg.max_pending:
+            self._missed.popitem(last=False)
 
     def handle(self, msg: Message) -> None:
         """A message from the leader (server thread)."""

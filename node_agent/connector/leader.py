@@ -480,7 +480,12 @@ class LeaderRole:
             with self._state:
                 ended = [t.rid for t in self._puts.values()]
                 self._puts.clear()
+                # An open lookup's retrieve after the flush answers 0 (a miss): its
+                # task was cancelled by the reset.
+                open_gets = [(rid, g.n) for rid, g in self._gets.items() if not g.used]
                 self._gets.clear()
+                for rid, n in open_gets:
+                    self._gets[rid] = _Get(n, -1, 0, AckCollector(frozenset()))
                 self._completed.add(ended)
             self.stream.broadcast(Op.RESET, Reset(reason))
         log.info("Group cache flushed", extra={"group": self.cfg.group, "reason": reason,

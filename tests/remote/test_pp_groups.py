@@ -175,3 +175,33 @@ def test_a_stage_whose_own_blocks_are_missing_makes_the_group_miss(
 
     assert b.on_every_stage(retrieve) == [0, 0]
     assert np.all(read_slots(b.bufs[1], DST) == -7.0)  # the follower never loaded
+
+
+def test_a_retrieve_whose_lookup_straddles_a_group_flush_is_a_miss_on_every_stage(
+        groups: tuple[Group, Group, list[Node]]) -> None:
+    """Every stage looked up; the group's cache is flushed (a ``cacheEpoch`` bump
+    resets the leader, which flushes the followers) before the retrieves: each
+    stage answers 0 and loads nothing."""
+    a, _, _ = groups
+
+    def store(r: int, c: Connector) -> int:
+        write_slots(a.bufs[r], SRC, kv_content(r, TOKENS))
+        return c.store_kv("p", TOKENS, torch.as_tensor(SRC))
+
+    assert all(t >= 0 for t in a.on_every_stage(store))
+    for c in a.conns:
+        wait_completed(c, "p", 20)
+    assert a.on_every_stage(lambda r, c: c.lookup("q", TOKENS)) == [len(TOKENS)] * 2
+    resets = a.conns[1].status()["counters"]["resets"]
+    a.conns[0].reset()
+    wait_for(lambda: a.conns[1].status()["counters"]["resets"] > resets,
+             "the follower applied the flush", 20)
+
+    def retrieve(r: int, c: Connector) -> int:
+        write_slots(a.bufs[r], DST, np.full((len(DST), LAYOUT.num_planes, LAYOUT.row_elems),
+                                            -7.0, np.float32))
+        return c.retrieve("q", torch.as_tensor(DST))
+
+    assert a.on_every_stage(retrieve) == [0, 0]
+    for r in range(2):
+        assert np.all(read_slots(a.bufs[r], DST) == -7.0), r
