@@ -241,7 +241,7 @@ class EmbeddedBackend(ReplicatedBackend):
         start, end = mask_span(token_mask, len(tokens), self.tokens_per_block)
         tpb = self.tokens_per_block
         hashes = self._hasher.hashes(tokens, namespace, limit=end // tpb)
-        if self.remote is not None and hashes:
+        if self.remote is not None and hashes and self.fetch_in_match:
             self._continue_on_remote(hashes)
         with self._lock:
             index = self._require_started()
@@ -322,6 +322,19 @@ class EmbeddedBackend(ReplicatedBackend):
         return task.id, task.mask
 
     # -- remote tier -----------------------------------------------------------
+
+    def prefetch(self, token_ids: TokenArray, token_mask: BoolMask | None = None,
+                 namespace: str | None = None) -> None:
+        """See :meth:`ReplicatedBackend.prefetch`: the remote continuation of
+        :meth:`get_match` on its own (the backend lock is held only to reserve and
+        to publish, never during the fetch)."""
+        if self.remote is None:
+            return
+        tokens = as_token_ids(token_ids)
+        _, end = mask_span(token_mask, len(tokens), self.tokens_per_block)
+        hashes = self._hasher.hashes(tokens, namespace, limit=end // self.tokens_per_block)
+        if hashes:
+            self._continue_on_remote(hashes)
 
     def _continue_on_remote(self, hashes: list[int]) -> None:
         """Extend the locally cached prefix of ``hashes`` from the remote tier.

@@ -11,7 +11,9 @@ follower acked (or the deadline passed): publish when all succeeded, else
 discard; then it broadcasts the RESULT and reports the rid in
 ``poll_completed``.
 
-Gets: ``get_match`` -> moves -> GET decision. ``retrieve`` first collects the
+Gets: ``prefetch`` (outside the decision lock: blocks only the remote tier holds
+are fetched into the cache, so a long fetch never stalls other requests'
+decisions) -> ``get_match`` -> moves -> GET decision. ``retrieve`` first collects the
 followers' load acks while its own task is still un-launched (the matched
 blocks stay locked, so no later decision can reuse them under a follower's
 load), then loads locally and broadcasts the group verdict.
@@ -128,6 +130,9 @@ class LeaderRole:
         self._wake = threading.Event()
         # A copy that ends wakes the reaper at once (it also looks every few ms).
         backend.set_completion_listener(self._wake.set)
+        # Remote fetches run in lookup() before the decision lock is taken, so one
+        # request's long fetch never holds up the other requests' decisions.
+        backend.fetch_in_match = False
         self._stop = threading.Event()
         self._stats = stats
         self.newer_epoch: int | None = None
@@ -340,6 +345,8 @@ class LeaderRole:
         n = self._calls.next()
         self.counters.lookups += 1
         self._cancel_get(rid)
+        if self.newer_epoch is None:
+            self._prefetch(rid, inp)
         with self._decide:
             refusal = self._refusal()
             if refusal is not None:
@@ -380,6 +387,16 @@ class LeaderRole:
                     self.stream.broadcast(Op.CANCEL, Cancel(old_rid, Kind.GET, g.n, g.task_id))
         self.counters.hit_tokens += hit
         return hit
+
+    def _prefetch(self, rid: str, inp: LookupInput) -> None:
+        """Fetch the prompt's blocks that only the remote tier holds, outside the
+        decision lock (the backend reserves them, fetches, then publishes the run
+        that arrived and queues its moves for the next decision). A failure is a
+        shorter hit, never an error of the lookup."""
+        try:
+            self.backend.prefetch(inp.tokens, inp.mask)
+        except Exception:
+            log.exception("Leader prefetch failed", extra={"group": self.cfg.group, "rid": rid})
 
     def _remember_miss(self, rid: str, n: int) -> None:
         """A lookup that answered 0 without a task: its retrieve answers 0."""

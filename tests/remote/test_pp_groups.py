@@ -205,3 +205,61 @@ def test_a_retrieve_whose_lookup_straddles_a_group_flush_is_a_miss_on_every_stag
     assert a.on_every_stage(retrieve) == [0, 0]
     for r in range(2):
         assert np.all(read_slots(a.bufs[r], DST) == -7.0), r
+
+
+def test_a_remote_fetch_never_holds_up_another_requests_lookup(
+        groups: tuple[Group, Group, list[Node]]) -> None:
+    """B's leader fetches a prompt that only the pool holds; while that fetch is
+    held in the middle, a lookup of another prompt cached locally in B answers its
+    full hit on every stage (the fetch runs outside the leader's decision lock),
+    and the fetching lookup then gets its hit too."""
+    a, b, nodes = groups
+
+    def store(g: Group, rid: str, tokens: np.ndarray) -> None:
+        def one(r: int, c: Connector) -> int:
+            write_slots(g.bufs[r], SRC, kv_content(r, tokens))
+            return c.store_kv(rid, tokens, torch.as_tensor(SRC))
+
+        assert all(t >= 0 for t in g.on_every_stage(one))
+        for c in g.conns:
+            wait_completed(c, rid, 20)
+            c.release(rid)
+
+    store(a, "p", TOKENS)
+    wait_for(lambda: all((n.metrics.registry.get_sample_value(
+        "flexkv_agent_remote_bytes_total", {"direction": "put"}) or 0)
+        >= 8 * LAYOUT.bytes_per_block for n in nodes[:2]), "A's stages wrote 8 blocks", 60)
+    local = TOKENS + 1000
+    store(b, "l", local)
+
+    backend = b.conns[0]._role.backend  # type: ignore[union-attr]
+    tier = backend.remote
+    assert tier is not None
+    fetch, entered, gate = tier.fetch, threading.Event(), threading.Event()
+
+    def held_fetch(*args: Any, **kwargs: Any) -> int:
+        entered.set()
+        assert gate.wait(120)
+        return int(fetch(*args, **kwargs))
+
+    tier.fetch = held_fetch  # type: ignore[method-assign]
+    fetching: list[int] = []
+    fetcher = threading.Thread(target=lambda: fetching.append(b.conns[0].lookup("q", TOKENS)))
+    local_hits: list[list[int]] = []
+    looker = threading.Thread(target=lambda: local_hits.append(
+        b.on_every_stage(lambda r, c: c.lookup("m", local))))
+    try:
+        fetcher.start()
+        assert entered.wait(30), "the remote fetch did not start"
+        looker.start()
+        looker.join(30)
+        assert not looker.is_alive(), "a local-hit lookup waited for another request's fetch"
+        assert local_hits == [[len(local), len(local)]]
+    finally:
+        gate.set()
+        fetcher.join(60)
+        looker.join(60)
+    assert fetching == [len(TOKENS)]
+    for c in b.conns:
+        c.release("m")
+        c.release("q")
