@@ -50,7 +50,8 @@ import torch
 from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.embedded import EmbeddedBackend
 from node_agent.backend.layout import KVDtype, KVLayout
-from node_agent.backend.remote.keys import KeySpace, block_id
+from node_agent.backend.remote.keys import KeySpace, block_digest
+from node_agent.backend.remote.objects import HEADER_BYTES
 from node_agent.backend.remote.settings import RemoteSettings
 from node_agent.backend.remote.tier import RemotePool, RemoteTier
 from node_agent.backend.stage_store import TierStore
@@ -94,7 +95,8 @@ def _node(master: str, metadata: str, layout: KVLayout, blocks: int, remote: boo
         pool = RemotePool(RemoteSettings(
             master_address=master, metadata_server=metadata,
             local_hostname=f"127.0.0.1:{_free_port()}", segment_bytes=segment,
-            staging_bytes=2 * blocks * layout.bytes_per_block, queue_blocks=blocks + 16,
+            staging_bytes=2 * blocks * (layout.bytes_per_block + HEADER_BYTES),
+            queue_blocks=blocks + 16,
             timeout_seconds=30.0))
         pool.start(30.0)
         if not pool.health.up:
@@ -145,10 +147,11 @@ def bench_load(master: str, metadata: str, tokens_n: int, iters: int) -> dict[st
     if not a.remote.drain(300) or a.remote.written_blocks != blocks:
         raise SystemExit(f"A wrote {a.remote.written_blocks} of {blocks} blocks")
     # Baseline: Mooncake's contiguous batch_get_into of the same objects by B's client.
-    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    # Objects are a header and the block (docs/remote.md): the baseline reads them whole.
+    bpb = b.remote.object_bytes
+    dst = torch.zeros(blocks * bpb, dtype=torch.uint8)
     pool_b.register(dst)
-    keys = b.remote.keyspace.keys([block_id(h) for h in b._hasher.hashes(tokens)])
-    bpb = layout.bytes_per_block
+    keys = b.remote.keyspace.keys([block_digest(h) for h in b._hasher.hashes(tokens)])
     ptrs = [dst.data_ptr() + i * bpb for i in range(blocks)]
     client = pool_b.client()
     assert client is not None
@@ -257,7 +260,8 @@ def bench_lookup_during_fetch(master: str, metadata: str, tokens_n: int, iters: 
     pool = RemotePool(RemoteSettings(
         master_address=master, metadata_server=metadata,
         local_hostname=f"127.0.0.1:{_free_port()}", segment_bytes=64 << 20,
-        staging_bytes=2 * fetch_blocks * layout.bytes_per_block, queue_blocks=16,
+        staging_bytes=2 * fetch_blocks * (layout.bytes_per_block + HEADER_BYTES),
+        queue_blocks=16,
         timeout_seconds=30.0))
     pool.start(30.0)
     if not pool.health.up:

@@ -184,7 +184,7 @@ class ReplicatedBackend(KVBackend):
 
     def refetch_failed(self, task_id: int) -> None:
         """A load task some other stage could not execute (say, its fetch of the
-        task's blocks from a slow tier failed there): queue moves that fetch again,
-        on every stage, the task's blocks that came from such a tier and no other
-        task holds, so the next lookup of the prefix can hit. Call it before the
-        task is cancelled. The default does nothing."""
+        task's blocks from a slow tier failed there): the task's blocks that came
+        from such a tier are fetched again on the other stages (moves queued by
+        the next match that loads them), so the next lookup of the prefix can
+        hit. Call it before the task is cancelled. The default does nothing."""

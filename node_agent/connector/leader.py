@@ -455,13 +455,18 @@ class LeaderRole:
             log.warning("Not every follower loaded, the retrieve is a miss",
                         extra={"group": self.cfg.group, "rid": rid, "missing": g.acks.missing(),
                                "failed": [a.error for a in g.acks.failed()]})
-        self._end_get(rid, g, ok)
+        # Every follower answered and one could not load (say, its fetch of the
+        # blocks from the remote tier failed): the next lookup that loads those
+        # blocks fetches them again on the followers, so it can hit.
+        self._end_get(rid, g, ok, refetch=not ok and g.acks.done() and bool(g.acks.failed()))
         if not ok:
             self.counters.retrieve_misses += 1
         return g.hit if ok else 0
 
-    def _end_get(self, rid: str, g: _Get, ok: bool) -> None:
+    def _end_get(self, rid: str, g: _Get, ok: bool, refetch: bool = False) -> None:
         with self._decide:
+            if refetch:
+                self.backend.refetch_failed(g.task_id)
             if not ok:
                 self.backend.cancel([g.task_id])
             self.stream.broadcast(Op.RESULT, Result(rid, Kind.GET, g.n, g.task_id, ok))

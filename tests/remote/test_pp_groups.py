@@ -15,7 +15,7 @@ import torch
 
 from node_agent.backend.embedded import EmbeddedBackend
 from node_agent.backend.hashing import BlockHasher
-from node_agent.backend.remote.keys import KeySpace, block_id
+from node_agent.backend.remote.keys import KeySpace, block_digest
 from node_agent.backend.remote.tier import RemoteTier
 from node_agent.backend.stage_store import TierStore
 from node_agent.connector import Connector, ConnectorConfig
@@ -160,7 +160,7 @@ def test_a_stage_whose_own_blocks_are_missing_makes_the_group_miss(
     wait_for(lambda: all((n.metrics.registry.get_sample_value(
         "flexkv_agent_remote_bytes_total", {"direction": "put"}) or 0)
         == 8 * LAYOUT.bytes_per_block for n in nodes[:2]), "A's stages wrote 8 blocks", 60)
-    ids = [block_id(h) for h in BlockHasher(LAYOUT.tokens_per_block).hashes(TOKENS)]
+    ids = [block_digest(h) for h in BlockHasher(LAYOUT.tokens_per_block).hashes(TOKENS)]
     client = nodes[1].pool.client()
     assert client is not None
     for key in KeySpace(LAYOUT, 1, 2, "ns1", "tp", 0).keys(ids):
@@ -263,3 +263,55 @@ def test_a_remote_fetch_never_holds_up_another_requests_lookup(
     for c in b.conns:
         c.release("m")
         c.release("q")
+
+
+def test_blocks_a_follower_could_not_fetch_are_fetched_again_once_its_objects_return(
+        groups: tuple[Group, Group, list[Node]]) -> None:
+    """Stage 1's objects are missing while B's leader fetches the prompt: the group
+    misses. Once they are back in the pool, the next lookup of the prefix is a
+    full hit on every stage with each stage's own bytes: the blocks the follower
+    could not fetch were fetched again, not left indexed on the leader as a hit
+    that every later load misses."""
+    a, b, nodes = groups
+
+    def store(r: int, c: Connector) -> int:
+        write_slots(a.bufs[r], SRC, kv_content(r, TOKENS))
+        return c.store_kv("p", TOKENS, torch.as_tensor(SRC))
+
+    a.on_every_stage(store)
+    for c in a.conns:
+        wait_completed(c, "p", 20)
+    wait_for(lambda: all((n.metrics.registry.get_sample_value(
+        "flexkv_agent_remote_bytes_total", {"direction": "put"}) or 0)
+        == 8 * LAYOUT.bytes_per_block for n in nodes[:2]), "A's stages wrote 8 blocks", 60)
+    digests = [block_digest(h) for h in BlockHasher(LAYOUT.tokens_per_block).hashes(TOKENS)]
+    keys = KeySpace(LAYOUT, 1, 2, "ns1", "tp", 0).keys(digests)
+    client = nodes[1].pool.client()
+    assert client is not None
+    saved = [client._store.get(k) for k in keys]  # the real Mooncake calls, stage 1 only
+    assert all(isinstance(v, bytes) and v for v in saved)
+
+    def remove(key: str) -> bool:
+        return bool(client._store.remove(key) == 0)  # once the get's read lease ended
+
+    for key in keys:
+        wait_for(lambda key=key: remove(key), f"{key} removed", 60)
+
+    def retrieve(rid: str) -> Callable[[int, Connector], int]:
+        def one(r: int, c: Connector) -> int:
+            write_slots(b.bufs[r], DST, np.full(
+                (len(DST), LAYOUT.num_planes, LAYOUT.row_elems), -7.0, np.float32))
+            return c.retrieve(rid, torch.as_tensor(DST))
+        return one
+
+    assert b.on_every_stage(lambda r, c: c.lookup("q", TOKENS)) == [len(TOKENS)] * 2
+    assert b.on_every_stage(retrieve("q")) == [0, 0]
+    for c in b.conns:
+        c.release("q")
+
+    for key, value in zip(keys, saved, strict=True):
+        assert client._store.put(key, value) == 0
+    assert b.on_every_stage(lambda r, c: c.lookup("s", TOKENS)) == [len(TOKENS)] * 2
+    assert b.on_every_stage(retrieve("s")) == [len(TOKENS)] * 2
+    for r in range(2):
+        assert np.array_equal(read_slots(b.bufs[r], DST), kv_content(r, TOKENS)), r
