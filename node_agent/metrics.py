@@ -142,6 +142,12 @@ class AgentMetrics:
             "flexkv_agent_remote_errors", "Failed remote tier calls (lookup, get, put)",
             ["op"], registry=r,
         )
+        self.remote_rejected_blocks = Counter(
+            "flexkv_agent_remote_rejected_blocks",
+            "Fetched remote objects refused, never published (size, format, digest, "
+            "checksum, writer)",
+            ["reason"], registry=r,
+        )
 
     def set_role(self, group: str, role: str) -> None:
         """Mark ``role`` (leader or follower) as current for ``group``, the other as 0."""

@@ -46,7 +46,7 @@ from node_agent.backend.hashing import BlockHasher
 from node_agent.backend.index import NO_NODES, BlockIndex, NodeIds
 from node_agent.backend.inputs import as_token_ids, mask_span, span_mask
 from node_agent.backend.layout import RegisteredBuffers, register_buffers
-from node_agent.backend.remote.keys import BLOCK_ID_MASK
+from node_agent.backend.remote.keys import block_digest
 from node_agent.backend.remote.tier import RemoteTier
 from node_agent.backend.replication import (
     BlockLocation,
@@ -88,7 +88,11 @@ class EmbeddedBackend(ReplicatedBackend):
     ) -> None:
         self.config = config
         self.remote = remote
-        self._evicted: dict[int, int] = {}  # CPU block -> remote block id (evict policy)
+        self._evicted: dict[int, int] = {}  # CPU block -> remote block digest (evict policy)
+        # Node -> (its generation, the REMOTE -> CPU move) of blocks a fetch brought,
+        # for refetch_failed (deferred visibility only).
+        self._fetched: dict[int, tuple[int, TierMove]] = {}
+        self._refetch: dict[int, tuple[int, TierMove]] = {}  # marked by refetch_failed
         self.tokens_per_block = config.tokens_per_block
         self._metrics = metrics
         self._gauges_set: tuple[tuple[int, int], ...] | None = None
@@ -201,6 +205,8 @@ class EmbeddedBackend(ReplicatedBackend):
                 self._finish_locked(t, KVResponseStatus.CANCELLED, "cache reset")
         index = self._require_started()
         index.clear()
+        self._fetched.clear()
+        self._refetch.clear()
         self._unpublished.clear()
         self._members.clear()
         self._moves.clear()
@@ -241,7 +247,7 @@ class EmbeddedBackend(ReplicatedBackend):
         start, end = mask_span(token_mask, len(tokens), self.tokens_per_block)
         tpb = self.tokens_per_block
         hashes = self._hasher.hashes(tokens, namespace, limit=end // tpb)
-        if self.remote is not None and hashes:
+        if self.remote is not None and hashes and self.fetch_in_match:
             self._continue_on_remote(hashes)
         with self._lock:
             index = self._require_started()
@@ -255,6 +261,8 @@ class EmbeddedBackend(ReplicatedBackend):
                 return -1, span_mask(len(tokens), 0, 0)
             self._check_capacity_locked()
             span = nodes[first:last]
+            if self._refetch:
+                self._queue_refetches_locked(span)
             index.touch(nodes[:last])
             index.lock(span)
             locs = index.locations(span)
@@ -323,6 +331,19 @@ class EmbeddedBackend(ReplicatedBackend):
 
     # -- remote tier -----------------------------------------------------------
 
+    def prefetch(self, token_ids: TokenArray, token_mask: BoolMask | None = None,
+                 namespace: str | None = None) -> None:
+        """See :meth:`ReplicatedBackend.prefetch`: the remote continuation of
+        :meth:`get_match` on its own (the backend lock is held only to reserve and
+        to publish, never during the fetch)."""
+        if self.remote is None:
+            return
+        tokens = as_token_ids(token_ids)
+        _, end = mask_span(token_mask, len(tokens), self.tokens_per_block)
+        hashes = self._hasher.hashes(tokens, namespace, limit=end // self.tokens_per_block)
+        if hashes:
+            self._continue_on_remote(hashes)
+
     def _continue_on_remote(self, hashes: list[int]) -> None:
         """Extend the locally cached prefix of ``hashes`` from the remote tier.
 
@@ -341,7 +362,7 @@ class EmbeddedBackend(ReplicatedBackend):
             have = len(index.match(hashes, keys))
             if have >= len(hashes) or index.contains(hashes[have]):
                 return  # fully cached, or another put / fetch is filling the next block
-        ids = [h & BLOCK_ID_MASK for h in hashes[have:]]
+        ids = [block_digest(h) for h in hashes[have:]]
         found = remote.lookup(ids, deadline - time.monotonic())
         if not found:
             return
@@ -361,11 +382,18 @@ class EmbeddedBackend(ReplicatedBackend):
                 return
             locs = index.locations(created)
             resets = remote.resets  # a reset from now on frees the reserved blocks
+            # A prefix comes from one writer: a continuation of blocks an earlier
+            # fetch brought takes only that writer's objects.
+            last = index.location(int(prefix[have - 1])) if have else None
+            writer = remote.writer_of(last.index) if last and last.tier is Tier.CPU else None
         got = 0
         try:
             got = remote.fetch(ids[: len(created)], [loc.index for loc in locs],
-                               deadline - time.monotonic(), self.remote_fetch_hook, resets)
+                               deadline - time.monotonic(), self.remote_fetch_hook, resets,
+                               writer)
         finally:
+            fetched = [TierMove(BlockLocation(Tier.REMOTE, b), loc)
+                       for b, loc in zip(ids[:got], locs[:got], strict=False)]
             with self._lock:
                 index = self._require_started()
                 if index.epoch == epoch:
@@ -373,9 +401,9 @@ class EmbeddedBackend(ReplicatedBackend):
                     if got:
                         index.publish(created[:got])
                         if self.config.deferred_visibility:
-                            self._moves.extend(
-                                TierMove(BlockLocation(Tier.REMOTE, b), loc)
-                                for b, loc in zip(ids[:got], locs[:got], strict=False))
+                            self._moves.extend(fetched)
+                            for node, move in zip(created[:got].tolist(), fetched, strict=True):
+                                self._fetched[node] = (index.generation(node), move)
                     self._update_gauges()
         if got:
             self._remote_hits += got
@@ -383,9 +411,54 @@ class EmbeddedBackend(ReplicatedBackend):
     #: Tests: called between fetch chunks with the blocks fetched so far.
     remote_fetch_hook: Callable[[int], None] | None = None
 
-    def _on_cpu_evict(self, key: int, cpu_block: int) -> None:
+    def refetch_failed(self, task_id: int) -> None:
+        """See :meth:`ReplicatedBackend.refetch_failed`: each block of the load task
+        that a fetch brought (and that still holds those bytes on the CPU tier) is
+        marked for a new fetch. The next match that loads it, when no other task
+        holds it, queues its REMOTE -> CPU move again before its plan: each
+        follower fetches its own object into the same CPU block once more (one
+        whose fetch failed retries; one whose fetch worked rewrites the same
+        block). The leader's own copies passed their checks and stay."""
+        with self._lock:
+            t = self._tasks.get(task_id)
+            index = self._index
+            if t is None or index is None or t.is_put or t.epoch != index.epoch:
+                return
+            marked = 0
+            for node in t.nodes.tolist():
+                entry = self._fetched.get(node)
+                if entry is not None and self._still_fetched_locked(node, entry):
+                    self._refetch[node] = entry
+                    marked += 1
+            if marked:
+                log.info("Remote blocks marked for a new fetch on every stage",
+                         extra={"task_id": task_id, "blocks": marked})
+
+    def _still_fetched_locked(self, node: int, entry: tuple[int, TierMove]) -> bool:
+        """Whether ``node`` is still the block a fetch brought to ``entry``'s CPU block."""
+        assert self._index is not None
+        return (entry[0] == self._index.generation(node)
+                and self._index.location(node) == entry[1].dst)
+
+    def _queue_refetches_locked(self, span: NodeIds) -> None:
+        """Before ``span`` is locked for a load: queue the REMOTE -> CPU moves of its
+        blocks marked by :meth:`refetch_failed` that no other task holds."""
+        assert self._index is not None
+        nodes = span.tolist()
+        locks = self._index.lock_counts(span).tolist()
+        for node, held in zip(nodes, locks, strict=True):
+            entry = self._refetch.get(node)
+            if entry is None:
+                continue
+            if not self._still_fetched_locked(node, entry):
+                del self._refetch[node]
+            elif not held:
+                del self._refetch[node]
+                self._moves.append(entry[1])
+
+    def _on_cpu_evict(self, block_hash: int, cpu_block: int) -> None:
         """Index callback (under the lock): a visible block leaves the CPU tier."""
-        self._evicted[cpu_block] = key & BLOCK_ID_MASK
+        self._evicted[cpu_block] = block_digest(block_hash)
 
     def _remote_write_locked(self, nodes: NodeIds) -> None:
         """A put became visible: with ``writePolicy: store`` write its blocks to the
@@ -393,7 +466,7 @@ class EmbeddedBackend(ReplicatedBackend):
         remote, index = self.remote, self._index
         if remote is None or index is None or remote.write_policy != "store" or not len(nodes):
             return
-        ids = (index.node_keys(nodes) & np.uint64(BLOCK_ID_MASK)).tolist()
+        ids = [block_digest(h) for h in index.node_hashes(nodes)]
         cpu = [loc.index for loc in index.locations(nodes)]
         remote.offer(ids, cpu)
         if self.config.deferred_visibility:

@@ -101,7 +101,7 @@ class BlockIndex:
         self.low = low
         self._mover: Callable[[TierMove], None] = mover or (lambda move: None)
         self.spill_failures = 0
-        #: Called with ``(key, cpu block)`` when a visible block leaves the CPU tier
+        #: Called with ``(hash, cpu block)`` when a visible block leaves the CPU tier
         #: (spilled or dropped), before its CPU block can be reused (the remote
         #: tier's ``writePolicy: evict``).
         self.on_cpu_evict: Callable[[int, int], None] | None = None
@@ -237,6 +237,10 @@ class BlockIndex:
         self._tick[ids] = self._clock
         self._offer_all(ids)
 
+    def lock_counts(self, nodes: NodeIds | Iterable[NodeId]) -> NodeIds:
+        """The pins each of ``nodes`` holds."""
+        return self._locks.take(as_node_ids(nodes)).astype(np.int64)
+
     def lock(self, nodes: NodeIds | Iterable[NodeId]) -> None:
         """Pin ``nodes`` (a task uses them; distinct ids, as a chain's are)."""
         ids = as_node_ids(nodes)
@@ -313,6 +317,20 @@ class BlockIndex:
     def node_keys(self, nodes: NodeIds | Iterable[NodeId]) -> Keys:
         """The table keys (low 64 bits of the hash) of ``nodes``."""
         return self._key.take(as_node_ids(nodes))
+
+    def node_hashes(self, nodes: NodeIds | Iterable[NodeId]) -> list[int]:
+        """The full block hashes of ``nodes`` (their table keys for hashes of 64
+        bits or less)."""
+        ids = as_node_ids(nodes)
+        if self._wide:
+            hash_ = self._hash
+            return [hash_[i] for i in ids.tolist()]
+        return [int(k) for k in self._key.take(ids).tolist()]
+
+    def generation(self, node: NodeId) -> int:
+        """How many times id ``node`` was handed out: an id held across a change
+        names the same node only while its generation is unchanged."""
+        return int(self._gen_v[node])
 
     def publish(self, nodes: NodeIds | Iterable[NodeId]) -> None:
         """Make pending ``nodes`` visible and release their pending pin."""
@@ -455,6 +473,9 @@ class BlockIndex:
                     ids[j] = -1
         return ids
 
+    def _full_hash(self, i: NodeId) -> int:
+        return self._hash[i] if self._wide else int(self._key_v[i])
+
     def _lookup1(self, h: int) -> NodeId:
         key = h & ((1 << 64) - 1) or ZERO_STANDIN
         i = self._table.get(key)
@@ -491,7 +512,7 @@ class BlockIndex:
                                   extra={"src": src.index, "dst": dst, "error": str(e)})
                     else:
                         if self.on_cpu_evict is not None and self._visible_v[i]:
-                            self.on_cpu_evict(int(self._key_v[i]), src.index)
+                            self.on_cpu_evict(self._full_hash(i), src.index)
                         self._tier_v[i], self._block_v[i] = _SSD, dst
                         p = self._parent_v[i]
                         if p >= 0:
@@ -509,7 +530,7 @@ class BlockIndex:
         if i is None:
             return False
         if code == _CPU and self.on_cpu_evict is not None and self._visible_v[i]:
-            self.on_cpu_evict(int(self._key_v[i]), int(self._block_v[i]))
+            self.on_cpu_evict(self._full_hash(i), int(self._block_v[i]))
         moves.append(TierMove(self.location(i), None))
         self.evictions[tier] += 1
         self._remove(i)

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from node_agent.backend.base import KVBackend, SlotArray
+from node_agent.backend.base import BoolMask, KVBackend, SlotArray, TokenArray
 
 if TYPE_CHECKING:
     import torch
@@ -172,3 +172,24 @@ class ReplicatedBackend(KVBackend):
     def discard(self, task_id: int) -> None:
         """Drop a put whose blocks some stage failed to store: the blocks stay
         invisible and their space is freed. Idempotent."""
+
+    #: Whether :meth:`get_match` itself fetches blocks that only a slow tier (the
+    #: remote tier) holds. A caller that runs :meth:`prefetch` before every
+    #: ``get_match`` sets it False, so its matches never wait on such a fetch.
+    fetch_in_match: bool = True
+
+    def prefetch(self, token_ids: TokenArray, token_mask: BoolMask | None = None,
+                 namespace: str | None = None) -> None:
+        """Bring the blocks of a prompt that only a slow tier holds into the cache,
+        ahead of :meth:`get_match` (which then finds them). Thread-safe and callable
+        while other matches run: it decides nothing but the tier moves it queues for
+        :meth:`drain_moves`, which reach the followers before any plan that reads the
+        blocks. Never raises for a slow tier's failure (a shorter hit). The default
+        does nothing."""
+
+    def refetch_failed(self, task_id: int) -> None:
+        """A load task some other stage could not execute (say, its fetch of the
+        task's blocks from a slow tier failed there): the task's blocks that came
+        from such a tier are fetched again on the other stages (moves queued by
+        the next match that loads them), so the next lookup of the prefix can
+        hit. Call it before the task is cancelled. The default does nothing."""

@@ -11,7 +11,9 @@ follower acked (or the deadline passed): publish when all succeeded, else
 discard; then it broadcasts the RESULT and reports the rid in
 ``poll_completed``.
 
-Gets: ``get_match`` -> moves -> GET decision. ``retrieve`` first collects the
+Gets: ``prefetch`` (outside the decision lock: blocks only the remote tier holds
+are fetched into the cache, so a long fetch never stalls other requests'
+decisions) -> ``get_match`` -> moves -> GET decision. ``retrieve`` first collects the
 followers' load acks while its own task is still un-launched (the matched
 blocks stay locked, so no later decision can reuse them under a follower's
 load), then loads locally and broadcasts the group verdict.
@@ -137,6 +139,9 @@ class LeaderRole:
         self._wake = threading.Event()
         # A copy that ends wakes the reaper at once (it also looks every few ms).
         backend.set_completion_listener(self._wake.set)
+        # Remote fetches run in lookup() before the decision lock is taken, so one
+        # request's long fetch never holds up the other requests' decisions.
+        backend.fetch_in_match = False
         self._stop = threading.Event()
         self._stats = stats
         self.newer_epoch: int | None = None
@@ -386,6 +391,10 @@ class LeaderRole:
         n = self._calls.next()
         self.counters.lookups += 1
         self._cancel_get(rid)
+        if self.newer_epoch is None and self._cache_epoch() == self._content_epoch:
+            # Never between a key switch and the flush: the fetch would continue an
+            # old-epoch local prefix with the new epoch's objects.
+            self._prefetch(rid, inp)
         with self._decide:
             epoch = self._cache_epoch()
             refusal = self._refusal(Kind.GET, epoch)
@@ -433,6 +442,16 @@ class LeaderRole:
                     self.stream.broadcast(Op.CANCEL, Cancel(old_rid, Kind.GET, g.n, g.task_id))
         self.counters.hit_tokens += hit
         return hit
+
+    def _prefetch(self, rid: str, inp: LookupInput) -> None:
+        """Fetch the prompt's blocks that only the remote tier holds, outside the
+        decision lock (the backend reserves them, fetches, then publishes the run
+        that arrived and queues its moves for the next decision). A failure is a
+        shorter hit, never an error of the lookup."""
+        try:
+            self.backend.prefetch(inp.tokens, inp.mask)
+        except Exception:
+            log.exception("Leader prefetch failed", extra={"group": self.cfg.group, "rid": rid})
 
     def _remember_miss(self, rid: str, n: int) -> None:
         """A lookup that answered 0 without a task: its retrieve answers 0."""
@@ -492,13 +511,18 @@ class LeaderRole:
             log.warning("Not every follower loaded, the retrieve is a miss",
                         extra={"group": self.cfg.group, "rid": rid, "missing": g.acks.missing(),
                                "failed": [a.error for a in g.acks.failed()]})
-        self._end_get(rid, g, ok)
+        # Every follower answered and one could not load (say, its fetch of the
+        # blocks from the remote tier failed): the next lookup that loads those
+        # blocks fetches them again on the followers, so it can hit.
+        self._end_get(rid, g, ok, refetch=not ok and g.acks.done() and bool(g.acks.failed()))
         if not ok:
             self.counters.retrieve_misses += 1
         return g.hit if ok else 0
 
-    def _end_get(self, rid: str, g: _Get, ok: bool) -> None:
+    def _end_get(self, rid: str, g: _Get, ok: bool, refetch: bool = False) -> None:
         with self._decide:
+            if refetch:
+                self.backend.refetch_failed(g.task_id)
             if not ok:
                 self.backend.cancel([g.task_id])
             self.stream.broadcast(Op.RESULT, Result(rid, Kind.GET, g.n, g.task_id, ok))

@@ -47,8 +47,9 @@ from node_agent.backend.replication import (
 MAGIC = b"FKV1"
 WIRE_VERSION = 5
 """Version 5: decisions carry the leader's life of their rid and the cache epoch
-they were made under; MOVES carry their cache epoch; RELEASE carries the rid's
-next life. A message of any other version is refused (:class:`MalformedMessage`)."""
+they were made under; MOVES carry their cache epoch and REMOTE indices as whole
+128-bit block digests; RELEASE carries the rid's next life. A message of any
+other version is refused (:class:`MalformedMessage`)."""
 NO_CACHE_EPOCH = -1
 """The cache epoch of moves made while the leader's ``cacheEpoch`` switched: no
 stage applies their remote part."""
@@ -58,6 +59,7 @@ _HEADER = struct.Struct("<4sBBqqdq")
 _TIER_CODES = {Tier.CPU: 0, Tier.SSD: 1, Tier.REMOTE: 2}
 _TIER_BY_CODE = {v: k for k, v in _TIER_CODES.items()}
 _NO_TIER = 255
+_U64 = (1 << 64) - 1
 _MAX_GROUP_LEN = 253
 _MAX_TOKENS = 1 << 24
 
@@ -576,17 +578,20 @@ def encode_sections(env: Envelope, body: Body) -> list[bytes]:
                               env.incarnation)
         return [header, g, *_encode_decision(body)]
     elif op is Op.MOVES and isinstance(body, Moves):
+        # Per move: source tier, index low and high 64 bits, then the same for the
+        # destination; a REMOTE index is a 128-bit block digest (docs/remote.md).
         rows = [
             (
                 _TIER_CODES[m.src.tier],
-                m.src.index,
+                m.src.index & _U64, m.src.index >> 64,
                 _NO_TIER if m.dst is None else _TIER_CODES[m.dst.tier],
-                -1 if m.dst is None else m.dst.index,
+                0 if m.dst is None else m.dst.index & _U64,
+                0 if m.dst is None else m.dst.index >> 64,
             )
             for m in body.moves
         ]
         fields = {"count": len(rows), "cache_epoch": body.cache_epoch}
-        arrays.append(np.array(rows, dtype="<i8").reshape(-1, 4).tobytes())
+        arrays.append(np.array(rows, dtype="<u8").reshape(-1, 6).tobytes())
     elif op is Op.RELEASE and isinstance(body, Release):
         fields = {"rid": body.rid, "life": body.life}
     elif op is Op.CANCEL and isinstance(body, Cancel):
@@ -679,21 +684,31 @@ def _decode_runs(count: int, frame: bytes) -> npt.NDArray[np.int64]:
     return flat.astype(np.int64).reshape(-1, 3)
 
 
+def _valid_index(tier: int, index: int) -> bool:
+    """A tier code and block index of a move: a REMOTE index is a 128-bit digest,
+    every other a non-negative int64."""
+    if tier not in _TIER_BY_CODE:
+        return False
+    return index < (1 << (128 if _TIER_BY_CODE[tier] is Tier.REMOTE else 63))
+
+
 def _decode_body(op: Op, fields: dict[str, Any], arrays: list[bytes]) -> Body:
     if op is Op.MOVES:
         count = _nonneg(fields, "count")
         _expect_frames(arrays, 1, op)
-        if len(arrays[0]) != count * 32:
-            raise MalformedMessage(f"Moves frame must hold {count * 32} bytes")
-        rows = np.frombuffer(arrays[0], dtype="<i8").reshape(-1, 4).tolist()
+        if len(arrays[0]) != count * 48:
+            raise MalformedMessage(f"Moves frame must hold {count * 48} bytes")
+        rows = np.frombuffer(arrays[0], dtype="<u8").reshape(-1, 6).tolist()
         moves = []
-        for s_tier, s_idx, d_tier, d_idx in rows:
-            if s_tier not in _TIER_BY_CODE or s_idx < 0:
+        for s_tier, s_lo, s_hi, d_tier, d_lo, d_hi in rows:
+            s_idx = s_lo | s_hi << 64
+            if not _valid_index(s_tier, s_idx):
                 raise MalformedMessage(f"Move source ({s_tier}, {s_idx}) is invalid")
             src = BlockLocation(_TIER_BY_CODE[s_tier], s_idx)
+            d_idx = d_lo | d_hi << 64
             if d_tier == _NO_TIER:
                 moves.append(TierMove(src, None))
-            elif d_tier in _TIER_BY_CODE and d_idx >= 0:
+            elif _valid_index(d_tier, d_idx):
                 moves.append(TierMove(src, BlockLocation(_TIER_BY_CODE[d_tier], d_idx)))
             else:
                 raise MalformedMessage(f"Move destination ({d_tier}, {d_idx}) is invalid")

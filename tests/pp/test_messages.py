@@ -120,6 +120,13 @@ def test_control_bodies_round_trip() -> None:
         assert _roundtrip(op, body) == body
 
 
+def test_remote_moves_carry_the_whole_128_bit_block_digest() -> None:
+    digest = (1 << 128) - 3  # more than 64 bits: it must not be cut to an int64
+    moves = Moves((TierMove(BlockLocation(Tier.REMOTE, digest), BlockLocation(Tier.CPU, 7)),
+                   TierMove(BlockLocation(Tier.CPU, 2), BlockLocation(Tier.REMOTE, 1 << 100))))
+    assert _roundtrip(Op.MOVES, moves) == moves
+
+
 def test_encode_refuses_body_of_another_op() -> None:
     with pytest.raises(ValueError, match="does not match op"):
         encode(Envelope(Op.RESET, "g", 0, 1), Release("r"))

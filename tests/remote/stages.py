@@ -13,6 +13,7 @@ from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.embedded import EmbeddedBackend
 from node_agent.backend.layout import KVDtype, KVLayout
 from node_agent.backend.remote.keys import KeySpace
+from node_agent.backend.remote.objects import HEADER_BYTES
 from node_agent.backend.remote.settings import RemoteSettings
 from node_agent.backend.remote.tier import RemotePool, RemoteTier
 from node_agent.backend.stage_store import TierStore
@@ -45,7 +46,7 @@ def node(master: Master, staging_blocks: int = 64, timeout: float = 5.0,
     settings = RemoteSettings(
         master_address=master.address, metadata_server=master.metadata,
         local_hostname=f"127.0.0.1:{free_port()}", segment_bytes=32 << 20,
-        staging_bytes=2 * staging_blocks * layout.bytes_per_block,
+        staging_bytes=2 * staging_blocks * (layout.bytes_per_block + HEADER_BYTES),
         write_policy=write_policy, queue_blocks=256, timeout_seconds=timeout)
     pool = RemotePool(settings, metrics, retry_seconds=0.2)
     pool.start()

@@ -15,7 +15,7 @@ import torch
 
 from node_agent.backend.embedded import EmbeddedBackend
 from node_agent.backend.hashing import BlockHasher
-from node_agent.backend.remote.keys import KeySpace, block_id
+from node_agent.backend.remote.keys import KeySpace, block_digest
 from node_agent.backend.remote.tier import RemoteTier
 from node_agent.backend.stage_store import TierStore
 from node_agent.connector import Connector, ConnectorConfig
@@ -166,7 +166,7 @@ def test_a_stage_whose_own_blocks_are_missing_makes_the_group_miss(
     wait_for(lambda: all((n.metrics.registry.get_sample_value(
         "flexkv_agent_remote_bytes_total", {"direction": "put"}) or 0)
         == 8 * LAYOUT.bytes_per_block for n in nodes[:2]), "A's stages wrote 8 blocks", 60)
-    ids = [block_id(h) for h in BlockHasher(LAYOUT.tokens_per_block).hashes(TOKENS)]
+    ids = [block_digest(h) for h in BlockHasher(LAYOUT.tokens_per_block).hashes(TOKENS)]
     client = nodes[1].pool.client()
     assert client is not None
     for key in KeySpace(LAYOUT, 1, 2, "ns1", "tp", 0).keys(ids):
@@ -237,3 +237,143 @@ def test_a_follower_on_another_cache_epoch_never_fetches_that_epochs_objects(
             g.close()
         for n in nodes:
             n.close()
+
+
+def test_a_retrieve_whose_lookup_straddles_a_group_flush_is_a_miss_on_every_stage(
+        groups: tuple[Group, Group, list[Node]]) -> None:
+    """Every stage looked up; the group's cache is flushed (a ``cacheEpoch`` bump
+    resets the leader, which flushes the followers) before the retrieves: each
+    stage answers 0 and loads nothing."""
+    a, _, _ = groups
+
+    def store(r: int, c: Connector) -> int:
+        write_slots(a.bufs[r], SRC, kv_content(r, TOKENS))
+        return c.store_kv("p", TOKENS, torch.as_tensor(SRC))
+
+    assert all(t >= 0 for t in a.on_every_stage(store))
+    for c in a.conns:
+        wait_completed(c, "p", 20)
+    assert a.on_every_stage(lambda r, c: c.lookup("q", TOKENS)) == [len(TOKENS)] * 2
+    resets = a.conns[1].status()["counters"]["resets"]
+    a.conns[0].reset()
+    wait_for(lambda: a.conns[1].status()["counters"]["resets"] > resets,
+             "the follower applied the flush", 20)
+
+    def retrieve(r: int, c: Connector) -> int:
+        write_slots(a.bufs[r], DST, np.full((len(DST), LAYOUT.num_planes, LAYOUT.row_elems),
+                                            -7.0, np.float32))
+        return c.retrieve("q", torch.as_tensor(DST))
+
+    assert a.on_every_stage(retrieve) == [0, 0]
+    for r in range(2):
+        assert np.all(read_slots(a.bufs[r], DST) == -7.0), r
+
+
+def test_a_remote_fetch_never_holds_up_another_requests_lookup(
+        groups: tuple[Group, Group, list[Node]]) -> None:
+    """B's leader fetches a prompt that only the pool holds; while that fetch is
+    held in the middle, a lookup of another prompt cached locally in B answers its
+    full hit on every stage (the fetch runs outside the leader's decision lock),
+    and the fetching lookup then gets its hit too."""
+    a, b, nodes = groups
+
+    def store(g: Group, rid: str, tokens: np.ndarray) -> None:
+        def one(r: int, c: Connector) -> int:
+            write_slots(g.bufs[r], SRC, kv_content(r, tokens))
+            return c.store_kv(rid, tokens, torch.as_tensor(SRC))
+
+        assert all(t >= 0 for t in g.on_every_stage(one))
+        for c in g.conns:
+            wait_completed(c, rid, 20)
+            c.release(rid)
+
+    store(a, "p", TOKENS)
+    wait_for(lambda: all((n.metrics.registry.get_sample_value(
+        "flexkv_agent_remote_bytes_total", {"direction": "put"}) or 0)
+        >= 8 * LAYOUT.bytes_per_block for n in nodes[:2]), "A's stages wrote 8 blocks", 60)
+    local = TOKENS + 1000
+    store(b, "l", local)
+
+    backend = b.conns[0]._role.backend  # type: ignore[union-attr]
+    tier = backend.remote
+    assert tier is not None
+    fetch, entered, gate = tier.fetch, threading.Event(), threading.Event()
+
+    def held_fetch(*args: Any, **kwargs: Any) -> int:
+        entered.set()
+        assert gate.wait(120)
+        return int(fetch(*args, **kwargs))
+
+    tier.fetch = held_fetch  # type: ignore[method-assign]
+    fetching: list[int] = []
+    fetcher = threading.Thread(target=lambda: fetching.append(b.conns[0].lookup("q", TOKENS)))
+    local_hits: list[list[int]] = []
+    looker = threading.Thread(target=lambda: local_hits.append(
+        b.on_every_stage(lambda r, c: c.lookup("m", local))))
+    try:
+        fetcher.start()
+        assert entered.wait(30), "the remote fetch did not start"
+        looker.start()
+        looker.join(30)
+        assert not looker.is_alive(), "a local-hit lookup waited for another request's fetch"
+        assert local_hits == [[len(local), len(local)]]
+    finally:
+        gate.set()
+        fetcher.join(60)
+        looker.join(60)
+    assert fetching == [len(TOKENS)]
+    for c in b.conns:
+        c.release("m")
+        c.release("q")
+
+
+def test_blocks_a_follower_could_not_fetch_are_fetched_again_once_its_objects_return(
+        groups: tuple[Group, Group, list[Node]]) -> None:
+    """Stage 1's objects are missing while B's leader fetches the prompt: the group
+    misses. Once they are back in the pool, the next lookup of the prefix is a
+    full hit on every stage with each stage's own bytes: the blocks the follower
+    could not fetch were fetched again, not left indexed on the leader as a hit
+    that every later load misses."""
+    a, b, nodes = groups
+
+    def store(r: int, c: Connector) -> int:
+        write_slots(a.bufs[r], SRC, kv_content(r, TOKENS))
+        return c.store_kv("p", TOKENS, torch.as_tensor(SRC))
+
+    a.on_every_stage(store)
+    for c in a.conns:
+        wait_completed(c, "p", 20)
+    wait_for(lambda: all((n.metrics.registry.get_sample_value(
+        "flexkv_agent_remote_bytes_total", {"direction": "put"}) or 0)
+        == 8 * LAYOUT.bytes_per_block for n in nodes[:2]), "A's stages wrote 8 blocks", 60)
+    digests = [block_digest(h) for h in BlockHasher(LAYOUT.tokens_per_block).hashes(TOKENS)]
+    keys = KeySpace(LAYOUT, 1, 2, "ns1", "tp", 0).keys(digests)
+    client = nodes[1].pool.client()
+    assert client is not None
+    saved = [client._store.get(k) for k in keys]  # the real Mooncake calls, stage 1 only
+    assert all(isinstance(v, bytes) and v for v in saved)
+
+    def remove(key: str) -> bool:
+        return bool(client._store.remove(key) == 0)  # once the get's read lease ended
+
+    for key in keys:
+        wait_for(lambda key=key: remove(key), f"{key} removed", 60)
+
+    def retrieve(rid: str) -> Callable[[int, Connector], int]:
+        def one(r: int, c: Connector) -> int:
+            write_slots(b.bufs[r], DST, np.full(
+                (len(DST), LAYOUT.num_planes, LAYOUT.row_elems), -7.0, np.float32))
+            return c.retrieve(rid, torch.as_tensor(DST))
+        return one
+
+    assert b.on_every_stage(lambda r, c: c.lookup("q", TOKENS)) == [len(TOKENS)] * 2
+    assert b.on_every_stage(retrieve("q")) == [0, 0]
+    for c in b.conns:
+        c.release("q")
+
+    for key, value in zip(keys, saved, strict=True):
+        assert client._store.put(key, value) == 0
+    assert b.on_every_stage(lambda r, c: c.lookup("s", TOKENS)) == [len(TOKENS)] * 2
+    assert b.on_every_stage(retrieve("s")) == [len(TOKENS)] * 2
+    for r in range(2):
+        assert np.array_equal(read_slots(b.bufs[r], DST), kv_content(r, TOKENS)), r

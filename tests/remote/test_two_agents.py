@@ -158,3 +158,38 @@ def test_agent_b_serves_agent_a_prefix_from_the_remote_tier(work: Path, master: 
         stop_process(agent_b)
         bufs_a.close()
         bufs_b.close()
+
+
+def test_a_retrieve_whose_lookup_straddles_a_cache_epoch_flush_answers_a_miss(
+        work: Path, master: Master) -> None:
+    """A lookup hits, the agent applies a ``cacheEpoch`` bump (every stage reset),
+    then the engine retrieves: the retrieve answers 0 (a miss) and loads nothing,
+    instead of failing for an unknown request id."""
+    path, url = agent_config(work, "node-a", master)
+    data = yaml.safe_load(path.read_text())
+    agent = start_agent_process(path, work / "a.log")
+    bufs = SharedKVBuffers.for_layout(LAYOUT, NUM_SLOTS)
+    try:
+        wait_healthy(url, agent)
+        client = EngineClient(str(data["engineSocket"]), RANK, timeout=10)
+        client.register_kv_buffers(LAYOUT, bufs.handles)
+        write_prompt(bufs, TOKENS, SRC)
+        assert client.store_kv("p", TOKENS, SRC) >= 0
+        wait_until(lambda: "p" in client.poll_completed(), 30, "store completed")
+        client.release("p")
+        assert client.lookup("q", TOKENS) == len(TOKENS)
+
+        path.write_text(yaml.safe_dump({**data, "cacheEpoch": 1}))
+        wait_until(lambda: httpx.get(url + "/status", timeout=5).json()["cacheEpoch"] == 1,
+                   60, "the epoch flush applied")
+        assert client.retrieve("q", DST) == 0
+        assert not holds_prompt(bufs, TOKENS, DST)
+        client.release("q")
+        # The rid starts clean afterwards: the flushed prefix is a miss, answered once.
+        assert client.lookup("q", TOKENS) == 0
+        assert client.retrieve("q", DST) == 0
+        client.release("q")
+        client.close()
+    finally:
+        stop_process(agent)
+        bufs.close()

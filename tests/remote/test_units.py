@@ -12,7 +12,7 @@ import yaml
 
 from node_agent.backend.layout import KVDtype, KVLayout, LayoutName
 from node_agent.backend.remote.calls import BoundedCaller, RemoteBusy, RemoteTimeout
-from node_agent.backend.remote.keys import BLOCK_ID_MASK, KeySpace, block_id
+from node_agent.backend.remote.keys import DIGEST_MASK, KeySpace, block_digest
 from node_agent.backend.remote.writer import WriteBehind
 from node_agent.config import ConfigError, config_from_mapping, load_config
 from node_agent.metrics import AgentMetrics
@@ -46,11 +46,15 @@ def test_every_incompatibility_changes_the_key_and_nothing_else_does() -> None:
     assert base.keys([7]) != base.keys([8])
 
 
-def test_block_ids_are_the_low_63_bits_of_the_hash() -> None:
-    h = (1 << 64) - 1
-    assert block_id(h) == BLOCK_ID_MASK
-    assert block_id(5) == 5
-    assert KeySpace(LAYOUT).keys([block_id(h)])[0].endswith("7fffffffffffffff")
+def test_keys_carry_the_low_128_bits_of_the_block_hash() -> None:
+    wide = (1 << 256) - 1
+    assert block_digest(wide) == DIGEST_MASK
+    assert block_digest(5) == 5
+    assert KeySpace(LAYOUT).keys([block_digest(wide)])[0].endswith("f" * 32)
+    # Hashes equal in their low 63 (or 64) bits are different keys.
+    a, b = 1 << 70 | 5, 1 << 64 | 5
+    ka, kb = KeySpace(LAYOUT).keys([block_digest(a), block_digest(b)])
+    assert ka != kb and ka.endswith(f"{a:032x}")
 
 
 def test_key_space_refuses_a_rank_outside_the_group() -> None:

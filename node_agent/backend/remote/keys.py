@@ -1,11 +1,11 @@
 """Object keys of the remote tier.
 
-A key is ``fkv1/<fingerprint>/<block id>``:
+A key is ``fkv2/<fingerprint>/<block digest>``:
 
-* the *block id* is the block's prefix-chained hash (``hashing.py``; the request
-  namespace is already folded into the chain) reduced to its low 63 bits, the
-  width the PP fan-out stream carries (a :class:`~..replication.BlockLocation`
-  index is a non-negative int64);
+* the *block digest* is the block's prefix-chained hash (``hashing.py``; the
+  request namespace is already folded into the chain) reduced to its low 128 bits
+  (all of it for ``xxh3_64`` and ``xxh3_128``), 32 hex digits; REMOTE moves carry
+  it whole on the PP fan-out stream, so every stage keys its blocks alike;
 * the *fingerprint* is a digest of everything that makes two blocks with the same
   tokens hold incompatible bytes: the stage's model shape and dtype, tokens per
   block, the buffer layout, TP size, the PP rank and size, the hash algorithm, the
@@ -23,19 +23,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-import numpy as np
-
 from node_agent.backend.layout import KVLayout
 
-#: Block ids on the wire and in keys are the low 63 bits of the block hash.
-BLOCK_ID_MASK = (1 << 63) - 1
-#: Bumped whenever the object format (block bytes in region order) changes.
-FORMAT_VERSION = 1
+#: Width of a block digest: keys and object headers carry the low 128 bits of the
+#: block hash.
+DIGEST_BITS = 128
+DIGEST_MASK = (1 << DIGEST_BITS) - 1
+#: Bumped whenever the object format (a header, then the block bytes in region
+#: order: :mod:`.objects`) changes.
+FORMAT_VERSION = 2
 
 
-def block_id(block_hash: int) -> int:
-    """The remote block id of a block hash (its low 63 bits)."""
-    return block_hash & BLOCK_ID_MASK
+def block_digest(block_hash: int) -> int:
+    """The remote digest of a block hash (its low 128 bits)."""
+    return block_hash & DIGEST_MASK
 
 
 @dataclass(frozen=True)
@@ -73,17 +74,16 @@ class KeySpace:
         return hashlib.blake2b(text, digest_size=16).hexdigest()
 
     def prefix(self) -> str:
-        """The key prefix shared by every block of this stage (``fkv1/<fingerprint>/``)."""
+        """The key prefix shared by every block of this stage (``fkv2/<fingerprint>/``)."""
         return self._prefix
 
     @cached_property
     def _prefix(self) -> str:
         return f"fkv{FORMAT_VERSION}/{self.fingerprint}/"
 
-    def keys(self, block_ids: Sequence[int]) -> list[str]:
-        """The object keys of ``block_ids`` (already reduced with :func:`block_id`):
-        the prefix and 16 lower-case hex digits. The digits of all ids come from one
-        ``bytes.hex`` call (a 32K-token prompt's 2048 keys in about 0.2 ms)."""
+    def keys(self, digests: Sequence[int]) -> list[str]:
+        """The object keys of ``digests`` (already reduced with :func:`block_digest`):
+        the prefix and 32 lower-case hex digits (a 32K-token prompt's 2048 keys in
+        well under a millisecond)."""
         p = self._prefix
-        digits = np.asarray(block_ids, dtype=">u8").tobytes().hex()
-        return [p + digits[i:i + 16] for i in range(0, len(digits), 16)]
+        return [f"{p}{d:032x}" for d in digests]

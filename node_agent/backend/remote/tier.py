@@ -7,10 +7,11 @@ client (one ``storePort``), its health, and one bounded call lane per operation
 its CPU tier and a registered staging buffer (``localBufferSize``), split in a
 fetch half and a write half.
 
-Objects are whole blocks in *region order* (the SSD on-disk order:
+Objects are a header (:mod:`.objects`: format, block digest, writer, checksum)
+and the whole block in *region order* (the SSD on-disk order:
 ``segments(0)[b] + segments(1)[b] + ...``), so a fetch is one ``batch_get_into``
-per staging-full of blocks into the staging buffer, then one ``index_copy_`` per
-region into the CPU blocks; Mooncake's scatter into many buffers
+per staging-full of objects into the staging buffer, a check of every header,
+then one ``index_copy_`` per region into the CPU blocks; Mooncake's scatter into many buffers
 (``batch_get_into_multi_buffers``) is not used: it fails for 4 or more objects per
 batch on this Mooncake version.
 
@@ -18,8 +19,12 @@ Guarantees:
 
 * every call ends within its timeout (:class:`~.calls.BoundedCaller`); a master
   that does not answer is a miss, never a hang;
-* a fetch uses only the contiguous prefix of blocks that arrived whole: the first
-  block that failed (or timed out) ends it, and nothing after it is copied;
+* a fetch uses only the contiguous prefix of blocks that arrived whole and are
+  this block's bytes (the header names the digest the key came from, the checksum
+  matches the bytes) from one writer: the first block that failed, timed out or
+  was refused ends it (refusals are counted in
+  ``flexkv_agent_remote_rejected_blocks_total{reason}``), and nothing after it is
+  copied;
 * a fetch reads every block under the key epoch of its start, and writes no CPU
   block once :meth:`RemoteTier.invalidate` (a stage reset) returned: blocks the
   reset freed may hold new content at once;
@@ -54,6 +59,12 @@ from node_agent.backend.remote.mooncake_client import (
     MooncakeStore,
     connect,
     master_unreachable,
+)
+from node_agent.backend.remote.objects import (
+    HEADER_BYTES,
+    new_writer_id,
+    verify,
+    write_headers,
 )
 from node_agent.backend.remote.settings import RemoteSettings
 from node_agent.backend.remote.writer import Pending, WriteBehind
@@ -257,6 +268,13 @@ class RemoteTier:
         self._epoch = epoch
         self.settings = pool.settings
         self.bytes_per_block = keyspace.layout.bytes_per_block
+        #: Bytes of one object: the header, then the block.
+        self.object_bytes = HEADER_BYTES + self.bytes_per_block
+        #: This stage tier's writer id, in the header of every object it writes.
+        self.writer_id = new_writer_id()
+        # Writer of each CPU block's bytes: the writer of the objects a fetch put
+        # there, this tier's own id for bytes written here (a store, a move).
+        self._writers: np.ndarray = np.zeros(0, dtype=np.uint64)
         self._cpu: CpuTier | None = None
         self._gens: np.ndarray = np.zeros(0, dtype=np.int64)
         self._epochs: np.ndarray = np.zeros(0, dtype=np.int64)  # key epoch of each block
@@ -270,6 +288,7 @@ class RemoteTier:
         self.half_blocks = 0
         self.fetched_blocks = 0
         self.written_blocks = 0
+        self.rejected_blocks = 0
 
     @property
     def keyspace(self) -> KeySpace:
@@ -289,21 +308,23 @@ class RemoteTier:
 
     def attach(self, cpu: CpuTier) -> None:
         """Bind to the stage's CPU tier: allocate and register the staging buffer and
-        start the writer. Raises ``ValueError`` when staging cannot hold 2 blocks."""
-        bpb = self.bytes_per_block
-        half = self.settings.staging_bytes // 2 // bpb
+        start the writer. Raises ``ValueError`` when staging cannot hold 2 objects."""
+        obs = self.object_bytes
+        half = self.settings.staging_bytes // 2 // obs
         if half < 1:
             raise ValueError(
                 f"tiers.remote.mooncake.localBufferSize {self.settings.staging_bytes} bytes holds "
-                f"less than two {bpb}-byte blocks (one to fetch, one to write); raise it to at "
-                f"least {2 * bpb}"
+                f"less than two {obs}-byte objects (a {HEADER_BYTES}-byte header and a "
+                f"{self.bytes_per_block}-byte block; one to fetch, one to write); raise it to "
+                f"at least {2 * obs}"
             )
         self.half_blocks = half
-        staging = torch.zeros(2 * half * bpb, dtype=torch.uint8)  # faulted in now
+        staging = torch.zeros(2 * half * obs, dtype=torch.uint8)  # faulted in now
         self._staging = staging
-        self._fetch_area = staging[: half * bpb]
-        self._write_area = staging[half * bpb:]
+        self._fetch_area = staging[: half * obs]
+        self._write_area = staging[half * obs:]
         self._cpu = cpu
+        self._writers = np.zeros(cpu.num_blocks, dtype=np.uint64)
         self._gens = np.zeros(cpu.num_blocks, dtype=np.int64)
         self._epochs = np.full(cpu.num_blocks, self.keyspace.cache_epoch, dtype=np.int64)
         self.pool.register(staging)
@@ -319,6 +340,15 @@ class RemoteTier:
             idx = np.asarray(cpu_blocks, dtype=np.int64)
             self._epochs[idx] = self.keyspace.cache_epoch
             self._gens[idx] += 1
+            self._writers[idx] = self.writer_id
+
+    def writer_of(self, cpu_block: int) -> int | None:
+        """The writer of the objects a fetch put in ``cpu_block``; None when its bytes
+        were written here (a store or a move) or it was never written."""
+        if not len(self._writers):
+            return None
+        w = int(self._writers[cpu_block])
+        return None if w in (0, self.writer_id) else w
 
     def invalidate(self) -> None:
         """The stage was reset: every CPU block may be reused right away. Voids the
@@ -330,12 +360,12 @@ class RemoteTier:
 
     # -- read path -----------------------------------------------------------------
 
-    def lookup(self, block_ids: Sequence[int], timeout: float) -> int:
-        """How many of ``block_ids``, from the first, exist in the pool (one
+    def lookup(self, digests: Sequence[int], timeout: float) -> int:
+        """How many of the blocks ``digests``, from the first, exist in the pool (one
         ``batch_is_exist``); 0 when the tier is down or the call fails."""
-        if not block_ids:
+        if not digests:
             return 0
-        keys = self.keyspace.keys(block_ids)
+        keys = self.keyspace.keys(digests)
         codes = self.pool.call("lookup", lambda c: c.batch_is_exist(keys), timeout)
         if codes is None:
             return 0
@@ -357,23 +387,26 @@ class RemoteTier:
         """How many times :meth:`invalidate` ran (pass it to :meth:`fetch`)."""
         return self._resets
 
-    def fetch(self, block_ids: Sequence[int], cpu_blocks: Sequence[int], timeout: float,
+    def fetch(self, digests: Sequence[int], cpu_blocks: Sequence[int], timeout: float,
               between_chunks: Callable[[int], None] | None = None,
-              resets: int | None = None) -> int:
-        """Copy the remote blocks ``block_ids`` into CPU blocks ``cpu_blocks`` (same
-        order); returns how many, from the first, arrived whole and were copied.
+              resets: int | None = None, writer: int | None = None) -> int:
+        """Copy the remote blocks ``digests`` into CPU blocks ``cpu_blocks`` (same
+        order); returns how many, from the first, arrived whole, passed
+        :func:`.objects.verify` and were copied.
 
-        Stops at the first block that failed or when ``timeout`` runs out; CPU
-        blocks from the returned count on hold undefined bytes. ``between_chunks``
-        (tests) is called with the blocks copied so far before every chunk after
-        the first. ``resets`` is :attr:`resets` read when ``cpu_blocks`` were
-        reserved (default: now): after a later reset nothing is copied."""
+        Stops at the first block that failed, was refused (not this block's bytes,
+        or another writer's than the run's: ``writer``, default the first block's)
+        or when ``timeout`` runs out; CPU blocks from the returned count on hold
+        undefined bytes. ``between_chunks`` (tests) is called with the blocks
+        copied so far before every chunk after the first. ``resets`` is
+        :attr:`resets` read when ``cpu_blocks`` were reserved (default: now): after
+        a later reset nothing is copied."""
         assert self._cpu is not None and self._fetch_area is not None
-        n = min(len(block_ids), len(cpu_blocks))
+        n = min(len(digests), len(cpu_blocks))
         if n == 0:
             return 0
         deadline = time.monotonic() + timeout
-        bpb, cpu = self.bytes_per_block, self._cpu
+        obs, cpu = self.object_bytes, self._cpu
         ks = self.keyspace  # one epoch for the whole prefix
         if resets is None:
             resets = self._resets
@@ -386,15 +419,15 @@ class RemoteTier:
             # into the CPU tier (one area when the fetch half holds a single block).
             nareas = 2 if self.half_blocks >= 2 else 1
             q = self.half_blocks // nareas
-            areas = [self._fetch_area[i * q * bpb:(i + 1) * q * bpb] for i in range(nareas)]
+            areas = [self._fetch_area[i * q * obs:(i + 1) * q * obs] for i in range(nareas)]
             chunks = [(s, min(q, n - s)) for s in range(0, n, q)]
 
             def start(i: int) -> PendingCall[Any] | None:
                 s, k = chunks[i]
                 base = areas[i % nareas].data_ptr()
                 return self.pool.submit("get", _getter(
-                    ks.keys(block_ids[s:s + k]),
-                    [base + j * bpb for j in range(k)], [bpb] * k),
+                    ks.keys(digests[s:s + k]),
+                    [base + j * obs for j in range(k)], [obs] * k),
                     max(0.0, deadline - time.monotonic()))
 
             pending = start(0)
@@ -405,14 +438,23 @@ class RemoteTier:
                 pending = None
                 if codes is None:
                     break
-                ok = 0
-                while ok < k and codes[ok] == bpb:
+                ok, refused = 0, False
+                while ok < k and codes[ok] == obs:
                     ok += 1
-                if ok < k:
+                if ok < k and int(codes[ok]) >= 0:  # an object of another size
+                    self._rejected("size", ks.keys(digests[s + ok:s + ok + 1])[0])
+                    refused = True
+                elif ok < k:
                     code = int(codes[ok])
                     self.pool.error("get", f"batch_get_into answered {code}",
                                     down=master_unreachable(code))
-                else:
+                if ok:
+                    good, reason, writer = verify(areas[i % nareas].numpy(), ok, obs,
+                                                  digests[s:s + ok], writer)
+                    if reason is not None:  # nothing from a refused block on is used
+                        self._rejected(reason, ks.keys(digests[s + good:s + good + 1])[0])
+                        ok, refused = good, True
+                if ok == k:
                     self.pool.health.succeeded()
                     if i + 1 < len(chunks):
                         if between_chunks is not None:
@@ -423,8 +465,10 @@ class RemoteTier:
                         if self._resets != resets:
                             break  # the stage was reset: these CPU blocks are not ours now
                         self._scatter(cpu, areas[i % nareas], cpu_blocks[s:s + ok])
+                        if writer is not None:
+                            self._writers[np.asarray(cpu_blocks[s:s + ok], np.int64)] = writer
                     done += ok
-                if ok < k:
+                if ok < k or refused:
                     break
             if pending is not None:  # let a get still running finish before the area is reused
                 self.pool.finish("get", pending, deadline - time.monotonic())
@@ -432,8 +476,17 @@ class RemoteTier:
         m = self.pool.metrics
         if m is not None and done:
             m.remote_hit_blocks.inc(done)
-            m.remote_bytes.labels(direction="get").inc(done * bpb)
+            m.remote_bytes.labels(direction="get").inc(done * self.bytes_per_block)
         return done
+
+    def _rejected(self, reason: str, key: str) -> None:
+        """A fetched object was refused (never published); count and log it."""
+        self.rejected_blocks += 1
+        m = self.pool.metrics
+        if m is not None:
+            m.remote_rejected_blocks.labels(reason=reason).inc()
+        log.warning("Remote block refused; the hit ends before it",
+                    extra={"reason": reason, "key": key})
 
     # -- write path ----------------------------------------------------------------
 
@@ -465,17 +518,19 @@ class RemoteTier:
             if m is not None:
                 m.remote_dropped_blocks.labels(reason="error").inc(len(valid))
             return
-        bpb = self.bytes_per_block
+        obs = self.object_bytes
         self._gather(self._cpu, self._write_area, [p[1] for p in valid])
         still = [i for i, p in enumerate(valid) if gens[p[1]] == p[2]]
         if len(still) < len(valid) and m is not None:
             m.remote_dropped_blocks.labels(reason="overwritten").inc(len(valid) - len(still))
         if not still:
             return
+        digests = [valid[i][0] for i in still]
+        write_headers(self._write_area.numpy(), still, obs, digests, self.writer_id)
         base = self._write_area.data_ptr()
-        keys = ks.keys([valid[i][0] for i in still])
-        ptrs = [base + i * bpb for i in still]
-        codes = self.pool.call("put", lambda c: c.batch_put_from(keys, ptrs, [bpb] * len(keys)),
+        keys = ks.keys(digests)
+        ptrs = [base + i * obs for i in still]
+        codes = self.pool.call("put", lambda c: c.batch_put_from(keys, ptrs, [obs] * len(keys)),
                                self.settings.timeout_seconds)
         if codes is None:
             if m is not None:
@@ -493,7 +548,7 @@ class RemoteTier:
             self.pool.health.succeeded()
         self.written_blocks += put
         if m is not None and put:
-            m.remote_bytes.labels(direction="put").inc(put * bpb)
+            m.remote_bytes.labels(direction="put").inc(put * self.bytes_per_block)
 
     def drain(self, timeout: float) -> bool:
         """Wait until the write-behind queue is empty (tests, benchmarks, shutdown)."""
@@ -506,8 +561,11 @@ class RemoteTier:
     # -- copies --------------------------------------------------------------------
 
     def _regions(self, area: torch.Tensor, n: int, cpu: CpuTier) -> torch.Tensor:
+        """The block bytes of the first ``n`` objects of ``area`` (after each header),
+        as ``(object, region, segment)``."""
         seg = self.keyspace.layout.segment_bytes
-        return _wide(area[: n * self.bytes_per_block].view(n, cpu.num_regions, seg))
+        blocks = area[: n * self.object_bytes].view(n, self.object_bytes)[:, HEADER_BYTES:]
+        return _wide(blocks.reshape(n, cpu.num_regions, seg))
 
     def _scatter(self, cpu: CpuTier, area: torch.Tensor, cpu_blocks: Sequence[int]) -> None:
         """Staged blocks (region order) into CPU blocks ``cpu_blocks``: one slice copy
