@@ -212,7 +212,9 @@ def test_a_master_that_never_answers_stops_neither_health_nor_engine_calls(
               metadataServer=master.metadata)
     try:
         assert silent.accepted.wait(60), "the agent never tried to join"
-        wait_healthy(a.url, a.proc)
+        # From the join's first connection on, Mooncake's setup would hold the GIL for
+        # its 30 s RPC timeout: /healthz must answer well before that.
+        wait_healthy(a.url, a.proc, timeout=20)
         assert silent.pending(), "/healthz answered only after the join gave up"
         # An engine call answers (a miss) inside the client's 10 s, well below the 30 s
         # Mooncake's setup would hold the agent for.

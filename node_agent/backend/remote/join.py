@@ -126,17 +126,20 @@ def metadata_problem(metadata_server: str, timeout: float) -> str | None:
         return f"metadata server {metadata_server} does not answer ({exc})"
 
 
-def previous_segment(metadata_server: str, segment: str, timeout: float) -> bool:
+def previous_segment(metadata_server: str, segment: str, timeout: float) -> bool | None:
     """Whether the metadata server still describes segment ``segment``: a client of
-    that name joined and never left (a clean close deletes the entry)."""
+    that name joined and never left (a clean close deletes the entry). None when
+    the metadata server did not answer."""
     if not metadata_server.startswith(("http://", "https://")):
         return False
     try:
         url = _metadata_url(metadata_server, f"mooncake/ram/{segment}")
         with urllib.request.urlopen(url, timeout=max(timeout, 0.01)) as r:
             return bool(r.read(1))
+    except urllib.error.HTTPError:
+        return False  # 404: no such entry
     except (OSError, ValueError):
-        return False
+        return None
 
 
 class JoinRefused(RuntimeError):

@@ -130,8 +130,9 @@ class RemotePool:
         previous incarnation's segment to be unmounted by the master."""
         s = self.settings
         if self._not_before is None:
-            stale = self._prejoin is not None and previous_segment(
-                s.metadata_server, s.local_hostname, timeout)
+            stale = previous_segment(s.metadata_server, s.local_hostname, timeout)
+            if stale is None:
+                raise JoinRefused(f"metadata server {s.metadata_server} does not answer")
             self._not_before = self._created + (self._previous_wait if stale else 0.0)
             if stale:
                 log.warning("Remote tier waits for the segment of a previous incarnation to "
@@ -157,7 +158,7 @@ class RemotePool:
             # The checks get most of the budget, so that their reason (not the lane's
             # timeout) is what the tier reports.
             deadline = time.monotonic() + 0.8 * timeout
-            self._join_allowed(timeout)
+            self._join_allowed(0.4 * timeout)
             self._prejoin(s.master_address, s.metadata_server, s.local_hostname,
                           max(0.0, deadline - time.monotonic()))
         client = self._connector(s)
