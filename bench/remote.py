@@ -26,6 +26,11 @@ with an embedded backend, its own CPU tier and its own engine buffers:
   only the pool holds, each looked up once; the CPU tier holds them all, so no
   eviction runs). The baseline is the same lookup with no fetch running; the
   lookups timed are those made while fetches ran. Goal: ratio <= 2.
+* ``remote_lookup_local_hit_frozen_peer``: the same local-hit ``get_match`` on one
+  stage while another stage of the same agent (same Mooncake client) keeps
+  looking up and fetching a prompt held by a peer in another process; p99 with
+  the peer alive, then with the peer frozen (SIGSTOP). Goal: the frozen p99
+  within 2x of the alive one.
 
 Run: ``python bench/remote.py`` (Llama-3-8B stage: 2 MiB blocks, 2048 tokens =
 256 MiB per load; about 30 s on 2 cores) or ``--quick``.
@@ -36,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -89,15 +95,17 @@ def _start_master(log: Path) -> tuple[subprocess.Popen[bytes], str, str]:
 
 
 def _node(master: str, metadata: str, layout: KVLayout, blocks: int, remote: bool,
-          segment: int) -> tuple[EmbeddedBackend, RemotePool | None, list[torch.Tensor]]:
-    pool = tier = None
-    if remote:
+          segment: int, timeout: float = 30.0, pool: RemotePool | None = None,
+          ) -> tuple[EmbeddedBackend, RemotePool | None, list[torch.Tensor]]:
+    tier = None
+    if pool is not None:
+        tier = RemoteTier(pool, KeySpace(layout))
+    elif remote:
         pool = RemotePool(RemoteSettings(
             master_address=master, metadata_server=metadata,
             local_hostname=f"127.0.0.1:{_free_port()}", segment_bytes=segment,
             staging_bytes=2 * blocks * (layout.bytes_per_block + HEADER_BYTES),
-            queue_blocks=blocks + 16,
-            timeout_seconds=30.0))
+            queue_blocks=blocks + 16, timeout_seconds=timeout))
         pool.start(30.0)
         if not pool.health.up:
             raise SystemExit(f"cannot join the Mooncake pool: {pool.health.reason}")
@@ -341,6 +349,112 @@ def bench_lookup_during_fetch(master: str, metadata: str, tokens_n: int, iters: 
             "goal": "ratio_p99 <= 2", "met": p99 <= 2 * b99}
 
 
+def _lookup_layout(tpb: int) -> KVLayout:
+    return KVLayout(num_layers=1, num_kv_heads=1, head_size=1, kv_dim=1,
+                    dtype=KVDtype.FLOAT16, tokens_per_block=tpb)
+
+
+def _peer_tokens(tokens_n: int) -> np.ndarray:
+    return np.random.default_rng(7).integers(1, 1 << 40, tokens_n, dtype=np.int64)
+
+
+def run_peer(master: str, metadata: str, tokens_n: int, tpb: int) -> None:
+    """The peer process: store a prompt into the pool (its own segment), then idle."""
+    layout = _lookup_layout(tpb)
+    blocks = tokens_n // tpb
+    node, pool, _ = _node(master, metadata, layout, blocks, True, 64 << 20, timeout=2.0)
+    assert pool is not None and node.remote is not None
+    tokens = _peer_tokens(tokens_n)
+    assert _run(node, tokens, np.arange(tokens_n, dtype=np.int64), put=True) == tokens_n
+    if not node.remote.drain(120) or node.remote.written_blocks != blocks:
+        raise SystemExit(f"the peer wrote {node.remote.written_blocks} of {blocks} blocks")
+    print("ready", flush=True)
+    time.sleep(3600)
+
+
+def bench_frozen_peer(master: str, metadata: str, tokens_n: int, tpb: int,
+                      iters: int) -> dict[str, object]:
+    layout = _lookup_layout(tpb)
+    blocks = tokens_n // tpb
+    peer = subprocess.Popen([sys.executable, __file__, "--peer", master, metadata,
+                             str(tokens_n), str(tpb)], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL)
+    try:
+        assert peer.stdout is not None
+        if peer.stdout.readline().strip() != b"ready":
+            raise SystemExit("the peer process did not store its prompt")
+        pool = RemotePool(RemoteSettings(
+            master_address=master, metadata_server=metadata,
+            local_hostname=f"127.0.0.1:{_free_port()}", segment_bytes=64 << 20,
+            staging_bytes=2 * blocks * (layout.bytes_per_block + HEADER_BYTES),
+            queue_blocks=blocks + 16, timeout_seconds=2.0))
+        pool.start(30.0)
+        if not pool.health.up:
+            raise SystemExit(f"cannot join the Mooncake pool: {pool.health.reason}")
+        local, _, _ = _node(master, metadata, layout, blocks, True, 0, pool=pool)
+        other, _, _ = _node(master, metadata, layout, blocks, True, 0, pool=pool)
+        cached = np.random.default_rng(3).integers(1, 1 << 40, tokens_n, dtype=np.int64)
+        assert _run(local, cached, np.arange(tokens_n, dtype=np.int64), put=True) == tokens_n
+        theirs = _peer_tokens(tokens_n)
+
+        def hit() -> None:
+            tid, mask = local.get_match(cached)
+            assert int(mask.sum()) == tokens_n
+            local.cancel([tid])
+
+        def phase() -> tuple[np.ndarray, int, int]:
+            stop, fetched, rounds = False, [0], [0]
+
+            def traffic() -> None:  # the other stage: remote lookups and fetches
+                while not stop:
+                    tid, mask = other.get_match(theirs)
+                    fetched[0] += int(mask.sum())
+                    rounds[0] += 1
+                    if tid >= 0:
+                        other.cancel([tid])
+                    other.reset()
+
+            t = threading.Thread(target=traffic, daemon=True)
+            t.start()
+            time.sleep(0.5)
+            out, end = [], time.monotonic() + 8.0  # several fetch timeouts (2 s) long
+            while len(out) < iters or time.monotonic() < end:
+                t0 = time.perf_counter()
+                hit()
+                out.append(time.perf_counter() - t0)
+                time.sleep(0.002)  # a stream of requests, not a busy loop
+            lat = np.asarray(out) * 1e3
+            stop = True
+            t.join(60)
+            return lat, rounds[0], fetched[0]
+
+        for _ in range(20):
+            hit()
+        alive, alive_rounds, alive_tokens = phase()
+        peer.send_signal(signal.SIGSTOP)
+        frozen, frozen_rounds, frozen_tokens = phase()
+        a99, f99 = float(np.percentile(alive, 99)), float(np.percentile(frozen, 99))
+        peer.send_signal(signal.SIGCONT)
+        peer.kill()  # calls still waiting on it end before the client is closed
+        local.shutdown()
+        other.shutdown()
+        pool.close()
+        return {"bench": "remote", "row": "remote_lookup_local_hit_frozen_peer",
+                "tokens": tokens_n, "tokens_per_block": tpb, "objects": blocks,
+                "samples": {"alive": len(alive), "frozen": len(frozen)},
+                "p50_ms": round(float(np.percentile(frozen, 50)), 3), "p99_ms": round(f99, 3),
+                "baseline": "the same lookup with the peer alive",
+                "baseline_p50_ms": round(float(np.percentile(alive, 50)), 3),
+                "baseline_p99_ms": round(a99, 3), "ratio_p99": round(f99 / a99, 3),
+                "other_stage_rounds": {"alive": alive_rounds, "frozen": frozen_rounds},
+                "other_stage_fetched_tokens": {"alive": alive_tokens, "frozen": frozen_tokens},
+                "goal": "p99 within 2x of the peer alive", "met": f99 <= 2 * a99}
+    finally:
+        peer.send_signal(signal.SIGCONT)
+        peer.kill()
+        peer.wait(timeout=30)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=2048)
@@ -352,7 +466,12 @@ def main() -> None:
     ap.add_argument("--fetch-prompts", type=int, default=16,
                     help="2048-block prompts fetched while the during-fetch row is timed")
     ap.add_argument("--quick", action="store_true", help="small sizes, few iterations")
+    ap.add_argument("--peer", nargs=4, metavar=("MASTER", "METADATA", "TOKENS", "TPB"),
+                    help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.peer:
+        run_peer(args.peer[0], args.peer[1], int(args.peer[2]), int(args.peer[3]))
+        return
     if args.quick:
         args.tokens, args.iters, args.lookup_iters = 512, 2, 30
     with tempfile.TemporaryDirectory(prefix="fkv-bench-remote-") as tmp:
@@ -366,6 +485,8 @@ def main() -> None:
             print(json.dumps(bench_lookup_during_fetch(
                 master, metadata, args.lookup_tokens, args.lookup_iters, args.fetch_prompts)),
                 flush=True)
+            print(json.dumps(bench_frozen_peer(master, metadata, args.lookup_tokens, 256,
+                                               args.lookup_iters)), flush=True)
         finally:
             proc.kill()
             proc.wait(timeout=10)

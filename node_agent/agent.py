@@ -31,7 +31,8 @@ from fastapi import FastAPI
 
 from node_agent import __version__
 from node_agent.backend.layout import KVLayout
-from node_agent.backend.remote.mooncake_client import check_available
+from node_agent.backend.remote.join import StorePortInUse, store_ports_problem
+from node_agent.backend.remote.mooncake_client import MooncakeUnavailable, check_available
 from node_agent.backend.remote.settings import RemoteSettings
 from node_agent.backend.remote.tier import RemotePool
 from node_agent.config import AgentConfig, ConfigError, load_config
@@ -64,7 +65,19 @@ def build_remote_pool(cfg: AgentConfig, metrics: AgentMetrics) -> RemotePool | N
     if rt is None:
         return None
     mc = rt.mooncake
-    check_available(mc.store_port)
+    check_available(mc.store_port, rt.timeout_seconds)
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if mc.segment_size + mc.local_buffer_size > memory:
+        raise ConfigError(
+            f"tiers.remote.mooncake: segmentSize {mc.segment_size} + localBufferSize "
+            f"{mc.local_buffer_size} bytes exceed this node's memory ({memory} bytes); lower "
+            "them (e.g. segmentSize 4Gi, localBufferSize 512Mi)")
+    try:
+        busy = store_ports_problem(mc.store_port)
+    except StorePortInUse as exc:
+        raise MooncakeUnavailable(str(exc)) from exc
+    if busy is not None:
+        log.warning("Remote tier joins later", extra={"reason": busy})
     pool = RemotePool(RemoteSettings(
         master_address=mc.master_address, metadata_server=mc.metadata_server,
         local_hostname=f"{cfg.advertise_address}:{mc.store_port}", protocol=mc.protocol,

@@ -28,6 +28,12 @@ from typing import Any, TypeVar
 
 import yaml
 
+from node_agent.backend.remote.settings import (
+    MAX_LOCAL_BUFFER_BYTES,
+    MIN_LOCAL_BUFFER_BYTES,
+    MIN_SEGMENT_BYTES,
+    store_port_problem,
+)
 from node_agent.engine_api.budget import call_budget
 
 ENV_PREFIX = "FLEXKV_"
@@ -434,12 +440,20 @@ def _check_remote(rt: RemoteTier, engine_call_seconds: float) -> None:
     if mc.device_name and mc.protocol != "rdma":
         raise ConfigError(f"{where}.deviceName: {mc.device_name!r} is set with protocol "
                           f"{mc.protocol!r}; RDMA devices need protocol rdma, or clear deviceName")
-    if mc.segment_size < 1 << 20:
-        raise ConfigError(f"{where}.segmentSize: {mc.segment_size} bytes is below 1Mi; give the "
-                          "pool a segment like 4Gi")
-    if mc.local_buffer_size < 1 << 20:
+    if mc.segment_size < MIN_SEGMENT_BYTES:
+        raise ConfigError(f"{where}.segmentSize: {mc.segment_size} bytes is below 16Mi "
+                          f"({MIN_SEGMENT_BYTES}), the smallest segment Mooncake accepts; give "
+                          "the pool a segment like 4Gi")
+    if mc.local_buffer_size < MIN_LOCAL_BUFFER_BYTES:
         raise ConfigError(f"{where}.localBufferSize: {mc.local_buffer_size} bytes is below 1Mi; "
                           "the staging buffer must hold whole blocks: use e.g. 512Mi")
+    if mc.local_buffer_size > MAX_LOCAL_BUFFER_BYTES:
+        raise ConfigError(f"{where}.localBufferSize: {mc.local_buffer_size} bytes is above 64Gi "
+                          f"({MAX_LOCAL_BUFFER_BYTES}); every stage allocates and registers one "
+                          "staging buffer of this size: use e.g. 512Mi")
+    problem = store_port_problem(mc.store_port)
+    if problem is not None:
+        raise ConfigError(f"{where}.storePort: {problem}")
     if not rt.timeout_seconds < engine_call_seconds:
         raise ConfigError(
             f"tiers.remote.timeoutSeconds: {rt.timeout_seconds:g} is not below "

@@ -102,6 +102,14 @@ def default_stage_builder(agent: Agent, rank: RankRef, layout: KVLayout) -> Stag
         )
     group = group_name(cfg.pool, rank.replica)
     bcfg = backend_config(agent, layout)  # validates sizes against the layout
+    remote = cfg.tiers.remote
+    if remote is not None and remote.mooncake.local_buffer_size < 2 * layout.bytes_per_block:
+        raise ValueError(
+            f"tiers.remote.mooncake.localBufferSize {remote.mooncake.local_buffer_size} bytes "
+            f"holds less than two {layout.bytes_per_block}-byte blocks of this layout (one to "
+            f"fetch, one to write); raise it to at least {2 * layout.bytes_per_block} bytes "
+            "in the agent's config, or register a layout with smaller blocks"
+        )
     if rank.pp_size == 1:
         me = Member(node=cfg.node_name, pp_rank=0, fanout_endpoint="")
         views = GroupViewSource(GroupView(group, 0, me, (me,)))

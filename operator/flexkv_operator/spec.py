@@ -18,6 +18,14 @@ from flexkv_operator.defaults import apply_defaults
 from flexkv_operator.host_paths import ssd_path_problem
 from flexkv_operator.quantity import parse_bytes, parse_quantity
 
+#: Mooncake's bounds, as the agent checks them (node_agent/backend/remote/settings.py):
+#: its smallest segment, the staging buffer's range, and the storePort values that
+#: keep storePort and storePort + 1 outside the ephemeral ports it refuses.
+MIN_SEGMENT_BYTES = 16 << 20
+MIN_LOCAL_BUFFER_BYTES = 1 << 20
+MAX_LOCAL_BUFFER_BYTES = 64 << 30
+STORE_PORT_RANGES = ((1024, 32766), (61000, 65534))
+
 
 @dataclass(frozen=True)
 class ConfigProblem:
@@ -392,15 +400,29 @@ def parse_remote_tier(
             return 0
 
     segment = size("segmentSize", "4Gi")
+    if 0 < segment < MIN_SEGMENT_BYTES:
+        bad(
+            "mooncake.segmentSize",
+            f"{segment} bytes is below 16Mi ({MIN_SEGMENT_BYTES}), the smallest segment "
+            "Mooncake accepts; use e.g. 4Gi",
+        )
     buffer = size("localBufferSize", "512Mi")
+    if buffer and not MIN_LOCAL_BUFFER_BYTES <= buffer <= MAX_LOCAL_BUFFER_BYTES:
+        bad(
+            "mooncake.localBufferSize",
+            f"{buffer} bytes is not between 1Mi and 64Gi ({MAX_LOCAL_BUFFER_BYTES}): every PP "
+            "stage of an agent allocates and registers a staging buffer of this size; use "
+            "e.g. 512Mi",
+        )
     store_port = mooncake.get("storePort", 17500)
-    if not isinstance(store_port, int) or isinstance(store_port, bool) or not (
-        1 <= store_port <= 65534
+    if not isinstance(store_port, int) or isinstance(store_port, bool) or not any(
+        lo <= store_port <= hi for lo, hi in STORE_PORT_RANGES
     ):
         bad(
             "mooncake.storePort",
-            f"{store_port!r} is not a port 1..65534 (the agent also listens on storePort + 1), "
-            "e.g. 17500",
+            f"{store_port!r} is not in 1024..32766 or 61000..65534: the agent listens on "
+            "storePort and storePort + 1, and Mooncake takes no port in the ephemeral range "
+            "32768..60999 (its data port would become a random one); use e.g. 17500",
         )
     elif store_port in agent_ports or store_port + 1 in agent_ports:
         bad(

@@ -394,6 +394,41 @@ BAD_REMOTE = [
         "tiers.remote.mooncake.segmentSize",
     ),
     (
+        "segment below Mooncake's 16Mi",
+        _spec({"mooncake": {"managed": True, "segmentSize": "8Mi"}}),
+        "tiers.remote.mooncake.segmentSize",
+    ),
+    (
+        "segment one byte below 16Mi",
+        _spec({"mooncake": {"managed": True, "segmentSize": 16777215}}),
+        "tiers.remote.mooncake.segmentSize",
+    ),
+    (
+        "staging buffer of 1Ti",
+        _spec({"mooncake": {"managed": True, "localBufferSize": "1Ti"}}),
+        "tiers.remote.mooncake.localBufferSize",
+    ),
+    (
+        "staging buffer below 1Mi",
+        _spec({"mooncake": {"managed": True, "localBufferSize": 524288}}),
+        "tiers.remote.mooncake.localBufferSize",
+    ),
+    (
+        "store port in the ephemeral range",
+        _spec({"mooncake": {"managed": True, "storePort": 40000}}),
+        "tiers.remote.mooncake.storePort",
+    ),
+    (
+        "data port at the start of the ephemeral range",
+        _spec({"mooncake": {"managed": True, "storePort": 32767}}),
+        "tiers.remote.mooncake.storePort",
+    ),
+    (
+        "store port below 1024",
+        _spec({"mooncake": {"managed": True, "storePort": 1000}}),
+        "tiers.remote.mooncake.storePort",
+    ),
+    (
         "buffer not a quantity",
         _spec({"mooncake": {"managed": True, "localBufferSize": "lots"}}),
         "tiers.remote.mooncake.localBufferSize",
@@ -482,6 +517,30 @@ def test_the_operator_refuses_bad_remote_specs_naming_the_field(
     with pytest.raises(ConfigInvalid) as caught:
         parse_pool_spec(spec, "img:1", name="pool")
     assert [p.field for p in caught.value.problems] == [field], caught.value.problems
+
+
+def test_mooncake_size_errors_name_the_setting_and_the_bound() -> None:
+    def problem(key: str, value: object) -> str:
+        spec = _spec({"mooncake": {"managed": True, key: value}})
+        with pytest.raises(ConfigInvalid) as caught:
+            parse_pool_spec(spec, "img:1", name="pool")
+        [p] = caught.value.problems
+        return str(p)
+
+    assert "segmentSize: 8388608 bytes is below 16Mi (16777216)" in problem("segmentSize", "8Mi")
+    huge = problem("localBufferSize", "1Ti")
+    assert "localBufferSize: 1099511627776 bytes" in huge and "64Gi" in huge
+    for doc, bound in ((_pool_doc(_spec({"mooncake": {"managed": True, "segmentSize": "8Mi"}})),
+                        "at least 16Mi"),
+                       (_pool_doc(_spec({"mooncake": {"managed": True,
+                                                      "localBufferSize": "1Ti"}})),
+                        "between 1Mi and 64Gi")):
+        [cel] = refusals(crds.POOL_PLURAL, doc)
+        assert bound in cel
+    for ok in ("16Mi", 16777216):
+        spec = _spec({"mooncake": {"managed": True, "segmentSize": ok, "localBufferSize": "64Gi"}})
+        assert refusals(crds.POOL_PLURAL, _pool_doc(spec)) == []
+        assert parse_pool_spec(spec, "img:1", name="pool").remote is not None
 
 
 def test_a_managed_master_needs_a_pool_name_its_service_can_carry() -> None:
@@ -579,7 +638,9 @@ def test_store_port_errors_name_the_value_the_data_port_and_the_fix() -> None:
     """storePort + 1 is the agent's Mooncake data port: it must be a port and must not
     land on agent.ports; the operator and the CRD's CEL rule say which port collides."""
     top = _store_port_problem(65535)
-    assert "65535" in top and "1..65534" in top and "storePort + 1" in top
+    assert "65535" in top and "61000..65534" in top and "storePort + 1" in top
+    ephemeral = _store_port_problem(40000)
+    assert "40000" in ephemeral and "32768..60999" in ephemeral and "17500" in ephemeral
     data = _store_port_problem(8079)
     assert "8079" in data and "8080" in data and "data port" in data
     assert "next port" in data, "the fix"
@@ -592,6 +653,9 @@ def test_store_port_errors_name_the_value_the_data_port_and_the_fix() -> None:
     [bound] = refusals(crds.POOL_PLURAL, _pool_doc(_spec({"mooncake": {"managed": True,
                                                                         "storePort": 65535}})))
     assert "65534" in bound
+    [moved] = refusals(crds.POOL_PLURAL, _pool_doc(_spec({"mooncake": {"managed": True,
+                                                                        "storePort": 40000}})))
+    assert "32768..60999" in moved
 
     # Just above the agent's ports, and the highest port with a data port, are fine.
     for ok in (8081, 5558, 65534):

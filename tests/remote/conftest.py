@@ -8,6 +8,7 @@ not skip): ``make test`` installs both (scripts/bootstrap.sh, as root).
 from __future__ import annotations
 
 import contextlib
+import random
 import shutil
 import socket
 import subprocess
@@ -23,6 +24,22 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def store_port() -> int:
+    """A ``storePort`` p with p and p + 1 free, where Mooncake takes ports (below the
+    ephemeral range, so it also never collides with a port the kernel hands out)."""
+    rng = random.Random()
+    for _ in range(500):
+        p = rng.randrange(20000, 32700)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("0.0.0.0", p))
+                b.bind(("0.0.0.0", p + 1))
+        except OSError:
+            continue
+        return p
+    raise AssertionError("no free pair of ports in 20000..32700")
 
 
 def master_binary() -> str:

@@ -4,7 +4,6 @@ stored through agent A is served by agent B from the remote tier, bit-exactly.""
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,30 +25,13 @@ from tests.agent.harness import (
     stop_process,
     wait_healthy,
 )
-from tests.remote.conftest import Master
+from tests.remote.conftest import Master, store_port
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 RANK = RankInfo(replica="eng-0")
 TOKENS = np.arange(7000, 7064, dtype=np.int64)  # 16 blocks of 4 tokens
 SRC = np.arange(64, dtype=np.int64)
 DST = np.arange(128, 192, dtype=np.int64)
-
-
-def free_port_pair() -> int:
-    """A port p with p and p + 1 free (the transfer engine's RPC and data ports)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = int(s.getsockname()[1])
-        if p >= 65535:
-            continue
-        with socket.socket() as s2:
-            try:
-                s2.bind(("127.0.0.1", p + 1))
-            except OSError:
-                continue
-        return p
-    raise AssertionError("no free pair of ports")
 
 
 @pytest.fixture
@@ -63,7 +45,7 @@ def agent_config(work: Path, node: str, master: Master) -> tuple[Path, str]:
         "cpu": {"size": "1Mi", "pinned": False},
         "remote": {"timeoutSeconds": 2, "queueBlocks": 256, "mooncake": {
             "masterAddress": master.address, "metadataServer": master.metadata,
-            "segmentSize": "16Mi", "localBufferSize": "1Mi", "storePort": free_port_pair()}},
+            "segmentSize": "16Mi", "localBufferSize": "1Mi", "storePort": store_port()}},
     })
     path = work / f"{node}.yaml"
     path.write_text(yaml.safe_dump(data))

@@ -171,7 +171,7 @@ def test_callers_that_join_at_once_share_one_join() -> None:
 
     settings = RemoteSettings(master_address="127.0.0.1:1", metadata_server="P2PHANDSHAKE",
                               local_hostname="127.0.0.1:2", timeout_seconds=30.0)
-    pool = RemotePool(settings, connector=connector)  # type: ignore[arg-type]
+    pool = RemotePool(settings, connector=connector, prejoin=None)  # type: ignore[arg-type]
     first = threading.Thread(target=pool.start, kwargs={"timeout": 30.0})
     first.start()
     try:
@@ -227,6 +227,12 @@ def test_remote_section_parses_with_defaults_and_env_overrides(tmp_path) -> None
     ({"mooncake": {**REMOTE["mooncake"], "deviceName": "mlx5_0"}}, "need protocol rdma"),
     ({"mooncake": {**REMOTE["mooncake"], "segmentSize": "1Ki"}}, "segmentSize: 1024 bytes"),
     ({"mooncake": {**REMOTE["mooncake"], "localBufferSize": "12Q"}}, "unknown suffix 'Q'"),
+    ({"mooncake": {**REMOTE["mooncake"], "segmentSize": "8Mi"}},
+     "segmentSize: 8388608 bytes is below 16Mi (16777216), the smallest segment Mooncake"),
+    ({"mooncake": {**REMOTE["mooncake"], "localBufferSize": "1Ti"}},
+     "localBufferSize: 1099511627776 bytes is above 64Gi"),
+    ({"mooncake": {**REMOTE["mooncake"], "storePort": 40000}},
+     "storePort: 40000 is not in 1024..32766 or 61000..65534"),
     ({"mooncake": {**REMOTE["mooncake"], "storePort": 65535}}, "storePort: 65535 is out"),
     ({**REMOTE, "size": "1Gi"}, "tiers.remote.size: unknown key"),
 ])

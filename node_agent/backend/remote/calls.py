@@ -73,6 +73,13 @@ class BoundedCaller:
         """Stop the worker once it is idle (a call still running finishes first)."""
         self._queue.put(None)
 
+    def quiet(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the running call (if any) to return; whether
+        none runs now."""
+        with self._lock:
+            r = self._running
+        return r is None or r.done.wait(max(0.0, timeout))
+
     def busy(self) -> bool:
         """Whether an overrunning call still occupies this lane."""
         with self._lock:

@@ -11,6 +11,7 @@ is success (bytes for gets), a negative one an error code.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import Any
 
@@ -35,16 +36,27 @@ def master_unreachable(code: int) -> bool:
     return -999 <= code <= -900
 
 
-def pin_ports(store_port: int) -> None:
+def pin_ports(store_port: int, timeout_seconds: float | None = None) -> None:
     """Make this process's transfer engine listen on fixed ports, so a NetworkPolicy
     can name them: its handshake / RPC port is ``store_port`` (the port of the
     advertised local hostname) and its TCP data port ``store_port + 1``. Mooncake
     reads the port range when its library loads, so call this before the first
     import; the values always follow ``storePort`` (an inherited environment
-    cannot move them elsewhere)."""
+    cannot move them elsewhere). Mooncake ignores a range inside the ephemeral
+    ports 32768..60999 (the agent's config refuses such a ``storePort``).
+
+    With ``timeout_seconds`` (``tiers.remote.timeoutSeconds``), a TCP transfer to a
+    peer that stops answering (a frozen process) ends after about that long
+    instead of Mooncake's 30 s default: no status frame, no progress, or no free
+    lane to the peer within it fails the transfer."""
     os.environ["MC_LEGACY_RPC_PORT_BINDING"] = "1"
     os.environ["MC_MIN_RPC_PORT"] = str(store_port + 1)
     os.environ["MC_MAX_RPC_PORT"] = str(store_port + 1)
+    if timeout_seconds is not None:
+        seconds = max(1, math.ceil(timeout_seconds))
+        os.environ["MC_TCP_STATUS_TIMEOUT_SEC"] = str(seconds)
+        os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"] = str(seconds)
+        os.environ["MC_TCP_ADMISSION_TIMEOUT_MS"] = str(seconds * 1000)
 
 
 def _import_store_class() -> Any:
@@ -65,19 +77,26 @@ def _import_store_class() -> Any:
     return MooncakeDistributedStore
 
 
-def check_available(store_port: int | None = None) -> None:
+def check_available(store_port: int | None = None,
+                    timeout_seconds: float | None = None) -> None:
     """Raise :class:`MooncakeUnavailable` (saying what to install) unless
     ``mooncake.store`` imports; with ``store_port``, :func:`pin_ports` first."""
     if store_port is not None:
-        pin_ports(store_port)
+        pin_ports(store_port, timeout_seconds)
     _import_store_class()
 
 
 class MooncakeStore:
-    """One joined Mooncake Store client (see :func:`connect`)."""
+    """One joined Mooncake Store client (see :func:`connect`).
 
-    def __init__(self, store: Any) -> None:
+    Puts prefer this client's own segment (``local_segment``): a block is written
+    by a local copy while the segment has room, so no put waits on a peer (a
+    frozen peer holds a transfer to it for up to the transfer timeout)."""
+
+    def __init__(self, store: Any, local_segment: str = "", put_config: Any = None) -> None:
         self._store = store
+        self.local_segment = local_segment
+        self._put_config = put_config
 
     def register_buffer(self, ptr: int, size: int) -> None:
         rc = int(self._store.register_buffer(ptr, size))
@@ -96,7 +115,10 @@ class MooncakeStore:
         return [int(c) for c in self._store.batch_is_exist(keys)]
 
     def batch_put_from(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
-        return [int(c) for c in self._store.batch_put_from(keys, ptrs, sizes)]
+        if self._put_config is None:
+            return [int(c) for c in self._store.batch_put_from(keys, ptrs, sizes)]
+        return [int(c) for c in self._store.batch_put_from(keys, ptrs, sizes,
+                                                            self._put_config)]
 
     def batch_get_into(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
         return [int(c) for c in self._store.batch_get_into(keys, ptrs, sizes)]
@@ -115,7 +137,7 @@ def connect(settings: RemoteSettings) -> MooncakeStore:
     """Join the pool: this agent contributes ``segment_bytes`` of memory and serves
     peers at ``local_hostname``. Raises :class:`MooncakeUnavailable` when
     ``mooncake`` is missing or ``setup`` fails (the master must answer here)."""
-    pin_ports(int(settings.local_hostname.rsplit(":", 1)[1]))
+    pin_ports(int(settings.local_hostname.rsplit(":", 1)[1]), settings.timeout_seconds)
     cls = _import_store_class()
     store = cls()
     rc = int(store.setup(
@@ -128,4 +150,8 @@ def connect(settings: RemoteSettings) -> MooncakeStore:
             f"{settings.metadata_server}, local {settings.local_hostname}); check that the "
             "master answers and that storePort is free on this node"
         )
-    return MooncakeStore(store)
+    from mooncake.store import ReplicateConfig
+
+    put_config = ReplicateConfig()
+    put_config.preferred_segment = settings.local_hostname
+    return MooncakeStore(store, settings.local_hostname, put_config)

@@ -52,8 +52,15 @@ import numpy as np
 import torch
 
 from node_agent.backend.cpu_tier import CpuTier
-from node_agent.backend.remote.calls import BoundedCaller, PendingCall, RemoteCallError
+from node_agent.backend.remote.calls import (
+    BoundedCaller,
+    PendingCall,
+    RemoteBusy,
+    RemoteCallError,
+    RemoteTimeout,
+)
 from node_agent.backend.remote.health import RemoteHealth
+from node_agent.backend.remote.join import JoinRefused, check_before_join, previous_segment
 from node_agent.backend.remote.keys import KeySpace
 from node_agent.backend.remote.mooncake_client import (
     MooncakeStore,
@@ -74,33 +81,82 @@ log = logging.getLogger(__name__)
 
 #: How long :meth:`RemotePool.start` waits for the first join (Mooncake's setup).
 JOIN_SECONDS = 10.0
+#: How long a restarted agent waits before its first join when the metadata server
+#: still describes its segment (a previous incarnation was killed): the master
+#: keeps that segment mounted, at the old process's addresses, until its
+#: ``client_ttl`` (Mooncake's default and the operator's master: 10 s) runs out,
+#: and a client joining under the same name would serve its objects.
+PREVIOUS_SEGMENT_WAIT = 15.0
+
+#: Checks before a ``setup`` (``master_address, metadata_server, local_hostname,
+#: timeout``); raises to refuse the join (:func:`.join.check_before_join`).
+PreJoin = Callable[[str, str, str, float], None]
 
 
 class RemotePool:
     """One agent's Mooncake Store client, shared by its stages (see module docstring).
 
     Joining is retried lazily: when ``setup`` fails (the master is down at start)
-    the pool stays down and the next due probe (``retry_seconds``) joins again."""
+    the pool stays down and the next due probe (``retry_seconds``) joins again.
+    Before every ``setup``, ``prejoin`` checks (bounded, without holding the GIL)
+    that the store ports are free and that the master and metadata server answer:
+    ``setup`` itself holds the GIL and would stop every thread of the agent while
+    it waits for a silent master. The first join waits up to
+    :data:`PREVIOUS_SEGMENT_WAIT` when a previous incarnation's segment of the same
+    name is still described at the metadata server."""
 
     def __init__(self, settings: RemoteSettings, metrics: AgentMetrics | None = None,
                  connector: Callable[[RemoteSettings], MooncakeStore] = connect,
-                 retry_seconds: float = 1.0) -> None:
+                 retry_seconds: float = 1.0,
+                 prejoin: PreJoin | None = check_before_join,
+                 previous_segment_wait: float = PREVIOUS_SEGMENT_WAIT) -> None:
         self.settings = settings
         self.metrics = metrics
         self.health = RemoteHealth(metrics, retry_seconds)
         self._connector = connector
+        self._prejoin = prejoin
         self._client: MooncakeStore | None = None
         self._lock = threading.Lock()
         self._lanes = {op: BoundedCaller(op) for op in ("connect", "lookup", "get", "put")}
         self._registered: list[tuple[int, int]] = []
+        self._created = time.monotonic()
+        self._previous_wait = previous_segment_wait
+        self._not_before: float | None = None  # decided by the first join attempt
         self.closed = False
 
     def start(self, timeout: float = JOIN_SECONDS) -> None:
-        """Try to join once, waiting up to ``timeout``; the pool stays usable (down) when
-        the master is unreachable, and joins on a later call."""
+        """Try to join, waiting up to ``timeout`` (and, first, until a previous
+        incarnation's segment is gone); the pool stays usable (down) when the master
+        is unreachable, and joins on a later call."""
         self._connect(timeout)
+        not_before = self._not_before
+        if self._client is None and not_before is not None and not self.closed:
+            left = not_before - time.monotonic()
+            if left > 0:
+                time.sleep(left)
+                self._connect(timeout)
 
-    def _join(self) -> MooncakeStore:
+    def _join_allowed(self, timeout: float) -> None:
+        """Raise :class:`~.join.JoinRefused` while the first join must wait for a
+        previous incarnation's segment to be unmounted by the master."""
+        s = self.settings
+        if self._not_before is None:
+            stale = previous_segment(s.metadata_server, s.local_hostname, timeout)
+            if stale is None:
+                raise JoinRefused(f"metadata server {s.metadata_server} does not answer")
+            self._not_before = self._created + (self._previous_wait if stale else 0.0)
+            if stale:
+                log.warning("Remote tier waits for the segment of a previous incarnation to "
+                            "be unmounted before joining", extra={
+                                "segment": s.local_hostname, "seconds": self._previous_wait})
+        left = self._not_before - time.monotonic()
+        if left > 0:
+            raise JoinRefused(
+                f"segment {s.local_hostname} of a previous incarnation of this agent may "
+                "still be mounted at the master (until its client_ttl runs out); joining in "
+                f"{left:.1f} s")
+
+    def _join(self, timeout: float = JOIN_SECONDS) -> MooncakeStore:
         """Lane ``connect``: join and install the client, even when the caller that
         started the join stopped waiting (a late join must not leave a client with
         its ports bound and no owner). A caller that waited for another's join
@@ -109,6 +165,13 @@ class RemotePool:
         with self._lock:
             if self._client is not None:
                 return self._client
+        if self._prejoin is not None:
+            # The checks get most of the budget, so that their reason (not the lane's
+            # timeout) is what the tier reports.
+            deadline = time.monotonic() + 0.8 * timeout
+            self._join_allowed(0.4 * timeout)
+            self._prejoin(s.master_address, s.metadata_server, s.local_hostname,
+                          max(0.0, deadline - time.monotonic()))
         client = self._connector(s)
         with self._lock:
             if self.closed:
@@ -123,9 +186,15 @@ class RemotePool:
             "segment_bytes": s.segment_bytes})
         return client
 
-    def _connect(self, timeout: float) -> MooncakeStore | None:
+    def _connect(self, timeout: float, wait_turn: bool = True) -> MooncakeStore | None:
+        """Join within ``timeout``. ``wait_turn=False`` (remote calls on the engine's
+        path) answers None at once while another join is still running."""
+        lane = self._lanes["connect"]
         try:
-            return self._lanes["connect"].call(self._join, timeout, "remote join")
+            if wait_turn:
+                return lane.call(lambda: self._join(timeout), timeout, "remote join")
+            pending = lane.submit(lambda: self._join(timeout), "remote join")
+            return lane.wait(pending, timeout, "remote join", budget=timeout)
         except RemoteCallError as exc:
             self.health.failed(str(exc))
             log.warning("Remote tier cannot join the Mooncake pool yet",
@@ -164,13 +233,13 @@ class RemotePool:
         (no probe due) or the call failed (counted in ``remote_errors_total{op}``)."""
         if self.closed or (not self.health.up and not self.health.should_try()):
             return None
-        client = self._client or self._connect(timeout)
+        client = self._client or self._connect(timeout, wait_turn=False)
         if client is None:
             return None
         try:
             return self._lanes[op].call(lambda: fn(client), timeout, f"remote {op}")
         except RemoteCallError as exc:
-            self.error(op, str(exc))
+            self._failed(op, exc)
             return None
 
     def submit(self, op: str, fn: Callable[[MooncakeStore], Any],
@@ -180,13 +249,13 @@ class RemotePool:
         when the tier is down or the lane is busy."""
         if self.closed or (not self.health.up and not self.health.should_try()):
             return None
-        client = self._client or self._connect(self.settings.timeout_seconds)
+        client = self._client or self._connect(self.settings.timeout_seconds, wait_turn=False)
         if client is None:
             return None
         try:
             return self._lanes[op].submit(lambda: fn(client), f"remote {op}", turn)
         except RemoteCallError as exc:
-            self.error(op, str(exc))
+            self._failed(op, exc)
             return None
 
     def finish(self, op: str, call: PendingCall[Any], timeout: float) -> Any:
@@ -194,12 +263,19 @@ class RemotePool:
         try:
             return self._lanes[op].wait(call, timeout, f"remote {op}")
         except RemoteCallError as exc:
-            self.error(op, str(exc))
+            self._failed(op, exc)
             return None
 
     def overrunning(self, op: str) -> bool:
         """Whether a call on ``op``'s lane overran its timeout and still runs."""
         return self._lanes[op].overrunning()
+
+    def _failed(self, op: str, exc: RemoteCallError) -> None:
+        """A failed call on ``op``'s lane: a get or put that timed out (or found its
+        lane held by one that did) waits on a peer, not on the master, so it does
+        not mark the tier down; anything else does."""
+        peer = op in ("get", "put") and isinstance(exc, RemoteTimeout | RemoteBusy)
+        self.error(op, str(exc), down=not peer)
 
     def error(self, op: str, reason: str, down: bool = True) -> None:
         """Count a failed ``op``; ``down`` marks the tier down until a call succeeds."""
@@ -216,13 +292,23 @@ class RemotePool:
                 "writePolicy": self.settings.write_policy}
 
     def close(self) -> None:
+        """Leave the pool. A native call still running (one that overran its timeout,
+        e.g. a transfer to a frozen peer) would use the client after it is freed:
+        the client is closed only once every lane is quiet (waiting up to twice
+        ``timeoutSeconds``), and otherwise left to the process's exit."""
         self.closed = True
         with self._lock:
             client, self._client = self._client, None
         for lane in self._lanes.values():
             lane.close()
-        if client is not None:
+        if client is None:
+            return
+        deadline = time.monotonic() + 2 * self.settings.timeout_seconds
+        if all(lane.quiet(deadline - time.monotonic()) for lane in self._lanes.values()):
             client.close()
+        else:
+            log.warning("Remote tier left a Mooncake client open: a call to it still runs",
+                        extra={"local": self.settings.local_hostname})
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
