@@ -78,6 +78,8 @@ class StreamMetrics:
         self.metrics = metrics
         self.dropped: dict[str, int] = {}
         self.mismatched: dict[str, int] = {}
+        if metrics is not None:
+            metrics.init_group(group)
 
     def mismatch(self, kind: str) -> None:
         """Count one engine call that found only decisions for other tokens."""
