@@ -96,6 +96,11 @@ class AgentMetrics:
             "flexkv_agent_leader_changes", "Leader changes seen in a PP group", ["group"],
             registry=r,
         )
+        self.ssd_errors = Counter(
+            "flexkv_agent_ssd_errors",
+            "Failed SSD tier operations (spill: a CPU block's copy to SSD failed and the "
+            "block was dropped instead)", ["op"], registry=r,
+        )
         self.ready = Gauge("flexkv_agent_ready", "1 when /readyz answers 200", registry=r)
         self.completed_dropped = Counter(
             "flexkv_agent_completed_dropped",
