@@ -17,13 +17,16 @@ import json
 import math
 import re
 import shutil
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from node_agent.demo.workload import WorkloadSpec
 from tests.agent.harness import short_dir
@@ -48,8 +51,9 @@ from tests.observability.scene import (
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
-DASHBOARD_PATH = (Path(__file__).resolve().parents[2] / "charts" / "flexkv-operator"
-                  / "dashboards" / "flexkv-agent.json")
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "flexkv-operator"
+DASHBOARD_PATH = CHART / "dashboards" / "flexkv-agent.json"
 DASHBOARD: dict[str, Any] = json.loads(DASHBOARD_PATH.read_text())
 RATE_INTERVAL = "1m"  # Grafana's $__rate_interval: max(interval + 15s, 4 x 15s) for short ranges
 OPERATOR_NAMESPACE = "flexkv-system"
@@ -101,6 +105,26 @@ class Scene:
     prometheus: Prometheus
     at: float  # the instant every panel is evaluated at
     selections: dict[str, dict[str, str]]  # "all" / "single" -> variable -> value
+    rules: bool  # whether the chart's alerting rules are loaded
+
+
+def render_rules(work: Path) -> list[str]:
+    """The chart's alerting rules as ``helm template`` renders them, selecting this
+    Prometheus' job names, written to a rule file; [] when helm is not installed."""
+    helm = shutil.which("helm") or str(REPO / ".tools" / "bin" / "helm")
+    if not Path(helm).is_file():
+        return []
+    out = subprocess.run(
+        [helm, "template", "kv", str(CHART), "--namespace", "flexkv-system",
+         "--set", "monitoring.prometheusRule.enabled=true",
+         "--set", "monitoring.prometheusRule.agentJob=agents",
+         "--set", "monitoring.prometheusRule.operatorJob=operator",
+         "--show-only", "templates/prometheusrule.yaml"],
+        capture_output=True, text=True, timeout=60, check=True).stdout
+    rule = yaml.safe_load(out)
+    path = work / "rules.yaml"
+    path.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    return [str(path)]
 
 
 @pytest.fixture(scope="module")
@@ -121,8 +145,10 @@ def scene() -> Iterator[Scene]:
                           "pool": POOL, "node": m["nodeName"]}) for m in group.maps]
         op = Target(f"127.0.0.1:{operator.metrics_port}",
                     {"namespace": OPERATOR_NAMESPACE, "pod": "flexkv-operator-0"})
+        rule_files = render_rules(work)
         prometheus = Prometheus(binary, work, free_port(),
-                                scrape_config({"agents": agents, "operator": [op]}))
+                                scrape_config({"agents": agents, "operator": [op]},
+                                              rule_files=rule_files))
         prometheus.start()
         prometheus.wait("count(up == 1)", lambda r: r and float(r[0]["value"][1]) == 3, 60,
                         "every target scraped")
@@ -153,7 +179,7 @@ def scene() -> Iterator[Scene]:
         }
         for sel in selections.values():
             sel["datasource"] = "prometheus"
-        yield Scene(prometheus, at, selections)
+        yield Scene(prometheus, at, selections, bool(rule_files))
     finally:
         if prometheus is not None:
             prometheus.stop()
@@ -204,3 +230,32 @@ def test_every_panel_query_returns_sane_series(
 
     result = scene.prometheus.wait(expr, sane, PANEL_TIMEOUT_S, f"panel {title!r}", at=scene.at)
     assert result and all(math.isfinite(v) for _, v in series(result))
+
+
+def _instant(rfc3339: str) -> float:
+    """Seconds since the epoch of a Prometheus API time (nanoseconds dropped)."""
+    return datetime.fromisoformat(re.sub(r"\.\d+", "", rfc3339).replace("Z", "+00:00")).timestamp()
+
+
+def test_the_alert_rules_evaluate_cleanly_on_the_scraped_series(scene: Scene) -> None:
+    """The chart's rules, loaded into the same Prometheus, evaluate on the real
+    series without errors, and the alerts of a healthy scene stay inactive."""
+    if not scene.rules:
+        pytest.skip("helm not found on PATH or in .tools/bin (run `make test` to fetch it)")
+
+    def rules() -> list[dict[str, Any]]:
+        body = scene.prometheus.http.get("/api/v1/rules").json()
+        return [r for g in body["data"]["groups"] for r in g["rules"]]
+
+    def evaluated_after_the_scene() -> bool:
+        found = rules()
+        return bool(found) and all(_instant(r["lastEvaluation"]) > scene.at for r in found)
+
+    wait_until(evaluated_after_the_scene, PANEL_TIMEOUT_S, "every rule evaluated")
+    found = {r["name"]: r for r in rules()}
+    assert len(found) >= 10
+    bad = {name: r.get("lastError") for name, r in found.items() if r["health"] != "ok"}
+    assert bad == {}
+    for quiet in ("FlexKVAgentDown", "FlexKVPPGroupWithoutLeader", "FlexKVRemoteTierDown",
+                  "FlexKVFanoutMismatch", "FlexKVOperatorNotLeading"):
+        assert found[quiet]["state"] == "inactive", (quiet, found[quiet]["alerts"])
