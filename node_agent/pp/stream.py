@@ -76,10 +76,10 @@ class StreamMetrics:
     def __init__(self, group: str, metrics: AgentMetrics | None) -> None:
         self.group = group
         self.metrics = metrics
+        if metrics is not None:
+            metrics.init_group(group)  # every drop reason and mismatch kind at 0
         self.dropped: dict[str, int] = {}
         self.mismatched: dict[str, int] = {}
-        if metrics is not None:
-            metrics.init_group(group)
 
     def mismatch(self, kind: str) -> None:
         """Count one engine call that found only decisions for other tokens."""
