@@ -102,10 +102,14 @@ def test_alert_settings_reach_the_rules(render_with: Callable[..., Render]) -> N
         "--set", "monitoring.prometheusRule.agentJob=kv-agents",
         "--set", "monitoring.prometheusRule.operatorJob=kv-operator",
         "--set", "monitoring.prometheusRule.ppGroupFor=3m",
+        "--set", "monitoring.prometheusRule.runbookURL=https://runbooks.example/flexkv.html",
         "--set-json", "monitoring.prometheusRule.hitRateDropRatio=0.25"))
     assert rule["metadata"]["labels"]["release"] == "kps"
     alerts = {a["alert"]: a for a in _alerts(rule)}
     assert all(a["labels"]["team"] == "inference" for a in alerts.values())
+    assert all(a["annotations"]["runbook_url"] ==
+               f"https://runbooks.example/flexkv.html#{name.lower()}"
+               for name, a in alerts.items())
     assert 'up{job="kv-agents"}' in alerts["FlexKVAgentDown"]["expr"]
     assert 'job="kv-operator"' in alerts["FlexKVOperatorNotLeading"]["expr"]
     assert alerts["FlexKVPPGroupWithoutLeader"]["for"] == "3m"
