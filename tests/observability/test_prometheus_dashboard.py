@@ -197,6 +197,11 @@ def scraped_after(prometheus: Prometheus, t: float) -> float:
     return float(result[0]["value"][1])
 
 
+def test_the_sanity_checks_name_real_panels() -> None:
+    titles = {p["title"] for p in PANELS}
+    assert (FRACTIONS | POSITIVE) - titles == set()
+
+
 def test_the_dashboard_variables_list_the_scraped_namespace_and_pool(scene: Scene) -> None:
     """Each ``label_values`` variable query, run as Grafana runs it, lists the scraped
     agents' values (the pool variable within the chosen namespace)."""
