@@ -17,6 +17,15 @@ _LATENCY_BUCKETS = (
     0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )
 
+# Label values the agent can record, exported at 0 from the start so that a
+# dashboard rate() over them shows 0 rather than no data while nothing happened.
+FANOUT_DROP_REASONS = ("stale_epoch", "future_epoch", "gap", "duplicate", "unauthenticated",
+                       "malformed", "unknown_group", "new_incarnation", "stale_incarnation")
+FANOUT_MISMATCH_KINDS = ("put", "get")
+REMOTE_OPS = ("lookup", "get", "put")
+REMOTE_DROP_REASONS = ("queue_full", "error", "overwritten", "flushed", "down", "closed")
+REMOTE_DIRECTIONS = ("put", "get")
+
 
 class AgentMetrics:
     """All agent metrics in one registry (a fresh private one when none is given)."""
@@ -87,6 +96,11 @@ class AgentMetrics:
             "flexkv_agent_leader_changes", "Leader changes seen in a PP group", ["group"],
             registry=r,
         )
+        self.ssd_errors = Counter(
+            "flexkv_agent_ssd_errors",
+            "Failed SSD tier operations (spill: a CPU block's copy to SSD failed and the "
+            "block was dropped instead)", ["op"], registry=r,
+        )
         self.ready = Gauge("flexkv_agent_ready", "1 when /readyz answers 200", registry=r)
         self.completed_dropped = Counter(
             "flexkv_agent_completed_dropped",
@@ -148,6 +162,24 @@ class AgentMetrics:
             "checksum, writer)",
             ["reason"], registry=r,
         )
+
+    def init_group(self, group: str) -> None:
+        """Export ``group``'s fan-out drop and mismatch counters at 0 for every
+        reason and kind (an alert on their increase then sees the first one)."""
+        for reason in FANOUT_DROP_REASONS:
+            self.fanout_dropped.labels(group=group, reason=reason)
+        for kind in FANOUT_MISMATCH_KINDS:
+            self.fanout_mismatch.labels(group=group, kind=kind)
+
+    def init_remote(self) -> None:
+        """Export the remote tier's labelled counters at 0 (called when one is configured;
+        an agent without a remote tier exports none of them)."""
+        for op in REMOTE_OPS:
+            self.remote_errors.labels(op=op)
+        for reason in REMOTE_DROP_REASONS:
+            self.remote_dropped_blocks.labels(reason=reason)
+        for direction in REMOTE_DIRECTIONS:
+            self.remote_bytes.labels(direction=direction)
 
     def set_role(self, group: str, role: str) -> None:
         """Mark ``role`` (leader or follower) as current for ``group``, the other as 0."""

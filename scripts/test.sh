@@ -19,14 +19,18 @@ while [ $# -gt 0 ]; do
 done
 
 bash scripts/bootstrap.sh
-# promtool (Debian's `prometheus` package) checks the agent's /metrics exposition
-# in tests/agent; installed where this runs as root with apt-get (CI), else that
-# one check skips and says so.
-if [ "$lint_only" = 0 ] && ! command -v promtool >/dev/null && [ "$(id -u)" = 0 ] \
+# Debian's `prometheus` package: the server (tests/observability evaluates the
+# Grafana dashboard's queries on a real Prometheus) and promtool (the agent's
+# /metrics exposition in tests/agent, the chart's alerting rules in tests/chart).
+# Installed where this runs as root with apt-get (CI); there (CI=true, root) the
+# tests that need it fail when it is missing, elsewhere they skip and say so.
+if [ "$lint_only" = 0 ] && { ! command -v promtool >/dev/null \
+    || ! command -v prometheus >/dev/null; } && [ "$(id -u)" = 0 ] \
     && command -v apt-get >/dev/null; then
   { apt-get update -q && DEBIAN_FRONTEND=noninteractive \
       apt-get install -y -q --no-install-recommends prometheus; } >/dev/null \
-    || echo "promtool could not be installed; its metrics check will skip" >&2
+    || echo "Debian's prometheus package could not be installed; the tests that need" \
+      "prometheus or promtool will skip (or fail under CI=true as root)" >&2
 fi
 # .venv-vllm: the vLLM CPU build for tests/vllm (real engines run under it as
 # subprocesses of the main pytest); its tests fail rather than skip here.

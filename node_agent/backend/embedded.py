@@ -97,6 +97,8 @@ class EmbeddedBackend(ReplicatedBackend):
         self._metrics = metrics
         self._gauges_set: tuple[tuple[int, int], ...] | None = None
         """Tier gauge values last set (``_update_gauges`` skips unchanged ones)."""
+        self._spill_failures_counted = 0
+        """The index's spill failures already added to ``flexkv_agent_ssd_errors_total``."""
         self._clock = clock
         self._hasher = BlockHasher(config.tokens_per_block, config.hash_algorithm)
         self._lock = threading.Lock()
@@ -733,6 +735,7 @@ class EmbeddedBackend(ReplicatedBackend):
 
         With ``writePolicy: evict`` a visible block leaving the CPU tier is first
         offered to the remote tier (a CPU -> REMOTE move before its spill or drop)."""
+        self._count_spill_failures_locked()
         if self._evicted:
             evicted, self._evicted = self._evicted, {}
             assert self.remote is not None
@@ -888,6 +891,19 @@ class EmbeddedBackend(ReplicatedBackend):
         if self._metrics is not None:
             self._metrics.match_seconds.labels(op=op).observe(time.perf_counter() - t0)
 
+    def _count_spill_failures_locked(self) -> None:
+        """Add the index's new spill failures (SSD writes that failed; the block was
+        dropped instead) to ``flexkv_agent_ssd_errors_total{op="spill"}``."""
+        index = self._index
+        if self._metrics is None or index is None:
+            return
+        if index.spill_failures < self._spill_failures_counted:  # a new index
+            self._spill_failures_counted = 0
+        new = index.spill_failures - self._spill_failures_counted
+        if new:
+            self._metrics.ssd_errors.labels(op="spill").inc(new)
+            self._spill_failures_counted = index.spill_failures
+
     def _update_gauges(self) -> None:
         """Set the tier gauges; skipped when no tier's size or use changed (most
         matches and cancels), which keeps label look-ups off the lookup path."""
@@ -903,3 +919,5 @@ class EmbeddedBackend(ReplicatedBackend):
         for tier, (capacity, used) in zip((Tier.CPU, Tier.SSD), values, strict=True):
             m.tier_capacity_bytes.labels(tier=tier.value).set(capacity)
             m.tier_used_bytes.labels(tier=tier.value).set(used)
+        if index.capacity[Tier.SSD]:  # exported at 0: an alert sees the first error
+            m.ssd_errors.labels(op="spill")

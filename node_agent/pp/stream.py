@@ -76,6 +76,8 @@ class StreamMetrics:
     def __init__(self, group: str, metrics: AgentMetrics | None) -> None:
         self.group = group
         self.metrics = metrics
+        if metrics is not None:
+            metrics.init_group(group)  # every drop reason and mismatch kind at 0
         self.dropped: dict[str, int] = {}
         self.mismatched: dict[str, int] = {}
         self.epoch_refused: dict[str, int] = {}

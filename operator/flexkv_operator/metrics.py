@@ -70,6 +70,10 @@ class OperatorMetrics:
         self._group_phases: dict[tuple[str, str], dict[str, int]] = {}
         for phase in ("Pending", "Ready", "Degraded"):
             self.groups.labels(phase).set(0)
+        # Exported at 0 from the start: an alert on their increase sees the first error.
+        for kind in ("pool", "groups"):
+            self.reconciles.labels(kind, "success")
+            self.reconciles.labels(kind, "error")
 
     def api_error(self, method: str, status: int) -> None:
         self.api_errors.labels(method, str(status)).inc()

@@ -5,11 +5,22 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from backend_helpers import TPB, config, load, small_layout, started, store, token_rows, tokens
+from backend_helpers import (
+    TPB,
+    config,
+    load,
+    make_buffers,
+    small_layout,
+    started,
+    store,
+    token_rows,
+    tokens,
+)
 
 from node_agent.backend.embedded import EmbeddedBackend
 from node_agent.backend.replication import BlockLocation, Tier
 from node_agent.backend.ssd_tier import FILE_NAME
+from node_agent.metrics import AgentMetrics
 
 
 def _no_orphans(b: EmbeddedBackend) -> None:
@@ -192,5 +203,38 @@ def test_failed_spill_drops_instead_and_never_serves_unwritten_bytes(tmp_path: P
         for x, y in zip(token_rows(layout, bufs, src), token_rows(layout, bufs, dst), strict=True):
             assert x.equal(y)
         _no_orphans(b)
+    finally:
+        b.shutdown()
+
+
+def test_failed_spills_are_counted_as_ssd_errors(tmp_path: Path) -> None:
+    """Each CPU block whose copy to SSD failed counts in
+    flexkv_agent_ssd_errors_total{op="spill"}, exported at 0 until then."""
+    layout = small_layout()
+    metrics = AgentMetrics()
+    b = EmbeddedBackend(config(layout, cpu_blocks=2, ssd_blocks=4, ssd_dir=tmp_path,
+                               high_watermark=1.0, low_watermark=1.0,
+                               deferred_visibility=True), metrics=metrics)
+    b.start()
+    try:
+        b.register_kv_buffers(0, make_buffers(layout, 64, 1))
+        value = metrics.registry.get_sample_value
+        assert value("flexkv_agent_ssd_errors_total", {"op": "spill"}) == 0
+        ssd = b.store.ssd
+        assert ssd is not None
+
+        def full_disk(index: int, buffers: object) -> None:
+            raise OSError(28, "No space left on device")
+
+        ssd.write = full_disk  # type: ignore[method-assign]
+        for seed, lo in ((1, 0), (2, 2 * TPB)):
+            t = tokens(2 * TPB, seed=seed)
+            tid, _ = b.put_match(t)
+            [w] = b.launch([tid], [np.arange(lo, lo + 2 * TPB, dtype=np.int64)])
+            assert b.wait([w])[w].status.value == "success"
+            b.publish(w)
+        dropped = [m for m in b.drain_moves() if m.dst is None]
+        assert dropped
+        assert value("flexkv_agent_ssd_errors_total", {"op": "spill"}) == len(dropped)
     finally:
         b.shutdown()

@@ -182,6 +182,7 @@ def test_common_labels_land_on_every_rendered_object(render_with: Any) -> None:
     render = render_with("--set", "commonLabels.team=kv-cache", "--set",
                          "monitoring.podMonitor.enabled=true", "--set", "examplePool.enabled=true",
                          "--set", "monitoring.dashboard.enabled=true",
+                         "--set", "monitoring.prometheusRule.enabled=true",
                          "--set", "networkPolicy.enabled=true",
                          "--set", "admissionPolicy.enabled=true", "--kube-version", "1.30.0")
     assert len({o["kind"] for o in render.objects}) >= 12
@@ -434,6 +435,7 @@ def test_chart_files_are_all_templated(helm: str) -> None:
     out = run_helm(
         helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE,
         "--set", "monitoring.podMonitor.enabled=true", "--set", "monitoring.dashboard.enabled=true",
+        "--set", "monitoring.prometheusRule.enabled=true",
         "--set", "examplePool.enabled=true", "--set", "networkPolicy.enabled=true",
         "--set", "admissionPolicy.enabled=true", "--kube-version", "1.30.0",
     ).stdout

@@ -84,6 +84,7 @@ def test_only_known_custom_resources_are_rendered(renders: dict[str, Render], ca
     assert custom <= {
         ("flexkv.io/v1alpha1", "KVCachePool"),
         ("monitoring.coreos.com/v1", "PodMonitor"),
+        ("monitoring.coreos.com/v1", "PrometheusRule"),
     }
 
 

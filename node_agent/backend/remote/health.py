@@ -33,6 +33,7 @@ class RemoteHealth:
         self._next_try = 0.0
         if metrics is not None:
             metrics.remote_up.set(0)
+            metrics.init_remote()
 
     @property
     def up(self) -> bool:
