@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -40,7 +39,7 @@ from tests.agent.harness import (
     wait_healthy,
     write_group_file,
 )
-from tests.remote.conftest import Master, free_port
+from tests.remote.conftest import Master, free_port, store_port
 
 OPERATOR_TESTS = Path(__file__).resolve().parents[1] / "operator"
 POOL = "tp"
@@ -48,21 +47,6 @@ NAMESPACE = "ns1"
 REPLICA = "rep"
 GROUP = f"{POOL}-{REPLICA}"
 ENGINE_TIMEOUT_S = 120.0
-
-
-def free_port_pair() -> int:
-    """A port p with p and p + 1 free (the transfer engine's RPC and data ports)."""
-    for _ in range(100):
-        p = free_port()
-        if p >= 65535:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p + 1))
-            except OSError:
-                continue
-        return p
-    raise AssertionError("no free pair of ports")
 
 
 def wait_until(cond: Any, timeout: float, what: str) -> Any:
@@ -97,7 +81,7 @@ class AgentGroup:
                         "masterAddress": master.address,
                         "metadataServer": master.metadata,
                         "segmentSize": "16Mi", "localBufferSize": "1Mi",
-                        "storePort": free_port_pair()}},
+                        "storePort": store_port()}},
                 }))
         self.fanout = {r: m["ports"]["fanout"] for r, m in enumerate(self.maps)}
         self.urls = [f"http://127.0.0.1:{m['ports']['http']}" for m in self.maps]
