@@ -83,11 +83,19 @@ class RankInfo:
     pp_size: int = 1
     tp_rank: int = 0
     tp_size: int = 1
+    model: str = ""
+    """The digest of the engine's model identity
+    (:meth:`node_agent.engine_api.identity.ModelIdentity.digest`); the agent keys the
+    stage's blocks by it and refuses calls of another model. ``""``: none sent."""
 
     def to_wire(self) -> dict[str, Any]:
         """The rank as the engine API sends it."""
-        return {"replica": self.replica, "ppRank": self.pp_rank, "ppSize": self.pp_size,
-                "tpRank": self.tp_rank, "tpSize": self.tp_size}
+        wire: dict[str, Any] = {"replica": self.replica, "ppRank": self.pp_rank,
+                                "ppSize": self.pp_size, "tpRank": self.tp_rank,
+                                "tpSize": self.tp_size}
+        if self.model:
+            wire["model"] = self.model
+        return wire
 
 
 

@@ -37,7 +37,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from node_agent.client import RankInfo
-from node_agent.integrations.vllm.config import ConnectorConfigError, parse_extra_config
+from node_agent.integrations.vllm.config import (
+    ConnectorConfigError,
+    model_identity,
+    parse_extra_config,
+)
 from node_agent.integrations.vllm.scheduler_side import SchedulerSide
 from node_agent.integrations.vllm.shm_pool import SharedKVAllocation
 from node_agent.integrations.vllm.worker_side import (
@@ -152,12 +156,15 @@ class FlexKVAgentConnector(KVConnectorBase_V1):
             )
         self.block_size = int(vllm_config.cache_config.block_size)
         self.tp_size = int(parallel.tensor_parallel_size)
+        self.identity = model_identity(vllm_config.model_config, self.cfg.model_salt)
+        self.model_digest = self.identity.digest()
         self._sched: SchedulerSide | None = None
         self._registrar: Registrar | None = None
         self._alloc: SharedKVAllocation | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._check_agent_present()
-            self._sched = SchedulerSide(self.cfg, self.block_size, self.tp_size)
+            self._sched = SchedulerSide(self.cfg, self.block_size, self.tp_size,
+                                        self.model_digest)
         else:
             self._head_size = int(vllm_config.model_config.get_head_size())
 
@@ -195,12 +202,12 @@ class FlexKVAgentConnector(KVConnectorBase_V1):
                                    "shared memory (get_mem_pool_context was not used)")
             handles = shm_handles(tensors, alloc.name, alloc.tensor)
         rank = RankInfo(replica=self.cfg.replica, tp_rank=get_tensor_model_parallel_rank(),
-                        tp_size=self.tp_size)
+                        tp_size=self.tp_size, model=self.model_digest)
         self._registrar = Registrar(self.cfg, rank, layout, handles, self.block_size)
         if self._registrar.register(at_start=True):
             log.info("KV cache registered with the FlexKV agent: %s layers, layout %s, "
-                     "%s tokens per block", layout.num_layers, layout.name.value,
-                     self.block_size)
+                     "%s tokens per block, model %s (%s)", layout.num_layers,
+                     layout.name.value, self.block_size, self.model_digest, self.identity)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         return  # loads are made by the scheduler side, between steps

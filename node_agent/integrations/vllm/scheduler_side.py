@@ -150,10 +150,11 @@ class _Store:
 class SchedulerSide:
     """Data calls and completion bookkeeping of the scheduler-side connector."""
 
-    def __init__(self, cfg: AgentConnectorConfig, block_size: int, tp_size: int) -> None:
+    def __init__(self, cfg: AgentConnectorConfig, block_size: int, tp_size: int,
+                 model: str = "") -> None:
         self.cfg = cfg
         self.block_size = block_size
-        rank = RankInfo(replica=cfg.replica, tp_rank=0, tp_size=tp_size)
+        rank = RankInfo(replica=cfg.replica, tp_rank=0, tp_size=tp_size, model=model)
         self.counters = Counters()
         self.health = AgentHealth(cfg.retry_seconds, lambda: self._count(agent_errors=1))
         self._lookup_client = EngineClient(cfg.engine_socket, rank,
