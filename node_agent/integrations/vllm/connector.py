@@ -105,13 +105,17 @@ _PROM = {
     "agent_errors": ("vllm:flexkv_agent_errors",
                      "Calls to the FlexKV agent that failed (agent down or restarting); "
                      "requests were recomputed"),
-    "hit_tokens": ("vllm:flexkv_agent_hit_tokens", "Prompt tokens the FlexKV agent matched"),
+    "hit_tokens": ("vllm:flexkv_agent_hit_tokens",
+                   "Prompt tokens the FlexKV agent found, once per request"),
+    "lookups": ("vllm:flexkv_agent_lookups", "Lookups made to the FlexKV agent"),
     "loaded_tokens": ("vllm:flexkv_agent_loaded_tokens",
                       "Tokens loaded from the FlexKV agent into vLLM's KV blocks"),
     "load_failures": ("vllm:flexkv_agent_load_failures",
                       "Loads from the FlexKV agent that failed and were recomputed"),
     "stored_tokens": ("vllm:flexkv_agent_stored_tokens",
                       "Tokens whose KV was stored into the FlexKV agent"),
+    "stores_skipped": ("vllm:flexkv_agent_stores_skipped",
+                       "Stores given up without a call: the FlexKV agent was known down"),
 }
 
 
