@@ -26,8 +26,10 @@ Flow of one request (``rid`` = vLLM's request id):
 Nothing here ever blocks vLLM for longer than one bounded call, and every agent
 failure ends in a miss (recompute), never an error: the agent is a cache. Once
 a call failed because the agent is down, nothing calls it (lookups answer 0,
-stores are given up and their blocks freed at once) until a ping from the probe
-thread, every ``retrySeconds``, is answered (:class:`AgentHealth`).
+stores are given up and their blocks freed at once) until a probe from its own
+thread every ``retrySeconds`` is answered (:class:`AgentHealth`): a ``release`` of
+a rid no request has, which the agent answers only once it serves this engine's
+stage again (registered, same model).
 """
 
 from __future__ import annotations
@@ -74,6 +76,9 @@ POLL_SECONDS = 0.005
 #: the agent is asked again (it keeps a match for ``unlaunchedMatchSeconds``, 30 s
 #: by default).
 LOOKUP_REUSE_SECONDS = 20.0
+#: The rid of the probe's call (a ``release`` of a rid no request has): it succeeds
+#: only once the agent serves this engine's stage (registered, same model).
+PROBE_RID = "flexkv-connector-probe"
 
 
 @dataclass
@@ -116,7 +121,7 @@ class AgentHealth:
 
     After a call failed because the agent is down (:func:`agent_down`), no call is
     made to it (:meth:`usable` is False, so nothing in vLLM waits on it) until a
-    probe, a ``ping`` from its own thread every ``retry_seconds``, gets an answer.
+    probe, a call from its own thread every ``retry_seconds``, gets an answer.
     """
 
     def __init__(self, retry_seconds: float, on_error: Callable[[], None],
@@ -144,7 +149,7 @@ class AgentHealth:
             self._probing = self._probing or start
         if first:
             log.warning("FlexKV agent unavailable, serving without the cache (recompute) "
-                        "and calling it again only once it answers a ping (every %ss): "
+                        "and calling it again only once it answers a probe (every %ss): "
                         "%s failed: %s", self._retry, what, exc)
         if start:
             threading.Thread(target=self._probe_loop, name="flexkv-probe", daemon=True).start()
@@ -215,7 +220,7 @@ class SchedulerSide:
         self._probe_client = EngineClient(cfg.engine_socket, rank,
                                           timeout=cfg.lookup_timeout_seconds)
         self.health = AgentHealth(cfg.retry_seconds, lambda: self._count(agent_errors=1),
-                                  probe=self._probe_client.ping)
+                                  probe=lambda: self._probe_client.release(PROBE_RID))
         self._lookup_client = EngineClient(cfg.engine_socket, rank,
                                            timeout=cfg.lookup_timeout_seconds)
         self._load_client = EngineClient(cfg.engine_socket, rank, timeout=cfg.call_timeout_seconds)
