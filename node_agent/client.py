@@ -7,7 +7,10 @@ forwards them over the agent's ``ipc://`` engine socket. Every call is bounded b
 after an agent restart (one deadline per call). Errors:
 
 * :class:`AgentUnavailableError` when no agent listens on the socket (the message
-  names the path and how to start one);
+  names the path and how to start one), also during a call: a killed agent
+  leaves its socket file behind, and a call waiting for an answer checks every
+  :data:`LISTENER_CHECK_SECONDS` that something still listens on it (the agent
+  process is gone: it no longer reads any of the call's slots);
 * :class:`AgentTimeoutError` when the agent did not answer in time. The agent
   ends every call inside its ``engineCallSeconds``, so an agent ``TimeoutError``
   answer means the call is over; after a client-side timeout (no answer) treat
@@ -35,6 +38,7 @@ import itertools
 import math
 import os
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -56,6 +60,27 @@ _NOBLOCK = int(zmq.NOBLOCK)
 _RCVMORE = int(zmq.RCVMORE)
 SOCKET_CHECK_SECONDS = 0.1
 """A connected client checks that the agent's socket file exists at most this often."""
+LISTENER_CHECK_SECONDS = 0.25
+"""While a call waits for its answer, it checks this often that something still
+listens on the socket: a killed agent leaves its socket file behind, and a call to
+it would otherwise wait out its whole timeout."""
+
+
+def listener_gone(path: str) -> bool:
+    """True when nothing listens on the Unix socket ``path`` (connection refused, or
+    no file): the agent process is gone. A connection attempt that does not fail so
+    is closed at once, before any byte is sent."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.setblocking(False)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return True
+    except OSError:  # e.g. a full backlog: a listener exists
+        return False
+    finally:
+        probe.close()
+    return False
 
 
 class EngineAPIError(RuntimeError):
@@ -83,11 +108,19 @@ class RankInfo:
     pp_size: int = 1
     tp_rank: int = 0
     tp_size: int = 1
+    model: str = ""
+    """The digest of the engine's model identity
+    (:meth:`node_agent.engine_api.identity.ModelIdentity.digest`); the agent keys the
+    stage's blocks by it and refuses calls of another model. ``""``: none sent."""
 
     def to_wire(self) -> dict[str, Any]:
         """The rank as the engine API sends it."""
-        return {"replica": self.replica, "ppRank": self.pp_rank, "ppSize": self.pp_size,
-                "tpRank": self.tp_rank, "tpSize": self.tp_size}
+        wire: dict[str, Any] = {"replica": self.replica, "ppRank": self.pp_rank,
+                                "ppSize": self.pp_size, "tpRank": self.tp_rank,
+                                "tpSize": self.tp_size}
+        if self.model:
+            wire["model"] = self.model
+        return wire
 
 
 
@@ -161,8 +194,9 @@ class EngineClient:
         A stat per call costs as much as a tenth of a ping, so a connected client
         looks again only once :data:`SOCKET_CHECK_SECONDS` passed since the file
         was last seen; a call sent in between to an agent that just went away
-        waits for a restarted agent (libzmq reconnects and delivers it) or ends
-        with :class:`AgentTimeoutError`."""
+        is delivered to an agent restarted within :data:`LISTENER_CHECK_SECONDS`
+        (libzmq reconnects), else ends with :class:`AgentUnavailableError` once
+        nothing listens on the socket (:meth:`_check_listener`)."""
         if self._sock is not None and now < self._file_seen + SOCKET_CHECK_SECONDS:
             return
         if not os.path.exists(self._path_str):
@@ -172,6 +206,16 @@ class EngineClient:
                 "the agent's engineSocket"
             )
         self._file_seen = now
+
+    def _check_listener(self, op: str) -> None:
+        """Raise :class:`AgentUnavailableError` when nothing listens on the socket any
+        more (the agent was killed; its socket file stays until a new agent binds)."""
+        if listener_gone(self._path_str):
+            self._reset_socket()
+            raise AgentUnavailableError(
+                f"{op}: the agent at ipc://{self.socket_path} went away during the call "
+                "(nothing listens on its socket); start the agent again"
+            )
 
     def _call_once(self, op: str, args: Mapping[str, Any] | None,
                    arrays: Mapping[str, Any] | None, deadline: float, budget: float) -> Any:
@@ -204,12 +248,20 @@ class EngineClient:
                     if left <= 0:
                         raise zmq.Again
                     # A blocking receive bounded by RCVTIMEO (no poller built per
-                    # call); the option is set only when the bound changes.
-                    wait_ms = int(left * 1000) + 1
+                    # call); the option is set only when the bound changes. Waits
+                    # of more than LISTENER_CHECK_SECONDS are cut into slices,
+                    # between which a gone agent ends the call (_check_listener).
+                    wait_ms = int(min(left, LISTENER_CHECK_SECONDS) * 1000) + 1
                     if wait_ms != self._rcvtimeo:
                         sock.setsockopt(zmq.RCVTIMEO, wait_ms)
                         self._rcvtimeo = wait_ms
-                    got = [sock.recv()]
+                    try:
+                        got = [sock.recv()]
+                    except zmq.Again:
+                        if deadline - time.monotonic() <= 0:
+                            raise
+                        self._check_listener(op)
+                        continue
                     while sock.getsockopt(_RCVMORE):
                         got.append(sock.recv())
                 except zmq.Again:

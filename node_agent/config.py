@@ -269,6 +269,9 @@ class AgentConfig:
     backend: str = _key("backend", _choice("embedded", "flexkv"), default="embedded")
     tokens_per_block: int = _key("tokensPerBlock", _int(1, 1 << 16), default=16)
     cache_epoch: int = _key("cacheEpoch", _int(0), default=0)
+    # Folded into every stage's model namespace (engine_api/identity.py): bump it when
+    # the weights behind one model name and revision change.
+    model_salt: str = _key("modelSalt", _str(nonempty=False), default="")
     tiers: Tiers = field(default_factory=Tiers, metadata={"key": "tiers"})
     eviction: Eviction = field(default_factory=Eviction, metadata={"key": "eviction"})
     ports: Ports = field(default_factory=Ports, metadata={"key": "ports"})

@@ -33,6 +33,10 @@ class EmbeddedBackendConfig:
     hash_algorithm: HashAlgorithm = HashAlgorithm.XXH3_64
     deferred_visibility: bool = False
     expected_ranks: int = 0
+    namespace: str | None = None
+    """Namespace of every block hash when a call names none: the stage's model
+    (``node_agent.engine_api.identity.stage_namespace``), so that the blocks of two
+    models never share an id in any tier."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, KVLayout):

@@ -238,6 +238,14 @@ class EmbeddedBackend(ReplicatedBackend):
 
     # -- matching ------------------------------------------------------------
 
+    def _namespace(self, namespace: str | None) -> str | None:
+        """The hash namespace of a call: the stage's model namespace, joined with
+        the call's own (a LoRA name, a cache salt) when it names one."""
+        stage = self.config.namespace
+        if stage is None or namespace is None:
+            return stage if namespace is None else namespace
+        return f"{stage}\x00{namespace}"
+
     def get_match(
         self,
         token_ids: TokenArray,
@@ -248,7 +256,7 @@ class EmbeddedBackend(ReplicatedBackend):
         tokens = as_token_ids(token_ids)
         start, end = mask_span(token_mask, len(tokens), self.tokens_per_block)
         tpb = self.tokens_per_block
-        hashes = self._hasher.hashes(tokens, namespace, limit=end // tpb)
+        hashes = self._hasher.hashes(tokens, self._namespace(namespace), limit=end // tpb)
         if self.remote is not None and hashes and self.fetch_in_match:
             self._continue_on_remote(hashes)
         with self._lock:
@@ -294,7 +302,7 @@ class EmbeddedBackend(ReplicatedBackend):
         tokens = as_token_ids(token_ids)
         start, end = mask_span(token_mask, len(tokens), self.tokens_per_block)
         tpb = self.tokens_per_block
-        hashes = self._hasher.hashes(tokens, namespace, limit=end // tpb)
+        hashes = self._hasher.hashes(tokens, self._namespace(namespace), limit=end // tpb)
         nothing = (-1, span_mask(len(tokens), 0, 0))
         with self._lock:
             index = self._require_started()
@@ -342,7 +350,8 @@ class EmbeddedBackend(ReplicatedBackend):
             return
         tokens = as_token_ids(token_ids)
         _, end = mask_span(token_mask, len(tokens), self.tokens_per_block)
-        hashes = self._hasher.hashes(tokens, namespace, limit=end // self.tokens_per_block)
+        hashes = self._hasher.hashes(tokens, self._namespace(namespace),
+                                     limit=end // self.tokens_per_block)
         if hashes:
             self._continue_on_remote(hashes)
 

@@ -45,8 +45,10 @@ from node_agent.backend.replication import (
 class SingleStageBackend(ReplicatedBackend):
     """Delegates the FlexKV contract to ``inner``; replication hooks for one stage."""
 
-    def __init__(self, inner: KVBackend) -> None:
+    def __init__(self, inner: KVBackend, namespace: str | None = None) -> None:
         self.inner = inner
+        self.namespace = namespace
+        """The stage's model namespace, given to ``inner`` when a call names none."""
         self.tokens_per_block = inner.tokens_per_block
         self._lock = threading.Lock()
         # Direction of every matched task not yet reaped, for plan_of.
@@ -104,7 +106,8 @@ class SingleStageBackend(ReplicatedBackend):
         token_mask: BoolMask | None = None,
         namespace: str | None = None,
     ) -> tuple[int, BoolMask]:
-        task_id, mask = self.inner.get_match(token_ids, token_mask, namespace)
+        task_id, mask = self.inner.get_match(token_ids, token_mask,
+                                             namespace or self.namespace)
         self._remember(task_id, Direction.LOAD)
         return task_id, mask
 
@@ -114,7 +117,8 @@ class SingleStageBackend(ReplicatedBackend):
         token_mask: BoolMask | None = None,
         namespace: str | None = None,
     ) -> tuple[int, BoolMask]:
-        task_id, mask = self.inner.put_match(token_ids, token_mask, namespace)
+        task_id, mask = self.inner.put_match(token_ids, token_mask,
+                                             namespace or self.namespace)
         self._remember(task_id, Direction.STORE)
         return task_id, mask
 

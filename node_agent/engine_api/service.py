@@ -11,7 +11,11 @@ Contract of the operations (``rank`` identifies the calling engine rank):
 * ``register`` opens the buffer handles (:func:`.buffers.open_buffer`) and hands
   the tensors to the connector. Re-registering a rank (engine restart) swaps its
   buffers; cached blocks stay. A layout that disagrees with the stage's, or a
-  ``tokensPerBlock`` other than the pool's, is refused with ``ValueError``.
+  ``tokensPerBlock`` other than the pool's, is refused with ``ValueError``. A rank
+  whose model digest (``rank.model``, :mod:`.identity`) differs from the stage's
+  replaces the stage: a fresh one, whose blocks are keyed by the new model.
+* every other call whose ``rank.model`` differs from its stage's is refused with
+  ``NotReady`` (an engine of another model registered the replica since).
 * ``lookup`` / ``retrieve`` / ``store_kv`` / ``release`` / ``poll_completed`` go to
   the stage's connector unchanged. They come from TP rank 0 only: one call moves
   the KV of every TP rank of the stage (other ranks get ``ValueError``). A rank
@@ -41,6 +45,7 @@ from typing import Any, Protocol
 from node_agent.backend.layout import KVLayout
 from node_agent.engine_api import protocol
 from node_agent.engine_api.buffers import OpenedBuffer, open_buffer
+from node_agent.engine_api.identity import check_digest
 from node_agent.engine_api.protocol import layout_to_wire, parse_layout
 from node_agent.engine_api.server import NotReadyError
 
@@ -93,6 +98,9 @@ class RankRef:
     pp_size: int
     tp_rank: int
     tp_size: int
+    model: str = ""
+    """The digest of the engine's model identity (``identity.ModelIdentity``); ``""``
+    when the engine sent none."""
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> RankRef:
@@ -109,7 +117,9 @@ class RankRef:
             vals[key] = v
         if vals["ppRank"] >= vals["ppSize"] or vals["tpRank"] >= vals["tpSize"]:
             raise ValueError(f"rank {dict(raw)!r}: ppRank < ppSize and tpRank < tpSize must hold")
-        return cls(replica, vals["ppRank"], vals["ppSize"], vals["tpRank"], vals["tpSize"])
+        model = check_digest("rank.model", raw.get("model", ""))
+        return cls(replica, vals["ppRank"], vals["ppSize"], vals["tpRank"], vals["tpSize"],
+                   model)
 
     @property
     def stage(self) -> StageKey:
@@ -132,6 +142,10 @@ class Stage:
     registrations: int = 0
     last_call: float = field(default_factory=time.monotonic)
     """When an engine rank of this stage last called (monotonic clock)."""
+    model: str = ""
+    """The model digest of the ranks that registered this stage: calls of any
+    other model are refused, and a registration of another model replaces the
+    stage (its blocks are never seen by the other model)."""
     inline_ops: frozenset[str] = frozenset()
     """Operations of this stage that never wait on a peer, a copy or a timer
     (a single-stage group's ``lookup``, ``release``, ``poll_completed`` on the
@@ -226,6 +240,13 @@ class EngineService:
                 f"rank {rank.replica}/pp{rank.pp_rank}/tp{rank.tp_rank} has not registered its "
                 "KV buffers with this agent; call register_kv_buffers first"
             )
+        if rank.model != stage.model:
+            raise NotReadyError(
+                f"stage {rank.replica}/pp{rank.pp_rank} serves model {stage.model or '(none)'} "
+                f"but this call is from model {rank.model or '(none)'}: an engine of another "
+                "model registered this replica since; give each model its own replica name, "
+                "or restart this engine so that it registers again"
+            )
         stage.last_call = time.monotonic()
         return stage.connector
 
@@ -277,6 +298,15 @@ class EngineService:
 
     def _stage_for(self, rank: RankRef, layout: KVLayout) -> Stage:
         stage = self.stages.get(rank.stage)
+        if stage is not None and stage.model != rank.model:
+            # Another model (a fine-tune, new weights under one name) on this replica:
+            # a fresh stage, so that none of the old model's blocks can be loaded.
+            del self.stages[rank.stage]
+            log.warning("Stage replaced by an engine of another model", extra={
+                "replica": rank.replica, "pp_rank": rank.pp_rank,
+                "old_model": stage.model, "new_model": rank.model})
+            stage.close()
+            stage = None
         if stage is not None and not stage.buffers and (
                 stage.layout != layout or stage.pp_size != rank.pp_size):
             # Nothing registered into it yet: a corrected first registration rebuilds it.

@@ -34,12 +34,14 @@ from node_agent.backend.embedded import EmbeddedBackend
 from node_agent.backend.flexkv_adapter import start_flexkv_backend
 from node_agent.backend.layout import KVLayout
 from node_agent.backend.remote.keys import KeySpace
+from node_agent.backend.remote.objects import HEADER_BYTES
 from node_agent.backend.remote.tier import RemoteTier
 from node_agent.backend.replication import ReplicatedBackend
 from node_agent.backend.single_stage import SingleStageBackend
 from node_agent.backend.stage_store import TierStore
 from node_agent.connector import Connector, ConnectorConfig
 from node_agent.engine_api.budget import call_budget
+from node_agent.engine_api.identity import stage_namespace
 from node_agent.engine_api.service import INLINE_CANDIDATES, RankRef, Stage
 from node_agent.pp.auth import CurveKeys
 from node_agent.pp.group import GroupView, GroupViewSource, Member
@@ -48,8 +50,10 @@ if TYPE_CHECKING:
     from node_agent.agent import Agent
 
 
-def backend_config(agent: Agent, layout: KVLayout) -> EmbeddedBackendConfig:
-    """The embedded backend's config from agent.yaml ``tiers``/``eviction``/``timeouts``."""
+def backend_config(agent: Agent, layout: KVLayout, model: str = "") -> EmbeddedBackendConfig:
+    """The embedded backend's config from agent.yaml ``tiers``/``eviction``/``timeouts``;
+    its hash namespace is the stage's ``model`` (a digest, ``""`` for none) with the
+    pool's ``modelSalt``."""
     cfg = agent.cfg
     ssd = cfg.tiers.ssd
     return EmbeddedBackendConfig(
@@ -58,18 +62,21 @@ def backend_config(agent: Agent, layout: KVLayout) -> EmbeddedBackendConfig:
         high_watermark=cfg.eviction.high_watermark, low_watermark=cfg.eviction.low_watermark,
         unlaunched_match_seconds=cfg.timeouts.unlaunched_match_seconds,
         deferred_visibility=True,
+        namespace=stage_namespace(model, cfg.model_salt),
     )
 
 
 def remote_tier(agent: Agent, rank: RankRef, layout: KVLayout) -> RemoteTier | None:
     """The stage's remote tier over the agent's Mooncake pool (None without
-    ``tiers.remote``); its keys carry the stage's PP rank and the pool's salt."""
+    ``tiers.remote``); its keys carry the stage's PP rank, the pool's salt and the
+    stage's model namespace."""
     pool = agent.remote_pool
     if pool is None:
         return None
     cfg = agent.cfg
     keyspace = KeySpace(layout=layout, pp_rank=rank.pp_rank, pp_size=rank.pp_size,
-                        namespace=cfg.namespace, pool=cfg.pool, cache_epoch=agent.key_epoch)
+                        namespace=cfg.namespace, pool=cfg.pool, cache_epoch=agent.key_epoch,
+                        model=stage_namespace(rank.model, cfg.model_salt))
     return RemoteTier(pool, keyspace, epoch=lambda: agent.key_epoch)
 
 
@@ -101,14 +108,15 @@ def default_stage_builder(agent: Agent, rank: RankRef, layout: KVLayout) -> Stag
             "the pool for pipeline-parallel engines that span nodes"
         )
     group = group_name(cfg.pool, rank.replica)
-    bcfg = backend_config(agent, layout)  # validates sizes against the layout
+    bcfg = backend_config(agent, layout, rank.model)  # validates sizes against the layout
     remote = cfg.tiers.remote
-    if remote is not None and remote.mooncake.local_buffer_size < 2 * layout.bytes_per_block:
+    object_bytes = layout.bytes_per_block + HEADER_BYTES
+    if remote is not None and remote.mooncake.local_buffer_size < 2 * object_bytes:
         raise ValueError(
             f"tiers.remote.mooncake.localBufferSize {remote.mooncake.local_buffer_size} bytes "
-            f"holds less than two {layout.bytes_per_block}-byte blocks of this layout (one to "
-            f"fetch, one to write); raise it to at least {2 * layout.bytes_per_block} bytes "
-            "in the agent's config, or register a layout with smaller blocks"
+            f"holds less than two {object_bytes}-byte objects of this layout (a block and its "
+            f"header; one to fetch, one to write); raise it to at least {2 * object_bytes} "
+            "bytes in the agent's config, or register a layout with smaller blocks"
         )
     if rank.pp_size == 1:
         me = Member(node=cfg.node_name, pp_rank=0, fanout_endpoint="")
@@ -123,7 +131,8 @@ def default_stage_builder(agent: Agent, rank: RankRef, layout: KVLayout) -> Stag
 
     def leader_backend() -> ReplicatedBackend:
         if cfg.backend == "flexkv":
-            return SingleStageBackend(start_flexkv_backend(cfg, layout, metrics))
+            return SingleStageBackend(start_flexkv_backend(cfg, layout, metrics),
+                                      namespace=bcfg.namespace)
         return EmbeddedBackend(bcfg, metrics=metrics, remote=remote_tier(agent, rank, layout))
 
     connector = Connector(
@@ -138,4 +147,4 @@ def default_stage_builder(agent: Agent, rank: RankRef, layout: KVLayout) -> Stag
     # FlexKV's manager may wait on its own server: its calls keep the workers.
     inline = INLINE_CANDIDATES if rank.pp_size == 1 and cfg.backend != "flexkv" else frozenset()
     return Stage(key=rank.stage, pp_size=rank.pp_size, group=group, layout=layout,
-                 connector=connector, views=views, inline_ops=inline)
+                 connector=connector, views=views, inline_ops=inline, model=rank.model)

@@ -53,6 +53,7 @@ def agent_config(pool: PoolIdentity, config: PoolConfig) -> dict[str, Any]:
         "backend": config.backend,
         "tokensPerBlock": config.tokens_per_block,
         "cacheEpoch": config.cache_epoch,
+        **({"modelSalt": config.model_salt} if config.model_salt else {}),
         "tiers": tiers,
         "eviction": {
             "policy": eviction["policy"],

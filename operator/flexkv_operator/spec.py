@@ -87,6 +87,8 @@ class PoolConfig:
     fanout_port: int
     timings: Timings
     cache_epoch: int
+    model_salt: str
+    """``spec.modelSalt``: folded into every stage's model identity by the agents."""
     expected_ranks: int
     image: str
     agent_user: int
@@ -219,6 +221,10 @@ def parse_pool_spec(
     epoch = raw.get("cacheEpoch", 0)
     if not isinstance(epoch, int) or epoch < 0:
         problems.append(ConfigProblem("cacheEpoch", f"{epoch!r} must be an integer >= 0"))
+    salt = raw.get("modelSalt", "")
+    if not isinstance(salt, str) or len(salt) > 253:
+        problems.append(ConfigProblem(
+            "modelSalt", f"{salt!r} must be a string of at most 253 characters, e.g. weights-v2"))
     ranks = raw.get("expectedRanks", 1)
     if not isinstance(ranks, int) or not 0 <= ranks <= 64:
         problems.append(ConfigProblem("expectedRanks", f"{ranks!r} must be an integer in 0..64"))
@@ -291,6 +297,7 @@ def parse_pool_spec(
         fanout_port=int(fanout),
         timings=Timings(int(lease), int(renew), int(retry)),
         cache_epoch=int(epoch),
+        model_salt=str(salt),
         expected_ranks=int(ranks),
         image=str(image),
         agent_user=ids["runAsUser"],

@@ -67,3 +67,24 @@ def test_one_stage_group_round_trips_through_flexkv(flexkv_agent: Agent) -> None
 def test_multi_stage_group_is_refused_naming_the_fix(flexkv_agent: Agent) -> None:
     with pytest.raises(ValueError, match=r"one-stage groups only.*ppSize 2.*backend: embedded"):
         default_stage_builder(flexkv_agent, RankRef("rep", 0, 2, 0, 1), LAYOUT)
+
+
+def test_a_stage_of_a_model_hands_flexkv_its_model_namespace(flexkv_agent: Agent) -> None:
+    """FlexKV keys blocks by namespace: a stage registered by an engine of a model
+    passes the model's namespace on every match, so two models never share a block."""
+    import flexkv._fake as fake
+
+    from node_agent.engine_api.identity import ModelIdentity, stage_namespace
+
+    model = ModelIdentity(model="/models/llama").digest()
+    stage = default_stage_builder(flexkv_agent, RankRef("rep", 0, 1, 0, 1, model), LAYOUT)
+    conn = stage.connector
+    try:
+        conn.register_kv_buffers(0, _buffers())
+        tokens = np.arange(4 * TPB, dtype=np.int64) + 100
+        conn.lookup("x", tokens)
+        manager = fake.MANAGERS[-1]
+        seen = [kw["namespace"] for name, kw in manager.calls if name == "get_match"]
+        assert seen == [[stage_namespace(model, "")]]
+    finally:
+        conn.close()

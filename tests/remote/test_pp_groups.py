@@ -5,6 +5,7 @@ moves in the ordered stream, and every stage fetches its own stage's bytes."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -45,7 +46,8 @@ class Group:
     ``epochs[r]`` is stage r's ``cacheEpoch`` (its agent's key epoch), which both
     its remote keys and its connector follow, as in the agent."""
 
-    def __init__(self, name: str, nodes: list[Node], epochs: list[int] | None = None) -> None:
+    def __init__(self, name: str, nodes: list[Node], epochs: list[int] | None = None,
+                 namespace: str | None = None) -> None:
         self.views = [GroupViewSource(GroupView(name, 0, None, ())) for _ in nodes]
         self.conns: list[Connector] = []
         self.bufs = []
@@ -62,8 +64,9 @@ class Group:
                 heartbeat_seconds=0.1, leader_timeout_seconds=3.0)
             conn = Connector(
                 cfg, self.views[rank],
-                backend_factory=lambda tier=tier: EmbeddedBackend(backend_config(64, True),
-                                                                 remote=tier()),
+                backend_factory=lambda tier=tier: EmbeddedBackend(
+                    dataclasses.replace(backend_config(64, True), namespace=namespace),
+                    remote=tier()),
                 store_factory=lambda tier=tier: TierStore(backend_config(64, True), tier()),
                 keys=None, metrics=n.metrics,
                 cache_epoch=lambda rank=rank: self.epochs[rank]).start()
@@ -101,12 +104,16 @@ class Group:
 
 
 @pytest.fixture
-def groups(master: Master) -> Iterator[tuple[Group, Group, list[Node]]]:
+def groups(master: Master, request: pytest.FixtureRequest,
+           ) -> Iterator[tuple[Group, Group, list[Node]]]:
+    """Two groups of two stages on four nodes; ``request.param`` (indirect) is the
+    stages' model namespace (the engines' model identity), None by default."""
+    namespace = getattr(request, "param", None)
     nodes = [node(master) for _ in range(4)]
     made: list[Group] = []
     try:
-        made.append(Group("tp-a", nodes[:2]))
-        made.append(Group("tp-b", nodes[2:]))
+        made.append(Group("tp-a", nodes[:2], namespace=namespace))
+        made.append(Group("tp-b", nodes[2:], namespace=namespace))
         yield made[0], made[1], nodes
     finally:
         for g in made:
@@ -115,8 +122,11 @@ def groups(master: Master) -> Iterator[tuple[Group, Group, list[Node]]]:
             n.close()
 
 
+@pytest.mark.parametrize("groups", [None, "model:7f3a"], indirect=True)
 def test_group_b_serves_group_a_prefix_each_stage_from_its_own_keys(
         groups: tuple[Group, Group, list[Node]]) -> None:
+    """With and without a model namespace: the leader's fetch outside its decision
+    lock hashes the prompt as its match does, so B's lookup finds what it fetched."""
     a, b, nodes = groups
 
     def store(r: int, c: Connector) -> int:

@@ -92,3 +92,15 @@ def test_fields_the_plugin_passes_and_reads(sglang_root: Path) -> None:
                 and n.name == "__init__")
     assert [a.arg for a in init.args.args][:3] == ["self", "token_ids", "extra_key"]
     assert "cache_salt" in [a.arg for a in init.args.args]
+
+
+def test_the_server_arguments_the_model_identity_reads_exist(sglang_root: Path) -> None:
+    registry = sglang_root / "srt" / "mem_cache" / "registry.py"
+    assert "server_args" in _fields(_class(registry, "TreeCacheBuildContext"))
+    fields = sglang_root / "srt" / "arg_groups" / "fields"
+    declared: set[str] = set()
+    for path in fields.glob("*.py"):
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                declared.add(node.target.id)
+    assert {"model_path", "served_model_name", "revision", "tokenizer_path"} <= declared

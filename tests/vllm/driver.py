@@ -1,7 +1,8 @@
 """A vLLM engine process driven over stdin/stdout by the tests and the benchmark.
 
 Run with the vLLM venv's python: ``driver.py MODEL_DIR JSON_OPTIONS``. It builds
-one ``vllm.LLM`` (CPU build), prints ``@@ {"ready": ...}`` and then answers one
+one ``vllm.LLM`` (CPU build), prints ``@@ {"ready": ..., "model_digest": ...}`` (the
+digest of the model identity the connector sends) and then answers one
 JSON command per stdin line with one ``@@ {...}`` line (vLLM's own output goes
 to stderr/stdout around it):
 
@@ -14,7 +15,9 @@ to stderr/stdout around it):
 * ``{"op": "quit"}``
 
 JSON_OPTIONS: ``{"block_size": 128, "kv_transfer_config": {...} | null,
-"max_model_len": 4096, "executor": null | "uni" | "mp"}``.
+"max_model_len": 4096, "executor": null | "uni" | "mp", "num_gpu_blocks": null | int}``
+(``num_gpu_blocks``: vLLM's ``num_gpu_blocks_override``, a small KV cache makes
+requests wait for admission).
 """
 
 from __future__ import annotations
@@ -48,11 +51,17 @@ def main() -> None:
                   block_size=options.get("block_size", 128),
                   kv_transfer_config=options.get("kv_transfer_config"),
                   disable_log_stats=False, seed=0,
-                  distributed_executor_backend=options.get("executor"))
+                  distributed_executor_backend=options.get("executor"),
+                  num_gpu_blocks_override=options.get("num_gpu_blocks"))
     except Exception as exc:
         reply({"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()})
         raise SystemExit(3) from exc
-    reply({"ready": True, "seconds": time.monotonic() - started})
+    # The model digest the connector sends (to let a test client act as this model).
+    from node_agent.integrations.vllm.config import model_identity
+
+    extra = (options.get("kv_transfer_config") or {}).get("kv_connector_extra_config") or {}
+    digest = model_identity(llm.llm_engine.model_config, extra.get("modelSalt")).digest()
+    reply({"ready": True, "seconds": time.monotonic() - started, "model_digest": digest})
     for line in sys.stdin:
         cmd = json.loads(line)
         op = cmd["op"]

@@ -156,6 +156,7 @@ def test_prompt_comes_back_from_the_agent_after_reset_prefix_cache(world: World)
     a = world.engine("a", connector_config(world.agent.socket))
     b = world.engine("b", None)  # the baseline without a connector starts alongside
     assert "error" not in a.wait_ready(), a.tail()
+    world.results["digest"] = a.ready["model_digest"] if a.ready else ""
     p1 = ids(1)
     cold = a.generate([p1])
     assert cold["cached"] == [0]
@@ -187,15 +188,17 @@ def test_greedy_outputs_equal_an_engine_without_the_connector(world: World) -> N
 
 def test_second_engine_hits_what_the_first_stored_and_depends_on_the_bytes(
         world: World) -> None:
-    # A scribbling engine stores wrong KV for prompt 3 (same replica and layout as
-    # vLLM's): the agent now holds bytes that do not belong to those tokens.
+    # A scribbling engine stores wrong KV for prompt 3 (same replica, layout and model
+    # identity as vLLM's): the agent now holds bytes that do not belong to those tokens.
     layout = KVLayout(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_size=HEAD,
                       dtype=KVDtype.BFLOAT16, tokens_per_block=BLOCK,
                       name=LayoutName.LAYER_BLOCK_HEAD_TOKEN_KV)
     blocks = PROMPT // BLOCK + 1
     shape = (blocks, KV_HEADS, BLOCK, 2 * HEAD)
     with SharedKVBuffers([[shape] * LAYERS], torch.bfloat16) as bufs, \
-            EngineClient(world.agent.socket, RankInfo(replica="vllm"), timeout=15) as client:
+            EngineClient(world.agent.socket,
+                         RankInfo(replica="vllm", model=world.results["digest"]),
+                         timeout=15) as client:
         for t in bufs.tensors[0]:
             t.copy_(torch.randn(shape) * 3)
         client.register_kv_buffers(layout, bufs.handles)

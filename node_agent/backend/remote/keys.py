@@ -9,7 +9,9 @@ A key is ``fkv2/<fingerprint>/<block digest>``:
 * the *fingerprint* is a digest of everything that makes two blocks with the same
   tokens hold incompatible bytes: the stage's model shape and dtype, tokens per
   block, the buffer layout, TP size, the PP rank and size, the hash algorithm, the
-  pool's namespace salt (Kubernetes namespace and pool name) and the cache epoch.
+  pool's namespace salt (Kubernetes namespace and pool name), the cache epoch and
+  the stage's model namespace (``engine_api/identity.py``: the engine's model
+  identity and the pool's ``modelSalt``).
 
 So an agent can only ever find (and load) blocks written under exactly its own
 fingerprint: a block of another layout, pool, epoch or stage is simply a miss.
@@ -50,6 +52,8 @@ class KeySpace:
     pool: str = "default"
     cache_epoch: int = 0
     hash_algorithm: str = "xxh3_64"
+    model: str | None = None
+    """The stage's model namespace (None: an engine that sent no identity)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.pp_rank < self.pp_size:
@@ -70,6 +74,8 @@ class KeySpace:
             "namespace": self.namespace, "pool": self.pool, "cache_epoch": self.cache_epoch,
             "hash": self.hash_algorithm,
         }
+        if self.model is not None:  # absent keeps the keys of stages without a model
+            parts["model"] = self.model
         text = json.dumps(parts, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.blake2b(text, digest_size=16).hexdigest()
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from node_agent.integrations.sglang.settings import PluginSettings
+from node_agent.integrations.sglang.settings import PluginSettings, model_identity
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,7 @@ def build_radix_cache(ctx: Any) -> Any:
             "own connector"
         )
     replica = settings.replica_for(pp_size)
+    model = model_identity(ctx.server_args, settings.model_salt).digest()
     page_size = int(ctx.params.page_size)
     # TP rank 0 alone makes the agent's data calls (they move every TP rank's KV);
     # the other TP ranks take its answers over SGLang's own TP CPU group, as every
@@ -110,7 +111,7 @@ def build_radix_cache(ctx: Any) -> Any:
         layout, buffers = layout_from_kv_pool(kv_pool, page_size, tp_size=tp_size)
         client = EngineClient(settings.socket,
                               RankInfo(replica=replica, pp_rank=pp_rank, pp_size=pp_size,
-                                       tp_rank=tp_rank, tp_size=tp_size),
+                                       tp_rank=tp_rank, tp_size=tp_size, model=model),
                               timeout=settings.timeout)
         conn = AgentKVConnector(client, layout, buffers, page_size=page_size,
                                 retry_seconds=settings.retry_seconds,

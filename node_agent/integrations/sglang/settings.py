@@ -12,7 +12,10 @@ variables (docs/sglang.md has a snippet):
 * ``FLEXKV_AGENT_RETRY_SECONDS`` (5): how long an absent or silent agent is left
   alone before the next try;
 * ``FLEXKV_AGENT_ORPHAN_STORE_SECONDS`` (120): a store the agent never reports
-  releases its radix node after this long.
+  releases its radix node after this long;
+* ``FLEXKV_AGENT_MODEL_SALT`` (unset): folded into the model identity
+  (:func:`model_identity`); engines of one model path and revision but other
+  weights must set different salts.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
+
+from node_agent.engine_api.identity import ModelIdentity
 
 DEFAULT_SOCKET = "/var/run/flexkv/engine.sock"
 
@@ -34,6 +40,7 @@ class PluginSettings:
     timeout: float = 15.0
     retry_seconds: float = 5.0
     orphan_store_seconds: float = 120.0
+    model_salt: str | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> PluginSettings:
@@ -46,6 +53,7 @@ class PluginSettings:
             timeout=_seconds(env, "FLEXKV_AGENT_TIMEOUT", 15.0),
             retry_seconds=_seconds(env, "FLEXKV_AGENT_RETRY_SECONDS", 5.0),
             orphan_store_seconds=_seconds(env, "FLEXKV_AGENT_ORPHAN_STORE_SECONDS", 120.0),
+            model_salt=env.get("FLEXKV_AGENT_MODEL_SALT") or None,
         )
 
     def replica_for(self, pp_size: int) -> str:
@@ -77,3 +85,17 @@ def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
         raise ValueError(f"{name}={text!r} must be a finite number of seconds > 0, "
                          f"e.g. {default:g}")
     return value
+
+
+def model_identity(server_args: Any, salt: str | None) -> ModelIdentity:
+    """The identity of the model SGLang serves, from its ``ServerArgs``: served model
+    name, model path, revision, tokenizer path and revision, and ``salt``
+    (``FLEXKV_AGENT_MODEL_SALT``). The agent keys this engine's blocks by it."""
+
+    def text(name: str) -> str | None:
+        value = getattr(server_args, name, None)
+        return None if value is None else str(value)
+
+    return ModelIdentity(served_name=text("served_model_name"), model=text("model_path"),
+                         revision=text("revision"), tokenizer=text("tokenizer_path"),
+                         tokenizer_revision=text("tokenizer_revision"), salt=salt)

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from node_agent.engine_api.identity import ModelIdentity
+
 DEFAULT_SOCKET = "/var/run/flexkv/engine.sock"
 
 
@@ -34,7 +36,11 @@ class AgentConnectorConfig:
     lookup_timeout_seconds: float = 2.0
     """Bound on the admission lookup, made in vLLM's scheduler loop."""
     retry_seconds: float = 2.0
-    """After the agent was unreachable, skip it for this long, then try again."""
+    """After a call to the agent failed, skip it for this long (no call, no wait), then
+    try again."""
+    model_salt: str | None = None
+    """Folded into this engine's model identity: engines of one model name and revision
+    but other weights must use different salts (docs/vllm.md, model identity)."""
 
 
 _KEYS: dict[str, tuple[str, type | tuple[type, ...], str]] = {
@@ -45,6 +51,7 @@ _KEYS: dict[str, tuple[str, type | tuple[type, ...], str]] = {
     "lookupTimeoutSeconds": ("lookup_timeout_seconds", (int, float),
                              "a number of seconds > 0"),
     "retrySeconds": ("retry_seconds", (int, float), "a number of seconds > 0"),
+    "modelSalt": ("model_salt", str, "a string of 1..253 characters, e.g. weights-2024-06"),
 }
 
 
@@ -73,3 +80,21 @@ def parse_extra_config(raw: Mapping[str, Any] | None) -> AgentConnectorConfig:
             )
         values[field] = float(value) if types == (int, float) else value
     return AgentConnectorConfig(**values)
+
+
+def model_identity(model_config: Any, salt: str | None) -> ModelIdentity:
+    """The identity of the model vLLM serves, from its ``ModelConfig``: served model
+    name, model path or id, revision, tokenizer and tokenizer revision, and ``salt``
+    (``kv_connector_extra_config.modelSalt``)."""
+
+    def text(name: str) -> str | None:
+        value = getattr(model_config, name, None)
+        if value is None:
+            return None
+        if isinstance(value, list | tuple):
+            return ",".join(str(v) for v in value)
+        return str(value)
+
+    return ModelIdentity(served_name=text("served_model_name"), model=text("model"),
+                         revision=text("revision"), tokenizer=text("tokenizer"),
+                         tokenizer_revision=text("tokenizer_revision"), salt=salt)

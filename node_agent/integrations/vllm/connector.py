@@ -37,7 +37,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from node_agent.client import RankInfo
-from node_agent.integrations.vllm.config import ConnectorConfigError, parse_extra_config
+from node_agent.integrations.vllm.config import (
+    ConnectorConfigError,
+    model_identity,
+    parse_extra_config,
+)
 from node_agent.integrations.vllm.scheduler_side import SchedulerSide
 from node_agent.integrations.vllm.shm_pool import SharedKVAllocation
 from node_agent.integrations.vllm.worker_side import (
@@ -101,13 +105,17 @@ _PROM = {
     "agent_errors": ("vllm:flexkv_agent_errors",
                      "Calls to the FlexKV agent that failed (agent down or restarting); "
                      "requests were recomputed"),
-    "hit_tokens": ("vllm:flexkv_agent_hit_tokens", "Prompt tokens the FlexKV agent matched"),
+    "hit_tokens": ("vllm:flexkv_agent_hit_tokens",
+                   "Prompt tokens the FlexKV agent found, once per request"),
+    "lookups": ("vllm:flexkv_agent_lookups", "Lookups made to the FlexKV agent"),
     "loaded_tokens": ("vllm:flexkv_agent_loaded_tokens",
                       "Tokens loaded from the FlexKV agent into vLLM's KV blocks"),
     "load_failures": ("vllm:flexkv_agent_load_failures",
                       "Loads from the FlexKV agent that failed and were recomputed"),
     "stored_tokens": ("vllm:flexkv_agent_stored_tokens",
                       "Tokens whose KV was stored into the FlexKV agent"),
+    "stores_skipped": ("vllm:flexkv_agent_stores_skipped",
+                       "Stores given up without a call: the FlexKV agent was known down"),
 }
 
 
@@ -152,12 +160,15 @@ class FlexKVAgentConnector(KVConnectorBase_V1):
             )
         self.block_size = int(vllm_config.cache_config.block_size)
         self.tp_size = int(parallel.tensor_parallel_size)
+        self.identity = model_identity(vllm_config.model_config, self.cfg.model_salt)
+        self.model_digest = self.identity.digest()
         self._sched: SchedulerSide | None = None
         self._registrar: Registrar | None = None
         self._alloc: SharedKVAllocation | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._check_agent_present()
-            self._sched = SchedulerSide(self.cfg, self.block_size, self.tp_size)
+            self._sched = SchedulerSide(self.cfg, self.block_size, self.tp_size,
+                                        self.model_digest)
         else:
             self._head_size = int(vllm_config.model_config.get_head_size())
 
@@ -195,12 +206,12 @@ class FlexKVAgentConnector(KVConnectorBase_V1):
                                    "shared memory (get_mem_pool_context was not used)")
             handles = shm_handles(tensors, alloc.name, alloc.tensor)
         rank = RankInfo(replica=self.cfg.replica, tp_rank=get_tensor_model_parallel_rank(),
-                        tp_size=self.tp_size)
+                        tp_size=self.tp_size, model=self.model_digest)
         self._registrar = Registrar(self.cfg, rank, layout, handles, self.block_size)
         if self._registrar.register(at_start=True):
             log.info("KV cache registered with the FlexKV agent: %s layers, layout %s, "
-                     "%s tokens per block", layout.num_layers, layout.name.value,
-                     self.block_size)
+                     "%s tokens per block, model %s (%s)", layout.num_layers,
+                     layout.name.value, self.block_size, self.model_digest, self.identity)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         return  # loads are made by the scheduler side, between steps

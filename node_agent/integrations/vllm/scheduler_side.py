@@ -12,7 +12,9 @@ Flow of one request (``rid`` = vLLM's request id):
 
 * admission, ``lookup`` (in the scheduler loop, bounded by ``lookupTimeoutSeconds``):
   tokens from the block-aligned local hit up to the last whole block before the
-  final token (vLLM always computes the last token);
+  final token (vLLM always computes the last token); once per request: while it
+  waits for admission, vLLM's repeated asks get the same answer without a call
+  (until its tokens change, or :data:`LOOKUP_REUSE_SECONDS` pass);
 * after allocation, a ``retrieve`` into the request's newly allocated blocks runs
   on the load thread; success -> ``finished_recving``; failure -> the blocks are
   sent to the workers, which report them as ``invalid_block_ids`` in the same
@@ -22,7 +24,12 @@ Flow of one request (``rid`` = vLLM's request id):
   the agent reports the store complete, or failed, or the agent is gone.
 
 Nothing here ever blocks vLLM for longer than one bounded call, and every agent
-failure ends in a miss (recompute), never an error: the agent is a cache.
+failure ends in a miss (recompute), never an error: the agent is a cache. Once
+a call failed because the agent is down, nothing calls it (lookups answer 0,
+stores are given up and their blocks freed at once) until a probe from its own
+thread every ``retrySeconds`` is answered (:class:`AgentHealth`): a ``release`` of
+a rid no request has, which the agent answers only once it serves this engine's
+stage again (registered, same model).
 """
 
 from __future__ import annotations
@@ -65,6 +72,13 @@ STORE_GIVE_UP_SECONDS = 120.0
 IDLE_WAIT_SECONDS = 0.005
 #: Poll period of the store thread while stores are in flight.
 POLL_SECONDS = 0.005
+#: A waiting request's lookup is answered again without a call for this long; then
+#: the agent is asked again (it keeps a match for ``unlaunchedMatchSeconds``, 30 s
+#: by default).
+LOOKUP_REUSE_SECONDS = 20.0
+#: The rid of the probe's call (a ``release`` of a rid no request has): it succeeds
+#: only once the agent serves this engine's stage (registered, same model).
+PROBE_RID = "flexkv-connector-probe"
 
 
 @dataclass
@@ -73,11 +87,15 @@ class Counters:
 
     lookups: int = 0
     hit_tokens: int = 0
+    """Tokens lookups found, counted once per request (and again only when its
+    tokens changed); ``loaded_tokens`` counts what was actually loaded."""
     loads: int = 0
     loaded_tokens: int = 0
     load_failures: int = 0
     stores: int = 0
     stored_tokens: int = 0
+    stores_skipped: int = 0
+    """Stores given up without a call: the agent was known to be down."""
     agent_errors: int = 0
 
     def as_dict(self) -> dict[str, int]:
@@ -99,17 +117,25 @@ def block_slots(block_ids: Sequence[int], block_size: int) -> np.ndarray:
 
 
 class AgentHealth:
-    """Whether to call the agent now; logs each outage once and its end."""
+    """Whether to call the agent now; logs each outage once and its end.
 
-    def __init__(self, retry_seconds: float, on_error: Callable[[], None]) -> None:
+    After a call failed because the agent is down (:func:`agent_down`), no call is
+    made to it (:meth:`usable` is False, so nothing in vLLM waits on it) until a
+    probe, a call from its own thread every ``retry_seconds``, gets an answer.
+    """
+
+    def __init__(self, retry_seconds: float, on_error: Callable[[], None],
+                 probe: Callable[[], object] | None = None) -> None:
         self._retry = retry_seconds
         self._on_error = on_error
-        self._down_until = 0.0
+        self._probe = probe
         self._down = False
+        self._closed = threading.Event()
+        self._probing = False
         self._lock = threading.Lock()
 
     def usable(self) -> bool:
-        return time.monotonic() >= self._down_until
+        return not self._down
 
     def failed(self, what: str, exc: BaseException) -> None:
         if not agent_down(exc):
@@ -117,12 +143,33 @@ class AgentHealth:
             return
         self._on_error()
         with self._lock:
-            self._down_until = time.monotonic() + self._retry
             first = not self._down
             self._down = True
+            start = not self._probing and not self._closed.is_set()
+            self._probing = self._probing or start
         if first:
-            log.warning("FlexKV agent unavailable, serving without the cache (recompute): "
-                        "%s failed: %s", what, exc)
+            log.warning("FlexKV agent unavailable, serving without the cache (recompute) "
+                        "and calling it again only once it answers a probe (every %ss): "
+                        "%s failed: %s", self._retry, what, exc)
+        if start:
+            threading.Thread(target=self._probe_loop, name="flexkv-probe", daemon=True).start()
+
+    def _probe_loop(self) -> None:
+        while not self._closed.wait(self._retry):
+            try:
+                if self._probe is not None:
+                    self._probe()
+            except AGENT_ERRORS as exc:
+                log.debug("FlexKV agent still unavailable: %s", exc)
+                continue
+            except Exception as exc:
+                log.debug("FlexKV agent probe failed: %s", exc)
+                continue
+            break
+        with self._lock:
+            self._probing = False
+        if not self._closed.is_set():
+            self.ok()
 
     def ok(self) -> None:
         if self._down:
@@ -130,6 +177,20 @@ class AgentHealth:
                 was, self._down = self._down, False
             if was:
                 log.warning("FlexKV agent reachable again, cache hits resume")
+
+    def close(self) -> None:
+        """Stop probing (the probe thread ends within one ``retry_seconds``)."""
+        self._closed.set()
+
+
+@dataclass(frozen=True)
+class _Lookup:
+    tokens: int
+    """The request's token count when looked up."""
+    local: int
+    hit: int
+    at: float
+    """When the agent answered (monotonic)."""
 
 
 @dataclass
@@ -150,19 +211,23 @@ class _Store:
 class SchedulerSide:
     """Data calls and completion bookkeeping of the scheduler-side connector."""
 
-    def __init__(self, cfg: AgentConnectorConfig, block_size: int, tp_size: int) -> None:
+    def __init__(self, cfg: AgentConnectorConfig, block_size: int, tp_size: int,
+                 model: str = "") -> None:
         self.cfg = cfg
         self.block_size = block_size
-        rank = RankInfo(replica=cfg.replica, tp_rank=0, tp_size=tp_size)
+        rank = RankInfo(replica=cfg.replica, tp_rank=0, tp_size=tp_size, model=model)
         self.counters = Counters()
-        self.health = AgentHealth(cfg.retry_seconds, lambda: self._count(agent_errors=1))
+        self._probe_client = EngineClient(cfg.engine_socket, rank,
+                                          timeout=cfg.lookup_timeout_seconds)
+        self.health = AgentHealth(cfg.retry_seconds, lambda: self._count(agent_errors=1),
+                                  probe=lambda: self._probe_client.release(PROBE_RID))
         self._lookup_client = EngineClient(cfg.engine_socket, rank,
                                            timeout=cfg.lookup_timeout_seconds)
         self._load_client = EngineClient(cfg.engine_socket, rank, timeout=cfg.call_timeout_seconds)
         self._store_client = EngineClient(cfg.engine_socket, rank,
                                           timeout=cfg.call_timeout_seconds)
         self._lock = threading.Lock()
-        self._lookups: dict[str, tuple[int, int]] = {}   # rid -> (local tokens, hit tokens)
+        self._lookups: dict[str, _Lookup] = {}          # rid -> its last lookup
         self._no_lookup: set[str] = set()                # a load failed: recompute, no retry
         self._loading: set[str] = set()                  # loads not yet reported
         self._recv_ok: set[str] = set()                  # loaded, to report
@@ -183,29 +248,45 @@ class SchedulerSide:
     # -- admission -----------------------------------------------------------
 
     def lookup(self, rid: str, tokens: Sequence[int], local: int) -> int:
-        """Tokens the agent can load after the ``local`` ones (0 on a miss or any failure)."""
+        """Tokens the agent can load after the ``local`` ones (0 on a miss or any failure).
+
+        vLLM asks again at every step while a request waits for admission: the
+        answer of the request's last lookup is given again, without a call, while
+        its token count and ``local`` are unchanged and the lookup is younger than
+        :data:`LOOKUP_REUSE_SECONDS`; its found tokens are counted once."""
         bs = self.block_size
         limit = ((len(tokens) - 1) // bs) * bs
-        if limit <= local or not self.health.usable() or rid in self._no_lookup:
+        if limit <= local or rid in self._no_lookup:
             return 0
+        if not self.health.usable():
+            with self._lock:
+                self._lookups.pop(rid, None)  # a restarted agent has lost its match
+            return 0
+        now = time.monotonic()
+        with self._lock:
+            prev = self._lookups.get(rid)
+        same = prev is not None and prev.tokens == len(tokens) and prev.local == local
+        if prev is not None and same and now - prev.at < LOOKUP_REUSE_SECONDS:
+            return prev.hit
         ids = np.asarray(tokens, dtype=np.int64)
         mask = np.zeros(len(ids), dtype=bool)
         mask[local:limit] = True
+        hit = 0
         try:
             hit = self._lookup_client.lookup(rid, ids, mask)
         except AGENT_ERRORS as exc:
             self.health.failed("lookup", exc)
-            return 0
         except ValueError as exc:
             log.warning("FlexKV lookup refused, treating as a miss: %s", exc)
-            return 0
-        self.health.ok()
-        self._count(lookups=1)
+        else:
+            self.health.ok()
+            self._count(lookups=1)
         hit = max(0, min(int(hit), limit - local))
         hit -= hit % bs
         with self._lock:
-            self._lookups[rid] = (local, hit)
-        self._count(hit_tokens=hit)
+            self._lookups[rid] = _Lookup(len(tokens), local, hit, now)
+        if not same:  # a refresh of an unchanged request finds nothing new
+            self._count(hit_tokens=hit)
         return hit
 
     def after_alloc(self, rid: str, block_ids: Sequence[int], external: int) -> None:
@@ -213,18 +294,18 @@ class SchedulerSide:
         with self._lock:
             looked = self._lookups.pop(rid, None)
         if external <= 0:
-            if looked is not None and looked[1] > 0:
+            if looked is not None and looked.hit > 0:
                 self._release(rid, self._lookup_client)  # unlock the unused match now
             return
         bs = self.block_size
-        local = looked[0] if looked is not None else 0
+        local = looked.local if looked is not None else 0
         first = local // bs
         blocks = list(block_ids[first: first + -(-external // bs)])
-        if looked is None or external > looked[1] or local % bs or external % bs:
+        if looked is None or external > looked.hit or local % bs or external % bs:
             # Not what the lookup promised (a vLLM change?): never guess, recompute.
             log.error("FlexKV connector: request %s got %s external tokens after %s local "
                       "ones, not the lookup's %s; recomputing them", rid, external, local,
-                      None if looked is None else looked[1])
+                      None if looked is None else looked.hit)
             with self._lock:
                 self._loading.add(rid)
                 self._recv_failed[rid] = blocks
@@ -338,6 +419,12 @@ class SchedulerSide:
                 self._poll(inflight)
 
     def _start_store(self, job: _Store, inflight: dict[str, _Store]) -> None:
+        if not self.health.usable():
+            # Known down (a call failed): give the store up now, freeing its blocks,
+            # rather than wait out another call timeout per queued store.
+            self._count(stores_skipped=1)
+            self._store_done(job.rid)
+            return
         task = -1
         try:
             task = self._store_client.store_kv(job.rid, job.tokens, job.slots)
@@ -404,7 +491,9 @@ class SchedulerSide:
         """Stop the threads (bounded) and close the sockets."""
         self._loads.put(None)
         self._stores.put(None)
+        self.health.close()
         for t in self._threads:
             t.join(timeout=self.cfg.call_timeout_seconds)
-        for c in (self._lookup_client, self._load_client, self._store_client):
+        for c in (self._lookup_client, self._load_client, self._store_client,
+                  self._probe_client):
             c.close()

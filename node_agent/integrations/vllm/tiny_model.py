@@ -6,7 +6,8 @@ Tests and benchmarks need a real model vLLM can load offline: this writes a
 prompt of N tokens is ``" ".join(f"w{i}" for i in ids)``. Nothing is downloaded.
 
 Usage: ``python -m node_agent.integrations.vllm.tiny_model DIR [--layers 4 --hidden 256
---heads 4 --kv-heads 2 --vocab 1024]``.
+--heads 4 --kv-heads 2 --vocab 1024 --seed 0]``: models of other seeds have the
+same shape and other weights.
 """
 
 from __future__ import annotations
@@ -72,8 +73,9 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
-    print(write_model(a.out, a.layers, a.hidden, a.heads, a.kv_heads, a.vocab))
+    print(write_model(a.out, a.layers, a.hidden, a.heads, a.kv_heads, a.vocab, seed=a.seed))
 
 
 if __name__ == "__main__":
