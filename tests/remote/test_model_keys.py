@@ -10,7 +10,7 @@ import numpy as np
 
 from node_agent.backend.hashing import BlockHasher
 from node_agent.backend.layout import KVDtype, KVLayout
-from node_agent.backend.remote.keys import KeySpace, block_id
+from node_agent.backend.remote.keys import KeySpace, block_digest
 from node_agent.engine_api.identity import ModelIdentity, stage_namespace
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_size=8, dtype=KVDtype.FLOAT16,
@@ -31,7 +31,7 @@ def test_model_identity_and_pool_salt_change_the_fingerprint_and_the_block_ids()
     assert dataclasses.replace(base, model=None).prefix() == base.prefix()
     tokens = np.arange(64, dtype=np.int64)
     hasher = BlockHasher(LAYOUT.tokens_per_block)
-    ids = {n: [block_id(h) for h in hasher.hashes(tokens, n)] for n in [None, *namespaces]}
+    ids = {n: [block_digest(h) for h in hasher.hashes(tokens, n)] for n in [None, *namespaces]}
     for a in ids:
         for b in ids:
             if a != b:
