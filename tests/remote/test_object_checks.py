@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,7 @@ from node_agent.backend.embedded import EmbeddedBackend
 from node_agent.backend.hashing import BlockHasher
 from node_agent.backend.remote.calls import PendingCall
 from node_agent.backend.remote.keys import block_digest
+from node_agent.backend.replication import Tier
 from tests.remote.conftest import Master
 from tests.remote.stages import TPB, Node, backend, fill, load, node, rows, store
 
@@ -183,3 +185,44 @@ def test_a_fetch_staging_one_object_at_a_time_copies_each_block_its_own_bytes(
     finally:
         a.close()
         b.close()
+
+
+def test_a_fetched_prefix_spilled_to_ssd_is_continued_only_by_its_own_writer(
+        master: Master, tmp_path: Path) -> None:
+    """The reader fetched A's four blocks; the last of them then left the CPU tier
+    for the SSD tier (CPU pressure). When C's objects for the rest of the prompt
+    arrive, the reader's continuation must still take only A's objects: it loads
+    A's four blocks and nothing of C's, as when the prefix stays on the CPU tier."""
+    a, b, c = node(master), node(master), node(master)
+    try:
+        ba, bufs_a = backend(a)
+        fill(bufs_a, SRC, seed=61)
+        store(ba, TOKENS[: 4 * TPB], SRC[: 4 * TPB])
+        assert ba.remote is not None and ba.remote.drain(30)
+
+        bb, bufs_b = backend(b, cpu_blocks=8, ssd_blocks=16, ssd_path=str(tmp_path))
+        assert load(bb, TOKENS, DST) == 4 * TPB  # A's four blocks, fetched
+        other = TOKENS + 70_000
+        fill(bufs_b, SRC, seed=62)
+        store(bb, other[: 4 * TPB], SRC[: 4 * TPB])  # CPU pressure: the oldest leaves spill
+        index = bb._index
+        assert index is not None
+        mine = index.match(BlockHasher(TPB).hashes(TOKENS[: 4 * TPB]))
+        assert len(mine) == 4 and index.location(int(mine[3])).tier is Tier.SSD
+
+        bc, bufs_c = backend(c)
+        fill(bufs_c, SRC, seed=63)
+        store(bc, TOKENS, SRC)  # the pool now holds A[0..3] and C[4..7]
+        assert bc.remote is not None and bc.remote.drain(30)
+
+        fill(bufs_b, DST, seed=64)
+        before = rows(bufs_b, DST)
+        assert load(bb, TOKENS, DST) == 4 * TPB
+        for want, got, old in zip(rows(bufs_a, SRC), rows(bufs_b, DST), before, strict=True):
+            assert torch.equal(want[: 4 * TPB], got[: 4 * TPB])
+            assert torch.equal(old[4 * TPB:], got[4 * TPB:])  # nothing of C's loaded
+        assert b.metrics.registry.get_sample_value(
+            "flexkv_agent_remote_rejected_blocks_total", {"reason": "writer"}) == 1
+    finally:
+        for n in (a, b, c):
+            n.close()
