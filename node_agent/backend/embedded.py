@@ -93,6 +93,9 @@ class EmbeddedBackend(ReplicatedBackend):
         # for refetch_failed (deferred visibility only).
         self._fetched: dict[int, tuple[int, TierMove]] = {}
         self._refetch: dict[int, tuple[int, TierMove]] = {}  # marked by refetch_failed
+        # Node -> (its generation, the writer of the object a fetch brought): the
+        # writer rule follows a fetched block to whichever tier it moves.
+        self._node_writers: dict[int, tuple[int, int]] = {}
         self.tokens_per_block = config.tokens_per_block
         self._metrics = metrics
         self._gauges_set: tuple[tuple[int, int], ...] | None = None
@@ -209,6 +212,7 @@ class EmbeddedBackend(ReplicatedBackend):
         index.clear()
         self._fetched.clear()
         self._refetch.clear()
+        self._node_writers.clear()
         self._unpublished.clear()
         self._members.clear()
         self._moves.clear()
@@ -394,9 +398,8 @@ class EmbeddedBackend(ReplicatedBackend):
             locs = index.locations(created)
             resets = remote.resets  # a reset from now on frees the reserved blocks
             # A prefix comes from one writer: a continuation of blocks an earlier
-            # fetch brought takes only that writer's objects.
-            last = index.location(int(prefix[have - 1])) if have else None
-            writer = remote.writer_of(last.index) if last and last.tier is Tier.CPU else None
+            # fetch brought (on any tier now) takes only that writer's objects.
+            writer = self._writer_locked(int(prefix[have - 1])) if have else None
         got = 0
         try:
             got = remote.fetch(ids[: len(created)], [loc.index for loc in locs],
@@ -405,12 +408,16 @@ class EmbeddedBackend(ReplicatedBackend):
         finally:
             fetched = [TierMove(BlockLocation(Tier.REMOTE, b), loc)
                        for b, loc in zip(ids[:got], locs[:got], strict=False)]
+            run_writer = remote.writer_of(locs[0].index) if got else None
             with self._lock:
                 index = self._require_started()
                 if index.epoch == epoch:
                     index.remove_pending(created[got:])
                     if got:
                         index.publish(created[:got])
+                        if run_writer is not None:
+                            for node in created[:got].tolist():
+                                self._node_writers[node] = (index.generation(node), run_writer)
                         if self.config.deferred_visibility:
                             self._moves.extend(fetched)
                             for node, move in zip(created[:got].tolist(), fetched, strict=True):
@@ -444,6 +451,14 @@ class EmbeddedBackend(ReplicatedBackend):
             if marked:
                 log.info("Remote blocks marked for a new fetch on every stage",
                          extra={"task_id": task_id, "blocks": marked})
+
+    def _writer_locked(self, node: int) -> int | None:
+        """The writer of the object a fetch brought into ``node`` (wherever the block
+        is now); None for bytes this stage wrote itself."""
+        assert self._index is not None
+        entry = self._node_writers.get(node)
+        return entry[1] if entry is not None and entry[0] == self._index.generation(node) \
+            else None
 
     def _still_fetched_locked(self, node: int, entry: tuple[int, TierMove]) -> bool:
         """Whether ``node`` is still the block a fetch brought to ``entry``'s CPU block."""

@@ -64,13 +64,17 @@ def buffers(layout: KVLayout = LAYOUT) -> tuple[list[torch.Tensor], list[torch.T
 def backend(n: Node, layout: KVLayout = LAYOUT, namespace: str = "ns1", pool: str = "tp",
             epoch: int = 0, pp_rank: int = 0, pp_size: int = 1, deferred: bool = False,
             cpu_blocks: int = 128, key_epoch: Callable[[], int] | None = None,
+            ssd_blocks: int = 0, ssd_path: str | None = None,
             ) -> tuple[EmbeddedBackend, tuple[list[torch.Tensor], ...]]:
     """A started backend whose remote tier is on node ``n``, with registered buffers.
-    ``key_epoch`` (as the agent passes its own) makes the keys follow that epoch."""
+    ``key_epoch`` (as the agent passes its own) makes the keys follow that epoch;
+    ``ssd_blocks`` and ``ssd_path`` add an SSD tier."""
     tier = RemoteTier(n.pool, KeySpace(layout, pp_rank, pp_size, namespace, pool, epoch),
                       epoch=key_epoch)
     b = EmbeddedBackend(EmbeddedBackendConfig(layout=layout,
                                               cpu_bytes=cpu_blocks * layout.bytes_per_block,
+                                              ssd_bytes=ssd_blocks * layout.bytes_per_block,
+                                              ssd_paths=(ssd_path,) if ssd_path else (),
                                               pinned=False, deferred_visibility=deferred),
                         metrics=n.metrics, remote=tier)
     b.start()

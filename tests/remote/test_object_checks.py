@@ -6,15 +6,20 @@ and a prefix is never assembled from two writers' bytes."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+from node_agent.backend.cpu_tier import CpuTier
 from node_agent.backend.embedded import EmbeddedBackend
 from node_agent.backend.hashing import BlockHasher
+from node_agent.backend.remote.calls import PendingCall
 from node_agent.backend.remote.keys import block_digest
+from node_agent.backend.replication import Tier
 from tests.remote.conftest import Master
 from tests.remote.stages import TPB, Node, backend, fill, load, node, rows, store
 
@@ -132,4 +137,92 @@ def test_a_prefix_is_never_assembled_from_two_writers(master: Master) -> None:
         assert load(bc, TOKENS, DST) == len(TOKENS)
     finally:
         for n in (a, b, c, d):
+            n.close()
+
+
+def test_a_fetch_staging_one_object_at_a_time_copies_each_block_its_own_bytes(
+        master: Master, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a fetch half of one object (the smallest ``localBufferSize``) every chunk
+    of a fetch lands in the same staging area: the object checked there must be the
+    one copied into the CPU tier, never the next chunk's object arriving under it.
+    Each copy first waits for every get started so far, as Mooncake's transfer
+    threads may finish one at any moment of the copy on a busy node."""
+    a, b = node(master), node(master, staging_blocks=1)
+    try:
+        ba, bufs_a = backend(a)
+        fill(bufs_a, SRC, seed=51)
+        store(ba, TOKENS, SRC)
+        assert ba.remote is not None and ba.remote.drain(30)
+
+        bb, bufs_b = backend(b)
+        tier = bb.remote
+        assert tier is not None and tier.half_blocks == 1
+        gets: list[PendingCall[Any]] = []
+        submit, scatter = b.pool.submit, tier._scatter
+
+        def tracked_submit(op: str, fn: Callable[[Any], Any],
+                           turn: float = 0.0) -> PendingCall[Any] | None:
+            call = submit(op, fn, turn)
+            if op == "get" and call is not None:
+                gets.append(call)
+            return call
+
+        def late_scatter(cpu: CpuTier, area: torch.Tensor, cpu_blocks: Sequence[int]) -> None:
+            for call in list(gets):
+                assert call.done.wait(30), "a get did not end"
+            scatter(cpu, area, cpu_blocks)
+
+        monkeypatch.setattr(b.pool, "submit", tracked_submit)
+        monkeypatch.setattr(tier, "_scatter", late_scatter)
+        assert load(bb, TOKENS, DST) == len(TOKENS)
+        assert len(gets) == len(TOKENS) // TPB  # one object per get
+        for want, got in zip(rows(bufs_a, SRC), rows(bufs_b, DST), strict=True):
+            for blk in range(len(TOKENS) // TPB):
+                span = slice(blk * TPB, (blk + 1) * TPB)
+                assert torch.equal(want[span], got[span]), f"block {blk} holds other bytes"
+        assert b.metrics.registry.get_sample_value(
+            "flexkv_agent_remote_rejected_blocks_total", {"reason": "checksum"}) is None
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_fetched_prefix_spilled_to_ssd_is_continued_only_by_its_own_writer(
+        master: Master, tmp_path: Path) -> None:
+    """The reader fetched A's four blocks; the last of them then left the CPU tier
+    for the SSD tier (CPU pressure). When C's objects for the rest of the prompt
+    arrive, the reader's continuation must still take only A's objects: it loads
+    A's four blocks and nothing of C's, as when the prefix stays on the CPU tier."""
+    a, b, c = node(master), node(master), node(master)
+    try:
+        ba, bufs_a = backend(a)
+        fill(bufs_a, SRC, seed=61)
+        store(ba, TOKENS[: 4 * TPB], SRC[: 4 * TPB])
+        assert ba.remote is not None and ba.remote.drain(30)
+
+        bb, bufs_b = backend(b, cpu_blocks=8, ssd_blocks=16, ssd_path=str(tmp_path))
+        assert load(bb, TOKENS, DST) == 4 * TPB  # A's four blocks, fetched
+        other = TOKENS + 70_000
+        fill(bufs_b, SRC, seed=62)
+        store(bb, other[: 4 * TPB], SRC[: 4 * TPB])  # CPU pressure: the oldest leaves spill
+        index = bb._index
+        assert index is not None
+        mine = index.match(BlockHasher(TPB).hashes(TOKENS[: 4 * TPB]))
+        assert len(mine) == 4 and index.location(int(mine[3])).tier is Tier.SSD
+
+        bc, bufs_c = backend(c)
+        fill(bufs_c, SRC, seed=63)
+        store(bc, TOKENS, SRC)  # the pool now holds A[0..3] and C[4..7]
+        assert bc.remote is not None and bc.remote.drain(30)
+
+        fill(bufs_b, DST, seed=64)
+        before = rows(bufs_b, DST)
+        assert load(bb, TOKENS, DST) == 4 * TPB
+        for want, got, old in zip(rows(bufs_a, SRC), rows(bufs_b, DST), before, strict=True):
+            assert torch.equal(want[: 4 * TPB], got[: 4 * TPB])
+            assert torch.equal(old[4 * TPB:], got[4 * TPB:])  # nothing of C's loaded
+        assert b.metrics.registry.get_sample_value(
+            "flexkv_agent_remote_rejected_blocks_total", {"reason": "writer"}) == 1
+    finally:
+        for n in (a, b, c):
             n.close()

@@ -502,7 +502,8 @@ class RemoteTier:
         done = 0
         with self._fetch_lock:
             # Two staging areas: the next chunk's get runs while this chunk is copied
-            # into the CPU tier (one area when the fetch half holds a single block).
+            # into the CPU tier (one area when the fetch half holds a single block:
+            # then the next get starts only after the copy).
             nareas = 2 if self.half_blocks >= 2 else 1
             q = self.half_blocks // nareas
             areas = [self._fetch_area[i * q * obs:(i + 1) * q * obs] for i in range(nareas)]
@@ -542,10 +543,11 @@ class RemoteTier:
                         ok, refused = good, True
                 if ok == k:
                     self.pool.health.succeeded()
-                    if i + 1 < len(chunks):
-                        if between_chunks is not None:
-                            between_chunks(done + ok)
-                        pending = start(i + 1)
+                more = ok == k and i + 1 < len(chunks)
+                if more and nareas == 2:  # the next get fills the other area meanwhile
+                    if between_chunks is not None:
+                        between_chunks(done + ok)
+                    pending = start(i + 1)
                 if ok:
                     with self._scatter_lock:
                         if self._resets != resets:
@@ -554,6 +556,12 @@ class RemoteTier:
                         if writer is not None:
                             self._writers[np.asarray(cpu_blocks[s:s + ok], np.int64)] = writer
                     done += ok
+                if more and nareas == 1:
+                    # One area: the next get may start only once the objects checked
+                    # in it were copied out, or it overwrites them under the copy.
+                    if between_chunks is not None:
+                        between_chunks(done)
+                    pending = start(i + 1)
                 if ok < k or refused:
                     break
             if pending is not None:  # let a get still running finish before the area is reused
