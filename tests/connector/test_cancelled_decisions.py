@@ -63,3 +63,21 @@ def test_a_lagging_store_never_copies_into_blocks_of_a_store_the_leader_discarde
     assert pair.conns[1].status()["counters"]["stores_executed"] == 2
     # C is intact on every stage.
     assert pair.load_everywhere("q", C) == [len(C), len(C)]
+
+
+def test_a_lagging_lookup_whose_load_the_leader_cancelled_answers_a_miss_at_once(
+        pair: InProcessGroup) -> None:
+    tasks = [pair.store(r, "s", A, _slots(16 * r)) for r in (0, 1)]
+    assert len({t.result(30) for t in tasks}) == 1
+    pair.settle()
+    # The leader's engine looks A up and releases the rid without loading it:
+    # the leader cancels the load before stage 1 made its lookup.
+    assert pair.call(0, lambda c: c.lookup("r", A)).result(30) == len(A)
+    pair.call(0, lambda c: c.release("r")).result(30)
+    pair.caught_up(1)
+    assert pair.call(1, lambda c: c.lookup("r", A)).result(30) == 0
+    assert pair.retrieve(1, "r", _slots(96)).result(30) == 0
+    counters = pair.conns[1].status()["counters"]
+    assert (counters["decision_timeouts"], counters["mismatches"]) == (0, 0)
+    pair.call(1, lambda c: c.release("r")).result(30)
+    assert pair.load_everywhere("q", A) == [len(A), len(A)]
