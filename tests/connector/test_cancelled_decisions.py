@@ -29,7 +29,7 @@ C = np.arange(500, 500 + 2 * TPB)
 def pair() -> Iterator[InProcessGroup]:
     # Four CPU blocks: two hold A; B's discarded blocks are the only free ones,
     # so C's store takes them.
-    g = InProcessGroup(2, cpu_blocks=4, fanout_wait_seconds=1.0)
+    g = InProcessGroup(2, cpu_blocks=4)
     try:
         yield g
     finally:
