@@ -159,7 +159,10 @@ class FollowerRole:
 
     def _unpaired(self, kind: Kind, rid: str, taken: Taken[Stamped]) -> None:
         """A call ended without its decision: a timeout, or a mismatch (another
-        decision of its rid and kind was pending): count it and resync."""
+        decision of its rid and kind was pending): count it and resync. A
+        decision the leader ended before the call took it is neither."""
+        if taken.withdrawn:
+            return
         if not taken.mismatch:
             self.counters.decision_timeouts += 1
             return
@@ -406,6 +409,7 @@ class FollowerRole:
             self._on_result(body)
         elif isinstance(body, Cancel):
             key: Key = (body.rid, body.kind, body.n)
+            self._withdraw(body.rid, body.kind, body.n, body.task_id)
             self._mark_cancelled(key)
             if not self._fence():
                 self.stream.request_resync("a copy did not end after its cancel")
@@ -441,9 +445,16 @@ class FollowerRole:
                         extra={"group": self.cfg.group, "moves_epoch": body.cache_epoch,
                                "stage_epoch": own, "fetches": fetches, "writes": writes})
 
+    def _withdraw(self, rid: str, kind: Kind, n: int, task_id: int) -> None:
+        """The leader ended decision ``n`` of ``rid``: if no call took it yet, no
+        call ever applies it (a lagging call of a later life included; the
+        leader may already reuse its blocks)."""
+        self._book.withdraw(rid, kind, lambda v: (v[2].n, v[2].task_id) == (n, task_id))
+
     def _on_result(self, r: Result) -> None:
         key: Key = (r.rid, r.kind, r.n)
         if not r.ok:
+            self._withdraw(r.rid, r.kind, r.n, r.task_id)
             self._mark_cancelled(key)
             if not self._fence():
                 self.stream.request_resync("a copy did not end after its discard")

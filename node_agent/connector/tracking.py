@@ -75,10 +75,15 @@ class RidLives:
 @dataclass
 class _Life:
     """One life of a rid on a follower: the leader decisions of that life not
-    yet taken, and the calls of that life that gave up waiting."""
+    yet taken, the calls of that life that gave up waiting, and the content of
+    decisions the leader ended before any call took them (``withdrawn``)."""
 
     pending: list[tuple[Kind, int, Any]] = field(default_factory=list)
     gave_up: list[tuple[Kind, int]] = field(default_factory=list)
+    withdrawn: list[tuple[Kind, int]] = field(default_factory=list)
+
+    def held(self) -> bool:
+        return bool(self.pending or self.gave_up or self.withdrawn)
 
 
 @dataclass
@@ -96,8 +101,7 @@ class _RidBook:
         return self.lives.setdefault(k, _Life())
 
     def idle(self) -> bool:
-        return not self.waiters and not any(lf.pending or lf.gave_up
-                                            for lf in self.lives.values())
+        return not self.waiters and not any(lf.held() for lf in self.lives.values())
 
 
 @dataclass
@@ -111,6 +115,9 @@ class Taken(Generic[V]):
     value: V | None
     skipped: list[V]
     mismatch: bool = False
+    withdrawn: bool = False
+    """The call's decision was ended by the leader before it was taken
+    (:meth:`DecisionBook.withdraw`): the call answers at once, nothing applied."""
 
 
 class DecisionBook(Generic[V]):
@@ -136,7 +143,10 @@ class DecisionBook(Generic[V]):
 
     ``gave_up``: a call that timed out marks its (kind, digest) in its life, so
     the late decision is refused on arrival (``deliver`` returns False) and the
-    leader gets a failure ack at once. ``release`` ends the local life: its
+    leader gets a failure ack at once. :meth:`withdraw`: the leader ended a
+    decision no call took yet (its blocks may hold other content soon): it is
+    dropped from whatever life it waits for, and the call of that life and
+    content answers at once, never applies it. ``release`` ends the local life: its
     pending decisions and marks are dropped (handed back). Bounded: at most
     ``limit`` rids with pending decisions and ``limit`` pending decisions; the
     oldest rid is evicted first (its decisions handed back by
@@ -175,7 +185,7 @@ class DecisionBook(Generic[V]):
     def _gc(self, rid: str) -> None:
         b = self._rids.get(rid)
         if b is not None:
-            for k in [k for k, lf in b.lives.items() if not lf.pending and not lf.gave_up]:
+            for k in [k for k, lf in b.lives.items() if not lf.held()]:
                 del b.lives[k]
             if b.idle():
                 del self._rids[rid]
@@ -262,6 +272,10 @@ class DecisionBook(Generic[V]):
         while True:
             lf = b.lives.get(life)
             if lf is not None:
+                if (kind, digest) in lf.withdrawn:
+                    lf.withdrawn.remove((kind, digest))
+                    self._gc(rid)
+                    return Taken(None, [], withdrawn=True)
                 for i, (k, dg, v) in enumerate(lf.pending):
                     if k is kind and dg == digest:
                         skipped = [x for kk, _, x in lf.pending[:i] if kk is kind]
@@ -284,6 +298,34 @@ class DecisionBook(Generic[V]):
                 lf.gave_up.pop(0)
         self._gc(rid)
         return Taken(None, [], mismatch)
+
+    def withdraw(self, rid: str, kind: Kind, match: Callable[[V], bool]) -> bool:
+        """The leader ended a decision of ``rid`` and ``kind`` (a failed RESULT, a
+        CANCEL): drop the pending ones ``match`` selects, whatever life they wait
+        for, so no later call applies them (their blocks may already hold other
+        content). The call of that life and content takes the withdrawal instead
+        and answers at once (:attr:`Taken.withdrawn`). True when one was pending."""
+        with self._cond:
+            b = self._rids.get(rid)
+            if b is None:
+                return False
+            found = False
+            for lf in b.lives.values():
+                keep = []
+                for p in lf.pending:
+                    if p[0] is kind and match(p[2]):
+                        found = True
+                        self._count -= 1
+                        lf.withdrawn.append((kind, p[1]))
+                        while len(lf.withdrawn) > self._limit:
+                            lf.withdrawn.pop(0)
+                    else:
+                        keep.append(p)
+                lf.pending = keep
+            if found:
+                self._gc(rid)
+                self._cond.notify_all()
+            return found
 
     def take_evicted(self) -> list[V]:
         """Decisions dropped by the bound since the last call (answer them)."""
