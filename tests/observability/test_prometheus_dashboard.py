@@ -42,12 +42,12 @@ from tests.observability.scene import (
     NAMESPACE,
     POOL,
     AgentGroup,
-    Master,
     OperatorScene,
     free_port,
     run_engines,
     wait_until,
 )
+from tests.remote.conftest import start_master
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -131,12 +131,11 @@ def render_rules(work: Path) -> list[str]:
 def scene() -> Iterator[Scene]:
     binary = require_binary("prometheus")
     work = short_dir("obs")
-    master = Master(work / "master.log")
+    master = start_master(work / "master.log")
     group = AgentGroup(work, master)
     operator = OperatorScene(free_port())
     prometheus: Prometheus | None = None
     try:
-        master.start()
         group.launch()  # the agents and the operator start side by side
         operator.start()
         group.wait_started()

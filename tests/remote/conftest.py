@@ -107,10 +107,26 @@ def mooncake_importable() -> None:
                     "(installs the remote extra and, as root, Debian's libibverbs1)")
 
 
+def start_master(log: Path, tries: int = 3) -> Master:
+    """A started master on fresh free ports. A port handed out by :func:`free_port`
+    can be taken by another process before the master binds it (the master then
+    exits at once): such a start is retried on new ports, ``tries`` times at most."""
+    for attempt in range(tries):
+        m = Master(log)
+        try:
+            m.start()
+            return m
+        except AssertionError:
+            exited = m.proc is not None and m.proc.poll() is not None
+            m.kill()
+            if not exited or attempt == tries - 1:
+                raise  # still running but not answering, or out of tries
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture
 def master(tmp_path: Path) -> Iterator[Master]:
-    m = Master(tmp_path / "master.log")
-    m.start()
+    m = start_master(tmp_path / "master.log")
     try:
         yield m
     finally:

@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from node_agent.backend.layout import KVDtype, KVLayout
+from node_agent.backend.remote.objects import HEADER_BYTES
 from node_agent.client import EngineClient, SharedKVBuffers
 from tests.agent.harness import (
     LAYOUT,
@@ -327,8 +328,9 @@ def test_a_second_agent_on_the_same_store_port_is_refused_and_the_first_keeps_it
 
 def test_a_staging_buffer_smaller_than_two_blocks_refuses_the_registration(
         work: Path, master: Master) -> None:
-    """1Mi of staging holds no two 1 MiB blocks: the registration fails naming the
-    setting and the bound, instead of a stage without a backend."""
+    """1Mi of staging holds no two 1 MiB blocks (each object is the block and its
+    header): the registration fails naming the setting and the bound, instead of a
+    stage without a backend."""
     big = KVLayout(num_layers=32, num_kv_heads=16, head_size=128, dtype=KVDtype.FLOAT16,
                    tokens_per_block=4)
     assert big.bytes_per_block == 1 << 20
@@ -339,6 +341,6 @@ def test_a_staging_buffer_smaller_than_two_blocks_refuses_the_registration(
         with pytest.raises(ValueError) as exc:
             a.engine()
         assert "localBufferSize 1048576" in str(exc.value)
-        assert f"at least {2 << 20}" in str(exc.value)
+        assert f"at least {2 * ((1 << 20) + HEADER_BYTES)}" in str(exc.value)
     finally:
         a.close()
