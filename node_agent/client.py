@@ -347,8 +347,9 @@ class EngineClient:
         is written. Returns the connector's result (task id, or -1 when nothing
         needed writing).
         """
-        # The seed's check first, on the arrays as given (a 2-D array is never
-        # flattened into a matching count; it is refused below).
+        # The contract's length check first (SGLang's FlexKV connector), on the
+        # arrays as given (a 2-D array is never flattened into a matching count;
+        # it is refused below).
         n = array_length("store_kv: token_ids", token_ids)
         m = array_length("store_kv: kv_indices", kv_indices)
         if n != m:

@@ -19,7 +19,7 @@ Two roles implement this module's interfaces:
 * :class:`ReplicatedBackend` is the leader-side extension of
   :class:`~node_agent.backend.base.KVBackend`: it exposes each task's plan, the
   moves it decided, and holds finished stores invisible until every stage has
-  finished them (DESIGN.md invariant 2).
+  finished them (docs/pp.md, "Stores, loads and acks").
 """
 
 from __future__ import annotations

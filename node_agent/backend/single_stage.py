@@ -11,7 +11,7 @@ hooks for that case:
 * ``drain_moves`` answers nothing: tier movement stays inside the backend;
 * ``publish`` is a no-op and ``discard`` cancels: the wrapped backend already makes
   a put visible when its only stage finished it, which is exactly "every stage
-  stored it" (DESIGN.md invariant 2) for a group of one.
+  stored it" (docs/pp.md, "Stores, loads and acks") for a group of one.
 
 Using it for a group of more than one stage would let followers miss decisions,
 so the agent builds it only for ``ppSize`` 1 (and refuses ``backend: flexkv``

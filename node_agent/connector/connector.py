@@ -1,6 +1,6 @@
 """The connector of one stage of one PP group: the API the agent service wraps.
 
-:class:`Connector` validates engine inputs (the seed's ``store_kv`` contract),
+:class:`Connector` validates engine inputs (SGLang's FlexKV connector ``store_kv`` contract),
 then hands each call to its current role: :class:`LeaderRole` when the group
 view names this stage's pp rank as leader, :class:`FollowerRole` otherwise.
 The role follows the view: a new leader or epoch closes the old role (its

@@ -1,6 +1,6 @@
 """Validation and page alignment of engine inputs, before any matching.
 
-``store_kv``'s contract is the seed's: token ids and kv slot indices are
+``store_kv``'s contract is SGLang's FlexKV connector contract: token ids and kv slot indices are
 parallel arrays; lengths that differ raise ``ValueError`` naming both counts
 and nothing is written. Slot indices must be 1-D integers, in range of the
 registered buffers, non-negative and unique within one call. With a layout
@@ -125,8 +125,8 @@ _SPAN = struct.Struct("<4sqq")
 
 
 def _length(kv_indices: object) -> int:
-    """Entries along the first axis (the seed's length check comes before any
-    other check; a 2-D array is refused afterwards, never flattened)."""
+    """Entries along the first axis (the contract's length check comes before
+    any other check; a 2-D array is refused afterwards, never flattened)."""
     if isinstance(kv_indices, torch.Tensor):
         if kv_indices.dim() == 0:
             raise ValueError("store_kv: kv_indices is a scalar tensor; pass one slot per token")

@@ -138,9 +138,9 @@ def _holds_bool(values: object) -> bool:
 
 
 def array_length(where: str, values: object) -> int:
-    """Entries along the first axis of ``values`` (what the seed's length check
-    compares), without converting it; ``ValueError`` naming ``where`` when it
-    has no length."""
+    """Entries along the first axis of ``values`` (what ``store_kv``'s length check
+    compares, docs/pp.md "Engine API"), without converting it; ``ValueError``
+    naming ``where`` when it has no length."""
     shape = getattr(values, "shape", None)
     if shape is not None:
         if len(shape) == 0:

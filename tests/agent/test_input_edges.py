@@ -1,4 +1,4 @@
-"""Every input edge of issue 9 item 9, through the public engine API: a real
+"""Every input edge of the engine API, through the public engine API: a real
 agent on loopback, the client library over the real ipc socket. Each bad call
 raises ``ValueError`` with the message the README promises, nothing is
 written, and the agent keeps serving (a valid round trip afterwards). Item 8

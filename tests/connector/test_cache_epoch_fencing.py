@@ -1,5 +1,4 @@
-"""Decisions name the cache epoch they were made under (DESIGN.md section 4,
-invariant 10).
+"""Decisions name the cache epoch they were made under (docs/invariants.md, invariant 10).
 
 The agents of a group apply a ``cacheEpoch`` bump at different moments (each
 switches its key epoch, then resets). Meanwhile a stage on another epoch than

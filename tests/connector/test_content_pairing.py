@@ -1,11 +1,11 @@
 """A follower applies a leader decision only to its own call for the same rid,
-kind and tokens (DESIGN.md section 4, invariant 8), whatever the lag between
+kind and tokens (docs/invariants.md, invariant 8), whatever the lag between
 the stages, rid reuse, releases and rejected inputs. Two (or three) connectors
 in one process, real fan-out sockets on loopback, each stage's engine calls on
 its own thread; every load is checked byte for byte against the stage's own KV
 of exactly the tokens looked up.
 
-Each test is one sequence of issue 9 ("what goes wrong", items 1-3 and 5-8)
+Each test is one call order that once went wrong
 that wrote or loaded another request's KV, lost a store or answered
 inconsistently before content-addressed pairing.
 """

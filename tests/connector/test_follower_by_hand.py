@@ -2,7 +2,7 @@
 keeps its acks: call orders around a leader restart or a resync.
 
 * A follower stamps every ACK with the incarnation of the leader process whose
-  decision it answers (DESIGN.md section 4, invariant 9): a leader restarted
+  decision it answers (docs/invariants.md, invariant 9): a leader restarted
   under the same epoch, whose rid, ``n`` and task id may equal its
   predecessor's, never counts an ack of a decision it did not make.
 * A store this stage answered with a task id is reported by

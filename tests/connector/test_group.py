@@ -1,7 +1,7 @@
 """A PP group of 3 stage processes over real Curve-authenticated pyzmq sockets,
 each with its own engine buffers of distinct, deterministic content.
 
-Invariants (DESIGN.md section 4) proved here:
+Invariants (docs/invariants.md) proved here:
 1. mismatched / bad inputs raise with nothing written (every stage);
 2. blocks become visible only after every stage stored them; a failed stage
    (killed, lost message) leaves them invisible;

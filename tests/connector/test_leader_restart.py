@@ -1,5 +1,5 @@
-"""A follower follows the current leader *process* (DESIGN.md section 4,
-invariant 9; issue 9 item 4): a leader agent restarted under the same epoch,
+"""A follower follows the current leader *process* (docs/invariants.md,
+invariant 9): a leader agent restarted under the same epoch,
 at a new address or at the same one, is followed at once, and a follower
 reports itself degraded until it has synced with it.
 

@@ -1,6 +1,6 @@
 """Property: whatever the interleaving, lag and rid reuse, no stage ever loads
-KV other than its own KV of exactly the tokens it looked up (DESIGN.md section
-4, invariants 6 and 8).
+KV other than its own KV of exactly the tokens it looked up
+(docs/invariants.md, invariants 6 and 8).
 
 Hypothesis draws a schedule: one sequence of engine calls (lookup, retrieve,
 release, store_kv over a few reused rids and prompts that share prefixes),
@@ -65,7 +65,7 @@ ops_strategy = st.lists(
               st.sampled_from(["a", "a", "b"]), st.integers(0, len(PROMPTS) - 1)),
     min_size=3, max_size=MAX_OPS,
 )
-# Schedules of issue 9 that loaded or published another request's KV before
+# Schedules that loaded or published another request's KV before
 # content pairing (the leader ahead by 3 calls, rid "a" reused).
 KNOWN = [
     [("store", "a", 0), ("release", "a", 0), ("store", "a", 2), ("lookup", "b", 2),

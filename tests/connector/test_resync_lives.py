@@ -1,4 +1,4 @@
-"""The lives of a rid survive a resync (DESIGN.md section 4, invariant 8).
+"""The lives of a rid survive a resync (docs/invariants.md, invariant 8).
 
 Every decision carries the leader's life of its rid, so a follower pairs a call
 only with a decision of its own life even when the leader's RELEASE of the rid

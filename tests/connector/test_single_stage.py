@@ -1,5 +1,6 @@
-"""A group of one stage (no followers) with the real embedded backend: the seed
-contract, input validation, round trips, completion, lookup replacement."""
+"""A group of one stage (no followers) with the real embedded backend: the
+store_kv contract of SGLang's FlexKV connector, input validation, round trips,
+completion, lookup replacement."""
 
 from __future__ import annotations
 

@@ -72,7 +72,7 @@ class _Clock:
 def test_without_an_agent_every_call_degrades_and_the_seed_check_still_raises(
         tmp_path: Path) -> None:
     """SGLang keeps serving from its radix cache: misses, -1, 0, no waits (the
-    client finds no socket file); the length check of the seed still applies."""
+    client finds no socket file); the contract's length check still applies."""
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_size=4, dtype=KVDtype.FLOAT32,
                       tokens_per_block=4)
     client = EngineClient(tmp_path / "none.sock", RankInfo(replica="r"), timeout=5)
