@@ -56,7 +56,7 @@ from node_agent.backend.embedded import EmbeddedBackend
 from node_agent.backend.layout import KVDtype, KVLayout
 from node_agent.backend.stage_store import TierStore
 from node_agent.client import EngineClient, RankInfo, SharedKVBuffers
-from node_agent.connector import Connector, ConnectorConfig
+from node_agent.coordinator import Coordinator, CoordinatorConfig
 from node_agent.engine_api import protocol
 from node_agent.pp.group import GroupView, GroupViewSource, Member
 
@@ -204,11 +204,11 @@ def bench_bandwidth(client: EngineClient, bufs: SharedKVBuffers, layout: KVLayou
              loadavg=load)
 
 
-def inprocess_connector(layout: KVLayout, cpu_bytes: int) -> Connector:
+def inprocess_connector(layout: KVLayout, cpu_bytes: int) -> Coordinator:
     me = Member(node="bench", pp_rank=0, fanout_endpoint="")
     bcfg = EmbeddedBackendConfig(layout=layout, cpu_bytes=cpu_bytes, pinned=False,
                                  deferred_visibility=True)
-    conn = Connector(ConnectorConfig(group="bench-inproc", pp_rank=0, layout=layout),
+    conn = Coordinator(CoordinatorConfig(group="bench-inproc", pp_rank=0, layout=layout),
                      GroupViewSource(GroupView("bench-inproc", 0, me, (me,))),
                      backend_factory=lambda: EmbeddedBackend(bcfg),
                      store_factory=lambda: TierStore(bcfg))

@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import contextlib
 
 from node_agent.backend.replication import Direction
-from node_agent.connector.tracking import Mailbox
+from node_agent.coordinator.tracking import Mailbox
 from node_agent.pp.auth import CurveKeys
 from node_agent.pp.channel import FanoutServer
 from node_agent.pp.messages import Ack, Decision, Kind, Message, Op, Reset

@@ -245,7 +245,7 @@ def bench_lookup(master: str, metadata: str, tokens_n: int, tpb: int,
 
 def bench_lookup_during_fetch(master: str, metadata: str, tokens_n: int, iters: int,
                               prompts: int) -> dict[str, object]:
-    from node_agent.connector import Connector, ConnectorConfig
+    from node_agent.coordinator import Coordinator, CoordinatorConfig
     from node_agent.pp.group import GroupView, GroupViewSource, Member
 
     tpb, fetch_blocks = 16, 2048
@@ -275,7 +275,7 @@ def bench_lookup_during_fetch(master: str, metadata: str, tokens_n: int, iters: 
     if not pool.health.up:
         raise SystemExit(f"cannot join the Mooncake pool: {pool.health.reason}")
     cpu_blocks = local_blocks + prompts * fetch_blocks + 64
-    cfg = ConnectorConfig(group="bench", pp_rank=0, layout=layout,
+    cfg = CoordinatorConfig(group="bench", pp_rank=0, layout=layout,
                           engine_call_seconds=60.0, fanout_wait_seconds=10.0,
                           transfer_seconds=15.0)
     me = Member(node="bench", pp_rank=0, fanout_endpoint="")
@@ -283,7 +283,7 @@ def bench_lookup_during_fetch(master: str, metadata: str, tokens_n: int, iters: 
     def no_store() -> TierStore:
         raise AssertionError("a single-stage group has no follower")
 
-    conn = Connector(
+    conn = Coordinator(
         cfg, GroupViewSource(GroupView("bench", 0, me, (me,))),
         backend_factory=lambda: EmbeddedBackend(
             EmbeddedBackendConfig(layout=layout, cpu_bytes=cpu_blocks * layout.bytes_per_block,

@@ -40,7 +40,7 @@ def _agent(argv: list[str]) -> int:
     """The agent process: wrap the store path's stages, then run the agent."""
     from node_agent.__main__ import main
     from node_agent.backend import embedded, transfer
-    from node_agent.connector import leader
+    from node_agent.coordinator import leader
     from node_agent.engine_api import service
 
     marks: list[tuple[float, str]] = []

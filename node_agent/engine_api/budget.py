@@ -5,7 +5,7 @@ answered a call (success, failure or timeout), that call must not write the
 engine's slots (retrieve) or read them (store_kv) any more. The server cannot
 stop a worker thread, so the connector's waits themselves must end first.
 
-The longest chain of bounded waits in one connector call (node_agent/connector,
+The longest chain of bounded waits in one connector call (node_agent/coordinator,
 read from its code) is a follower's ``retrieve``: its copy waits for the stage's
 copy lock (``transfer``) and copies (``transfer``), then waits for the leader's
 verdict (``fanoutWait + transfer``). Every other call waits less: a leader's

@@ -51,7 +51,7 @@ from node_agent.engine_api.server import NotReadyError
 
 log = logging.getLogger(__name__)
 
-class Connector(Protocol):
+class Coordinator(Protocol):
     """The connector API the agent drives (one per stage)."""
 
     def register_kv_buffers(self, rank: int, buffers: Sequence[Sequence[Any]]) -> None: ...
@@ -67,7 +67,7 @@ class Connector(Protocol):
     def ready(self) -> bool: ...
 
 
-def wait_completed(conn: Connector, timeout_ms: int) -> list[str]:
+def wait_completed(conn: Coordinator, timeout_ms: int) -> list[str]:
     """The connector's ``wait_completed``: rids reported as soon as one becomes
     reportable (the connector's roles notify it; no polling), or ``[]`` after
     ``timeout_ms``. Raises ``ValueError`` for a timeout outside ``0..MAX_WAIT_MS``."""
@@ -134,7 +134,7 @@ class Stage:
     pp_size: int
     group: str
     layout: KVLayout
-    connector: Connector
+    connector: Coordinator
     views: Any = None
     """The stage's group-view source (``node_agent.pp.group.GroupViewSource``)."""
     buffers: dict[int, list[OpenedBuffer]] = field(default_factory=dict)
@@ -233,7 +233,7 @@ class EngineService:
         stage = self.stages.get(StageKey(replica, pp_rank))
         return stage is not None and req.op in stage.inline_ops
 
-    def _connector(self, rank: RankRef) -> Connector:
+    def _connector(self, rank: RankRef) -> Coordinator:
         stage = self.stages.get(rank.stage)
         if stage is None or rank.tp_rank not in stage.buffers:
             raise NotReadyError(

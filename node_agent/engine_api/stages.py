@@ -39,7 +39,7 @@ from node_agent.backend.remote.tier import RemoteTier
 from node_agent.backend.replication import ReplicatedBackend
 from node_agent.backend.single_stage import SingleStageBackend
 from node_agent.backend.stage_store import TierStore
-from node_agent.connector import Connector, ConnectorConfig
+from node_agent.coordinator import Coordinator, CoordinatorConfig
 from node_agent.engine_api.budget import call_budget
 from node_agent.engine_api.identity import stage_namespace
 from node_agent.engine_api.service import INLINE_CANDIDATES, RankRef, Stage
@@ -81,12 +81,12 @@ def remote_tier(agent: Agent, rank: RankRef, layout: KVLayout) -> RemoteTier | N
 
 
 def connector_config(agent: Agent, rank: RankRef, layout: KVLayout, group: str,
-                     endpoint: str | None) -> ConnectorConfig:
+                     endpoint: str | None) -> CoordinatorConfig:
     """The stage's connector config, its waits split from ``engineCallSeconds`` by
     :func:`.budget.call_budget` so that every engine call ends inside it."""
     t = agent.cfg.timeouts
     budget = call_budget(t.engine_call_seconds, t.fanout_wait_seconds)
-    return ConnectorConfig(
+    return CoordinatorConfig(
         group=group, pp_rank=rank.pp_rank, layout=layout, fanout_endpoint=endpoint,
         engine_call_seconds=t.engine_call_seconds,
         fanout_wait_seconds=budget.fanout_wait_seconds,
@@ -135,7 +135,7 @@ def default_stage_builder(agent: Agent, rank: RankRef, layout: KVLayout) -> Stag
                                       namespace=bcfg.namespace)
         return EmbeddedBackend(bcfg, metrics=metrics, remote=remote_tier(agent, rank, layout))
 
-    connector = Connector(
+    connector = Coordinator(
         ccfg, views,
         backend_factory=leader_backend,
         store_factory=lambda: TierStore(bcfg, remote_tier(agent, rank, layout)),

@@ -134,7 +134,7 @@ class Decision:
     ``n`` is the leader's decision number, unique within its role (acks,
     cancels and results name the decision by ``(rid, kind, n)``); it never
     decides pairing. ``digest`` identifies the tokens the decision was made for
-    (:func:`node_agent.connector.inputs.token_digest`): a follower applies the
+    (:func:`node_agent.coordinator.inputs.token_digest`): a follower applies the
     decision only to its own call of the same rid, kind and digest. ``mask``
     is over the page-aligned tokens (put) or all tokens (get). The plan travels as ``runs``, rows
     ``(tier code, first block index, count)`` (None when ``task_id`` is -1);

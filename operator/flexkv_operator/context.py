@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flexkv_operator.events import EventRecorder
-from flexkv_operator.groups import GroupCache
+from flexkv_operator.group_publisher import GroupCache
 from flexkv_operator.kube import ApiError, KubeClient, api_path
 from flexkv_operator.membership import LeaseTracker
 from flexkv_operator.metrics import OperatorMetrics

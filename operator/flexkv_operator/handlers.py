@@ -17,10 +17,10 @@ from typing import Any
 import kopf
 
 from flexkv_operator import crds, names
+from flexkv_operator.active_replica import LeaderElection
 from flexkv_operator.context import OperatorContext, OperatorSettings
 from flexkv_operator.controller import Controller
 from flexkv_operator.kube import USER_AGENT, Connection, KubeClient
-from flexkv_operator.leadership import LeaderElection
 from flexkv_operator.metrics import Readiness, serve
 
 logger = logging.getLogger(__name__)

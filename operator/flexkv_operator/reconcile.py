@@ -19,7 +19,7 @@ from flexkv_operator.children import PoolIdentity, config_hash, optional_childre
 from flexkv_operator.conditions import condition_status
 from flexkv_operator.context import OperatorContext
 from flexkv_operator.events import NORMAL, WARNING
-from flexkv_operator.groups import GroupCache, GroupOutcome, plan_groups, publish_group
+from flexkv_operator.group_publisher import GroupCache, GroupOutcome, plan_groups, publish_group
 from flexkv_operator.kube import ApiError, Conflict, KubeClient, NotFound, api_path
 from flexkv_operator.membership import AgentView, removed_agents
 from flexkv_operator.sizing import matching_nodes, sizing_condition

@@ -6,7 +6,7 @@ import datetime
 from typing import Any
 
 from flexkv_operator.conditions import Condition, merge_conditions
-from flexkv_operator.groups import GroupOutcome
+from flexkv_operator.group_publisher import GroupOutcome
 from flexkv_operator.membership import AgentView
 
 

@@ -19,7 +19,7 @@ import torch
 
 from node_agent.backend.slots import validate_slot_mapping
 from node_agent.client import EngineClient, RankInfo, SharedKVBuffers
-from node_agent.connector.inputs import prepare_lookup, prepare_store
+from node_agent.coordinator.inputs import prepare_lookup, prepare_store
 from node_agent.engine_api import protocol
 from tests.agent.harness import (
     LAYOUT,

@@ -18,7 +18,7 @@ from flexkv_apiserver import ApiServer
 from flexkv_harness import NS, POOLS
 from flexkv_operator.context import NodeCache, OperatorContext, OperatorSettings
 from flexkv_operator.controller import Controller
-from flexkv_operator.groups import GroupCache
+from flexkv_operator.group_publisher import GroupCache
 from flexkv_operator.kube import Connection, KubeClient
 from flexkv_operator.membership import LeaseTracker
 from flexkv_operator.reconcile import ReconcileResult, reconcile_pool

@@ -27,8 +27,8 @@ from flexkv_harness import (
     running_operator,
     wait_for,
 )
+from flexkv_operator.active_replica import LeaderElection
 from flexkv_operator.kube import Connection, KubeClient
-from flexkv_operator.leadership import LeaderElection
 from reconcile_harness import ManualClock
 
 LEASES = "coordination.k8s.io/v1/leases"

@@ -84,8 +84,8 @@ async def test_group_publication_from_a_stale_cache_conflicts_then_rereads(api: 
     second leader for an epoch."""
     import datetime
 
-    from flexkv_operator.election import Candidate
-    from flexkv_operator.groups import GroupCache, GroupMember, GroupPlan, publish_group
+    from flexkv_operator.group_election import Candidate
+    from flexkv_operator.group_publisher import GroupCache, GroupMember, GroupPlan, publish_group
     from flexkv_operator.kube import Connection, KubeClient
 
     pool_body = await create(api, POOLS, {"metadata": {"name": "p"}, "spec": {}})

@@ -8,7 +8,7 @@ import kmock
 from flexkv_apiserver import ApiServer
 from flexkv_harness import GROUPS, NS, POOLS, FakeAgent, create, delete, pool_manifest
 from flexkv_operator.controller import Controller
-from flexkv_operator.groups import GroupCache
+from flexkv_operator.group_publisher import GroupCache
 from reconcile_harness import ManualClock, reconcile, reconcile_context
 
 LONG_LEASE = 600  # no expiry during these tests unless the clock is moved that far

@@ -12,8 +12,14 @@ import yaml
 from flexkv_operator import children, keys, names
 from flexkv_operator.children import PoolIdentity
 from flexkv_operator.conditions import Condition, merge_conditions
-from flexkv_operator.election import Candidate, Published, decide
-from flexkv_operator.groups import GroupMember, GroupPlan, needs_write, plan_groups, render_status
+from flexkv_operator.group_election import Candidate, Published, decide
+from flexkv_operator.group_publisher import (
+    GroupMember,
+    GroupPlan,
+    needs_write,
+    plan_groups,
+    render_status,
+)
 from flexkv_operator.membership import LeaseTracker, parse_lease
 from flexkv_operator.quantity import parse_bytes
 from flexkv_operator.sizing import sizing_condition

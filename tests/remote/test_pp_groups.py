@@ -19,9 +19,9 @@ from node_agent.backend.hashing import BlockHasher
 from node_agent.backend.remote.keys import KeySpace, block_digest
 from node_agent.backend.remote.tier import RemoteTier
 from node_agent.backend.stage_store import TierStore
-from node_agent.connector import Connector, ConnectorConfig
+from node_agent.coordinator import Coordinator, CoordinatorConfig
 from node_agent.pp.group import GroupView, GroupViewSource
-from tests.connector.harness import (
+from tests.coordinator.harness import (
     LAYOUT,
     backend_config,
     group_status,
@@ -49,7 +49,7 @@ class Group:
     def __init__(self, name: str, nodes: list[Node], epochs: list[int] | None = None,
                  namespace: str | None = None) -> None:
         self.views = [GroupViewSource(GroupView(name, 0, None, ())) for _ in nodes]
-        self.conns: list[Connector] = []
+        self.conns: list[Coordinator] = []
         self.bufs = []
         self.epochs = list(epochs or [0] * len(nodes))
         for rank, n in enumerate(nodes):
@@ -58,11 +58,11 @@ class Group:
                                                    self.epochs[rank]),
                                   epoch=lambda: self.epochs[rank])
 
-            cfg = ConnectorConfig(
+            cfg = CoordinatorConfig(
                 group=name, pp_rank=rank, layout=LAYOUT, fanout_endpoint="tcp://127.0.0.1:0",
                 engine_call_seconds=8.0, fanout_wait_seconds=3.5, transfer_seconds=1.4,
                 heartbeat_seconds=0.1, leader_timeout_seconds=3.0)
-            conn = Connector(
+            conn = Coordinator(
                 cfg, self.views[rank],
                 backend_factory=lambda tier=tier: EmbeddedBackend(
                     dataclasses.replace(backend_config(64, True), namespace=namespace),
@@ -79,7 +79,7 @@ class Group:
             v.update_from_status(group_status(1, 0, endpoints))
         wait_for(lambda: all(c.ready() for c in self.conns), f"{name} ready", 20)
 
-    def on_every_stage(self, fn: Callable[[int, Connector], Any]) -> list[Any]:
+    def on_every_stage(self, fn: Callable[[int, Coordinator], Any]) -> list[Any]:
         """Run ``fn`` on every stage at once (each stage is its own engine rank)."""
         out: list[Any] = [None] * len(self.conns)
         errors: list[BaseException] = []
@@ -129,7 +129,7 @@ def test_group_b_serves_group_a_prefix_each_stage_from_its_own_keys(
     lock hashes the prompt as its match does, so B's lookup finds what it fetched."""
     a, b, nodes = groups
 
-    def store(r: int, c: Connector) -> int:
+    def store(r: int, c: Coordinator) -> int:
         write_slots(a.bufs[r], SRC, kv_content(r, TOKENS))
         return c.store_kv("p", TOKENS, torch.as_tensor(SRC))
 
@@ -144,7 +144,7 @@ def test_group_b_serves_group_a_prefix_each_stage_from_its_own_keys(
     hits = b.on_every_stage(lambda r, c: c.lookup("q", TOKENS))
     assert hits == [len(TOKENS), len(TOKENS)]
 
-    def retrieve(r: int, c: Connector) -> int:
+    def retrieve(r: int, c: Coordinator) -> int:
         write_slots(b.bufs[r], DST, np.full((len(DST), LAYOUT.num_planes, LAYOUT.row_elems),
                                             -7.0, np.float32))
         return c.retrieve("q", torch.as_tensor(DST))
@@ -166,7 +166,7 @@ def test_a_stage_whose_own_blocks_are_missing_makes_the_group_miss(
     fetch its stage; the group answers a miss and no stage loads undefined bytes."""
     a, b, nodes = groups
 
-    def store(r: int, c: Connector) -> int:
+    def store(r: int, c: Coordinator) -> int:
         write_slots(a.bufs[r], SRC, kv_content(r, TOKENS))
         return c.store_kv("p", TOKENS, torch.as_tensor(SRC))
 
@@ -184,7 +184,7 @@ def test_a_stage_whose_own_blocks_are_missing_makes_the_group_miss(
 
     assert b.on_every_stage(lambda r, c: c.lookup("q", TOKENS)) == [len(TOKENS)] * 2
 
-    def retrieve(r: int, c: Connector) -> int:
+    def retrieve(r: int, c: Coordinator) -> int:
         write_slots(b.bufs[r], DST, np.full((len(DST), LAYOUT.num_planes, LAYOUT.row_elems),
                                             -7.0, np.float32))
         return c.retrieve("q", torch.as_tensor(DST))
@@ -210,8 +210,8 @@ def test_a_follower_on_another_cache_epoch_never_fetches_that_epochs_objects(
         b = Group("ep-b", nodes[2:], epochs=[0, 1])
         made.append(b)
 
-        def store(g: Group, offset: int) -> Callable[[int, Connector], int]:
-            def run(r: int, c: Connector) -> int:
+        def store(g: Group, offset: int) -> Callable[[int, Coordinator], int]:
+            def run(r: int, c: Coordinator) -> int:
                 write_slots(g.bufs[r], SRC, kv_content(r + offset, TOKENS))
                 return c.store_kv("p", TOKENS, torch.as_tensor(SRC))
             return run
@@ -227,7 +227,7 @@ def test_a_follower_on_another_cache_epoch_never_fetches_that_epochs_objects(
 
         assert b.on_every_stage(lambda r, c: c.lookup("q", TOKENS)) == [len(TOKENS), 0]
 
-        def retrieve(r: int, c: Connector) -> int:
+        def retrieve(r: int, c: Coordinator) -> int:
             write_slots(b.bufs[r], DST, np.full((len(DST), LAYOUT.num_planes,
                                                  LAYOUT.row_elems), -7.0, np.float32))
             return c.retrieve("q", torch.as_tensor(DST if r == 0 else DST[:0]))
@@ -256,7 +256,7 @@ def test_a_retrieve_whose_lookup_straddles_a_group_flush_is_a_miss_on_every_stag
     stage answers 0 and loads nothing."""
     a, _, _ = groups
 
-    def store(r: int, c: Connector) -> int:
+    def store(r: int, c: Coordinator) -> int:
         write_slots(a.bufs[r], SRC, kv_content(r, TOKENS))
         return c.store_kv("p", TOKENS, torch.as_tensor(SRC))
 
@@ -269,7 +269,7 @@ def test_a_retrieve_whose_lookup_straddles_a_group_flush_is_a_miss_on_every_stag
     wait_for(lambda: a.conns[1].status()["counters"]["resets"] > resets,
              "the follower applied the flush", 20)
 
-    def retrieve(r: int, c: Connector) -> int:
+    def retrieve(r: int, c: Coordinator) -> int:
         write_slots(a.bufs[r], DST, np.full((len(DST), LAYOUT.num_planes, LAYOUT.row_elems),
                                             -7.0, np.float32))
         return c.retrieve("q", torch.as_tensor(DST))
@@ -288,7 +288,7 @@ def test_a_remote_fetch_never_holds_up_another_requests_lookup(
     a, b, nodes = groups
 
     def store(g: Group, rid: str, tokens: np.ndarray) -> None:
-        def one(r: int, c: Connector) -> int:
+        def one(r: int, c: Coordinator) -> int:
             write_slots(g.bufs[r], SRC, kv_content(r, tokens))
             return c.store_kv(rid, tokens, torch.as_tensor(SRC))
 
@@ -346,7 +346,7 @@ def test_blocks_a_follower_could_not_fetch_are_fetched_again_once_its_objects_re
     that every later load misses."""
     a, b, nodes = groups
 
-    def store(r: int, c: Connector) -> int:
+    def store(r: int, c: Coordinator) -> int:
         write_slots(a.bufs[r], SRC, kv_content(r, TOKENS))
         return c.store_kv("p", TOKENS, torch.as_tensor(SRC))
 
@@ -369,8 +369,8 @@ def test_blocks_a_follower_could_not_fetch_are_fetched_again_once_its_objects_re
     for key in keys:
         wait_for(lambda key=key: remove(key), f"{key} removed", 60)
 
-    def retrieve(rid: str) -> Callable[[int, Connector], int]:
-        def one(r: int, c: Connector) -> int:
+    def retrieve(rid: str) -> Callable[[int, Coordinator], int]:
+        def one(r: int, c: Coordinator) -> int:
             write_slots(b.bufs[r], DST, np.full(
                 (len(DST), LAYOUT.num_planes, LAYOUT.row_elems), -7.0, np.float32))
             return c.retrieve(rid, torch.as_tensor(DST))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from node_agent.connector import Connector
+from node_agent.coordinator import Coordinator
 from node_agent.pp.auth import CurveKeys
 from node_agent.pp.channel import FanoutServer
 from node_agent.pp.group import GroupView, GroupViewSource
@@ -27,7 +27,7 @@ from .harness import (
 )
 
 TPB = LAYOUT.tokens_per_block
-Stage = tuple[Connector, tuple[list[torch.Tensor], list[torch.Tensor]]]
+Stage = tuple[Coordinator, tuple[list[torch.Tensor], list[torch.Tensor]]]
 
 
 def _stage(rank: int, group: str, keys: CurveKeys, server: FanoutServer | None) -> Stage:

@@ -23,8 +23,8 @@ from node_agent.backend.embedded import EmbeddedBackend
 from node_agent.backend.layout import KVDtype, KVLayout, LayoutName
 from node_agent.backend.slots import check_whole_pages
 from node_agent.backend.stage_store import TierStore
-from node_agent.connector import Connector, ConnectorConfig
-from node_agent.connector.inputs import prepare_slots, prepare_store
+from node_agent.coordinator import Coordinator, CoordinatorConfig
+from node_agent.coordinator.inputs import prepare_slots, prepare_store
 from node_agent.pp.group import GroupView, GroupViewSource
 
 from .harness import group_status, wait_for
@@ -71,7 +71,7 @@ class PagedGroup:
 
     def __init__(self) -> None:
         self.views = [GroupViewSource(GroupView(GROUP, 0, None, ())) for _ in range(2)]
-        self.conns: list[Connector] = []
+        self.conns: list[Coordinator] = []
         self.bufs: list[list[torch.Tensor]] = []
         self.threads: list[StageThread] = []
         cfg = EmbeddedBackendConfig(layout=LAYOUT, cpu_bytes=16 * LAYOUT.bytes_per_block,
@@ -79,8 +79,8 @@ class PagedGroup:
                                     unlaunched_match_seconds=5.0, worker_threads=1)
         try:
             for r in range(2):
-                c = Connector(
-                    ConnectorConfig(group=GROUP, pp_rank=r, layout=LAYOUT,
+                c = Coordinator(
+                    CoordinatorConfig(group=GROUP, pp_rank=r, layout=LAYOUT,
                                     fanout_endpoint="tcp://127.0.0.1:0",
                                     engine_call_seconds=6.0, fanout_wait_seconds=2.5,
                                     transfer_seconds=1.1),
@@ -129,7 +129,7 @@ class PagedGroup:
 
     def retrieve(self, rank: int, rid: str, slots: np.ndarray) -> Any:
         """Poison the pages of ``slots``, then ``retrieve`` into them."""
-        def call(c: Connector) -> int:
+        def call(c: Coordinator) -> int:
             self.poison(rank, slots)
             return c.retrieve(rid, torch.as_tensor(slots))
         return self.call(rank, call)

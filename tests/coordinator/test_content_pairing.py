@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from node_agent.connector import Connector
-from node_agent.connector.follower import FollowerRole
+from node_agent.coordinator import Coordinator
+from node_agent.coordinator.follower import FollowerRole
 
 from .harness import LAYOUT, wait_completed, wait_for
 from .pairs import InProcessGroup
@@ -82,7 +82,7 @@ def test_item1_lagging_follower_lookup_of_a_reused_rid_never_takes_the_next_look
     assert all(pair.loaded_ok(r, B, dst, len(B)) for r in (0, 1))
 
 
-BAD_FOLLOWER_INPUTS: list[tuple[str, Callable[[Connector], Any]]] = [
+BAD_FOLLOWER_INPUTS: list[tuple[str, Callable[[Coordinator], Any]]] = [
     ("kv_indices None", lambda c: c.store_kv("r", A, None)),  # type: ignore[arg-type]
     ("bf16 token tensor", lambda c: c.store_kv("r", torch.as_tensor(A, dtype=torch.bfloat16),
                                                torch.as_tensor(_slots(100)))),
@@ -93,7 +93,7 @@ BAD_FOLLOWER_INPUTS: list[tuple[str, Callable[[Connector], Any]]] = [
 
 @pytest.mark.parametrize("what, bad", BAD_FOLLOWER_INPUTS, ids=[b[0] for b in BAD_FOLLOWER_INPUTS])
 def test_item2_any_rejection_leaves_the_stream_as_if_the_call_was_not_made(
-        pair: InProcessGroup, what: str, bad: Callable[[Connector], Any]) -> None:
+        pair: InProcessGroup, what: str, bad: Callable[[Coordinator], Any]) -> None:
     task_a = pair.store(0, "r", A, _slots(0)).result(30)
     with pytest.raises(ValueError):
         pair.call(1, bad).result(30)
@@ -235,7 +235,7 @@ def test_a_rid_evicted_by_the_bound_keeps_its_lives_so_a_lagging_lookup_never_ta
         g.settle()
         others = [np.arange(5000 + 100 * i, 5000 + 100 * i + TPB) for i in range(3)]
 
-        def leader_calls() -> list[Callable[[Connector], Any]]:
+        def leader_calls() -> list[Callable[[Coordinator], Any]]:
             return [lambda c: c.lookup("a", B), lambda c: c.release("a"),
                     *[lambda c, t=t, i=i: c.lookup(f"x{i}", t) for i, t in enumerate(others)],
                     lambda c: c.lookup("a", B)]

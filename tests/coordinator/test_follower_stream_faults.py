@@ -13,9 +13,9 @@ import pytest
 
 from node_agent.backend.replication import BlockLocation, Direction, Tier, TierMove, TransferPlan
 from node_agent.backend.stage_store import TierStore
-from node_agent.connector import ConnectorConfig, UnknownRequestError
-from node_agent.connector.follower import FollowerRole
-from node_agent.connector.inputs import prepare_lookup, prepare_store, token_digest
+from node_agent.coordinator import CoordinatorConfig, UnknownRequestError
+from node_agent.coordinator.follower import FollowerRole
+from node_agent.coordinator.inputs import prepare_lookup, prepare_store, token_digest
 from node_agent.pp.messages import (
     Decision,
     Envelope,
@@ -39,7 +39,7 @@ class Driven:
     """A follower role fed by hand: ``send`` delivers the next in-order message."""
 
     def __init__(self) -> None:
-        cfg = ConnectorConfig(group=GROUP, pp_rank=1, layout=LAYOUT, engine_call_seconds=2.0,
+        cfg = CoordinatorConfig(group=GROUP, pp_rank=1, layout=LAYOUT, engine_call_seconds=2.0,
                               fanout_wait_seconds=0.5, transfer_seconds=0.4)
         self.store = TierStore(backend_config(8, True))
         self.store.register_kv_buffers(0, make_buffers())

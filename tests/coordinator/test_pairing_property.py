@@ -86,7 +86,7 @@ def _group(size: int) -> Iterator[InProcessGroup]:
     # A short decision wait: a call whose decision never comes (its stage-mates
     # rejected the call) ends quickly. A generous copy bound: a copy that times
     # out may keep running, so none should on a loaded machine.
-    # fanout + 3 x transfer < call (ConnectorConfig checks it).
+    # fanout + 3 x transfer < call (CoordinatorConfig checks it).
     g = InProcessGroup(size, cpu_blocks=24, engine_call_seconds=4.0,
                        fanout_wait_seconds=0.3, transfer_seconds=0.6)
     try:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from node_agent.connector import Connector
+from node_agent.coordinator import Coordinator
 from node_agent.pp.group import GroupView, GroupViewSource
 
 from .harness import (
@@ -29,7 +29,7 @@ TPB = LAYOUT.tokens_per_block
 
 
 @pytest.fixture
-def pair() -> Iterator[tuple[Connector, Connector]]:
+def pair() -> Iterator[tuple[Coordinator, Coordinator]]:
     views = [GroupViewSource(GroupView(GROUP, 0, None, ())) for _ in range(2)]
     conns = [make_connector(r, views[r], keys=None) for r in range(2)]
     try:
@@ -46,7 +46,7 @@ def pair() -> Iterator[tuple[Connector, Connector]]:
             c.close()
 
 
-def _valid(conn: Connector, rid: str, blocks: int, base: int) -> int:
+def _valid(conn: Coordinator, rid: str, blocks: int, base: int) -> int:
     tokens = np.arange(base, base + blocks * TPB)
     slots = np.arange(blocks * TPB)
     bufs = conn._buffers[0]
@@ -55,7 +55,7 @@ def _valid(conn: Connector, rid: str, blocks: int, base: int) -> int:
 
 
 def test_leader_only_rejection_keeps_follower_calls_paired(
-        pair: tuple[Connector, Connector]) -> None:
+        pair: tuple[Coordinator, Coordinator]) -> None:
     leader, follower = pair
     with pytest.raises(ValueError, match="kv_indices has"):
         leader.store_kv("r", np.arange(2 * TPB), torch.arange(2 * TPB - 1))
@@ -68,7 +68,7 @@ def test_leader_only_rejection_keeps_follower_calls_paired(
 
 
 def test_follower_only_rejection_keeps_its_calls_paired(
-        pair: tuple[Connector, Connector]) -> None:
+        pair: tuple[Coordinator, Coordinator]) -> None:
     leader, follower = pair
     first = _valid(leader, "r", 1, 0)
     assert first >= 0

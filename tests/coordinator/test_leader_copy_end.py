@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from node_agent.connector import UnknownRequestError
-from node_agent.connector.leader import LeaderRole
+from node_agent.coordinator import UnknownRequestError
+from node_agent.coordinator.leader import LeaderRole
 from node_agent.pp.group import GroupView, GroupViewSource
 
 from .harness import (

@@ -1,5 +1,5 @@
 """The store completion path: a finished copy wakes the leader at once (the
-backend's completion listener), and ``Connector.wait_completed`` is woken by
+backend's completion listener), and ``Coordinator.wait_completed`` is woken by
 the rid being queued rather than polling for it."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.embedded import EmbeddedBackend
 from node_agent.backend.layout import KVDtype, KVLayout
-from node_agent.connector import Connector
-from node_agent.connector.tracking import CompletedRids
+from node_agent.coordinator import Coordinator
+from node_agent.coordinator.tracking import CompletedRids
 from node_agent.metrics import AgentMetrics
 from node_agent.pp.group import GroupView, GroupViewSource
 
@@ -23,7 +23,7 @@ from .harness import GROUP, group_status, kv_content, make_buffers, make_connect
 
 
 @pytest.fixture
-def single() -> Iterator[tuple[Connector, tuple[list[torch.Tensor], list[torch.Tensor]]]]:
+def single() -> Iterator[tuple[Coordinator, tuple[list[torch.Tensor], list[torch.Tensor]]]]:
     view = GroupViewSource(GroupView.from_status(GROUP, group_status(1, 0,
                                                                      {0: "tcp://127.0.0.1:1"})))
     conn = make_connector(0, view, keys=None, endpoint=None, metrics=AgentMetrics())

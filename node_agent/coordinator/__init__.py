@@ -4,14 +4,14 @@
 The group leader decides; followers execute its physical plans (docs/pp.md).
 """
 
-from node_agent.connector.config import ConnectorConfig
-from node_agent.connector.connector import BackendFactory, Connector, StoreFactory
-from node_agent.connector.errors import UnknownRequestError
+from node_agent.coordinator.config import CoordinatorConfig
+from node_agent.coordinator.coordinator import BackendFactory, Coordinator, StoreFactory
+from node_agent.coordinator.errors import UnknownRequestError
 
 __all__ = [
     "BackendFactory",
-    "Connector",
-    "ConnectorConfig",
+    "Coordinator",
+    "CoordinatorConfig",
     "StoreFactory",
     "UnknownRequestError",
 ]

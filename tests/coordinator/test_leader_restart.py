@@ -17,8 +17,8 @@ from collections.abc import Iterator
 import pytest
 
 from node_agent.backend.stage_store import TierStore
-from node_agent.connector import ConnectorConfig
-from node_agent.connector.follower import FollowerRole
+from node_agent.coordinator import CoordinatorConfig
+from node_agent.coordinator.follower import FollowerRole
 from node_agent.pp.auth import CurveKeys
 from node_agent.pp.messages import Envelope, Heartbeat, Message, Op, Release, Sync
 from node_agent.pp.stream import StreamMetrics
@@ -100,7 +100,7 @@ def test_leader_restarted_at_the_same_address_is_followed_at_once(group: Group) 
 
 
 def test_a_new_incarnation_makes_the_follower_degraded_until_its_sync() -> None:
-    cfg = ConnectorConfig(group=GROUP, pp_rank=1, layout=LAYOUT, engine_call_seconds=2.0,
+    cfg = CoordinatorConfig(group=GROUP, pp_rank=1, layout=LAYOUT, engine_call_seconds=2.0,
                           fanout_wait_seconds=0.5, transfer_seconds=0.4)
     store_ = TierStore(backend_config(8, True))
     store_.register_kv_buffers(0, make_buffers())

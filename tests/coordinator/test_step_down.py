@@ -3,7 +3,7 @@ group view changes: it stops deciding, answers engine calls with -1 / a miss at
 once, and discards (never publishes) its in-flight stores.
 
 In-process, over real Curve pyzmq sockets on loopback: the leader is a real
-:class:`Connector` with the embedded backend; its one follower is a bare
+:class:`Coordinator` with the embedded backend; its one follower is a bare
 :class:`FollowerStream` that records what it applies and never acks, so a store
 stays in flight until something ends it. The newer epoch arrives either as the
 new leader's heartbeat (this stage is a follower in the new view) or as a
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from node_agent.connector import Connector
+from node_agent.coordinator import Coordinator
 from node_agent.metrics import AgentMetrics
 from node_agent.pp.auth import CurveKeys
 from node_agent.pp.channel import FanoutServer, Sender
@@ -42,7 +42,7 @@ TPB = LAYOUT.tokens_per_block
 
 @dataclass
 class StaleLeader:
-    conn: Connector
+    conn: Coordinator
     metrics: AgentMetrics
     keys: CurveKeys
     bufs: tuple[list, list]  # type: ignore[type-arg]

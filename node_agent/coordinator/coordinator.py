@@ -1,6 +1,6 @@
 """The connector of one stage of one PP group: the API the agent service wraps.
 
-:class:`Connector` validates engine inputs (SGLang's FlexKV connector ``store_kv`` contract),
+:class:`Coordinator` validates engine inputs (SGLang's FlexKV connector ``store_kv`` contract),
 then hands each call to its current role: :class:`LeaderRole` when the group
 view names this stage's pp rank as leader, :class:`FollowerRole` otherwise.
 The role follows the view: a new leader or epoch closes the old role (its
@@ -26,12 +26,12 @@ import torch
 
 from node_agent.backend.layout import register_buffers
 from node_agent.backend.replication import ReplicatedBackend, StageStore
-from node_agent.connector.config import ConnectorConfig
-from node_agent.connector.errors import UnknownRequestError
-from node_agent.connector.follower import FollowerRole
-from node_agent.connector.inputs import prepare_lookup, prepare_store
-from node_agent.connector.leader import LeaderRole
-from node_agent.connector.tracking import CompletedRids
+from node_agent.coordinator.config import CoordinatorConfig
+from node_agent.coordinator.errors import UnknownRequestError
+from node_agent.coordinator.follower import FollowerRole
+from node_agent.coordinator.inputs import prepare_lookup, prepare_store
+from node_agent.coordinator.leader import LeaderRole
+from node_agent.coordinator.tracking import CompletedRids
 from node_agent.metrics import AgentMetrics
 from node_agent.pp.auth import CurveKeys
 from node_agent.pp.channel import FanoutServer
@@ -58,12 +58,12 @@ Role = LeaderRole | FollowerRole
 _ABSENT = object()
 
 
-class Connector:
+class Coordinator:
     """One stage's connector (see module docstring). Thread-safe."""
 
     def __init__(
         self,
-        config: ConnectorConfig,
+        config: CoordinatorConfig,
         view: GroupViewSource,
         backend_factory: BackendFactory,
         store_factory: StoreFactory,
@@ -113,7 +113,7 @@ class Connector:
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    def start(self) -> Connector:
+    def start(self) -> Coordinator:
         """Bind the fan-out server (when configured) and take the current view's role."""
         with self._lock:
             if self._started:

@@ -16,7 +16,7 @@ from node_agent.backend.embedded import EmbeddedBackend
 from node_agent.backend.flexkv_adapter import FlexKVBackend, FlexKVSettings
 from node_agent.backend.replication import Direction
 from node_agent.backend.single_stage import SingleStageBackend
-from node_agent.connector import Connector, ConnectorConfig
+from node_agent.coordinator import Coordinator, CoordinatorConfig
 from node_agent.pp.group import GroupView, GroupViewSource, Member
 from tests.fake_flexkv import load_fake_flexkv
 
@@ -49,13 +49,13 @@ def _flexkv() -> KVBackend:
                                                 unlaunched_match_seconds=5))
 
 
-def _connector(inner: Callable[[], KVBackend]) -> Connector:
+def _connector(inner: Callable[[], KVBackend]) -> Coordinator:
     me = Member(node="node-0", pp_rank=0, fanout_endpoint="")
     view = GroupViewSource(GroupView(GROUP, 0, me, (me,)))
-    cfg = ConnectorConfig(group=GROUP, pp_rank=0, layout=LAYOUT, fanout_endpoint=None,
+    cfg = CoordinatorConfig(group=GROUP, pp_rank=0, layout=LAYOUT, fanout_endpoint=None,
                           engine_call_seconds=6.0, fanout_wait_seconds=2.5,
                           transfer_seconds=1.1)
-    return Connector(cfg, view, backend_factory=lambda: SingleStageBackend(inner()),
+    return Coordinator(cfg, view, backend_factory=lambda: SingleStageBackend(inner()),
                      store_factory=lambda: pytest.fail("a one-stage group has no follower"))
 
 

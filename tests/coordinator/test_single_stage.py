@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from node_agent.connector import Connector, UnknownRequestError
+from node_agent.coordinator import Coordinator, UnknownRequestError
 from node_agent.metrics import AgentMetrics
 from node_agent.pp.group import GroupView, GroupViewSource
 
@@ -31,7 +31,7 @@ TPB = LAYOUT.tokens_per_block
 
 
 @pytest.fixture
-def single() -> Iterator[tuple[Connector, tuple[list[torch.Tensor], list[torch.Tensor]]]]:
+def single() -> Iterator[tuple[Coordinator, tuple[list[torch.Tensor], list[torch.Tensor]]]]:
     view = GroupViewSource(GroupView.from_status(GROUP, group_status(1, 0, {0: "tcp://127.0.0.1:1"})))
     conn = make_connector(0, view, keys=None, endpoint=None, metrics=AgentMetrics())
     conn.start()
@@ -43,7 +43,7 @@ def single() -> Iterator[tuple[Connector, tuple[list[torch.Tensor], list[torch.T
         conn.close()
 
 
-def _store(conn: Connector, bufs: object, rid: str, tokens: np.ndarray, slots: np.ndarray) -> int:
+def _store(conn: Coordinator, bufs: object, rid: str, tokens: np.ndarray, slots: np.ndarray) -> int:
     write_slots(bufs, slots, kv_content(0, tokens))  # type: ignore[arg-type]
     return conn.store_kv(rid, tokens, torch.as_tensor(slots))
 

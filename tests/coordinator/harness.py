@@ -26,7 +26,7 @@ from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.embedded import EmbeddedBackend
 from node_agent.backend.layout import KVDtype, KVLayout
 from node_agent.backend.stage_store import TierStore
-from node_agent.connector import Connector, ConnectorConfig
+from node_agent.coordinator import Coordinator, CoordinatorConfig
 from node_agent.metrics import AgentMetrics
 from node_agent.pp.auth import CurveKeys
 from node_agent.pp.channel import FanoutServer, FaultPlan
@@ -48,7 +48,7 @@ def wait_for(cond: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
         time.sleep(0.005)
 
 
-def wait_completed(conn: Connector, rid: str, timeout: float = 5.0) -> None:
+def wait_completed(conn: Coordinator, rid: str, timeout: float = 5.0) -> None:
     """Poll ``conn.poll_completed()`` until it reports ``rid``."""
     done: list[str] = []
 
@@ -140,21 +140,21 @@ def make_connector(
     max_pending: int = 4096,
     cache_epoch: Callable[[], int] | None = None,
     **timeouts: float,
-) -> Connector:
+) -> Coordinator:
     """A connector with the real embedded backend (leader) and TierStore (follower);
     ``cache_epoch`` stands for the agent's ``cacheEpoch`` (its key epoch)."""
-    cfg = ConnectorConfig(
+    cfg = CoordinatorConfig(
         group=view.view.group, pp_rank=rank, layout=LAYOUT, fanout_endpoint=endpoint,
         # Generous against stalls on a shared 2-core machine; the waits that end
         # tests early (dead stages, lost messages) are bounded by these. They keep
-        # fanout_wait + 3 x transfer below engine_call (ConnectorConfig checks it).
+        # fanout_wait + 3 x transfer below engine_call (CoordinatorConfig checks it).
         engine_call_seconds=timeouts.get("engine_call_seconds", 6.0),
         fanout_wait_seconds=timeouts.get("fanout_wait_seconds", 2.5),
         transfer_seconds=timeouts.get("transfer_seconds", 1.1),
         heartbeat_seconds=0.1, leader_timeout_seconds=3.0, max_completed=max_completed,
         max_pending=max_pending,
     )
-    return Connector(
+    return Coordinator(
         cfg, view,
         backend_factory=lambda: EmbeddedBackend(backend_config(cpu_blocks, True)),
         store_factory=lambda: TierStore(backend_config(cpu_blocks, True)),

@@ -18,9 +18,9 @@ import numpy as np
 
 from node_agent.backend.replication import Direction
 from node_agent.backend.stage_store import TierStore
-from node_agent.connector import ConnectorConfig
-from node_agent.connector.follower import FollowerRole
-from node_agent.connector.inputs import prepare_lookup, prepare_store
+from node_agent.coordinator import CoordinatorConfig
+from node_agent.coordinator.follower import FollowerRole
+from node_agent.coordinator.inputs import prepare_lookup, prepare_store
 from node_agent.pp.messages import (
     Decision,
     Envelope,
@@ -57,7 +57,7 @@ class _Capture:
 
 
 def test_a_load_ack_of_the_old_leaders_decision_is_never_stamped_with_the_new_leader() -> None:
-    cfg = ConnectorConfig(group=GROUP, pp_rank=1, layout=LAYOUT, engine_call_seconds=2.0,
+    cfg = CoordinatorConfig(group=GROUP, pp_rank=1, layout=LAYOUT, engine_call_seconds=2.0,
                           fanout_wait_seconds=0.5, transfer_seconds=0.4)
     store_ = TierStore(backend_config(8, True))
     store_.register_kv_buffers(0, make_buffers())
@@ -104,7 +104,7 @@ def test_a_load_ack_of_the_old_leaders_decision_is_never_stamped_with_the_new_le
 
 
 def test_a_store_whose_result_a_resync_skipped_is_still_reported_complete() -> None:
-    cfg = ConnectorConfig(group=GROUP, pp_rank=1, layout=LAYOUT, engine_call_seconds=2.0,
+    cfg = CoordinatorConfig(group=GROUP, pp_rank=1, layout=LAYOUT, engine_call_seconds=2.0,
                           fanout_wait_seconds=0.5, transfer_seconds=0.4)
     store_ = TierStore(backend_config(8, True))
     store_.register_kv_buffers(0, make_buffers())
@@ -138,7 +138,7 @@ def test_a_store_whose_result_a_resync_skipped_is_still_reported_complete() -> N
 
 
 def test_a_new_leader_process_keeps_a_lagging_life_behind_its_first_decisions() -> None:
-    cfg = ConnectorConfig(group=GROUP, pp_rank=1, layout=LAYOUT, engine_call_seconds=2.0,
+    cfg = CoordinatorConfig(group=GROUP, pp_rank=1, layout=LAYOUT, engine_call_seconds=2.0,
                           fanout_wait_seconds=0.5, transfer_seconds=0.4)
     store_ = TierStore(backend_config(8, True))
     store_.register_kv_buffers(0, make_buffers())

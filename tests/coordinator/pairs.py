@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from node_agent.connector import Connector
+from node_agent.coordinator import Coordinator
 from node_agent.metrics import AgentMetrics
 from node_agent.pp.channel import FaultPlan
 from node_agent.pp.group import GroupView, GroupViewSource
@@ -104,7 +104,7 @@ class InProcessGroup:
                  **timeouts: float) -> None:
         self.views = [GroupViewSource(GroupView(GROUP, 0, None, ())) for _ in range(size)]
         self.metrics = [AgentMetrics() for _ in range(size)]
-        self.conns: list[Connector] = []
+        self.conns: list[Coordinator] = []
         self.bufs: list[Buffers] = []
         self.threads: list[StageThread] = []
         self.epoch = 0
@@ -158,7 +158,7 @@ class InProcessGroup:
 
         return self.threads[rank].submit(call)
 
-    def call(self, rank: int, fn: Callable[[Connector], Any]) -> Future[Any]:
+    def call(self, rank: int, fn: Callable[[Coordinator], Any]) -> Future[Any]:
         conn = self.conns[rank]
         return self.threads[rank].submit(lambda: fn(conn))
 

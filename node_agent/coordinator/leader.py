@@ -33,10 +33,10 @@ import numpy.typing as npt
 
 from node_agent.backend.base import KVResponseStatus
 from node_agent.backend.replication import Direction, ReplicatedBackend, TierMove, TransferPlan
-from node_agent.connector.config import ConnectorConfig
-from node_agent.connector.errors import UnknownRequestError
-from node_agent.connector.inputs import LookupInput, StoreInput, prepare_slots
-from node_agent.connector.tracking import AckCollector, CompletedRids, DecisionNumbers, RidLives
+from node_agent.coordinator.config import CoordinatorConfig
+from node_agent.coordinator.errors import UnknownRequestError
+from node_agent.coordinator.inputs import LookupInput, StoreInput, prepare_slots
+from node_agent.coordinator.tracking import AckCollector, CompletedRids, DecisionNumbers, RidLives
 from node_agent.pp.auth import CurveKeys
 from node_agent.pp.messages import (
     NO_CACHE_EPOCH,
@@ -106,7 +106,7 @@ class LeaderRole:
 
     def __init__(
         self,
-        cfg: ConnectorConfig,
+        cfg: CoordinatorConfig,
         epoch: int,
         backend: ReplicatedBackend,
         followers: dict[int, str],

@@ -22,7 +22,7 @@ from typing import Any
 
 from flexkv_operator import crds, names
 from flexkv_operator.conditions import Condition, merge_conditions
-from flexkv_operator.election import Candidate, Decision, Published, decide
+from flexkv_operator.group_election import Candidate, Decision, Published, decide
 from flexkv_operator.kube import Conflict, KubeClient, NotFound, api_path
 from flexkv_operator.membership import AgentView
 

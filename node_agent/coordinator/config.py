@@ -8,7 +8,7 @@ from node_agent.backend.layout import KVLayout
 
 
 @dataclass(frozen=True)
-class ConnectorConfig:
+class CoordinatorConfig:
     """What a connector needs besides its backend, store, keys and view.
 
     ``fanout_endpoint`` is where this stage's fan-out server binds (the
@@ -38,24 +38,24 @@ class ConnectorConfig:
 
     def __post_init__(self) -> None:
         if not self.group:
-            raise ValueError("ConnectorConfig.group is empty; set it to the KVCacheGroup name")
+            raise ValueError("CoordinatorConfig.group is empty; set it to the KVCacheGroup name")
         if isinstance(self.pp_rank, bool) or not isinstance(self.pp_rank, int) or self.pp_rank < 0:
-            raise ValueError(f"ConnectorConfig.pp_rank={self.pp_rank!r} must be an int >= 0")
+            raise ValueError(f"CoordinatorConfig.pp_rank={self.pp_rank!r} must be an int >= 0")
         for key in ("engine_call_seconds", "fanout_wait_seconds", "transfer_seconds",
                     "heartbeat_seconds", "leader_timeout_seconds"):
             v = getattr(self, key)
             if not isinstance(v, int | float) or v <= 0:
                 raise ValueError(
-                    f"ConnectorConfig.{key}={v!r} must be a positive number of seconds"
+                    f"CoordinatorConfig.{key}={v!r} must be a positive number of seconds"
                 )
         for key in ("max_pending", "max_completed"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"ConnectorConfig.{key}={v!r} must be an int >= 1")
+                raise ValueError(f"CoordinatorConfig.{key}={v!r} must be an int >= 1")
         chain = self.fanout_wait_seconds + 3 * self.transfer_seconds
         if chain >= self.engine_call_seconds:
             raise ValueError(
-                f"ConnectorConfig: fanout_wait_seconds={self.fanout_wait_seconds:g} + 3 x "
+                f"CoordinatorConfig: fanout_wait_seconds={self.fanout_wait_seconds:g} + 3 x "
                 f"transfer_seconds={self.transfer_seconds:g} = {chain:g} must be below "
                 f"engine_call_seconds={self.engine_call_seconds:g} (the longest chain of "
                 "waits in one engine call); derive both from engine_call_seconds with "
@@ -63,8 +63,9 @@ class ConnectorConfig:
             )
         if self.heartbeat_seconds * 3 > self.leader_timeout_seconds:
             raise ValueError(
-                f"ConnectorConfig.leader_timeout_seconds={self.leader_timeout_seconds} must be at "
-                f"least 3x heartbeat_seconds={self.heartbeat_seconds}"
+                "CoordinatorConfig.leader_timeout_seconds="
+                f"{self.leader_timeout_seconds} must be at least 3x "
+                f"heartbeat_seconds={self.heartbeat_seconds}"
             )
 
     @property

@@ -28,10 +28,10 @@ import numpy as np
 import numpy.typing as npt
 
 from node_agent.backend.replication import Direction, StageStore, Tier
-from node_agent.connector.config import ConnectorConfig
-from node_agent.connector.errors import UnknownRequestError
-from node_agent.connector.inputs import LookupInput, StoreInput, prepare_slots
-from node_agent.connector.tracking import CompletedRids, DecisionBook, Key, Mailbox, Taken
+from node_agent.coordinator.config import CoordinatorConfig
+from node_agent.coordinator.errors import UnknownRequestError
+from node_agent.coordinator.inputs import LookupInput, StoreInput, prepare_slots
+from node_agent.coordinator.tracking import CompletedRids, DecisionBook, Key, Mailbox, Taken
 from node_agent.pp.auth import CurveKeys
 from node_agent.pp.messages import (
     Ack,
@@ -78,7 +78,7 @@ class FollowerRole:
 
     def __init__(
         self,
-        cfg: ConnectorConfig,
+        cfg: CoordinatorConfig,
         epoch: int,
         leader_endpoint: str | None,
         store: StageStore,
