@@ -17,14 +17,15 @@ from flexkv_operator import crds, names
 from flexkv_operator.defaults import apply_defaults
 from flexkv_operator.host_paths import ssd_path_problem
 from flexkv_operator.quantity import parse_bytes, parse_quantity
+from node_agent.contract import mooncake as mooncake_bounds
 
-#: Mooncake's bounds, as the agent checks them (node_agent/backend/remote/settings.py):
-#: its smallest segment, the staging buffer's range, and the storePort values that
-#: keep storePort and storePort + 1 outside the ephemeral ports it refuses.
-MIN_SEGMENT_BYTES = 16 << 20
-MIN_LOCAL_BUFFER_BYTES = 1 << 20
-MAX_LOCAL_BUFFER_BYTES = 64 << 30
-STORE_PORT_RANGES = ((1024, 32766), (61000, 65534))
+#: Mooncake's bounds, as the agent checks them: its smallest segment, the staging
+#: buffer's range, and the storePort values that keep storePort and storePort + 1
+#: outside the ephemeral ports it refuses.
+MIN_SEGMENT_BYTES = mooncake_bounds.MIN_SEGMENT_BYTES
+MIN_LOCAL_BUFFER_BYTES = mooncake_bounds.MIN_LOCAL_BUFFER_BYTES
+MAX_LOCAL_BUFFER_BYTES = mooncake_bounds.MAX_LOCAL_BUFFER_BYTES
+STORE_PORT_RANGES = mooncake_bounds.STORE_PORT_RANGES
 
 
 @dataclass(frozen=True)
