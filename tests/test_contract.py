@@ -20,7 +20,7 @@ import pytest
 import yaml
 from flexkv_operator import crds, names
 from flexkv_operator.quantity import parse_bytes
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from node_agent.config import ConfigError, parse_quantity
@@ -198,6 +198,7 @@ def test_the_agent_reads_a_size_as_the_operator_does(text: str, value: int) -> N
     assert parse_quantity(text, "tiers.cpu.size") == value
 
 
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
 @given(st.from_regex(
     r"\A[+-]?([0-9]{1,20}(\.[0-9]{0,6})?|\.[0-9]{1,6})"
     r"([eE][+-]?[0-9]{1,2}|Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E)?\Z"))
