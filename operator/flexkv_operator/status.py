@@ -222,22 +222,15 @@ def pool_status(
         degraded=degraded,
         reconcile_errors=reconcile_errors,
     )
+    valid = Condition("ConfigValid", True, "Valid", "Spec accepted")
     conditions = merge_conditions(
         previous.get("conditions"),
-        [
-            Condition("ConfigValid", True, "Valid", "Spec accepted"),
-            sizing,
-            ready,
-            progressing_condition(progressing),
-            degraded,
-        ],
+        [valid, sizing, ready, progressing_condition(progressing), degraded],
         generation,
         now,
     )
     phase = pool_phase(
-        degraded=degraded,
-        ready=ready,
-        progressing=progressing,
+        degraded=degraded, ready=ready, progressing=progressing,
         nothing_scheduled=desired_agents == 0 and not agents,
     )
     return {
