@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -53,9 +52,6 @@ log = logging.getLogger(__name__)
 StageBuilder = Callable[["Agent", RankRef, KVLayout], Stage]
 
 
-_INVALID_NAME = re.compile(r"[^a-z0-9-]+")
-
-
 def build_remote_pool(cfg: AgentConfig, metrics: AgentMetrics) -> RemotePool | None:
     """The agent's Mooncake Store client for ``tiers.remote`` (None without it). It
     joins in the background: a master that is down at start makes the tier down,
@@ -87,14 +83,6 @@ def build_remote_pool(cfg: AgentConfig, metrics: AgentMetrics) -> RemotePool | N
     ), metrics)
     threading.Thread(target=pool.start, name="flexkv-remote-join", daemon=True).start()
     return pool
-
-
-def group_name(pool: str, replica: str) -> str:
-    """The KVCacheGroup name of a replica (docs/contracts.md section 3), by the
-    operator's rule: ``<pool>-<replica>`` lowercased, every run of characters
-    outside ``[a-z0-9-]`` replaced by ``-``, trimmed, at most 253 characters."""
-    raw = _INVALID_NAME.sub("-", f"{pool}-{replica}".lower()).strip("-")
-    return raw[:253].rstrip("-") or "group"
 
 
 class _Stages:

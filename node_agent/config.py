@@ -34,6 +34,7 @@ from node_agent.backend.remote.settings import (
     MIN_SEGMENT_BYTES,
     store_port_problem,
 )
+from node_agent.contract import files, quantity
 from node_agent.engine_api.budget import call_budget
 
 ENV_PREFIX = "FLEXKV_"
@@ -45,16 +46,20 @@ class ConfigError(ValueError):
     """The configuration is invalid; the message names the key, the value and the fix."""
 
 
-_BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
-_DECIMAL = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
-_QUANTITY = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+#: The suffixes an unknown-suffix error suggests: binary, then decimal, no milli.
+_SIZE_SUFFIXES = ", ".join(
+    [*quantity.BINARY_SUFFIXES, *(s for s in quantity.DECIMAL_SUFFIXES if s != "m")]
+)
 
 
 def parse_quantity(value: object, key: str = "size") -> int:
     """Parse a byte size: a non-negative integer or a Kubernetes quantity string.
 
-    Fractions are allowed when the result is a whole number of bytes
-    (``1.5Gi``); milli-units and unknown suffixes are rejected.
+    Strings follow the API server's grammar (:mod:`node_agent.contract.quantity`,
+    the one the operator reads a pool's sizes with), surrounding whitespace
+    ignored, so a size means the same number of bytes to both. Fractions and
+    milli-units are allowed when the result is a whole number of bytes
+    (``1.5Gi``, ``2000m``); negative sizes and unknown suffixes are rejected.
     """
     if isinstance(value, bool):
         raise ConfigError(f"{key}: {value!r} is not a byte size; use bytes or a quantity like 8Gi")
@@ -66,20 +71,19 @@ def parse_quantity(value: object, key: str = "size") -> int:
         raise ConfigError(
             f"{key}: {value!r} is not a byte size; use bytes or a quantity like 8Gi"
         )
-    m = _QUANTITY.match(value)
-    if m is None:
+    number = quantity.parse_quantity(value.strip())
+    if number is None:
+        suffix = quantity.unknown_suffix(value.strip())
+        if suffix is not None:
+            raise ConfigError(
+                f"{key}: {value!r} has unknown suffix {suffix!r}; use one of {_SIZE_SUFFIXES}"
+            )
         raise ConfigError(f"{key}: {value!r} is not a quantity; write it like 8Gi, 512Mi or 1e9")
-    number, suffix = m.groups()
-    mult = _BINARY.get(suffix, _DECIMAL.get(suffix))
-    if mult is None:
-        raise ConfigError(
-            f"{key}: {value!r} has unknown suffix {suffix!r}; "
-            f"use one of {', '.join(list(_BINARY) + [s for s in _DECIMAL if s])}"
-        )
-    total = float(number) * mult
-    if not math.isfinite(total) or total != int(total):
+    if number < 0:
+        raise ConfigError(f"{key}: {value!r} is negative; use a size >= 0 such as 8Gi")
+    if number != number.to_integral_value():
         raise ConfigError(f"{key}: {value!r} is not a whole number of bytes; round it")
-    return int(total)
+    return int(number)
 
 
 # ---------------------------------------------------------------------------
@@ -275,10 +279,10 @@ class AgentConfig:
     tiers: Tiers = field(default_factory=Tiers, metadata={"key": "tiers"})
     eviction: Eviction = field(default_factory=Eviction, metadata={"key": "eviction"})
     ports: Ports = field(default_factory=Ports, metadata={"key": "ports"})
-    engine_socket: str = _key("engineSocket", _str(), default="/var/run/flexkv/engine.sock")
+    engine_socket: str = _key("engineSocket", _str(), default=files.ENGINE_SOCKET)
     timeouts: Timeouts = field(default_factory=Timeouts, metadata={"key": "timeouts"})
     heartbeat: Heartbeat = field(default_factory=Heartbeat, metadata={"key": "heartbeat"})
-    curve_key_dir: str = _key("curveKeyDir", _str(), default="/etc/flexkv/curve")
+    curve_key_dir: str = _key("curveKeyDir", _str(), default=files.CURVE_MOUNT)
     expected_ranks: int = _key("expectedRanks", _int(0, 1024), default=1)
     # Agent-local keys (not rendered by the operator; usually set from the environment).
     node_name: str = _key("nodeName", _str(), default="local")
@@ -380,12 +384,7 @@ def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
 
 #: Downward-API variables the operator's DaemonSet sets; they fill agent-local keys
 #: the file leaves out (a FLEXKV_* override still wins).
-_DOWNWARD = {
-    "NODE_NAME": "nodeName",
-    "POD_NAME": "podName",
-    "POD_UID": "podUid",
-    "POD_IP": "advertiseAddress",
-}
+_DOWNWARD = files.DOWNWARD_ENV
 
 
 def _apply_downward(raw: dict[str, Any], env: Mapping[str, str]) -> None:

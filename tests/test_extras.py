@@ -22,6 +22,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.support.operator_imports import (
+    CONTRACT,
+    PROBE,
+    forbidden_modules,
+    loaded_contract_modules,
+)
+
 REPO = Path(__file__).resolve().parents[1]
 VENVS = REPO / ".venvs"
 INSTALL_TIMEOUT_S = 1500
@@ -88,6 +95,12 @@ def test_operator_venv_holds_only_its_extra_and_its_command_runs(
     assert "usage: flexkv-operator" in out.stdout
     bad = _run(operator_venv, "flexkv-operator", "-A", "--no-such-flag", cwd=work)
     assert bad.returncode == 2 and "unrecognized arguments" in bad.stderr
+    # Its extra suffices for every operator module, which loads of node_agent only
+    # the contract package (the names both sides agree on).
+    probe = _run(operator_venv, "python", "-c", PROBE, cwd=work)
+    assert probe.returncode == 0, probe.stderr
+    assert forbidden_modules(probe.stdout) == []
+    assert f"{CONTRACT}.kube" in loaded_contract_modules(probe.stdout)
 
 
 @pytest.mark.slow

@@ -39,13 +39,28 @@ def _imports(folder: Path) -> dict[Path, set[str]]:
     return {p: set(pattern.findall(p.read_text())) for p in folder.rglob("*.py")}
 
 
+def _node_agent_imports(folder: Path) -> dict[Path, set[str]]:
+    """Full module names of every ``node_agent`` import of each file under ``folder``."""
+    pattern = re.compile(r"^\s*(?:import|from)\s+(node_agent(?:\.[\w.]+)?)", re.MULTILINE)
+    return {p: set(pattern.findall(p.read_text())) for p in folder.rglob("*.py")}
+
+
 def test_operator_never_imports_data_plane_packages() -> None:
+    """The operator imports no torch, no zmq, and of node_agent only the contract
+    package (node_agent/contract: the names and rules both sides agree on)."""
     offenders = {
-        str(p.relative_to(REPO)): mods & {"torch", "zmq", "node_agent"}
+        str(p.relative_to(REPO)): mods & {"torch", "zmq"}
         for p, mods in _imports(REPO / "operator").items()
-        if mods & {"torch", "zmq", "node_agent"}
+        if mods & {"torch", "zmq"}
     }
     assert offenders == {}
+    runtime = {
+        str(p.relative_to(REPO)): sorted(mods)
+        for p, mods in _node_agent_imports(REPO / "operator").items()
+        if any(m != "node_agent.contract" and not m.startswith("node_agent.contract.")
+               for m in mods)
+    }
+    assert runtime == {}
 
 
 def test_node_agent_never_imports_kopf() -> None:

@@ -13,12 +13,21 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata as md
+import json
 import re
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
 import pytest
+
+from tests.support.operator_imports import (
+    CONTRACT,
+    PROBE,
+    forbidden_modules,
+    loaded_contract_modules,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
@@ -127,3 +136,20 @@ def test_only_the_remote_subpackage_imports_mooncake() -> None:
     assert importers == ["node_agent/backend/remote/mooncake_client.py"]
     assert "mooncake" not in _modules_of(_closure(
         PROJECT["dependencies"] + PROJECT["optional-dependencies"]["agent"]))
+
+
+def test_importing_the_operator_loads_no_agent_runtime() -> None:
+    """Every operator module imported in a fresh interpreter loads no torch, no zmq and
+    of node_agent only the contract package (and node_agent's import-light __init__)."""
+    proc = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert forbidden_modules(proc.stdout) == []
+    assert f"{CONTRACT}.kube" in loaded_contract_modules(proc.stdout)
+
+
+def test_the_operator_import_probe_catches_an_agent_runtime_import() -> None:
+    """The probe's verdict is not vacuous: a loaded runtime module is named."""
+    out = json.dumps(["flexkv_operator", "node_agent", f"{CONTRACT}.kube", "node_agent.config",
+                      "zmq", "torch.nn"])
+    assert forbidden_modules(out) == ["node_agent.config", "zmq", "torch.nn"]

@@ -36,6 +36,8 @@ from typing import IO, TYPE_CHECKING, Any
 
 import yaml
 
+from node_agent.contract import kube
+
 if TYPE_CHECKING:
     from node_agent.backend.layout import KVLayout
     from node_agent.demo.workload import WorkloadSpec
@@ -151,8 +153,8 @@ def _wait_healthy(url: str, proc: subprocess.Popen[str], deadline: float) -> Non
 def _write_group_file(path: Path, pool: str, replica: str, fanout_ports: list[int]) -> None:
     members = [{"node": f"node-{r}", "ppRank": r, "fanoutEndpoint": f"tcp://127.0.0.1:{port}",
                 "ready": True} for r, port in enumerate(fanout_ports)]
-    group = {"apiVersion": "flexkv.io/v1alpha1", "kind": "KVCacheGroup",
-             "metadata": {"name": f"{pool}-{replica}"},
+    group = {"apiVersion": kube.API_VERSION, "kind": kube.GROUP_KIND,
+             "metadata": {"name": kube.group_name(pool, replica)},
              "spec": {"poolRef": pool, "replica": replica, "ppSize": len(fanout_ports)},
              "status": {"epoch": 1, "leader": members[0], "members": members,
                         "phase": "Ready"}}

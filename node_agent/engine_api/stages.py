@@ -97,7 +97,7 @@ def connector_config(agent: Agent, rank: RankRef, layout: KVLayout, group: str,
 
 def default_stage_builder(agent: Agent, rank: RankRef, layout: KVLayout) -> Stage:
     """Build and start the connector of ``rank``'s stage (see module docstring)."""
-    from node_agent.agent import group_name
+    from node_agent.contract.kube import group_name
 
     cfg = agent.cfg
     if cfg.backend == "flexkv" and rank.pp_size > 1:

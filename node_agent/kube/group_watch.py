@@ -26,6 +26,7 @@ from kubernetes.client import CustomObjectsApi
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError as Urllib3Error
 
+from node_agent.contract import kube
 from node_agent.http.state import RecentErrors
 from node_agent.kube.groups import GROUP, PLURAL, VERSION, ViewDelivery, ViewsCallback
 
@@ -56,7 +57,7 @@ class KubeGroupSource(ViewDelivery):
         return self._thread is not None and self._thread.is_alive()
 
     def _selector(self) -> str:
-        return f"flexkv.io/pool={self._pool}"
+        return f"{kube.LABEL_POOL}={self._pool}"
 
     def list_once(self) -> str | None:
         """List and deliver (blocking); returns the list's resourceVersion."""

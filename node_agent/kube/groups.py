@@ -27,11 +27,12 @@ from typing import Any
 
 import yaml
 
+from node_agent.contract import kube
 from node_agent.http.state import RecentErrors
 
 log = logging.getLogger(__name__)
 
-GROUP, VERSION, PLURAL = "flexkv.io", "v1alpha1", "kvcachegroups"
+GROUP, VERSION, PLURAL = kube.CRD_GROUP, kube.CRD_VERSION, kube.GROUP_PLURAL
 
 
 class GroupViewError(ValueError):

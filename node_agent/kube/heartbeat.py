@@ -30,21 +30,11 @@ from kubernetes.client import CoordinationV1Api
 from kubernetes.client.exceptions import ApiException
 
 from node_agent.config import AgentConfig
+from node_agent.contract import kube
+from node_agent.contract.kube import lease_name
 from node_agent.http.state import RecentErrors
 
 log = logging.getLogger(__name__)
-
-ANN_ENDPOINTS = "flexkv.io/endpoints"
-ANN_MEMBERSHIPS = "flexkv.io/memberships"
-ANN_TIERS = "flexkv.io/tiers"
-ANN_READY = "flexkv.io/ready"
-ANN_EPOCH = "flexkv.io/cache-epoch"
-
-
-def lease_name(node_name: str) -> str:
-    """``flexkv-agent-<nodeName>``."""
-    return f"flexkv-agent-{node_name}"
-
 
 HeartbeatInfo = Callable[[], dict[str, Any]]
 """Returns the current ``memberships`` (list), ``tiers`` (dict), ``ready`` (bool) and
@@ -118,14 +108,14 @@ class LeaseHeartbeat:
             "metadata": {
                 "name": self.lease_name,
                 "namespace": cfg.namespace,
-                "labels": {"app.kubernetes.io/name": "flexkv-agent",
-                           "flexkv.io/pool": cfg.pool, "flexkv.io/node": cfg.node_name},
+                "labels": {kube.LABEL_NAME: kube.AGENT_APP,
+                           kube.LABEL_POOL: cfg.pool, kube.LABEL_NODE: cfg.node_name},
                 "annotations": {
-                    ANN_ENDPOINTS: json.dumps(self._endpoints, sort_keys=True),
-                    ANN_MEMBERSHIPS: json.dumps(info.get("memberships", [])),
-                    ANN_TIERS: json.dumps(info.get("tiers", {}), sort_keys=True),
-                    ANN_READY: "true" if ready else "false",
-                    ANN_EPOCH: str(info.get("cacheEpoch", cfg.cache_epoch)),
+                    kube.ANNOTATION_ENDPOINTS: json.dumps(self._endpoints, sort_keys=True),
+                    kube.ANNOTATION_MEMBERSHIPS: json.dumps(info.get("memberships", [])),
+                    kube.ANNOTATION_TIERS: json.dumps(info.get("tiers", {}), sort_keys=True),
+                    kube.ANNOTATION_READY: "true" if ready else "false",
+                    kube.ANNOTATION_CACHE_EPOCH: str(info.get("cacheEpoch", cfg.cache_epoch)),
                 },
             },
             "spec": {

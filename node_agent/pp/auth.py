@@ -19,12 +19,14 @@ from pathlib import Path
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
+from node_agent.contract import files
+
 log = logging.getLogger(__name__)
 
-PUBLIC_FILE = "curve-public.key"
-SECRET_FILE = "curve-secret.key"
-ENV_PUBLIC = "FLEXKV_CURVE_PUBLIC_KEY"
-ENV_SECRET = "FLEXKV_CURVE_SECRET_KEY"
+PUBLIC_FILE = files.CURVE_PUBLIC_KEY
+SECRET_FILE = files.CURVE_SECRET_KEY
+ENV_PUBLIC = files.ENV_CURVE_PUBLIC_KEY
+ENV_SECRET = files.ENV_CURVE_SECRET_KEY
 
 
 class CurveKeyError(ValueError):

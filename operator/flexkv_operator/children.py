@@ -17,6 +17,7 @@ import yaml
 
 from flexkv_operator import agent_pod, mooncake, names
 from flexkv_operator.spec import PoolConfig
+from node_agent.contract import files
 
 ANNOTATION_SPEC_HASH = "flexkv.io/spec-hash"
 
@@ -61,7 +62,7 @@ def agent_config(pool: PoolIdentity, config: PoolConfig) -> dict[str, Any]:
             "lowWatermark": eviction["lowWatermark"],
         },
         "ports": {"http": config.http_port, "fanout": config.fanout_port},
-        "engineSocket": f"{names.ENGINE_SOCKET_DIR}/engine.sock",
+        "engineSocket": names.ENGINE_SOCKET,
         "timeouts": dict(raw["timeouts"]),
         "heartbeat": {
             "leaseDurationSeconds": config.timings.lease_duration,
@@ -133,14 +134,11 @@ def _probe(path: str, period: int, failure: int) -> dict[str, Any]:
     }
 
 
-def render_daemon_set(
-    pool: PoolIdentity, config: PoolConfig, service_account: str
-) -> dict[str, Any]:
-    raw = config.raw
-    agent = raw["agent"]
-    placement = config.placement
+def _pod_annotations(pool: PoolIdentity, config: PoolConfig) -> dict[str, str]:
+    """The agent pods' annotations: the config hash (a change rolls the pods) and,
+    with ``monitoring.scrapeAnnotations``, Prometheus' scrape annotations."""
     annotations = {names.ANNOTATION_CONFIG_HASH: config_hash(pool, config)}
-    if raw["monitoring"]["scrapeAnnotations"]:
+    if config.raw["monitoring"]["scrapeAnnotations"]:
         annotations.update(
             {
                 "prometheus.io/scrape": "true",
@@ -148,6 +146,64 @@ def render_daemon_set(
                 "prometheus.io/path": "/metrics",
             }
         )
+    return annotations
+
+
+#: The pod field each downward-API variable of the agent container carries.
+_DOWNWARD_FIELDS = {
+    "nodeName": "spec.nodeName",
+    "podName": "metadata.name",
+    "podUid": "metadata.uid",  # the agent's Lease is owned by its pod
+    "advertiseAddress": "status.podIP",
+}
+
+
+def _agent_env() -> list[dict[str, Any]]:
+    """The downward-API variables that fill the agent's node-local keys, and the
+    pod's namespace."""
+
+    def field_env(name: str, path: str) -> dict[str, Any]:
+        return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+    return [
+        *(field_env(var, _DOWNWARD_FIELDS[key]) for var, key in files.DOWNWARD_ENV.items()),
+        field_env("POD_NAMESPACE", "metadata.namespace"),
+    ]
+
+
+def _agent_container(
+    config: PoolConfig, host_mounts: list[dict[str, Any]], scratch_mount: dict[str, Any]
+) -> dict[str, Any]:
+    """The agent container: its command, ports, probes, resources and mounts."""
+    # The ConfigMap is mounted as a directory (never subPath) so that a cacheEpoch
+    # bump reaches running agents without a restart.
+    mounts: list[dict[str, Any]] = [
+        {"name": "config", "mountPath": names.CONFIG_MOUNT, "readOnly": True},
+        {"name": "curve", "mountPath": names.CURVE_MOUNT, "readOnly": True},
+        scratch_mount,
+        *host_mounts,
+    ]
+    return {
+        "name": "agent",
+        "image": config.image,
+        "imagePullPolicy": config.raw["agent"]["imagePullPolicy"],
+        "command": ["flexkv-agent"],
+        "args": ["run", "--config", f"{names.CONFIG_MOUNT}/{names.CONFIG_KEY}"],
+        "ports": agent_pod.container_ports(config),
+        "env": _agent_env(),
+        "livenessProbe": _probe("/healthz", 10, 3),
+        "readinessProbe": _probe("/readyz", config.timings.retry_period, 3),
+        "resources": agent_pod.agent_resources(config),
+        "securityContext": agent_pod.agent_security_context(config),
+        "volumeMounts": mounts,
+    }
+
+
+def _agent_pod_spec(
+    pool: PoolIdentity, config: PoolConfig, service_account: str
+) -> dict[str, Any]:
+    """The agent pods' spec: the init and agent containers, volumes and placement."""
+    placement = config.placement
     host = agent_pod.host_dirs(config)
     scratch, scratch_mount = agent_pod.scratch_volume()
     volumes: list[dict[str, Any]] = [
@@ -156,51 +212,26 @@ def render_daemon_set(
         scratch,
         *host.volumes,
     ]
-    # The ConfigMap is mounted as a directory (never subPath) so that a cacheEpoch
-    # bump reaches running agents without a restart.
-    mounts: list[dict[str, Any]] = [
-        {"name": "config", "mountPath": names.CONFIG_MOUNT, "readOnly": True},
-        {"name": "curve", "mountPath": names.CURVE_MOUNT, "readOnly": True},
-        scratch_mount,
-        *host.mounts,
-    ]
-
-    def field_env(name: str, path: str) -> dict[str, Any]:
-        return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
-
-    container = {
-        "name": "agent",
-        "image": config.image,
-        "imagePullPolicy": agent["imagePullPolicy"],
-        "command": ["flexkv-agent"],
-        "args": ["run", "--config", f"{names.CONFIG_MOUNT}/{names.CONFIG_KEY}"],
-        "ports": agent_pod.container_ports(config),
-        "env": [
-            field_env("NODE_NAME", "spec.nodeName"),
-            field_env("POD_NAME", "metadata.name"),
-            field_env("POD_UID", "metadata.uid"),  # the agent's Lease is owned by its pod
-            field_env("POD_IP", "status.podIP"),
-            field_env("POD_NAMESPACE", "metadata.namespace"),
-        ],
-        "livenessProbe": _probe("/healthz", 10, 3),
-        "readinessProbe": _probe("/readyz", config.timings.retry_period, 3),
-        "resources": agent_pod.agent_resources(config),
-        "securityContext": agent_pod.agent_security_context(config),
-        "volumeMounts": mounts,
-    }
-    pod_spec: dict[str, Any] = {
+    return {
         "serviceAccountName": service_account,
         "hostIPC": True,  # CUDA IPC handles between engine pods and the agent
         "terminationGracePeriodSeconds": 30,
         "securityContext": agent_pod.pod_security_context(),
         "initContainers": [agent_pod.chown_init_container(config, host)],
-        "containers": [container],
+        "containers": [_agent_container(config, host.mounts, scratch_mount)],
         "volumes": volumes,
         "nodeSelector": placement.get("nodeSelector") or None,
         "tolerations": placement.get("tolerations") or None,
         "affinity": placement.get("affinity") or None,
-        "priorityClassName": agent.get("priorityClassName") or None,
+        "priorityClassName": config.raw["agent"].get("priorityClassName") or None,
     }
+
+
+def render_daemon_set(
+    pool: PoolIdentity, config: PoolConfig, service_account: str
+) -> dict[str, Any]:
+    """The agents' DaemonSet: one agent pod per matching node, rolled one at a time
+    (``agent.maxUnavailable``) when the rendering changes."""
     return _stamp(
         {
             "apiVersion": "apps/v1",
@@ -210,14 +241,14 @@ def render_daemon_set(
                 "selector": {"matchLabels": names.selector_labels(pool.name)},
                 "updateStrategy": {
                     "type": "RollingUpdate",
-                    "rollingUpdate": {"maxUnavailable": agent["maxUnavailable"]},
+                    "rollingUpdate": {"maxUnavailable": config.raw["agent"]["maxUnavailable"]},
                 },
                 "template": {
                     "metadata": {
                         "labels": names.common_labels(pool.name),
-                        "annotations": annotations,
+                        "annotations": _pod_annotations(pool, config),
                     },
-                    "spec": pod_spec,
+                    "spec": _agent_pod_spec(pool, config, service_account),
                 },
             },
         }

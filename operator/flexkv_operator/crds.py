@@ -12,13 +12,15 @@ from typing import Any
 
 import yaml
 
-GROUP = "flexkv.io"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-POOL_PLURAL = "kvcachepools"
-GROUP_PLURAL = "kvcachegroups"
-POOL_KIND = "KVCachePool"
-GROUP_KIND = "KVCacheGroup"
+from node_agent.contract import kube
+
+GROUP = kube.CRD_GROUP
+VERSION = kube.CRD_VERSION
+API_VERSION = kube.API_VERSION
+POOL_PLURAL = kube.POOL_PLURAL
+GROUP_PLURAL = kube.GROUP_PLURAL
+POOL_KIND = kube.POOL_KIND
+GROUP_KIND = kube.GROUP_KIND
 
 CRD_FILES = {
     POOL_PLURAL: "kvcachepools.flexkv.io.yaml",

@@ -226,6 +226,161 @@ def needs_write(live: dict[str, Any], desired: dict[str, Any], heartbeat_slack: 
     return False
 
 
+@dataclass
+class _Publication:
+    """One group's publication across its attempts: where it lives, and what the
+    attempts so far left behind."""
+
+    client: KubeClient
+    pool_body: dict[str, Any]
+    plan: GroupPlan
+    cache: GroupCache | None
+    epoch_floor: int
+    conflicts: int = 0
+    # A leader change written but answered with an error (a lost reply; the retried
+    # conditional write then gets 409): the re-read shows it published, and the
+    # outcome must still say so, so that its Event is posted.
+    attempted: GroupOutcome | None = None
+
+    @property
+    def namespace(self) -> str:
+        return str(self.pool_body["metadata"]["namespace"])
+
+    @property
+    def pool(self) -> str:
+        return str(self.pool_body["metadata"]["name"])
+
+    @property
+    def name(self) -> str:
+        return names.group_name(self.pool, self.plan.replica)
+
+    @property
+    def path(self) -> str:
+        return api_path(crds.API_VERSION, crds.GROUP_PLURAL, self.namespace, self.name)
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    def forget(self) -> None:
+        """Drop the cached version: the next attempt reads the group again."""
+        if self.cache is not None:
+            self.cache.drop(self.key)
+
+    async def live(self) -> dict[str, Any] | GroupOutcome | None:
+        """The group as it is now: cached, read, or created; its ``spec.ppSize``
+        brought to the plan's. A :class:`GroupOutcome` when the name belongs to
+        another ``(poolRef, replica)`` pair; None when the next attempt must retry
+        (created or deleted meanwhile)."""
+        live = self.cache.get(self.key) if self.cache is not None else None
+        fetched = live is None
+        if live is None:
+            live = await self.client.get_or_none(self.path)
+        if live is None:
+            try:
+                live = await self.client.create(
+                    api_path(crds.API_VERSION, crds.GROUP_PLURAL, self.namespace), self._body()
+                )
+            except Conflict:
+                self.conflicts += 1
+                return None
+        else:
+            live_spec = live.get("spec") or {}
+            owner = (live_spec.get("poolRef"), live_spec.get("replica"))
+            if owner != (self.pool, self.plan.replica):
+                self.forget()
+                return _collision(self.name, self.namespace, self.plan, owner, self.pool)
+            if live_spec.get("ppSize") != self.plan.pp_size:
+                try:
+                    live = await self.client.patch(
+                        self.path, {"spec": {"ppSize": self.plan.pp_size}}
+                    )
+                except NotFound:
+                    self.forget()
+                    return None
+                fetched = True
+        if self.cache is not None and fetched:
+            self.cache.put(self.key, live)
+        return live
+
+    def _body(self) -> dict[str, Any]:
+        """A new group of the plan's replica, owned by the pool."""
+        return {
+            "apiVersion": crds.API_VERSION,
+            "kind": crds.GROUP_KIND,
+            "metadata": {
+                "name": self.name,
+                "namespace": self.namespace,
+                "labels": {names.LABEL_POOL: self.pool, names.LABEL_MANAGED_BY: names.MANAGER},
+                "ownerReferences": [names.owner_reference(self.pool_body)],
+            },
+            "spec": {
+                "poolRef": self.pool,
+                "replica": self.plan.replica,
+                "ppSize": self.plan.pp_size,
+            },
+        }
+
+    def landed(self, published: Published, live_status: dict[str, Any], identity: str) -> bool:
+        """True when the status shows the leader change of an attempt whose reply was
+        lost: the same epoch and leader, elected by this operator."""
+        attempted = self.attempted
+        return (
+            attempted is not None
+            and attempted.decision is not None
+            and published.epoch == attempted.epoch
+            and published.leader_node == (attempted.leader.node if attempted.leader else None)
+            and live_status.get("electedBy") == identity
+        )
+
+    async def write(
+        self, live: dict[str, Any], status: dict[str, Any], outcome: GroupOutcome,
+        published: Published,
+    ) -> bool:
+        """Write ``status`` conditionally on the version ``live`` was read at; False when
+        the next attempt must decide again (the group changed or was deleted)."""
+        patch = {
+            "metadata": {"resourceVersion": live["metadata"]["resourceVersion"]},
+            "status": status,
+        }
+        try:
+            written = await self.client.patch(f"{self.path}/status", patch)
+        except Conflict:
+            self.conflicts += 1
+            decision = outcome.decision
+            self.attempted = outcome if decision is not None and decision.changed else None
+            self.forget()
+            logger.info(
+                "Group changed while deciding; re-reading",
+                extra={"group": self.name, "namespace": self.namespace,
+                       "attempt": outcome.attempts},
+            )
+            return False
+        except NotFound:
+            self.forget()
+            logger.info(
+                "Group deleted while deciding; creating it again",
+                extra={"group": self.name, "namespace": self.namespace,
+                       "epoch_floor": outcome.epoch},
+            )
+            self.epoch_floor = max(self.epoch_floor, published.epoch)
+            return False
+        if self.cache is not None:
+            self.cache.put(self.key, written)
+        outcome.written = True
+        return True
+
+
+def _published(live_status: dict[str, Any], epoch_floor: int) -> Published:
+    """What the live status publishes, its epoch raised to at least ``epoch_floor``."""
+    leader = live_status.get("leader") or {}
+    return Published(
+        epoch=max(int(live_status.get("epoch") or 0), epoch_floor),
+        leader_node=leader.get("node"),
+        leader_rank=leader.get("ppRank"),
+    )
+
+
 async def publish_group(
     client: KubeClient,
     *,
@@ -242,85 +397,30 @@ async def publish_group(
 
     Returns an outcome with ``error`` set (and nothing written) when the object under
     the group's name belongs to another ``(poolRef, replica)`` pair."""
-    pool_meta = pool_body["metadata"]
-    namespace, pool = pool_meta["namespace"], pool_meta["name"]
-    name = names.group_name(pool, plan.replica)
-    path = api_path(crds.API_VERSION, crds.GROUP_PLURAL, namespace, name)
-    spec = {"poolRef": pool, "replica": plan.replica, "ppSize": plan.pp_size}
-    conflicts = 0
-    key = f"{namespace}/{name}"
-    # A leader change written but answered with an error (a lost reply; the retried
-    # conditional write then gets 409): the re-read shows it published, and the
-    # outcome must still say so, so that its Event is posted.
-    attempted: GroupOutcome | None = None
+    run = _Publication(client, pool_body, plan, cache, epoch_floor)
     for attempt in range(1, MAX_ATTEMPTS + 1):
-        live = cache.get(key) if cache is not None else None
-        fetched = live is None
+        live = await run.live()
         if live is None:
-            live = await client.get_or_none(path)
-        if live is None:
-            body = {
-                "apiVersion": crds.API_VERSION,
-                "kind": crds.GROUP_KIND,
-                "metadata": {
-                    "name": name,
-                    "namespace": namespace,
-                    "labels": {names.LABEL_POOL: pool, names.LABEL_MANAGED_BY: names.MANAGER},
-                    "ownerReferences": [names.owner_reference(pool_body)],
-                },
-                "spec": spec,
-            }
-            try:
-                live = await client.create(
-                    api_path(crds.API_VERSION, crds.GROUP_PLURAL, namespace), body
-                )
-            except Conflict:
-                conflicts += 1
-                continue
-        else:
-            live_spec = live.get("spec") or {}
-            owner = (live_spec.get("poolRef"), live_spec.get("replica"))
-            if owner != (pool, plan.replica):
-                if cache is not None:
-                    cache.drop(key)
-                return _collision(name, namespace, plan, owner, pool)
-            if live_spec.get("ppSize") != plan.pp_size:
-                try:
-                    live = await client.patch(path, {"spec": {"ppSize": plan.pp_size}})
-                except NotFound:
-                    if cache is not None:
-                        cache.drop(key)
-                    continue
-                fetched = True
-        if cache is not None and fetched:
-            cache.put(key, live)
+            continue
+        if isinstance(live, GroupOutcome):
+            return live
         live_status = live.get("status") or {}
-        leader = live_status.get("leader") or {}
-        published = Published(
-            epoch=max(int(live_status.get("epoch") or 0), epoch_floor),
-            leader_node=leader.get("node"),
-            leader_rank=leader.get("ppRank"),
-        )
-        if (
-            attempted is not None
-            and attempted.decision is not None
-            and published.epoch == attempted.epoch
-            and published.leader_node == (attempted.leader.node if attempted.leader else None)
-            and live_status.get("electedBy") == identity
-        ):
+        published = _published(live_status, run.epoch_floor)
+        if run.attempted is not None and run.landed(published, live_status, identity):
             logger.info(
                 "Group write landed although its reply was lost",
-                extra={"group": name, "namespace": namespace, "epoch": attempted.epoch},
+                extra={"group": run.name, "namespace": run.namespace,
+                       "epoch": run.attempted.epoch},
             )
-            attempted.written = True
-            attempted.attempts = attempt
-            attempted.conflicts = conflicts
-            return attempted
+            run.attempted.written = True
+            run.attempted.attempts = attempt
+            run.attempted.conflicts = run.conflicts
+            return run.attempted
         decision = decide(published, [m.candidate for m in plan.members])
         generation = int((live.get("metadata") or {}).get("generation") or 1)
         status = render_status(plan, decision, live_status, generation, now, identity)
         outcome = GroupOutcome(
-            name=name,
+            name=run.name,
             replica=plan.replica,
             epoch=decision.epoch,
             leader=decision.leader,
@@ -329,43 +429,16 @@ async def publish_group(
             decision=decision,
             previous_leader=published.leader_node,
             attempts=attempt,
-            conflicts=conflicts,
+            conflicts=run.conflicts,
             phase=str(status["phase"]),
         )
         if not decision.changed and not needs_write(live_status, status, heartbeat_slack):
             return outcome
-        patch = {
-            "metadata": {"resourceVersion": live["metadata"]["resourceVersion"]},
-            "status": status,
-        }
-        try:
-            written = await client.patch(f"{path}/status", patch)
-        except Conflict:
-            conflicts += 1
-            attempted = outcome if decision.changed else None
-            if cache is not None:
-                cache.drop(key)
-            logger.info(
-                "Group changed while deciding; re-reading",
-                extra={"group": name, "namespace": namespace, "attempt": attempt},
-            )
-            continue
-        except NotFound:
-            if cache is not None:
-                cache.drop(key)
-            logger.info(
-                "Group deleted while deciding; creating it again",
-                extra={"group": name, "namespace": namespace, "epoch_floor": decision.epoch},
-            )
-            epoch_floor = max(epoch_floor, published.epoch)
-            continue
-        if cache is not None:
-            cache.put(key, written)
-        outcome.written = True
-        return outcome
+        if await run.write(live, status, outcome, published):
+            return outcome
     raise RuntimeError(
-        f"KVCacheGroup {namespace}/{name}: {MAX_ATTEMPTS} conditional writes conflicted; "
-        "another writer keeps changing it, will retry on the next reconcile"
+        f"KVCacheGroup {run.namespace}/{run.name}: {MAX_ATTEMPTS} conditional writes "
+        "conflicted; another writer keeps changing it, will retry on the next reconcile"
     )
 
 

@@ -120,17 +120,13 @@ def _meta(pool: str, namespace: str, owner: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def render_master_deployment(
-    pool: str, namespace: str, owner: dict[str, Any], config: PoolConfig
-) -> dict[str, Any]:
-    """The managed master's Deployment (unstamped; :mod:`children` stamps it)."""
-    remote = config.remote
-    assert remote is not None and remote.managed
-    agent = config.raw["agent"]
-    container = {
+def _master_container(config: PoolConfig, remote: RemoteTier) -> dict[str, Any]:
+    """The ``mooncake_master`` container: the agent image, its ports and probes, the
+    pool's ``master.resources`` and the agent's security context."""
+    return {
         "name": "mooncake-master",
         "image": config.image,
-        "imagePullPolicy": agent["imagePullPolicy"],
+        "imagePullPolicy": config.raw["agent"]["imagePullPolicy"],
         "command": ["mooncake_master"],
         "args": master_args(),
         "ports": [
@@ -157,6 +153,14 @@ def render_master_deployment(
         "securityContext": agent_security_context(config),
         "volumeMounts": [{"name": "tmp", "mountPath": TMP_MOUNT}],
     }
+
+
+def render_master_deployment(
+    pool: str, namespace: str, owner: dict[str, Any], config: PoolConfig
+) -> dict[str, Any]:
+    """The managed master's Deployment (unstamped; :mod:`children` stamps it)."""
+    remote = config.remote
+    assert remote is not None and remote.managed
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -172,11 +176,11 @@ def render_master_deployment(
                     "enableServiceLinks": False,
                     "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
                     "terminationGracePeriodSeconds": 10,
-                    "containers": [container],
+                    "containers": [_master_container(config, remote)],
                     "volumes": [
                         {"name": "tmp", "emptyDir": {"sizeLimit": SCRATCH_SIZE_LIMIT}}
                     ],
-                    "priorityClassName": agent.get("priorityClassName") or None,
+                    "priorityClassName": config.raw["agent"].get("priorityClassName") or None,
                 },
             },
         },

@@ -2,35 +2,39 @@
 
 from __future__ import annotations
 
-import re
-
 from flexkv_operator import crds
+from node_agent.contract import files, kube
 
-LABEL_NAME = "app.kubernetes.io/name"
+LABEL_NAME = kube.LABEL_NAME
 LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_COMPONENT = "app.kubernetes.io/component"
-LABEL_POOL = "flexkv.io/pool"
-LABEL_NODE = "flexkv.io/node"
-AGENT_APP = "flexkv-agent"
+LABEL_POOL = kube.LABEL_POOL
+LABEL_NODE = kube.LABEL_NODE
+AGENT_APP = kube.AGENT_APP
 MOONCAKE_MASTER_APP = "flexkv-mooncake-master"
 MANAGER = "flexkv-operator"
 
 ANNOTATION_CONFIG_HASH = "flexkv.io/config-hash"
-ANNOTATION_ENDPOINTS = "flexkv.io/endpoints"
-ANNOTATION_MEMBERSHIPS = "flexkv.io/memberships"
-ANNOTATION_TIERS = "flexkv.io/tiers"
-ANNOTATION_READY = "flexkv.io/ready"
-ANNOTATION_CACHE_EPOCH = "flexkv.io/cache-epoch"
+# What the agents read back is written once, in node_agent.contract (docs/contracts.md).
+ANNOTATION_ENDPOINTS = kube.ANNOTATION_ENDPOINTS
+ANNOTATION_MEMBERSHIPS = kube.ANNOTATION_MEMBERSHIPS
+ANNOTATION_TIERS = kube.ANNOTATION_TIERS
+ANNOTATION_READY = kube.ANNOTATION_READY
+ANNOTATION_CACHE_EPOCH = kube.ANNOTATION_CACHE_EPOCH
 
-CONFIG_KEY = "agent.yaml"
-CONFIG_MOUNT = "/etc/flexkv"
-CURVE_MOUNT = "/etc/flexkv/curve"
-ENGINE_SOCKET_DIR = "/var/run/flexkv"
-CURVE_PUBLIC_KEY = "curve-public.key"
-CURVE_SECRET_KEY = "curve-secret.key"
+CONFIG_KEY = files.CONFIG_KEY
+CONFIG_MOUNT = files.CONFIG_MOUNT
+CURVE_MOUNT = files.CURVE_MOUNT
+ENGINE_SOCKET_DIR = files.ENGINE_SOCKET_DIR
+ENGINE_SOCKET = files.ENGINE_SOCKET
+CURVE_PUBLIC_KEY = files.CURVE_PUBLIC_KEY
+CURVE_SECRET_KEY = files.CURVE_SECRET_KEY
 
-_INVALID = re.compile(r"[^a-z0-9-]+")
+lease_name = kube.lease_name
+"""Name of the heartbeat Lease an agent keeps (docs/contracts.md section 2)."""
+group_name = kube.group_name
+"""``<pool>-<replica>`` lowercased, invalid characters replaced by ``-``, at most 253 chars."""
 
 
 def agent_name(pool: str) -> str:
@@ -63,17 +67,6 @@ def mooncake_master_name(pool: str) -> str:
 
 # A managed master's Service, ``<pool>-mooncake-master``, must be a DNS-1035 label.
 MAX_MANAGED_MASTER_POOL_NAME = 63 - len("-mooncake-master")
-
-
-def lease_name(node: str) -> str:
-    """Name of the heartbeat Lease an agent keeps (docs/contracts.md section 2)."""
-    return f"flexkv-agent-{node}"
-
-
-def group_name(pool: str, replica: str) -> str:
-    """``<pool>-<replica>`` lowercased, invalid characters replaced by ``-``, at most 253 chars."""
-    raw = _INVALID.sub("-", f"{pool}-{replica}".lower()).strip("-")
-    return raw[:253].rstrip("-") or "group"
 
 
 def selector_labels(pool: str) -> dict[str, str]:

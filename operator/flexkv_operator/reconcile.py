@@ -19,11 +19,18 @@ from flexkv_operator.children import PoolIdentity, config_hash, optional_childre
 from flexkv_operator.conditions import condition_status
 from flexkv_operator.context import OperatorContext
 from flexkv_operator.events import NORMAL, WARNING
+from flexkv_operator.group_election import Decision
 from flexkv_operator.group_publisher import GroupCache, GroupOutcome, plan_groups, publish_group
 from flexkv_operator.kube import ApiError, Conflict, KubeClient, NotFound, api_path
 from flexkv_operator.membership import AgentView, removed_agents
 from flexkv_operator.sizing import matching_nodes, sizing_condition
-from flexkv_operator.spec import ConfigInvalid, Timings, election_timings, parse_pool_spec
+from flexkv_operator.spec import (
+    ConfigInvalid,
+    PoolConfig,
+    Timings,
+    election_timings,
+    parse_pool_spec,
+)
 from flexkv_operator.status import invalid_status, pool_status
 
 logger = logging.getLogger(__name__)
@@ -114,6 +121,8 @@ def _rollout(ds: dict[str, Any], changed: bool) -> tuple[bool, int | None]:
 async def _publish_groups(
     ctx: OperatorContext, body: dict[str, Any], timings: Timings, agents: list[Any]
 ) -> list[GroupOutcome]:
+    """Publish every group the agents' Leases name, announce each leader change, and
+    delete the pool's groups that no Lease names any more (when due)."""
     plans = plan_groups(agents)
     semaphore = asyncio.Semaphore(GROUP_CONCURRENCY)
     now = ctx.wall_clock()
@@ -135,43 +144,57 @@ async def _publish_groups(
     outcomes = list(await asyncio.gather(*(one(p) for p in plans)))
     for outcome in outcomes:
         decision = outcome.decision
-        if not outcome.written or decision is None or not decision.changed:
-            continue
-        group_ref = {
-            "apiVersion": crds.API_VERSION,
-            "kind": crds.GROUP_KIND,
-            "metadata": {"name": outcome.name, "namespace": body["metadata"]["namespace"]},
-        }
-        leader = decision.leader.node if decision.leader else "none"
-        if decision.failover and decision.leader is not None:
-            lost = next(
-                (v for v in agents if v.record.node == outcome.previous_leader and not v.fresh),
-                None,
-            )
-            if lost is not None:
-                ctx.metrics.failover_seconds.observe(max(0.0, ctx.clock() - lost.expires_at))
-        if decision.failover:
-            reason, kind = "Failover", WARNING
-            message = (
-                f"Leader {outcome.previous_leader} lost its heartbeat; new leader {leader} "
-                f"at epoch {decision.epoch}"
-            )
-        else:
-            reason, kind = "LeaderElected", NORMAL
-            message = f"Leader {leader} elected at epoch {decision.epoch}"
-        logger.info(
-            "Group leader changed",
-            extra={
-                "group": outcome.name,
-                "leader": leader,
-                "epoch": decision.epoch,
-                "reason": reason,
-            },
+        if outcome.written and decision is not None and decision.changed:
+            await _announce_leader_change(ctx, body, agents, outcome, decision)
+    await _delete_stale_groups_when_due(ctx, body, outcomes)
+    return outcomes
+
+
+async def _announce_leader_change(
+    ctx: OperatorContext,
+    body: dict[str, Any],
+    agents: list[Any],
+    outcome: GroupOutcome,
+    decision: Decision,
+) -> None:
+    """Log a published leader change and post its Event on the group (and, for a
+    failover, on the pool); a failover also observes how long the group was without
+    its lost leader."""
+    group_ref = {
+        "apiVersion": crds.API_VERSION,
+        "kind": crds.GROUP_KIND,
+        "metadata": {"name": outcome.name, "namespace": body["metadata"]["namespace"]},
+    }
+    leader = decision.leader.node if decision.leader else "none"
+    if decision.failover and decision.leader is not None:
+        lost = next(
+            (v for v in agents if v.record.node == outcome.previous_leader and not v.fresh),
+            None,
         )
-        await ctx.recorder.post(group_ref, kind, reason, message)
-        if decision.failover:
-            await ctx.recorder.post(body, kind, reason, f"{outcome.name}: {message}")
-    # Look for groups to delete when the set of groups changed, and at every resync.
+        if lost is not None:
+            ctx.metrics.failover_seconds.observe(max(0.0, ctx.clock() - lost.expires_at))
+    if decision.failover:
+        reason, kind = "Failover", WARNING
+        message = (
+            f"Leader {outcome.previous_leader} lost its heartbeat; new leader {leader} "
+            f"at epoch {decision.epoch}"
+        )
+    else:
+        reason, kind = "LeaderElected", NORMAL
+        message = f"Leader {leader} elected at epoch {decision.epoch}"
+    logger.info(
+        "Group leader changed",
+        extra={"group": outcome.name, "leader": leader, "epoch": decision.epoch, "reason": reason},
+    )
+    await ctx.recorder.post(group_ref, kind, reason, message)
+    if decision.failover:
+        await ctx.recorder.post(body, kind, reason, f"{outcome.name}: {message}")
+
+
+async def _delete_stale_groups_when_due(
+    ctx: OperatorContext, body: dict[str, Any], outcomes: list[GroupOutcome]
+) -> None:
+    """Look for groups to delete when the set of groups changed, and at every resync."""
     key = (body["metadata"]["namespace"], body["metadata"]["name"])
     current = frozenset(o.name for o in outcomes)
     checked = ctx.group_names.get(key)
@@ -182,7 +205,6 @@ async def _publish_groups(
     ):
         await _delete_stale_groups(ctx.client, body, set(current), ctx.groups)
         ctx.group_names[key] = (ctx.clock(), current)
-    return outcomes
 
 
 def epoch_floors(status: dict[str, Any]) -> dict[str, int]:
@@ -394,27 +416,35 @@ async def _apply_children(
     return results, errors
 
 
-async def reconcile_pool(ctx: OperatorContext, seen: dict[str, Any]) -> ReconcileResult:
-    """Converge one pool; see the module docstring.
+@dataclass(frozen=True)
+class _Children:
+    """What applying a pool's children did."""
 
-    ``seen`` is the pool as the watch last delivered it; the reconcile re-reads it
-    first, so it acts on the current spec and status and never recreates children
-    of a pool deleted meanwhile (raises :class:`PoolGone`). Groups are published
-    whatever the spec and the children's outcome."""
+    results: list[ApplyResult]
+    errors: list[str]
+    """What the API server refused, one line per child."""
+    changed: list[ApplyResult]
+    rollout_done: bool
+    scheduled: int | None
+    """The DaemonSet's desiredNumberScheduled, when it reports one."""
+
+
+async def _current_pool(ctx: OperatorContext, seen: dict[str, Any]) -> dict[str, Any]:
+    """The pool as the API server has it now; :class:`PoolGone` when it was deleted
+    (or is being deleted) since the watch delivered ``seen``."""
     meta = seen["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     body = await ctx.client.get_or_none(_pool_path(namespace, name))
     if body is None or body["metadata"].get("deletionTimestamp"):
         raise PoolGone(f"KVCachePool {namespace}/{name} is gone")
-    meta = body["metadata"]
-    generation = int(meta.get("generation") or 1)
-    try:
-        config = parse_pool_spec(body.get("spec"), ctx.settings.default_image, name=name)
-    except ConfigInvalid as error:
-        await sync_groups(ctx, body, election_timings(body.get("spec")))
-        return await _reject(ctx, body, error)
+    return body
 
-    pool = PoolIdentity(name, namespace, names.owner_reference(body))
+
+async def _converge_children(
+    ctx: OperatorContext, body: dict[str, Any], pool: PoolIdentity, config: PoolConfig
+) -> _Children:
+    """Apply the rendered children, log what changed, post an Event for each child
+    changed outside the spec, and read the agents' rollout from the DaemonSet."""
     results, errors = await _apply_children(
         ctx, pool, render_all(pool, config, ctx.settings.service_account)
     )
@@ -423,7 +453,7 @@ async def reconcile_pool(ctx: OperatorContext, seen: dict[str, Any]) -> Reconcil
         logger.info(
             "Child applied",
             extra={
-                "pool": name,
+                "pool": pool.name,
                 "kind": result.kind,
                 "child": result.name,
                 "action": result.action,
@@ -444,30 +474,61 @@ async def reconcile_pool(ctx: OperatorContext, seen: dict[str, Any]) -> Reconcil
         rollout_done, scheduled = False, None
     else:
         rollout_done, scheduled = _rollout(ds.live, ds.action != "unchanged")
+    return _Children(results, errors, changed, rollout_done, scheduled)
 
-    nodes = await ctx.nodes.get(ctx.client)
+
+async def _known_agents(
+    ctx: OperatorContext,
+    body: dict[str, Any],
+    nodes: list[dict[str, Any]] | None,
+    config: PoolConfig,
+) -> list[AgentView]:
+    """The pool's agents from their Leases (listed first on the pool's first pass),
+    without those of nodes that left the cluster."""
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     if (namespace, name) not in ctx.leases_listed:
         async with ctx.group_lock((namespace, name)):
             await refresh_leases(ctx, namespace, name)
             ctx.leases_listed.add((namespace, name))
-    agents = await _drop_removed_nodes(
+    return await _drop_removed_nodes(
         ctx, body, nodes, ctx.tracker.agents(namespace, name, config.timings.lease_duration)
     )
-    if scheduled is not None:
-        desired = scheduled
-    elif nodes is not None:
-        desired = len(matching_nodes(nodes, config))
-    else:
-        desired = len(agents)
 
-    groups = (await sync_groups(ctx, body, config.timings, agents=agents)).outcomes
+
+def _desired_agents(
+    scheduled: int | None,
+    nodes: list[dict[str, Any]] | None,
+    agents: list[AgentView],
+    config: PoolConfig,
+) -> int:
+    """How many agents the pool should have: the DaemonSet's count, else the nodes
+    that match its placement, else (nodes unreadable) the agents known."""
+    if scheduled is not None:
+        return scheduled
+    if nodes is not None:
+        return len(matching_nodes(nodes, config))
+    return len(agents)
+
+
+async def _report(
+    ctx: OperatorContext,
+    body: dict[str, Any],
+    previous: dict[str, Any],
+    config: PoolConfig,
+    errors: list[str],
+) -> None:
+    """Warn about refused children, and post a CacheFlush Event when the pool's
+    cacheEpoch changed since the last status."""
     if errors:
         logger.warning(
             "The API server refused children of the pool",
-            extra={"pool": name, "namespace": namespace, "errors": errors},
+            extra={
+                "pool": body["metadata"]["name"],
+                "namespace": body["metadata"]["namespace"],
+                "errors": errors,
+            },
         )
         await ctx.recorder.post(body, WARNING, "ReconcileError", "; ".join(errors))
-    previous = body.get("status") or {}
     if previous.get("cacheEpoch") is not None and previous.get("cacheEpoch") != config.cache_epoch:
         await ctx.recorder.post(
             body,
@@ -475,35 +536,58 @@ async def reconcile_pool(ctx: OperatorContext, seen: dict[str, Any]) -> Reconcil
             "CacheFlush",
             f"cacheEpoch {previous.get('cacheEpoch')} -> {config.cache_epoch} published to agents",
         )
+
+
+async def reconcile_pool(ctx: OperatorContext, seen: dict[str, Any]) -> ReconcileResult:
+    """Converge one pool; see the module docstring.
+
+    ``seen`` is the pool as the watch last delivered it; the reconcile re-reads it
+    first, so it acts on the current spec and status and never recreates children
+    of a pool deleted meanwhile (raises :class:`PoolGone`). Groups are published
+    whatever the spec and the children's outcome."""
+    body = await _current_pool(ctx, seen)
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    try:
+        config = parse_pool_spec(body.get("spec"), ctx.settings.default_image, name=name)
+    except ConfigInvalid as error:
+        await sync_groups(ctx, body, election_timings(body.get("spec")))
+        return await _reject(ctx, body, error)
+    pool = PoolIdentity(name, namespace, names.owner_reference(body))
+    children = await _converge_children(ctx, body, pool, config)
+    nodes = await ctx.nodes.get(ctx.client)
+    agents = await _known_agents(ctx, body, nodes, config)
+    desired = _desired_agents(children.scheduled, nodes, agents, config)
+    groups = (await sync_groups(ctx, body, config.timings, agents=agents)).outcomes
+    previous = body.get("status") or {}
+    await _report(ctx, body, previous, config, children.errors)
     status = pool_status(
         previous=previous,
-        generation=generation,
+        generation=int(body["metadata"].get("generation") or 1),
         desired_agents=desired,
         agents=agents,
         groups=groups,
-        children_current=not errors,
-        rollout_done=rollout_done,
+        children_current=not children.errors,
+        rollout_done=children.rollout_done,
         cache_epoch=config.cache_epoch,
         config_hash=config_hash(pool, config),
         sizing=sizing_condition(nodes, config),
         now=ctx.wall_clock(),
         overlaps=await live_overlaps(ctx, namespace, name),
-        reconcile_errors=errors,
+        reconcile_errors=children.errors,
     )
     # A pool deleted during its reconcile gets no status and no Event: its overlap
     # with the pool that replaced it on its nodes is not news.
     if status != previous and await _write_status(ctx.client, body, status):
         await _condition_events(ctx, body, previous, status)
-
     # Lease expiries are the controller's failover timer's job (sync_groups); a full
     # reconcile is due at the resync, or every retry period during a rollout.
     next_in = ctx.settings.resync_seconds
-    if not rollout_done:
+    if not children.rollout_done:
         next_in = min(next_in, float(config.timings.retry_period))
     return ReconcileResult(
         status["phase"],
         max(next_in, 0.05),
-        len(changed),
+        len(children.changed),
         sum(o.written for o in groups),
-        tuple(errors),
+        tuple(children.errors),
     )

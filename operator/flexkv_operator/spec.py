@@ -9,6 +9,7 @@ field, the bad value and the fix.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
@@ -17,14 +18,15 @@ from flexkv_operator import crds, names
 from flexkv_operator.defaults import apply_defaults
 from flexkv_operator.host_paths import ssd_path_problem
 from flexkv_operator.quantity import parse_bytes, parse_quantity
+from node_agent.contract import mooncake as mooncake_bounds
 
-#: Mooncake's bounds, as the agent checks them (node_agent/backend/remote/settings.py):
-#: its smallest segment, the staging buffer's range, and the storePort values that
-#: keep storePort and storePort + 1 outside the ephemeral ports it refuses.
-MIN_SEGMENT_BYTES = 16 << 20
-MIN_LOCAL_BUFFER_BYTES = 1 << 20
-MAX_LOCAL_BUFFER_BYTES = 64 << 30
-STORE_PORT_RANGES = ((1024, 32766), (61000, 65534))
+#: Mooncake's bounds, as the agent checks them: its smallest segment, the staging
+#: buffer's range, and the storePort values that keep storePort and storePort + 1
+#: outside the ephemeral ports it refuses.
+MIN_SEGMENT_BYTES = mooncake_bounds.MIN_SEGMENT_BYTES
+MIN_LOCAL_BUFFER_BYTES = mooncake_bounds.MIN_LOCAL_BUFFER_BYTES
+MAX_LOCAL_BUFFER_BYTES = mooncake_bounds.MAX_LOCAL_BUFFER_BYTES
+STORE_PORT_RANGES = mooncake_bounds.STORE_PORT_RANGES
 
 
 @dataclass(frozen=True)
@@ -97,42 +99,97 @@ class PoolConfig:
     remote: RemoteTier | None = None
 
 
+Problems = list[ConfigProblem]
+"""Where the section parsers append what they find wrong, in the order of the spec."""
+
+
 def parse_pool_spec(
     spec: dict[str, Any] | None, default_image: str, *, name: str | None = None
 ) -> PoolConfig:
     """Default ``spec`` from the CRD and check it; raise ConfigInvalid listing every problem.
-    ``name`` (the pool's) is checked against what the spec asks to create from it."""
-    pool_name = name
+    ``name`` (the pool's) is checked against what the spec asks to create from it.
+
+    One parser per section of the spec, each appending its problems in the spec's
+    order; every problem of every section is reported at once."""
     full = apply_defaults({"spec": dict(spec or {})}, crds.schema(crds.POOL_PLURAL))
     raw: dict[str, Any] = full["spec"]
-    problems: list[ConfigProblem] = []
+    problems: Problems = []
+    backend = _backend(raw, problems)
+    tokens_per_block = _tokens_per_block(raw, problems)
+    tiers = raw.get("tiers") or {}
+    cpu_bytes = _cpu_tier(tiers, backend, problems)
+    ssd_bytes, ssd_paths = _ssd_tier(tiers, problems)
+    _check_eviction(raw, problems)
+    http, fanout = _agent_ports(raw, problems)
+    timings = _leader_election(raw, problems)
+    engine_call_seconds = _timeouts(raw, problems)
+    cache_epoch, model_salt, expected_ranks = _cache_identity(raw, problems)
+    _check_max_unavailable(raw, problems)
+    image = _agent_image(raw, default_image, problems)
+    ids = _agent_ids(raw, problems)
+    remote = _remote_section(tiers, engine_call_seconds, (http, fanout), name, problems)
+    if problems:
+        raise ConfigInvalid(problems)
+    return PoolConfig(
+        raw=raw,
+        backend=str(backend),
+        tokens_per_block=tokens_per_block,
+        cpu_bytes=cpu_bytes,
+        ssd_bytes=ssd_bytes,
+        ssd_paths=ssd_paths,
+        http_port=int(http),
+        fanout_port=int(fanout),
+        timings=timings,
+        cache_epoch=cache_epoch,
+        model_salt=model_salt,
+        expected_ranks=expected_ranks,
+        image=image,
+        agent_user=ids["runAsUser"],
+        agent_group=ids["runAsGroup"],
+        placement=dict(raw.get("placement") or {}),
+        remote=remote,
+    )
 
-    def bytes_of(path: str, value: object) -> int:
-        try:
-            return parse_bytes(value, f"spec.{path}")
-        except ValueError as exc:
-            problems.append(ConfigProblem(path, str(exc).split(": ", 1)[1]))
-            return 0
 
+def _bytes_of(path: str, value: object, problems: Problems) -> int:
+    """``spec.<path>`` as whole bytes; 0 (and a problem) when it is not a size."""
+    try:
+        return parse_bytes(value, f"spec.{path}")
+    except ValueError as exc:
+        problems.append(ConfigProblem(path, str(exc).split(": ", 1)[1]))
+        return 0
+
+
+def _backend(raw: dict[str, Any], problems: Problems) -> object:
+    """``spec.backend``: flexkv or embedded."""
     backend = raw.get("backend")
     if backend not in ("flexkv", "embedded"):
         problems.append(
             ConfigProblem("backend", f"{backend!r} is not a backend; use flexkv or embedded")
         )
+    return backend
+
+
+def _tokens_per_block(raw: dict[str, Any], problems: Problems) -> int:
+    """``spec.tokensPerBlock``: the engines' page size, 1..4096."""
     tpb = raw.get("tokensPerBlock")
     if not isinstance(tpb, int) or isinstance(tpb, bool) or not 1 <= tpb <= 4096:
         problems.append(
             ConfigProblem("tokensPerBlock", f"{tpb!r} must be an integer in 1..4096 (page size)")
         )
-        tpb = 16
-    tiers = raw.get("tiers") or {}
+        return 16
+    return tpb
+
+
+def _cpu_tier(tiers: dict[str, Any], backend: object, problems: Problems) -> int:
+    """``spec.tiers.cpu``: its size in bytes (required); ``pinned`` must stay true
+    with backend flexkv."""
     cpu = tiers.get("cpu")
     if not isinstance(cpu, dict) or "size" not in cpu:
         problems.append(ConfigProblem("tiers.cpu.size", "is required, e.g. 8Gi"))
-        cpu_bytes = 0
-        pinned = True
+        cpu_bytes, pinned = 0, True
     else:
-        cpu_bytes = bytes_of("tiers.cpu.size", cpu["size"])
+        cpu_bytes = _bytes_of("tiers.cpu.size", cpu["size"], problems)
         pinned = bool(cpu.get("pinned", True))
     if backend == "flexkv" and not pinned:
         problems.append(
@@ -142,25 +199,33 @@ def parse_pool_spec(
                 "set pinned: true or use backend: embedded",
             )
         )
-    ssd = tiers.get("ssd")
-    ssd_bytes = 0
-    ssd_paths: tuple[str, ...] = ()
-    if isinstance(ssd, dict):
-        ssd_bytes = bytes_of("tiers.ssd.size", ssd.get("size"))
-        paths = ssd.get("paths") or []
-        if not paths or not all(isinstance(p, str) and p.startswith("/") for p in paths):
-            problems.append(
-                ConfigProblem("tiers.ssd.paths", f"{paths!r} must list absolute host directories")
-            )
-        elif len(set(paths)) != len(paths):
-            problems.append(ConfigProblem("tiers.ssd.paths", f"{paths!r} lists a path twice"))
-        else:
-            for i, path in enumerate(paths):
-                problem = ssd_path_problem(path)
-                if problem:
-                    problems.append(ConfigProblem(f"tiers.ssd.paths[{i}]", problem))
-        ssd_paths = tuple(str(p) for p in paths)
+    return cpu_bytes
 
+
+def _ssd_tier(tiers: dict[str, Any], problems: Problems) -> tuple[int, tuple[str, ...]]:
+    """``spec.tiers.ssd`` (optional): its size in bytes and its host directories,
+    absolute, distinct and each one a path a pool may hand to the agent."""
+    ssd = tiers.get("ssd")
+    if not isinstance(ssd, dict):
+        return 0, ()
+    ssd_bytes = _bytes_of("tiers.ssd.size", ssd.get("size"), problems)
+    paths = ssd.get("paths") or []
+    if not paths or not all(isinstance(p, str) and p.startswith("/") for p in paths):
+        problems.append(
+            ConfigProblem("tiers.ssd.paths", f"{paths!r} must list absolute host directories")
+        )
+    elif len(set(paths)) != len(paths):
+        problems.append(ConfigProblem("tiers.ssd.paths", f"{paths!r} lists a path twice"))
+    else:
+        for i, path in enumerate(paths):
+            problem = ssd_path_problem(path)
+            if problem:
+                problems.append(ConfigProblem(f"tiers.ssd.paths[{i}]", problem))
+    return ssd_bytes, tuple(str(p) for p in paths)
+
+
+def _check_eviction(raw: dict[str, Any], problems: Problems) -> None:
+    """``spec.eviction``: 0 <= lowWatermark < highWatermark <= 1."""
     eviction = raw.get("eviction") or {}
     low, high = eviction.get("lowWatermark", 0.85), eviction.get("highWatermark", 0.95)
     if not (
@@ -173,6 +238,9 @@ def parse_pool_spec(
             )
         )
 
+
+def _agent_ports(raw: dict[str, Any], problems: Problems) -> tuple[Any, Any]:
+    """``spec.agent.ports``: the http and fanout ports, each 1..65535, not equal."""
     ports = (raw.get("agent") or {}).get("ports") or {}
     http, fanout = ports.get("http", 8080), ports.get("fanout", 5557)
     for name, port in (("http", http), ("fanout", fanout)):
@@ -186,7 +254,12 @@ def parse_pool_spec(
                 "agent.ports", f"http and fanout are both {http}; give them different ports"
             )
         )
+    return http, fanout
 
+
+def _leader_election(raw: dict[str, Any], problems: Problems) -> Timings:
+    """``spec.leaderElection``: whole seconds with leaseDuration > renewDeadline >
+    retryPeriod >= 1 (the defaults, and a problem, when they are not)."""
     election = raw.get("leaderElection") or {}
     lease = election.get("leaseDurationSeconds", 15)
     renew = election.get("renewDeadlineSeconds", 10)
@@ -201,15 +274,17 @@ def parse_pool_spec(
                 f"retryPeriodSeconds ({retry}); e.g. 15 > 10 > 2",
             )
         )
+        return DEFAULT_TIMINGS
+    return Timings(int(lease), int(renew), int(retry))
 
+
+def _timeouts(raw: dict[str, Any], problems: Problems) -> Any:
+    """``spec.timeouts``: fanoutWaitSeconds below engineCallSeconds, which is returned
+    (the remote tier's timeout must fit inside it too)."""
     timeouts = raw.get("timeouts") or {}
     call = timeouts.get("engineCallSeconds", 10)
     wait = timeouts.get("fanoutWaitSeconds", 5)
-    if (
-        isinstance(call, int | float)
-        and isinstance(wait, int | float)
-        and not wait < call
-    ):
+    if isinstance(call, int | float) and isinstance(wait, int | float) and not wait < call:
         problems.append(
             ConfigProblem(
                 "timeouts",
@@ -217,18 +292,30 @@ def parse_pool_spec(
                 "follower's wait for the leader is part of every engine call; e.g. 5 < 10",
             )
         )
+    return call
 
+
+def _cache_identity(raw: dict[str, Any], problems: Problems) -> tuple[int, str, int]:
+    """``spec.cacheEpoch`` (>= 0), ``spec.modelSalt`` (at most 253 characters) and
+    ``spec.expectedRanks`` (0..64): what the agents fold into their caches."""
     epoch = raw.get("cacheEpoch", 0)
     if not isinstance(epoch, int) or epoch < 0:
         problems.append(ConfigProblem("cacheEpoch", f"{epoch!r} must be an integer >= 0"))
+        epoch = 0
     salt = raw.get("modelSalt", "")
     if not isinstance(salt, str) or len(salt) > 253:
         problems.append(ConfigProblem(
             "modelSalt", f"{salt!r} must be a string of at most 253 characters, e.g. weights-v2"))
+        salt = ""
     ranks = raw.get("expectedRanks", 1)
     if not isinstance(ranks, int) or not 0 <= ranks <= 64:
         problems.append(ConfigProblem("expectedRanks", f"{ranks!r} must be an integer in 0..64"))
+        ranks = 1
+    return int(epoch), salt, int(ranks)
 
+
+def _check_max_unavailable(raw: dict[str, Any], problems: Problems) -> None:
+    """``spec.agent.maxUnavailable``: an integer >= 1 or a percentage 1%..100%."""
     unavailable = (raw.get("agent") or {}).get("maxUnavailable", 1)
     if not _valid_max_unavailable(unavailable):
         problems.append(
@@ -239,6 +326,9 @@ def parse_pool_spec(
             )
         )
 
+
+def _agent_image(raw: dict[str, Any], default_image: str, problems: Problems) -> str:
+    """``spec.agent.image``, else the operator's default; one of them must be set."""
     image = (raw.get("agent") or {}).get("image") or default_image
     if not image:
         problems.append(
@@ -247,11 +337,15 @@ def parse_pool_spec(
                 "is empty and the operator has no FLEXKV_AGENT_IMAGE; set one of them",
             )
         )
+    return str(image)
 
+
+def _agent_ids(raw: dict[str, Any], problems: Problems) -> dict[str, int]:
+    """``spec.agent.securityContext``: runAsUser and runAsGroup, non-root ids."""
     context = (raw.get("agent") or {}).get("securityContext") or {}
     ids: dict[str, int] = {}
     for key in ("runAsUser", "runAsGroup"):
-        # The CRD default (the image's user) is filled in by apply_defaults above.
+        # The CRD default (the image's user) is filled in by apply_defaults.
         value = context.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value < 2**31:
             problems.append(
@@ -263,48 +357,35 @@ def parse_pool_spec(
             )
             continue
         ids[key] = value
+    return ids
 
-    remote = None
-    if tiers.get("remote") is not None:
-        remote = parse_remote_tier(tiers["remote"], call, (http, fanout), problems)
-        limit = names.MAX_MANAGED_MASTER_POOL_NAME
-        if (
-            remote is not None
-            and remote.managed
-            and pool_name is not None
-            and len(pool_name) > limit
-        ):
-            problems.append(
-                ConfigProblem(
-                    "tiers.remote.mooncake.managed",
-                    f"the pool name {pool_name!r} has {len(pool_name)} characters; a managed "
-                    f"master's Service <name>-mooncake-master needs a name of at most {limit}: "
-                    "use a shorter pool name or an existing master (masterAddress, "
-                    "metadataServer)",
-                )
+
+def _remote_section(
+    tiers: dict[str, Any],
+    engine_call_seconds: object,
+    agent_ports: tuple[object, object],
+    pool_name: str | None,
+    problems: Problems,
+) -> RemoteTier | None:
+    """``spec.tiers.remote`` (optional), and a managed master's name: the pool's name
+    must leave room for ``<name>-mooncake-master``."""
+    if tiers.get("remote") is None:
+        return None
+    remote = parse_remote_tier(tiers["remote"], engine_call_seconds, agent_ports, problems)
+    limit = names.MAX_MANAGED_MASTER_POOL_NAME
+    if remote is not None and remote.managed and pool_name is not None and (
+        len(pool_name) > limit
+    ):
+        problems.append(
+            ConfigProblem(
+                "tiers.remote.mooncake.managed",
+                f"the pool name {pool_name!r} has {len(pool_name)} characters; a managed "
+                f"master's Service <name>-mooncake-master needs a name of at most {limit}: "
+                "use a shorter pool name or an existing master (masterAddress, "
+                "metadataServer)",
             )
-
-    if problems:
-        raise ConfigInvalid(problems)
-    return PoolConfig(
-        raw=raw,
-        backend=str(backend),
-        tokens_per_block=int(tpb),
-        cpu_bytes=cpu_bytes,
-        ssd_bytes=ssd_bytes,
-        ssd_paths=ssd_paths,
-        http_port=int(http),
-        fanout_port=int(fanout),
-        timings=Timings(int(lease), int(renew), int(retry)),
-        cache_epoch=int(epoch),
-        model_salt=str(salt),
-        expected_ranks=int(ranks),
-        image=str(image),
-        agent_user=ids["runAsUser"],
-        agent_group=ids["runAsGroup"],
-        placement=dict(raw.get("placement") or {}),
-        remote=remote,
-    )
+        )
+    return remote
 
 
 _PORT = r"([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"
@@ -312,6 +393,10 @@ _MASTER_ADDRESS = re.compile(
     r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?):" + _PORT + "$"
 )
 _METADATA_SERVER = re.compile(r"^(P2PHANDSHAKE|https?://[^\s/]+(/\S*)?)$")
+
+
+BadField = Callable[[str, str], None]
+"""Reports one problem of ``spec.tiers.remote``: the path under it and the message."""
 
 
 def parse_remote_tier(
@@ -331,6 +416,39 @@ def parse_remote_tier(
     def bad(path: str, message: str) -> None:
         problems.append(ConfigProblem(f"{base}.{path}", message))
 
+    policy, queue, timeout = _remote_writes(remote, engine_call_seconds, bad)
+    mooncake = remote.get("mooncake")
+    if not isinstance(mooncake, dict):
+        bad("mooncake", "is required: set managed: true, or masterAddress and metadataServer")
+        return None
+    managed, address, metadata = _mooncake_master(mooncake, bad)
+    protocol, device = _mooncake_transport(mooncake, bad)
+    segment, buffer = _mooncake_sizes(mooncake, bad)
+    store_port = _store_port(mooncake, agent_ports, bad)
+    resources = _master_resources(mooncake, managed, bad)
+    if len(problems) > before:
+        return None
+    return RemoteTier(
+        write_policy=str(policy),
+        queue_blocks=int(queue),
+        timeout_seconds=float(timeout),
+        managed=managed,
+        master_address="" if managed else str(address),
+        metadata_server="" if managed else str(metadata),
+        protocol=str(protocol),
+        device_name=device,
+        segment_bytes=segment,
+        local_buffer_bytes=buffer,
+        store_port=int(store_port),
+        master_resources=resources,
+    )
+
+
+def _remote_writes(
+    remote: dict[str, Any], engine_call_seconds: object, bad: BadField
+) -> tuple[Any, Any, Any]:
+    """``writePolicy`` (store or evict), ``queueBlocks`` (1..1048576) and
+    ``timeoutSeconds`` (above 0, below ``timeouts.engineCallSeconds``)."""
     policy = remote.get("writePolicy", "store")
     if policy not in ("store", "evict"):
         bad("writePolicy", f"{policy!r} is not a write policy; use store or evict")
@@ -346,11 +464,12 @@ def parse_remote_tier(
             f"{timeout} must be below timeouts.engineCallSeconds ({engine_call_seconds}): a "
             "remote call is part of an engine call; e.g. 2 < 10",
         )
+    return policy, queue, timeout
 
-    mooncake = remote.get("mooncake")
-    if not isinstance(mooncake, dict):
-        bad("mooncake", "is required: set managed: true, or masterAddress and metadataServer")
-        return None
+
+def _mooncake_master(mooncake: dict[str, Any], bad: BadField) -> tuple[bool, Any, Any]:
+    """``managed``, or an existing master's ``masterAddress`` (host:port) and
+    ``metadataServer`` (an http(s) URL or P2PHANDSHAKE): one or the other."""
     managed = mooncake.get("managed", False)
     if not isinstance(managed, bool):
         bad("mooncake.managed", f"{managed!r} must be true or false")
@@ -385,6 +504,11 @@ def parse_remote_tier(
             f"{metadata!r} must be an http(s) URL such as http://10.0.0.5:8080/metadata, or "
             "P2PHANDSHAKE",
         )
+    return managed, address, metadata
+
+
+def _mooncake_transport(mooncake: dict[str, Any], bad: BadField) -> tuple[Any, str]:
+    """``protocol`` (tcp or rdma) and ``deviceName`` (RDMA devices, rdma only)."""
     protocol = mooncake.get("protocol", "tcp")
     if protocol not in ("tcp", "rdma"):
         bad("mooncake.protocol", f"{protocol!r} is not a protocol; use tcp or rdma")
@@ -398,10 +522,16 @@ def parse_remote_tier(
             f"{device!r} names RDMA devices and is allowed only with protocol: rdma (protocol "
             f"is {protocol!r}); clear it or set protocol: rdma",
         )
+    return protocol, device
+
+
+def _mooncake_sizes(mooncake: dict[str, Any], bad: BadField) -> tuple[int, int]:
+    """``segmentSize`` (at least Mooncake's smallest segment) and ``localBufferSize``
+    (1Mi..64Gi), in bytes; 0 for one that is not a size."""
 
     def size(key: str, default: str) -> int:
         try:
-            return parse_bytes(mooncake.get(key, default), f"spec.{base}.mooncake.{key}")
+            return parse_bytes(mooncake.get(key, default), f"spec.tiers.remote.mooncake.{key}")
         except ValueError as exc:
             bad(f"mooncake.{key}", str(exc).split(": ", 1)[1])
             return 0
@@ -421,6 +551,14 @@ def parse_remote_tier(
             "stage of an agent allocates and registers a staging buffer of this size; use "
             "e.g. 512Mi",
         )
+    return segment, buffer
+
+
+def _store_port(
+    mooncake: dict[str, Any], agent_ports: tuple[object, object], bad: BadField
+) -> Any:
+    """``storePort``: it and the next port outside the ephemeral range and off the
+    agent's own ports."""
     store_port = mooncake.get("storePort", 17500)
     if not isinstance(store_port, int) or isinstance(store_port, bool) or not any(
         lo <= store_port <= hi for lo, hi in STORE_PORT_RANGES
@@ -439,37 +577,28 @@ def parse_remote_tier(
             f"{agent_ports[1]}); all four listen in the agent pod, so pick a storePort whose "
             "port and next port are both free",
         )
+    return store_port
+
+
+def _master_resources(mooncake: dict[str, Any], managed: bool, bad: BadField) -> dict[str, Any]:
+    """``master.resources`` of a managed master (only with ``managed: true``)."""
     master = mooncake.get("master")
-    resources: dict[str, Any] = {}
-    if master is not None:
-        if not managed:
-            bad(
-                "mooncake.master",
-                "configures the operator's master and is allowed only with managed: true",
-            )
-        elif not isinstance(master, dict):
-            bad("mooncake.master", f"{master!r} must be an object, e.g. {{resources: {{...}}}}")
-        else:
-            resources = dict(master.get("resources") or {})
-            problem = resources_problem(resources)
-            if problem:
-                bad("mooncake.master.resources", problem)
-    if len(problems) > before:
-        return None
-    return RemoteTier(
-        write_policy=str(policy),
-        queue_blocks=int(queue),
-        timeout_seconds=float(timeout),
-        managed=managed,
-        master_address="" if managed else str(address),
-        metadata_server="" if managed else str(metadata),
-        protocol=str(protocol),
-        device_name=device,
-        segment_bytes=segment,
-        local_buffer_bytes=buffer,
-        store_port=int(store_port),
-        master_resources=resources,
-    )
+    if master is None:
+        return {}
+    if not managed:
+        bad(
+            "mooncake.master",
+            "configures the operator's master and is allowed only with managed: true",
+        )
+        return {}
+    if not isinstance(master, dict):
+        bad("mooncake.master", f"{master!r} must be an object, e.g. {{resources: {{...}}}}")
+        return {}
+    resources = dict(master.get("resources") or {})
+    problem = resources_problem(resources)
+    if problem:
+        bad("mooncake.master.resources", problem)
+    return resources
 
 
 def resources_problem(resources: dict[str, Any]) -> str | None:

@@ -1,8 +1,13 @@
-"""The KVCachePool status: agents, groups, counts, phase and conditions."""
+"""The KVCachePool status: agents, groups, counts, phase and conditions.
+
+Built from small pure parts: :func:`tally` sorts the agents and groups,
+one function per condition decides it from the tally, :func:`pool_phase` derives
+the phase from the conditions, and :func:`pool_status` assembles them."""
 
 from __future__ import annotations
 
 import datetime
+from dataclasses import dataclass
 from typing import Any
 
 from flexkv_operator.conditions import Condition, merge_conditions
@@ -11,6 +16,7 @@ from flexkv_operator.membership import AgentView
 
 
 def agent_entries(agents: list[AgentView]) -> list[dict[str, Any]]:
+    """``status.agents``: one entry per known agent, as its heartbeat says."""
     return [
         {
             "node": v.record.node,
@@ -28,6 +34,7 @@ def agent_entries(agents: list[AgentView]) -> list[dict[str, Any]]:
 
 
 def group_entries(outcomes: list[GroupOutcome]) -> list[dict[str, Any]]:
+    """``status.groups``: one entry per published group (conflicted ones left out)."""
     return [
         {
             "name": o.name,
@@ -39,6 +46,146 @@ def group_entries(outcomes: list[GroupOutcome]) -> list[dict[str, Any]]:
         for o in outcomes
         if o.error is None
     ]
+
+
+@dataclass(frozen=True)
+class Tally:
+    """What the agents' heartbeats and the groups' outcomes say, sorted for the
+    conditions (each list in the order given)."""
+
+    ready: list[AgentView]
+    """Fresh agents that report ready (on any cacheEpoch)."""
+    epoch_lag: list[AgentView]
+    """Ready agents that report another cacheEpoch than the pool's."""
+    lost: list[AgentView]
+    """Known agents without a fresh heartbeat."""
+    conflicted: list[GroupOutcome]
+    """Groups whose name belongs to another replica."""
+    published: list[GroupOutcome]
+    leaderless: list[GroupOutcome]
+    incomplete: list[GroupOutcome]
+    """Groups with a leader that miss a fresh, ready member for some PP rank."""
+
+    @property
+    def ready_count(self) -> int:
+        """Agents fresh, ready and on the pool's cacheEpoch."""
+        return len(self.ready) - len(self.epoch_lag)
+
+
+def tally(agents: list[AgentView], groups: list[GroupOutcome], cache_epoch: int) -> Tally:
+    """Sort ``agents`` and ``groups`` into what the conditions report on."""
+    ready = [v for v in agents if v.fresh and v.record.ready]
+    published = [g for g in groups if g.error is None]
+    return Tally(
+        ready=ready,
+        epoch_lag=[v for v in ready if v.record.cache_epoch not in (None, cache_epoch)],
+        lost=[v for v in agents if not v.fresh],
+        conflicted=[g for g in groups if g.error is not None],
+        published=published,
+        leaderless=[g for g in published if g.leader is None],
+        incomplete=[g for g in published if g.leader is not None and g.phase == "Degraded"],
+    )
+
+
+def degraded_condition(
+    counts: Tally, overlaps: list[str], reconcile_errors: list[str]
+) -> Condition:
+    """``Degraded``: the first that applies of ReconcileError, PoolsOverlap,
+    GroupNameConflict, HeartbeatLost, GroupWithoutLeader and GroupDegraded, else
+    False (AllHeartbeatsFresh)."""
+    if reconcile_errors:
+        return Condition("Degraded", True, "ReconcileError", "; ".join(reconcile_errors[:5]))
+    if overlaps:
+        return Condition("Degraded", True, "PoolsOverlap", "; ".join(overlaps[:5]))
+    if counts.conflicted:
+        return Condition(
+            "Degraded",
+            True,
+            "GroupNameConflict",
+            "; ".join(str(g.error) for g in counts.conflicted[:5]),
+        )
+    if counts.lost:
+        return Condition(
+            "Degraded",
+            True,
+            "HeartbeatLost",
+            f"Agents without fresh heartbeat: {', '.join(v.record.node for v in counts.lost[:10])}",
+        )
+    if counts.leaderless:
+        return Condition(
+            "Degraded",
+            True,
+            "GroupWithoutLeader",
+            f"Groups without leader: {', '.join(g.name for g in counts.leaderless[:10])}",
+        )
+    if counts.incomplete:
+        return Condition(
+            "Degraded",
+            True,
+            "GroupDegraded",
+            "Groups missing a fresh, ready member for some PP rank: "
+            + ", ".join(g.name for g in counts.incomplete[:10]),
+        )
+    return Condition("Degraded", False, "AllHeartbeatsFresh", "")
+
+
+def ready_condition(
+    counts: Tally,
+    *,
+    desired_agents: int,
+    rollout_done: bool,
+    progressing: bool,
+    degraded: Condition,
+    reconcile_errors: list[str],
+) -> Condition:
+    """``Ready``: every desired agent fresh, ready and on the current cacheEpoch,
+    nothing progressing and not degraded; else False saying what is missing."""
+    if reconcile_errors:
+        return Condition(
+            "Ready", False, "ReconcileError", "The API server refused children of the pool"
+        )
+    ready_count = counts.ready_count
+    all_ready = desired_agents > 0 and ready_count >= desired_agents
+    if all_ready and not progressing and not degraded.status:
+        return Condition("Ready", True, "AgentsReady", f"{ready_count} agents ready")
+    why = []
+    if desired_agents == 0:
+        why.append("no agent is scheduled yet")
+    if ready_count < desired_agents:
+        why.append(f"{ready_count}/{desired_agents} agents ready")
+    if counts.epoch_lag:
+        why.append(f"{len(counts.epoch_lag)} agents still on an older cacheEpoch")
+    if not rollout_done:
+        why.append("agent rollout in progress")
+    if degraded.status:
+        why.append(f"degraded: {degraded.reason}")
+    return Condition("Ready", False, "AgentsNotReady", "; ".join(why) or "pending")
+
+
+def progressing_condition(progressing: bool) -> Condition:
+    """``Progressing``: children changed or the agents' rollout is not finished."""
+    return Condition(
+        "Progressing",
+        progressing,
+        "RollingOut" if progressing else "UpToDate",
+        "Children updated or the agents' rollout is not finished" if progressing else "",
+    )
+
+
+def pool_phase(
+    *, degraded: Condition, ready: Condition, progressing: bool, nothing_scheduled: bool
+) -> str:
+    """Degraded if Degraded, else Pending while no agent is scheduled or known, else
+    Ready if Ready, else Progressing if Progressing, else Pending (waiting for agents)."""
+    if degraded.status:
+        return "Degraded"
+    if nothing_scheduled:
+        return "Pending"  # nothing scheduled and no agent: nothing can progress yet
+    if ready.status:
+        return "Ready"
+    if progressing:
+        return "Progressing"
+    return "Pending"
 
 
 def pool_status(
@@ -57,118 +204,41 @@ def pool_status(
     overlaps: list[str] | None = None,
     reconcile_errors: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Status of a valid pool; the phase is derived from the conditions.
-
-    * Degraded: the API server refused a child (ReconcileError), another pool claims
-      one of this pool's nodes (PoolsOverlap), a group's name belongs to another
-      replica (GroupNameConflict), a known agent lost its heartbeat (HeartbeatLost),
-      a group has no leader (GroupWithoutLeader) or misses PP stages (GroupDegraded),
-      in that order of precedence;
-    * Progressing: children changed or the agents' rollout is not finished, nothing
-      else (a lost agent on a rolled-out pool is Degraded, not Progressing);
-    * Ready: children current, rollout done, every desired agent fresh, ready and on
-      the current cacheEpoch, and not Degraded.
-
-    Phase: Degraded if Degraded, else Pending while no agent is scheduled or known,
-    else Ready if Ready, else Progressing if Progressing, else Pending (waiting for
-    agents)."""
+    """Status of a valid pool: counts, agents and groups, and the conditions
+    ConfigValid, SizingValid (``sizing``), Ready (:func:`ready_condition`),
+    Progressing (children changed or the agents' rollout is not finished, nothing
+    else: a lost agent on a rolled-out pool is Degraded, not Progressing) and
+    Degraded (:func:`degraded_condition`), with the phase derived from them
+    (:func:`pool_phase`)."""
     reconcile_errors = reconcile_errors or []
-    ready = [v for v in agents if v.fresh and v.record.ready]
-    epoch_lag = [v for v in ready if v.record.cache_epoch not in (None, cache_epoch)]
-    lost = [v for v in agents if not v.fresh]
-    conflicted = [g for g in groups if g.error is not None]
-    published = [g for g in groups if g.error is None]
-    leaderless = [g for g in published if g.leader is None]
-    incomplete = [g for g in published if g.leader is not None and g.phase == "Degraded"]
-    ready_count = len(ready) - len(epoch_lag)
-    all_ready = desired_agents > 0 and ready_count >= desired_agents
+    counts = tally(agents, groups, cache_epoch)
     progressing = not children_current or not rollout_done
-    if reconcile_errors:
-        degraded = Condition("Degraded", True, "ReconcileError", "; ".join(reconcile_errors[:5]))
-    elif overlaps:
-        degraded = Condition("Degraded", True, "PoolsOverlap", "; ".join(overlaps[:5]))
-    elif conflicted:
-        degraded = Condition(
-            "Degraded", True, "GroupNameConflict", "; ".join(str(g.error) for g in conflicted[:5])
-        )
-    elif lost:
-        degraded = Condition(
-            "Degraded",
-            True,
-            "HeartbeatLost",
-            f"Agents without fresh heartbeat: {', '.join(v.record.node for v in lost[:10])}",
-        )
-    elif leaderless:
-        degraded = Condition(
-            "Degraded",
-            True,
-            "GroupWithoutLeader",
-            f"Groups without leader: {', '.join(g.name for g in leaderless[:10])}",
-        )
-    elif incomplete:
-        degraded = Condition(
-            "Degraded",
-            True,
-            "GroupDegraded",
-            "Groups missing a fresh, ready member for some PP rank: "
-            + ", ".join(g.name for g in incomplete[:10]),
-        )
-    else:
-        degraded = Condition("Degraded", False, "AllHeartbeatsFresh", "")
-    is_degraded = bool(degraded.status)
-    if reconcile_errors:
-        ready_condition = Condition(
-            "Ready", False, "ReconcileError", "The API server refused children of the pool"
-        )
-    elif all_ready and not progressing and not is_degraded:
-        ready_condition = Condition("Ready", True, "AgentsReady", f"{ready_count} agents ready")
-    else:
-        why = []
-        if desired_agents == 0:
-            why.append("no agent is scheduled yet")
-        if ready_count < desired_agents:
-            why.append(f"{ready_count}/{desired_agents} agents ready")
-        if epoch_lag:
-            why.append(f"{len(epoch_lag)} agents still on an older cacheEpoch")
-        if not rollout_done:
-            why.append("agent rollout in progress")
-        if is_degraded:
-            why.append(f"degraded: {degraded.reason}")
-        ready_condition = Condition("Ready", False, "AgentsNotReady", "; ".join(why) or "pending")
-    progressing_condition = Condition(
-        "Progressing",
-        progressing,
-        "RollingOut" if progressing else "UpToDate",
-        "Children updated or the agents' rollout is not finished" if progressing else "",
+    degraded = degraded_condition(counts, overlaps or [], reconcile_errors)
+    ready = ready_condition(
+        counts,
+        desired_agents=desired_agents,
+        rollout_done=rollout_done,
+        progressing=progressing,
+        degraded=degraded,
+        reconcile_errors=reconcile_errors,
     )
+    valid = Condition("ConfigValid", True, "Valid", "Spec accepted")
     conditions = merge_conditions(
         previous.get("conditions"),
-        [
-            Condition("ConfigValid", True, "Valid", "Spec accepted"),
-            sizing,
-            ready_condition,
-            progressing_condition,
-            degraded,
-        ],
+        [valid, sizing, ready, progressing_condition(progressing), degraded],
         generation,
         now,
     )
-    if is_degraded:
-        phase = "Degraded"
-    elif desired_agents == 0 and not agents:
-        phase = "Pending"  # nothing scheduled and no agent: nothing can progress yet
-    elif ready_condition.status:
-        phase = "Ready"
-    elif progressing:
-        phase = "Progressing"
-    else:
-        phase = "Pending"
+    phase = pool_phase(
+        degraded=degraded, ready=ready, progressing=progressing,
+        nothing_scheduled=desired_agents == 0 and not agents,
+    )
     return {
         "observedGeneration": generation,
         "phase": phase,
         "desiredAgents": desired_agents,
-        "readyAgents": ready_count,
-        "groupCount": len(published),
+        "readyAgents": counts.ready_count,
+        "groupCount": len(counts.published),
         "cacheEpoch": cache_epoch,
         "configHash": config_hash,
         "agents": agent_entries(agents),

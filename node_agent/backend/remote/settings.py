@@ -4,23 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from node_agent.contract import mooncake as mooncake_bounds
+
 WRITE_POLICIES = ("store", "evict")
 
-#: The smallest segment Mooncake accepts (its setup fails below: "Total size must
-#: be at least 16777216").
-MIN_SEGMENT_BYTES = 16 << 20
-#: Bounds of ``localBufferSize``: the staging buffer is allocated and registered per
-#: stage when an engine registers, so it must hold two blocks (checked then, against
-#: the layout) and stay a fraction of a node's memory (checked at start).
-MIN_LOCAL_BUFFER_BYTES = 1 << 20
-MAX_LOCAL_BUFFER_BYTES = 64 << 30
-#: Ports Mooncake takes for its transfer engine: 1024..65535 outside Linux's
-#: ephemeral range 32768..60999. Any other MC_MIN_RPC_PORT / MC_MAX_RPC_PORT makes
-#: it fall back to a random port in 15000..17000 ("Invalid port range"), so both
-#: ``storePort`` and ``storePort + 1`` must lie in one of these.
-PORT_RANGES = ((1024, 32767), (61000, 65535))
-#: The ``storePort`` values that keep both ports in :data:`PORT_RANGES`.
-STORE_PORT_RANGES = ((1024, 32766), (61000, 65534))
+# Mooncake's bounds are checked by the operator too: written once, in the contract.
+MIN_SEGMENT_BYTES = mooncake_bounds.MIN_SEGMENT_BYTES
+MIN_LOCAL_BUFFER_BYTES = mooncake_bounds.MIN_LOCAL_BUFFER_BYTES
+MAX_LOCAL_BUFFER_BYTES = mooncake_bounds.MAX_LOCAL_BUFFER_BYTES
+PORT_RANGES = mooncake_bounds.PORT_RANGES
+STORE_PORT_RANGES = mooncake_bounds.STORE_PORT_RANGES
 
 
 def store_port_problem(port: object) -> str | None:
