@@ -21,17 +21,22 @@ LABEL_NODE = "flexkv.io/node"
 AGENT_APP = "flexkv-agent"
 
 #: The Lease's annotations (JSON values, except ``ready`` and ``cache-epoch``).
+#: ``lookups`` is optional: an agent whose backend does not count lookups omits it.
 ANNOTATION_ENDPOINTS = "flexkv.io/endpoints"
 ANNOTATION_MEMBERSHIPS = "flexkv.io/memberships"
 ANNOTATION_TIERS = "flexkv.io/tiers"
 ANNOTATION_READY = "flexkv.io/ready"
 ANNOTATION_CACHE_EPOCH = "flexkv.io/cache-epoch"
+ANNOTATION_LOOKUPS = "flexkv.io/lookups"
+#: How far back the ``lookups`` annotation counts, at most (seconds).
+LOOKUP_WINDOW_SECONDS = 300
 LEASE_ANNOTATIONS = (
     ANNOTATION_ENDPOINTS,
     ANNOTATION_MEMBERSHIPS,
     ANNOTATION_TIERS,
     ANNOTATION_READY,
     ANNOTATION_CACHE_EPOCH,
+    ANNOTATION_LOOKUPS,
 )
 
 _INVALID_NAME = re.compile(r"[^a-z0-9-]+")

@@ -39,6 +39,38 @@ class Membership:
 
 
 @dataclass(frozen=True)
+class Lookups:
+    """The ``flexkv.io/lookups`` annotation: engine lookups over the agent's last
+    ``window_seconds`` (docs/contracts.md section 2)."""
+
+    window_seconds: int
+    lookup_tokens: int
+    hit_tokens: int
+
+
+def _lookups(annotations: dict[str, str], problems: list[str]) -> Lookups | None:
+    raw = _json(annotations, names.ANNOTATION_LOOKUPS, problems)
+    if raw is None:
+        return None
+    fields = ("windowSeconds", "lookupTokens", "hitTokens")
+    values = [raw.get(f) if isinstance(raw, dict) else None for f in fields]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        problems.append(
+            f"annotation {names.ANNOTATION_LOOKUPS} needs non-negative integers "
+            f"{', '.join(fields)}: {str(raw)[:80]!r}"
+        )
+        return None
+    window, looked_up, hit = (int(v) for v in values)  # type: ignore[arg-type]
+    if hit > looked_up:
+        problems.append(
+            f"annotation {names.ANNOTATION_LOOKUPS} has hitTokens={hit} above "
+            f"lookupTokens={looked_up}"
+        )
+        return None
+    return Lookups(window, looked_up, hit)
+
+
+@dataclass(frozen=True)
 class AgentRecord:
     """What an agent's Lease says, parsed; malformed annotations become empty values."""
 
@@ -52,6 +84,9 @@ class AgentRecord:
     memberships: tuple[Membership, ...]
     tiers: dict[str, dict[str, int]]
     ready: bool
+    lookups: Lookups | None
+    """Tokens looked up and found over the agent's recent window; None when the
+    agent does not report them."""
     cache_epoch: int | None
     lease_duration: int | None
     renew_marker: str
@@ -129,6 +164,7 @@ def parse_lease(body: dict[str, Any]) -> AgentRecord | None:
         memberships=tuple(sorted(memberships, key=lambda m: (m.replica, m.pp_rank))),
         tiers=tiers,
         ready=annotations.get(names.ANNOTATION_READY) == "true",
+        lookups=_lookups(annotations, problems),
         cache_epoch=cache_epoch,
         lease_duration=int(duration) if isinstance(duration, int) and duration > 0 else None,
         renew_marker=f"{spec.get('renewTime')}|{meta.get('resourceVersion')}",

@@ -28,9 +28,48 @@ def agent_entries(agents: list[AgentView]) -> list[dict[str, Any]]:
             "cacheEpoch": v.record.cache_epoch,
             "lastHeartbeat": v.last_heartbeat.strftime("%Y-%m-%dT%H:%M:%SZ"),
             "tiers": v.record.tiers,
+            **({"lookups": {
+                "windowSeconds": v.record.lookups.window_seconds,
+                "lookupTokens": v.record.lookups.lookup_tokens,
+                "hitTokens": v.record.lookups.hit_tokens,
+            }} if v.record.lookups is not None else {}),
         }
         for v in agents
     ]
+
+
+def _percent(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.0f}%" if whole > 0 else "-"
+
+
+def cache_summary(agents: list[AgentView]) -> dict[str, Any]:
+    """``status.cache``: the pool's hit rate and tier use, summed over the agents
+    whose heartbeat is fresh (a lost agent's last report is not counted).
+
+    ``hitRate`` is looked-up tokens found in a cache tier over those looked up, in
+    the agents' recent windows (``flexkv.io/lookups``, at most
+    ``LOOKUP_WINDOW_SECONDS``); ``-`` when none was looked up or no agent reports
+    lookups. Each tier's ``use`` is its used over its capacity bytes. The
+    percentages are strings, for ``kubectl get``'s columns."""
+    fresh = [v.record for v in agents if v.fresh]
+    reported = [r.lookups for r in fresh if r.lookups is not None]
+    looked_up = sum(lk.lookup_tokens for lk in reported)
+    hit = sum(lk.hit_tokens for lk in reported)
+    tiers: dict[str, dict[str, Any]] = {}
+    for record in fresh:
+        for name, values in record.tiers.items():
+            tier = tiers.setdefault(name, {"capacityBytes": 0, "usedBytes": 0})
+            tier["capacityBytes"] += values.get("capacityBytes", 0)
+            tier["usedBytes"] += values.get("usedBytes", 0)
+    for tier in tiers.values():
+        tier["use"] = _percent(tier["usedBytes"], tier["capacityBytes"])
+    return {
+        "lookupTokens": looked_up,
+        "hitTokens": hit,
+        "hitRate": _percent(hit, looked_up),
+        "reportingAgents": len(reported),
+        "tiers": dict(sorted(tiers.items())),
+    }
 
 
 def group_entries(outcomes: list[GroupOutcome]) -> list[dict[str, Any]]:
@@ -241,6 +280,7 @@ def pool_status(
         "groupCount": len(counts.published),
         "cacheEpoch": cache_epoch,
         "configHash": config_hash,
+        "cache": cache_summary(agents),
         "agents": agent_entries(agents),
         "groups": group_entries(groups),
         "conditions": conditions,
