@@ -14,8 +14,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from flexkv_apiserver import ApiServer
-from flexkv_harness import NS, POOLS
 from flexkv_operator.context import NodeCache, OperatorContext, OperatorSettings
 from flexkv_operator.controller import Controller
 from flexkv_operator.group_publisher import GroupCache
@@ -23,7 +21,7 @@ from flexkv_operator.kube import Connection, KubeClient
 from flexkv_operator.membership import LeaseTracker
 from flexkv_operator.reconcile import ReconcileResult, reconcile_pool
 
-LEASES = "coordination.k8s.io/v1/leases"
+from tests.support.kube_api import LEASES, NS, POOLS, ApiServer
 
 
 @dataclass
