@@ -189,16 +189,9 @@ def group_agents(
     ]
 
 
-async def start_group(
-    api: ApiServer,
-    nodes: list[str],
-    *,
-    replica: str = "r0",
-    pool: str = "pool",
-    lease_duration: int = 3,
-) -> list[FakeAgent]:
-    """:func:`group_agents` with their Leases created (one first heartbeat each)."""
-    agents = group_agents(api, nodes, replica=replica, pool=pool, lease_duration=lease_duration)
+async def start_group(api: ApiServer, nodes: list[str], **options: Any) -> list[FakeAgent]:
+    """:func:`group_agents` (``options`` as there) with their Leases created."""
+    agents = group_agents(api, nodes, **options)
     for agent in agents:
         await agent.start()
     return agents
@@ -233,6 +226,22 @@ async def heartbeating(
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+BROKEN_KEY = "AAAA"
+"""What :func:`corrupt_curve_secret` writes over the pool's Curve secret key."""
+
+
+async def corrupt_curve_secret(api: ApiServer, pool: str = "pool") -> None:
+    """Overwrite the pool's Curve secret key, as a hand edit would."""
+    body = {"data": {"curve-secret.key": BROKEN_KEY}}
+    await api.patch_object("v1/secrets", f"{pool}-curve", body)
+
+
+def curve_secret_repaired(api: ApiServer, pool: str = "pool") -> bool:
+    """True once the pool's Curve Secret holds a key other than :data:`BROKEN_KEY`."""
+    secret = api.stored("v1/secrets", NS, f"{pool}-curve") or {}
+    return (secret.get("data") or {}).get("curve-secret.key") not in (None, BROKEN_KEY)
 
 
 async def gather_bounded(*aws: Awaitable[Any]) -> list[Any]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from tests.support.kube_api import NS, POOLS, ApiServer
 from tests.support.waiting import wait_for_async
 
@@ -95,30 +97,26 @@ async def test_group_publication_from_a_stale_cache_conflicts_then_rereads(api: 
     clock = [0.0]
     cache = GroupCache(clock=lambda: clock[0], ttl=30)
     async with KubeClient(Connection(server=str(api.url))) as client:
-        first = await publish_group(
-            client,
-            pool_body=pool_body,
-            plan=GroupPlan("r", 2, (a, b)),
-            identity="x",
-            heartbeat_slack=10,
-            now=now,
-            cache=cache,
-        )
+
+        async def publish(*members: GroupMember) -> Any:
+            return await publish_group(
+                client,
+                pool_body=pool_body,
+                plan=GroupPlan("r", 2, members),
+                identity="x",
+                heartbeat_slack=10,
+                now=now,
+                cache=cache,
+            )
+
+        first = await publish(a, b)
         assert first.written and first.epoch == 1 and first.leader == a.candidate
         # Another writer publishes leader b at epoch 2 behind the cache's back.
         path = f"/apis/flexkv.io/v1alpha1/namespaces/{NS}/kvcachegroups/p-r/status"
         other = {"epoch": 2, "leader": {"node": "b", "ppRank": 1, "fanoutEndpoint": "tcp://b:1"}}
         assert (await api.patch(path, json={"status": other})).status == 200
         lost_a = GroupMember(Candidate("a", 0, "tcp://a:1", True, False), now)
-        second = await publish_group(
-            client,
-            pool_body=pool_body,
-            plan=GroupPlan("r", 2, (lost_a, b)),
-            identity="x",
-            heartbeat_slack=10,
-            now=now,
-            cache=cache,
-        )
+        second = await publish(lost_a, b)
     # The cache still said "leader a, epoch 1": the write conflicted, the re-read saw b
     # at epoch 2, which is fresh, so nothing changes.
     assert second.conflicts == 1 and second.epoch == 2 and second.leader == b.candidate

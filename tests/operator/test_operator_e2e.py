@@ -13,6 +13,8 @@ from flexkv_operator.names import ANNOTATION_CONFIG_HASH
 from tests.operator.flexkv_harness import (
     FAST,
     FakeAgent,
+    corrupt_curve_secret,
+    curve_secret_repaired,
     group_agents,
     heartbeating,
     pool_manifest,
@@ -419,13 +421,6 @@ async def test_curve_secret_is_generated_once_and_repaired_if_broken(api: ApiSer
         await api.patch_object(POOLS, "pool", {"spec": {"cacheEpoch": 1}})  # a reconcile
         await wait_for_async(lambda: status(api).get("cacheEpoch") == 1, "reconciled", 10)
         assert api.stored("v1/secrets", NS, "pool-curve") == original
-        await api.patch_object("v1/secrets", "pool-curve", {"data": {"curve-secret.key": "AAAA"}})
+        await corrupt_curve_secret(api)
         await api.patch_object(POOLS, "pool", {"spec": {"cacheEpoch": 2}})
-        await wait_for_async(
-            lambda: (
-                (api.stored("v1/secrets", NS, "pool-curve") or {})["data"]["curve-secret.key"]
-                != "AAAA"
-            ),
-            "repaired Secret",
-            10,
-        )
+        await wait_for_async(lambda: curve_secret_repaired(api), "repaired Secret", 10)

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 from flexkv_operator.context import OperatorContext
-from flexkv_operator.controller import Controller
 from flexkv_operator.reconcile import GroupSync, ReconcileResult
 
 from tests.operator.flexkv_harness import (
@@ -22,8 +21,11 @@ from tests.operator.flexkv_harness import (
     running_operator,
 )
 from tests.operator.reconcile_harness import (
+    GroupPassLog,
     ManualClock,
+    lease_event,
     observe_leases,
+    pool_event,
     reconcile,
     reconcile_context,
     running_controller,
@@ -115,55 +117,23 @@ async def test_refused_child_is_reported_and_does_not_stop_failover(api: ApiServ
 # -- the controller's two timers, on looptime's fake clock -----------------------------
 
 
-def pool_body() -> dict[str, Any]:
-    return {"metadata": {"name": "p", "namespace": "ns", "uid": "u", "generation": 1}, "spec": {}}
-
-
-def lease_body(renew: str) -> dict[str, Any]:
-    return {
-        "metadata": {
-            "name": "flexkv-agent-n1",
-            "namespace": "ns",
-            "resourceVersion": renew,
-            "labels": {
-                "app.kubernetes.io/name": "flexkv-agent",
-                "flexkv.io/pool": "p",
-                "flexkv.io/node": "n1",
-            },
-            "annotations": {"flexkv.io/ready": "true", "flexkv.io/memberships": "[]"},
-        },
-        "spec": {"renewTime": renew, "leaseDurationSeconds": 10},
-    }
-
-
-def controller(
-    reconciler: Any, group_syncer: Any
-) -> contextlib.AbstractAsyncContextManager[Controller]:
-    return running_controller(reconciler, group_syncer)
-
-
 @pytest.mark.looptime
 async def test_group_pass_runs_at_lease_expiry_while_every_reconcile_fails() -> None:
     loop = asyncio.get_running_loop()
-    passes: list[tuple[float, int]] = []
+    start = loop.time()
+    groups = GroupPassLog(start=start)
+    passes = groups.passes
     reconciles: list[float] = []
 
     async def failing(ctx: OperatorContext, body: dict[str, Any]) -> ReconcileResult:
         reconciles.append(round(loop.time() - start, 3))
         raise RuntimeError("spec invalid, child refused: whatever it is")
 
-    async def groups(ctx: OperatorContext, body: dict[str, Any], relist: bool) -> GroupSync:
-        agents = ctx.tracker.agents("ns", "p", 10)
-        passes.append((round(loop.time() - start, 3), sum(a.fresh for a in agents)))
-        upcoming = [a.expires_at - ctx.clock() for a in agents if a.fresh]
-        return GroupSync(agents, [], min([30.0, *upcoming]))
-
-    start = loop.time()
-    async with controller(failing, groups) as ctl:
-        ctl.observe_lease("ADDED", lease_body("r1"))
-        ctl.observe_pool("ADDED", pool_body())
+    async with running_controller(failing, groups) as ctl:
+        ctl.observe_lease("ADDED", lease_event("n1", "r1"))
+        ctl.observe_pool("ADDED", pool_event(spec={}))
         await asyncio.sleep(4)
-        ctl.observe_lease("MODIFIED", lease_body("r2"))
+        ctl.observe_lease("MODIFIED", lease_event("n1", "r2"))
         await asyncio.sleep(40)
     # Reconciles back off (0, 0.5, 1.5, 3.5, 7.5, 15.5, 31.5) while the group pass
     # runs exactly when the renewed Lease (t=4) expires, at t=14.
@@ -195,8 +165,8 @@ async def test_after_an_api_outage_groups_resume_within_a_second_not_after_backo
         return GroupSync([], [], 30.0)
 
     start = loop.time()
-    async with controller(reconcile_, groups) as ctl:
-        ctl.observe_pool("ADDED", pool_body())
+    async with running_controller(reconcile_, groups) as ctl:
+        ctl.observe_pool("ADDED", pool_event(spec={}))
         await asyncio.sleep(60)
     first_ok = next(p for p in passes if p[2])
     # Group passes retry at most every second during the outage, so the first one

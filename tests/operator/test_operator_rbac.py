@@ -27,6 +27,8 @@ from flexkv_operator import names
 from tests.operator.flexkv_harness import (
     FAST,
     FakeAgent,
+    corrupt_curve_secret,
+    curve_secret_repaired,
     heartbeating,
     pool_manifest,
     running_operator,
@@ -177,7 +179,7 @@ async def test_every_operator_request_is_granted_and_every_grant_is_used(
                 }
             },
         )
-        await api.patch_object("v1/secrets", "pool-curve", {"data": {"curve-secret.key": "AAAA"}})
+        await corrupt_curve_secret(api)
         await wait_for_async(
             lambda: (
                 (api.stored("policy/v1/poddisruptionbudgets", NS, "pool-agent") or {})
@@ -188,14 +190,7 @@ async def test_every_operator_request_is_granted_and_every_grant_is_used(
             "PDB patched",
             15,
         )
-        await wait_for_async(
-            lambda: (
-                (api.stored("v1/secrets", NS, "pool-curve") or {})["data"]["curve-secret.key"]
-                != "AAAA"
-            ),
-            "Secret repaired",
-            15,
-        )
+        await wait_for_async(lambda: curve_secret_repaired(api), "Secret repaired", 15)
         # node-x is not a node of the cluster: its silent Lease is deleted, and its
         # group with it.
         alive["node-x"] = False
