@@ -200,13 +200,9 @@ class ApiServer(kmock.KubernetesEmulator, DirectRouting):
             uids = {o.get("uid") for o in owners if isinstance(o, dict)}
             if owner_uid not in uids or uids & live_uids:
                 continue
-            base = (
-                f"/apis/{resource.group}/{resource.version}"
-                if resource.group
-                else f"/api/{resource.version}"
-            )
-            scope = f"/namespaces/{namespace}" if namespace else ""
-            response = await self.delete(f"{base}{scope}/{resource.plural}/{name}")
+            parts = (resource.group, resource.version, resource.plural)
+            path = collection_path("/".join(str(p) for p in parts if p), namespace)
+            response = await self.delete(f"{path}/{name}")
             self.collected.append((str(resource.plural), str(namespace), str(name)))
             assert response.status < 300 or response.status == 404, await response.text()
 
