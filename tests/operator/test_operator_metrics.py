@@ -4,8 +4,8 @@ when the controller is not running or the agent Lease watch is stale."""
 
 from __future__ import annotations
 
-import asyncio
 import socket
+import urllib.request
 
 import aiohttp
 from flexkv_operator.metrics import OperatorMetrics, Readiness
@@ -56,20 +56,15 @@ async def test_metrics_and_readiness_of_a_running_operator(api: ApiServer) -> No
             lambda: (group().get("leader") or {}).get("node") == "node-b", "failover", 15
         )
 
-        async def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-            async with http.get(f"{base}/metrics") as response:
+        def degraded_counted() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+            """The scraped samples once the degraded group is counted, else nothing."""
+            with urllib.request.urlopen(f"{base}/metrics", timeout=5) as response:
                 assert response.status == 200
-                return samples(await response.text())
+                found = samples(response.read().decode())
+            degraded = found.get(("flexkv_operator_groups", (("phase", "Degraded"),)))
+            return found if degraded == 1.0 else {}
 
-        async def settled() -> bool:
-            found = await scrape()
-            return found.get(("flexkv_operator_groups", (("phase", "Degraded"),))) == 1.0
-
-        for _ in range(100):
-            if await settled():
-                break
-            await asyncio.sleep(0.1)
-        found = await scrape()
+        found = await wait_for_async(degraded_counted, "the Degraded group counted", 10)
         assert (
             found[("flexkv_operator_reconciles_total", (("kind", "pool"), ("result", "success")))]
             >= 1
