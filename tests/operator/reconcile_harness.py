@@ -131,6 +131,24 @@ class GroupPassLog:
         return GroupSync(agents, [], min([30.0, *upcoming]))
 
 
+@dataclass
+class ReconcileLog:
+    """A reconciler for :func:`running_controller` that records when it ran (loop
+    seconds since ``start``), fails its first ``failures`` calls and then asks to run
+    again after ``requeue`` seconds."""
+
+    start: float
+    failures: int = 0
+    requeue: float = 30.0
+    times: list[float] = field(default_factory=list)
+
+    async def __call__(self, ctx: OperatorContext, body: dict[str, Any]) -> ReconcileResult:
+        self.times.append(round(asyncio.get_running_loop().time() - self.start, 3))
+        if len(self.times) <= self.failures:
+            raise RuntimeError("API unavailable")
+        return ReconcileResult("Ready", self.requeue, 0, 0)
+
+
 @contextlib.asynccontextmanager
 async def running_controller(
     reconciler: Any, group_syncer: Any = no_groups

@@ -15,6 +15,7 @@ from flexkv_operator.reconcile import PoolGone, ReconcileResult
 
 from tests.operator.reconcile_harness import (
     GroupPassLog,
+    ReconcileLog,
     lease_event,
     pool_event,
     running_controller,
@@ -47,14 +48,8 @@ async def test_group_pass_runs_at_lease_expiry_not_before() -> None:
 
 @pytest.mark.looptime
 async def test_significant_lease_change_and_spec_change_trigger_reconciles() -> None:
-    loop = asyncio.get_running_loop()
-    times: list[float] = []
-
-    async def reconcile(ctx: OperatorContext, body: dict[str, Any]) -> ReconcileResult:
-        times.append(round(loop.time() - start, 3))
-        return ReconcileResult("Ready", 30.0, 0, 0)
-
-    start = loop.time()
+    reconcile = ReconcileLog(start=asyncio.get_running_loop().time())
+    times = reconcile.times
     async with running_controller(reconcile) as ctl:
         ctl.observe_pool("ADDED", pool_event())
         await asyncio.sleep(1)
@@ -76,16 +71,8 @@ async def test_significant_lease_change_and_spec_change_trigger_reconciles() -> 
 
 @pytest.mark.looptime
 async def test_failed_reconciles_back_off_exponentially() -> None:
-    loop = asyncio.get_running_loop()
-    times: list[float] = []
-
-    async def reconcile(ctx: OperatorContext, body: dict[str, Any]) -> ReconcileResult:
-        times.append(round(loop.time() - start, 3))
-        if len(times) < 4:
-            raise RuntimeError("API unavailable")
-        return ReconcileResult("Ready", 100.0, 0, 0)
-
-    start = loop.time()
+    reconcile = ReconcileLog(asyncio.get_running_loop().time(), failures=3, requeue=100.0)
+    times = reconcile.times
     async with running_controller(reconcile) as ctl:
         ctl.observe_pool("ADDED", pool_event())
         await asyncio.sleep(10)
