@@ -48,23 +48,16 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "operator"))
+sys.path.insert(0, str(REPO))  # the tests' emulated API server and operator harness
 
-from flexkv_apiserver import ApiServer  # noqa: E402
-from flexkv_harness import (  # noqa: E402
-    DAEMONSETS,
-    GROUPS,
-    NS,
-    POOLS,
+from tests.operator.flexkv_harness import (  # noqa: E402
     FakeAgent,
-    api_server,
-    create,
     heartbeating,
-    patch,
     pool_manifest,
     running_operator,
-    wait_for,
 )
+from tests.support.kube_api import DAEMONSETS, GROUPS, NS, POOLS, ApiServer, api_server  # noqa: E402
+from tests.support.waiting import wait_for_async  # noqa: E402
 
 BACKGROUND_LEASE = 120
 BACKGROUND_PERIOD = 30.0
@@ -132,12 +125,11 @@ async def run_size(count: int, timings: dict[str, int], timeout: float) -> dict[
         fast, slow = agents[:2], agents[2:]
         async with running_operator(api, "bench"), heartbeats(fast, slow, alive):
             applied = time.monotonic()
-            await create(api, POOLS, pool_manifest(leaderElection=timings))
-            ds = await wait_for(
-                lambda: api.stored(DAEMONSETS, NS, "pool-agent"), timeout, "DaemonSet"
+            await api.create_object(POOLS, pool_manifest(leaderElection=timings))
+            ds = await wait_for_async(
+                lambda: api.stored(DAEMONSETS, NS, "pool-agent"), "DaemonSet", timeout
             )
-            await patch(
-                api,
+            await api.patch_object(
                 DAEMONSETS,
                 "pool-agent",
                 {
@@ -155,7 +147,7 @@ async def run_size(count: int, timings: dict[str, int], timeout: float) -> dict[
                 status = (api.stored(POOLS, NS, "pool") or {}).get("status") or {}
                 return status.get("phase") == "Ready" and status.get("readyAgents") == count
 
-            await wait_for(ready, timeout, f"Ready with {count} agents", interval=0.02)
+            await wait_for_async(ready, f"Ready with {count} agents", timeout, interval=0.02)
             ready_s = time.monotonic() - applied
             groups = len(api.names(GROUPS, NS))
 
@@ -163,15 +155,15 @@ async def run_size(count: int, timings: dict[str, int], timeout: float) -> dict[
                 status = (api.stored(GROUPS, NS, "pool-r0000") or {}).get("status") or {}
                 return (status.get("leader") or {}).get("node")
 
-            await wait_for(lambda: leader() == "node-0000", timeout, "first leader")
+            await wait_for_async(lambda: leader() == "node-0000", "first leader", timeout)
             await asyncio.sleep(1.0)
             alive["node-0000"] = False
             await fast[0].beat()  # the last heartbeat: the loss starts now
             lost_at = time.monotonic()
-            await wait_for(
+            await wait_for_async(
                 lambda: leader() not in ("node-0000", None),
-                lease + timeout,
                 "new leader",
+                lease + timeout,
                 interval=0.02,
             )
             failover_s = time.monotonic() - lost_at
@@ -230,15 +222,15 @@ async def run_case(case: str, timeout: float = 60.0) -> dict[str, Any]:
             alive = await stack.enter_async_context(heartbeating(agents, 0.25))
             for identity, extra in operators:
                 await stack.enter_async_context(running_operator(api, identity, **extra))
-            await create(api, POOLS, pool_manifest(leaderElection=CASE_TIMINGS))
+            await api.create_object(POOLS, pool_manifest(leaderElection=CASE_TIMINGS))
 
             def leader() -> str | None:
                 status = (api.stored(GROUPS, NS, "pool-r0") or {}).get("status") or {}
                 return (status.get("leader") or {}).get("node")
 
-            await wait_for(lambda: leader() == "node-a", timeout, "first leader")
+            await wait_for_async(lambda: leader() == "node-a", "first leader", timeout)
             if case == "invalid-spec":
-                await patch(api, POOLS, "pool", {"spec": {"tiers": {"cpu": {"size": "0Gi"}}}})
+                await api.patch_object(POOLS, "pool", {"spec": {"tiers": {"cpu": {"size": "0Gi"}}}})
                 await asyncio.sleep(1.0)
             await asyncio.sleep(1.0)
             alive["node-a"] = False
@@ -247,14 +239,14 @@ async def run_case(case: str, timeout: float = 60.0) -> dict[str, Any]:
             back_at = None
             if case == "api-outage":
                 outage = api.fail(503, times=10**6, user_agent="flexkv-operator")
-                await patch(api, POOLS, "pool", {"spec": {"cacheEpoch": 1}})
+                await api.patch_object(POOLS, "pool", {"spec": {"cacheEpoch": 1}})
                 await asyncio.sleep(CASE_LEASE + 3.0)
                 outage.remaining = 0
                 back_at = time.monotonic()
             if case == "active-killed":
                 api.fail(503, times=10**6, user_agent="flexkv-operator/operator-a")
-            await wait_for(
-                lambda: leader() not in ("node-a", None), timeout, "new leader", interval=0.02
+            await wait_for_async(
+                lambda: leader() not in ("node-a", None), "new leader", timeout, interval=0.02
             )
             done = time.monotonic()
     failover_s = done - lost_at

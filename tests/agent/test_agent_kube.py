@@ -116,7 +116,7 @@ async def test_kvcachegroup_status_drives_roles_and_failover(kube: Any, kube_api
             assert (await role(a0), await role(a1)) == ("leader", "follower")
             # The operator elects stage 1 at epoch 2: the roles follow the object.
             await asyncio.to_thread(
-                k8s.CustomObjectsApi(kube_api).patch_namespaced_custom_object, "flexkv.io",
+                k8s.CustomObjectsApi(kube_api).patch_namespaced_custom_object_status, "flexkv.io",
                 "v1alpha1", "ns1", "kvcachegroups", "tp-rep",
                 {"status": _group(fanout, leader=1, epoch=2)["status"]})
             deadline = asyncio.get_running_loop().time() + 20

@@ -195,14 +195,19 @@ async def test_kube_group_source_lists_then_follows_watch_events(kube: Any,
         assert len(seen) == n, "unchanged views must not be delivered again"
         # The operator elects another leader: a status write through the API.
         new = _group("p1-llama-0", "p1", 2, leader_rank=1)
-        await asyncio.to_thread(api.patch_namespaced_custom_object, "flexkv.io", "v1alpha1",
-                                "ns1", "kvcachegroups", "p1-llama-0", {"status": new["status"]})
+        await asyncio.to_thread(api.patch_namespaced_custom_object_status, "flexkv.io",
+                                "v1alpha1", "ns1", "kvcachegroups", "p1-llama-0",
+                                {"status": new["status"]})
         await _wait_for(lambda: seen[-1]["llama-0"].epoch == 2)
         leader = seen[-1]["llama-0"].leader
         assert leader is not None and leader.pp_rank == 1
+        # A new group, as the operator publishes one: the object, then its status.
         created = _group("p1-llama-1", "p1", 4)
         await asyncio.to_thread(api.create_namespaced_custom_object, "flexkv.io", "v1alpha1",
                                 "ns1", "kvcachegroups", created)
+        await asyncio.to_thread(api.patch_namespaced_custom_object_status, "flexkv.io",
+                                "v1alpha1", "ns1", "kvcachegroups", "p1-llama-1",
+                                {"status": created["status"]})
         await _wait_for(lambda: sorted(seen[-1]) == ["llama-0", "llama-1"])
         await asyncio.to_thread(api.delete_namespaced_custom_object, "flexkv.io", "v1alpha1",
                                 "ns1", "kvcachegroups", "p1-llama-0")
@@ -215,15 +220,14 @@ async def test_kube_group_source_lists_then_follows_watch_events(kube: Any,
 async def test_kube_group_source_reports_errors_and_recovers(kube: Any, kube_api: Any) -> None:
     errors = RecentErrors()
     seen: list[dict[str, GroupView]] = []
-    failing = {"on": True}
-    kube["list", GROUPS][lambda _req: failing["on"]] << 500  # lists fail while "on"
+    failing = kube.fail(500, action="list", plural="kvcachegroups", times=10**6)
     src = KubeGroupSource(k8s.CustomObjectsApi(kube_api), "ns1", "p1", seen.append,
                           period=0.05, errors=errors)
     await src.start()
     try:
         await _wait_for(lambda: len(errors.snapshot()) >= 1)
         assert not src.known
-        failing["on"] = False
+        failing.remaining = 0  # lists succeed again
         kube.objects[GROUPS, "ns1", "p1-llama-0"] = _group("p1-llama-0", "p1", 3)
         await _wait_for(lambda: bool(seen) and seen[-1]["llama-0"].epoch == 3)
         assert src.known and src.alive

@@ -41,7 +41,6 @@ from tests.agent.harness import (
 )
 from tests.remote.conftest import Master, free_port, store_port
 
-OPERATOR_TESTS = Path(__file__).resolve().parents[1] / "operator"
 POOL = "tp"
 NAMESPACE = "ns1"
 REPLICA = "rep"
@@ -235,21 +234,15 @@ class OperatorScene:
             self._errors.append(exc)
 
     async def _main(self) -> None:
-        if str(OPERATOR_TESTS) not in sys.path:
-            sys.path.insert(0, str(OPERATOR_TESTS))
-        from flexkv_harness import (  # the operator tests' kmock harness
+        from tests.operator.flexkv_harness import (  # the operator tests' harness
             FAST,
-            GROUPS,
-            NS,
-            POOLS,
             FakeAgent,
-            api_server,
-            create,
             heartbeating,
             pool_manifest,
             running_operator,
-            wait_for,
         )
+        from tests.support.kube_api import GROUPS, NS, POOLS, api_server
+        from tests.support.waiting import wait_for_async
 
         async with api_server() as api:
             # One refused create: an API error the operator retries and counts.
@@ -262,20 +255,20 @@ class OperatorScene:
             async with (heartbeating(agents, 0.25) as alive,
                         running_operator(api, metrics_port=self.metrics_port,
                                          startup_timeout=60)):
-                await create(api, POOLS, pool_manifest(**FAST))
+                await api.create_object(POOLS, pool_manifest(**FAST))
 
                 def leader() -> str | None:
                     status = (api.stored(GROUPS, NS, "pool-r0") or {}).get("status") or {}
                     node: str | None = (status.get("leader") or {}).get("node")
                     return node
 
-                await wait_for(lambda: leader() == "node-a", 60, "leader node-a")
+                await wait_for_async(lambda: leader() == "node-a", "leader node-a", 60)
                 self._elected.set()
                 await asyncio.to_thread(self._go.wait, 600)
                 if self._stop.is_set():
                     return
                 alive["node-a"] = False
-                await wait_for(lambda: leader() == "node-b", 60, "failover to node-b")
+                await wait_for_async(lambda: leader() == "node-b", "failover to node-b", 60)
                 self._failed_over.set()
                 await asyncio.to_thread(self._stop.wait, 600)
 

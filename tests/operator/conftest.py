@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest_asyncio
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from flexkv_apiserver import ApiServer
-from flexkv_harness import api_server
+from tests.support.kube_api import ApiServer, api_server
 
 
 @pytest_asyncio.fixture

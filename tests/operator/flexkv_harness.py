@@ -8,24 +8,20 @@ import contextlib
 import datetime
 import json
 import threading
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import kmock
 import kopf
-from flexkv_apiserver import ApiServer
 from flexkv_operator import names
 from flexkv_operator.app import run_operator
 from flexkv_operator.context import OperatorSettings
 from flexkv_operator.kube import Connection
 
-T = TypeVar("T")
-NS = "ns1"
-POOLS = "flexkv.io/v1alpha1/kvcachepools"
-GROUPS = "flexkv.io/v1alpha1/kvcachegroups"
-DAEMONSETS = "apps/v1/daemonsets"
+from tests.support.kube_api import LEASES, NS, ApiServer
+from tests.support.waiting import wait_for_async
+
 FAST = {
     "leaderElection": {
         "leaseDurationSeconds": 3,
@@ -34,13 +30,6 @@ FAST = {
     }
 }
 """Pool spec fragment: agent leases short enough for failover tests (3 s)."""
-
-
-@contextlib.asynccontextmanager
-async def api_server(history_limit: int | None = None) -> AsyncIterator[ApiServer]:
-    async with ApiServer() as server, kmock.Server(server):
-        server.history_limit = history_limit
-        yield server
 
 
 @contextlib.asynccontextmanager
@@ -88,12 +77,14 @@ async def running_operator(
     thread = threading.Thread(target=target, name=f"operator-{identity}", daemon=True)
     thread.start()
     try:
-        await wait_for(lambda: ready.is_set() or errors, startup_timeout, f"{identity} ready")
+        await wait_for_async(lambda: ready.is_set() or errors, f"{identity} ready", startup_timeout)
         if errors:
             raise RuntimeError(f"operator {identity} failed to start") from errors[0]
         # kopf is "ready" before its watches are open; tests that time failovers
         # want the three watches (pools, leases, daemonsets) established.
-        await wait_for(lambda: watches_open(api) >= before + 3, startup_timeout, "three watches")
+        await wait_for_async(
+            lambda: watches_open(api) >= before + 3, "three watches", startup_timeout
+        )
         yield
     finally:
         stop.set()
@@ -108,20 +99,6 @@ def watches_open(api: ApiServer) -> int:
     return len(api[kmock.action.WATCH])
 
 
-async def wait_for(
-    probe: Callable[[], T | None], timeout: float, what: str, interval: float = 0.05
-) -> T:
-    """Poll ``probe`` until it returns a truthy value; fail naming ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(interval)
-
-
 def pool_manifest(name: str = "pool", **spec: Any) -> dict[str, Any]:
     body_spec: dict[str, Any] = {"tiers": {"cpu": {"size": "1Gi"}}}
     body_spec.update(spec)
@@ -131,33 +108,6 @@ def pool_manifest(name: str = "pool", **spec: Any) -> dict[str, Any]:
         "metadata": {"name": name, "namespace": NS},
         "spec": body_spec,
     }
-
-
-async def create(api: ApiServer, plural_path: str, body: dict[str, Any]) -> dict[str, Any]:
-    group_version, plural = plural_path.rsplit("/", 1)
-    base = f"/api/{group_version}" if "/" not in group_version else f"/apis/{group_version}"
-    response = await api.post(f"{base}/namespaces/{NS}/{plural}", json=body)
-    assert response.status < 300, await response.text()
-    result: dict[str, Any] = await response.json()
-    return result
-
-
-async def patch(
-    api: ApiServer, plural_path: str, name: str, body: dict[str, Any]
-) -> dict[str, Any]:
-    group_version, plural = plural_path.rsplit("/", 1)
-    base = f"/api/{group_version}" if "/" not in group_version else f"/apis/{group_version}"
-    response = await api.patch(f"{base}/namespaces/{NS}/{plural}/{name}", json=body)
-    assert response.status < 300, await response.text()
-    result: dict[str, Any] = await response.json()
-    return result
-
-
-async def delete(api: ApiServer, plural_path: str, name: str) -> None:
-    group_version, plural = plural_path.rsplit("/", 1)
-    base = f"/api/{group_version}" if "/" not in group_version else f"/apis/{group_version}"
-    response = await api.delete(f"{base}/namespaces/{NS}/{plural}/{name}")
-    assert response.status < 300, await response.text()
 
 
 @dataclass
@@ -211,18 +161,46 @@ class FakeAgent:
         return body
 
     async def start(self) -> None:
-        await create(self.api, "coordination.k8s.io/v1/leases", self.body())
+        await self.api.create_object(LEASES, self.body())
 
     async def beat(self) -> None:
         self.beats += 1
-        await patch(
-            self.api, "coordination.k8s.io/v1/leases", names.lease_name(self.node), self.body()
+        await self.api.patch_object(LEASES, names.lease_name(self.node), self.body())
+
+
+def group_agents(
+    api: ApiServer,
+    nodes: list[str],
+    *,
+    replica: str = "r0",
+    pool: str = "pool",
+    lease_duration: int = 3,
+) -> list[FakeAgent]:
+    """The agents of one PP group of ``pool``: stage ``i`` runs on ``nodes[i]``."""
+    return [
+        FakeAgent(
+            api,
+            pool,
+            node,
+            [{"replica": replica, "ppRank": rank, "ppSize": len(nodes)}],
+            lease_duration=lease_duration,
         )
+        for rank, node in enumerate(nodes)
+    ]
+
+
+async def start_group(api: ApiServer, nodes: list[str], **options: Any) -> list[FakeAgent]:
+    """:func:`group_agents` (``options`` as there) with their Leases created."""
+    agents = group_agents(api, nodes, **options)
+    for agent in agents:
+        await agent.start()
+    return agents
 
 
 @contextlib.asynccontextmanager
-async def heartbeating(agents: list[FakeAgent], period: float, skip_refused: bool = False
-                      ) -> AsyncIterator[dict[str, bool]]:
+async def heartbeating(
+    agents: list[FakeAgent], period: float, skip_refused: bool = False
+) -> AsyncIterator[dict[str, bool]]:
     """Renew every agent's Lease each ``period`` while ``alive[node]`` is True.
 
     A refused renewal ends the loop with its error (raised on exit), unless
@@ -248,6 +226,22 @@ async def heartbeating(agents: list[FakeAgent], period: float, skip_refused: boo
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+BROKEN_KEY = "AAAA"
+"""What :func:`corrupt_curve_secret` writes over the pool's Curve secret key."""
+
+
+async def corrupt_curve_secret(api: ApiServer, pool: str = "pool") -> None:
+    """Overwrite the pool's Curve secret key, as a hand edit would."""
+    body = {"data": {"curve-secret.key": BROKEN_KEY}}
+    await api.patch_object("v1/secrets", f"{pool}-curve", body)
+
+
+def curve_secret_repaired(api: ApiServer, pool: str = "pool") -> bool:
+    """True once the pool's Curve Secret holds a key other than :data:`BROKEN_KEY`."""
+    secret = api.stored("v1/secrets", NS, f"{pool}-curve") or {}
+    return (secret.get("data") or {}).get("curve-secret.key") not in (None, BROKEN_KEY)
 
 
 async def gather_bounded(*aws: Awaitable[Any]) -> list[Any]:

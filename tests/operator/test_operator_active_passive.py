@@ -13,25 +13,20 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 
-from flexkv_apiserver import ApiServer
-from flexkv_harness import (
-    DAEMONSETS,
+from flexkv_operator.active_replica import LeaderElection
+from flexkv_operator.kube import Connection, KubeClient
+
+from tests.operator.flexkv_harness import (
     FAST,
-    GROUPS,
-    NS,
-    POOLS,
-    FakeAgent,
-    create,
     heartbeating,
     pool_manifest,
     running_operator,
-    wait_for,
+    start_group,
 )
-from flexkv_operator.active_replica import LeaderElection
-from flexkv_operator.kube import Connection, KubeClient
-from reconcile_harness import ManualClock
+from tests.operator.reconcile_harness import ManualClock
+from tests.support.kube_api import DAEMONSETS, GROUPS, LEASES, NS, POOLS, ApiServer
+from tests.support.waiting import wait_for_async
 
-LEASES = "coordination.k8s.io/v1/leases"
 ELECTION = {
     "leader_election": True,
     "election_lease_duration": 3.0,
@@ -104,17 +99,26 @@ async def test_released_lease_is_taken_at_once_and_racing_standbys_get_one_holde
 
 def writes_by(api: ApiServer, identity: str) -> list[str]:
     """Writes (not the operator Lease, not Events) by one replica's own client."""
-    found = []
-    for request in list(api._requests):
-        agent = str(request.headers.get("User-Agent", ""))
-        method = str(getattr(request.method, "value", request.method)).upper()
-        if agent != f"flexkv-operator/{identity}" or method not in ("POST", "PATCH", "DELETE"):
-            continue
-        plural = request.resource.plural if request.resource is not None else ""
-        if plural == "leases" and request.name == "flexkv-operator":
-            continue
-        found.append(f"{method} {request.url}")
-    return found
+    return [
+        f"{request.method} {request.url}"
+        for request in api.requests_from(
+            f"flexkv-operator/{identity}", methods=("POST", "PATCH", "DELETE")
+        )
+        if not (
+            request.resource is not None
+            and request.resource.plural == "leases"
+            and request.name == "flexkv-operator"
+        )
+    ]
+
+
+def election_requests(api: ApiServer, identity: str, *methods: str) -> int:
+    """How many requests one replica sent for the operator Lease (renewals, tries)."""
+    return len(
+        api.requests_from(
+            f"flexkv-operator/{identity}", methods=methods, plural="leases", name="flexkv-operator"
+        )
+    )
 
 
 def template_image(api: ApiServer) -> str:
@@ -126,12 +130,22 @@ async def test_only_the_active_replica_writes_so_different_renderings_do_not_fig
     api: ApiServer,
 ) -> None:
     async with running_operator(api, "operator-a", image="img:1", **ELECTION):
-        await wait_for(lambda: holder(api) == "operator-a", 10, "operator-a active")
+        await wait_for_async(lambda: holder(api) == "operator-a", "operator-a active", 10)
         async with running_operator(api, "operator-b", image="img:2", **ELECTION):
-            await create(api, POOLS, pool_manifest(**FAST))
-            await wait_for(lambda: api.stored(DAEMONSETS, NS, "pool-agent"), 10, "DaemonSet")
+            await api.create_object(POOLS, pool_manifest(**FAST))
+            await wait_for_async(lambda: api.stored(DAEMONSETS, NS, "pool-agent"), "DaemonSet", 10)
             version = api.stored(DAEMONSETS, NS, "pool-agent")["metadata"]["resourceVersion"]  # type: ignore[index]
-            await asyncio.sleep(4)  # several renewals and reconciles of both replicas
+            # Several rounds of both replicas: the active one renews, the standby tries.
+            renewed = election_requests(api, "operator-a", "PATCH") + 4
+            tried = election_requests(api, "operator-b") + 4
+            await wait_for_async(
+                lambda: (
+                    election_requests(api, "operator-a", "PATCH") >= renewed
+                    and election_requests(api, "operator-b") >= tried
+                ),
+                "four renewals by operator-a and four tries by operator-b",
+                20,
+            )
             assert template_image(api) == "img:1"
             assert (
                 api.stored(DAEMONSETS, NS, "pool-agent")["metadata"]["resourceVersion"] == version
@@ -145,30 +159,25 @@ async def test_only_the_active_replica_writes_so_different_renderings_do_not_fig
 async def test_standby_takes_over_and_fails_over_when_the_active_replica_is_cut_off(
     api: ApiServer,
 ) -> None:
-    agents = [
-        FakeAgent(api, "pool", node, [{"replica": "r0", "ppRank": rank, "ppSize": 2}])
-        for rank, node in enumerate(["node-a", "node-b"])
-    ]
-    for agent in agents:
-        await agent.start()
+    agents = await start_group(api, ["node-a", "node-b"])
     async with (
         heartbeating(agents, 0.25) as alive,
         running_operator(api, "operator-a", **ELECTION),
     ):
-        await wait_for(lambda: holder(api) == "operator-a", 10, "operator-a active")
+        await wait_for_async(lambda: holder(api) == "operator-a", "operator-a active", 10)
         async with running_operator(api, "operator-b", **ELECTION):
-            await create(api, POOLS, pool_manifest(**FAST))
+            await api.create_object(POOLS, pool_manifest(**FAST))
             group = lambda: (api.stored(GROUPS, NS, "pool-r0") or {}).get("status") or {}  # noqa: E731
-            await wait_for(
-                lambda: (group().get("leader") or {}).get("node") == "node-a", 10, "leader"
+            await wait_for_async(
+                lambda: (group().get("leader") or {}).get("node") == "node-a", "leader", 10
             )
             assert group()["electedBy"] == "operator-a"
             # operator-a loses the API server (its node is lost) and node-a dies too.
             api.fail(503, times=10**6, user_agent="flexkv-operator/operator-a")
             alive["node-a"] = False
             cut = time.monotonic()
-            await wait_for(
-                lambda: (group().get("leader") or {}).get("node") == "node-b", 20, "failover"
+            await wait_for_async(
+                lambda: (group().get("leader") or {}).get("node") == "node-b", "failover", 20
             )
             took = time.monotonic() - cut
             assert group()["electedBy"] == "operator-b" and group()["epoch"] == 2

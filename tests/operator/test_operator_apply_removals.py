@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from flexkv_apiserver import ApiServer
-from flexkv_harness import DAEMONSETS, NS, POOLS, create, patch, pool_manifest
 from flexkv_operator.apply import ANNOTATION_LAST_APPLIED, removal_patch
-from reconcile_harness import ManualClock, reconcile, reconcile_context
+
+from tests.operator.flexkv_harness import pool_manifest
+from tests.operator.reconcile_harness import ManualClock, reconcile, reconcile_context
+from tests.support.kube_api import DAEMONSETS, NS, POOLS, ApiServer
 
 
 def live_pod(api: ApiServer) -> dict[str, Any]:
@@ -24,7 +25,7 @@ async def test_dropped_node_selector_key_and_scrape_annotations_leave_the_daemon
         "affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}},
     }
     spec = {"placement": placement, "monitoring": {"serviceLabels": {"team": "kv", "tier": "1"}}}
-    await create(api, POOLS, pool_manifest(**spec))
+    await api.create_object(POOLS, pool_manifest(**spec))
     clock = ManualClock()
     async with reconcile_context(api, clock) as ctx:
         await reconcile(ctx, api)
@@ -35,8 +36,7 @@ async def test_dropped_node_selector_key_and_scrape_annotations_leave_the_daemon
         labels = service["metadata"]["labels"]
         assert (labels["team"], labels["tier"]) == ("kv", "1")
 
-        await patch(
-            api,
+        await api.patch_object(
             POOLS,
             "pool",
             {

@@ -10,18 +10,6 @@ from typing import Any
 import kubernetes.client
 import pytest
 import yaml
-from flexkv_apiserver import ApiServer
-from flexkv_harness import (
-    GROUPS,
-    NS,
-    POOLS,
-    FakeAgent,
-    create,
-    heartbeating,
-    pool_manifest,
-    running_operator,
-    wait_for,
-)
 from flexkv_operator import children, names
 from flexkv_operator.children import PoolIdentity
 from flexkv_operator.membership import LeaseTracker, parse_lease
@@ -30,6 +18,14 @@ from flexkv_operator.spec import parse_pool_spec
 from node_agent.config import AgentConfig, config_from_mapping
 from node_agent.kube.groups import parse_group
 from node_agent.kube.heartbeat import LeaseHeartbeat
+from tests.operator.flexkv_harness import (
+    heartbeating,
+    pool_manifest,
+    running_operator,
+    start_group,
+)
+from tests.support.kube_api import GROUPS, NS, POOLS, ApiServer
+from tests.support.waiting import wait_for_async
 
 EXAMPLES = Path(__file__).parent / "examples"
 POOL = PoolIdentity("pool", NS, {})
@@ -99,21 +95,16 @@ async def test_agent_heartbeat_lease_is_read_by_the_operator(api: ApiServer) -> 
 
 
 async def test_published_group_is_read_by_the_agent(api: ApiServer) -> None:
-    agents = [
-        FakeAgent(api, "pool", node, [{"replica": "r0", "ppRank": rank, "ppSize": 2}])
-        for rank, node in enumerate(["node-a", "node-b"])
-    ]
-    for agent in agents:
-        await agent.start()
+    agents = await start_group(api, ["node-a", "node-b"])
     async with running_operator(api), heartbeating(agents, 0.5):
-        await create(api, POOLS, pool_manifest())
-        stored = await wait_for(
+        await api.create_object(POOLS, pool_manifest())
+        stored = await wait_for_async(
             lambda: (
                 (api.stored(GROUPS, NS, "pool-r0") or {}).get("status", {}).get("leader")
                 and api.stored(GROUPS, NS, "pool-r0")
             ),
-            10,
             "a published leader",
+            10,
         )
     view = parse_group(stored)
     assert view is not None

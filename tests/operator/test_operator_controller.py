@@ -4,8 +4,6 @@ lease expiry and on significant lease changes, failures back off."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 from typing import Any
 
 import pytest
@@ -13,44 +11,16 @@ from flexkv_operator.context import NodeCache, OperatorContext, OperatorSettings
 from flexkv_operator.controller import Controller
 from flexkv_operator.kube import Connection, KubeClient
 from flexkv_operator.membership import LeaseTracker
-from flexkv_operator.reconcile import GroupSync, PoolGone, ReconcileResult
-from reconcile_harness import running_controller
+from flexkv_operator.reconcile import PoolGone, ReconcileResult
 
-
-def pool(name: str = "p", spec: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {
-        "metadata": {"name": name, "namespace": "ns", "uid": "u", "generation": 1},
-        "spec": spec or {"x": 1},
-    }
-
-
-def lease(node: str, renew: str, ready: bool = True) -> dict[str, Any]:
-    return {
-        "metadata": {
-            "name": f"flexkv-agent-{node}",
-            "namespace": "ns",
-            "resourceVersion": renew,
-            "labels": {
-                "app.kubernetes.io/name": "flexkv-agent",
-                "flexkv.io/pool": "p",
-                "flexkv.io/node": node,
-            },
-            "annotations": {
-                "flexkv.io/ready": "true" if ready else "false",
-                "flexkv.io/memberships": json.dumps([]),
-            },
-        },
-        "spec": {"renewTime": renew, "leaseDurationSeconds": 10},
-    }
-
-
-async def no_groups(ctx: OperatorContext, body: dict[str, Any], relist: bool) -> GroupSync:
-    return GroupSync([], [], 30.0)
-
-
-def controller(reconciler: Any, group_syncer: Any = no_groups
-               ) -> contextlib.AbstractAsyncContextManager[Controller]:
-    return running_controller(reconciler, group_syncer)
+from tests.operator.reconcile_harness import (
+    GroupPassLog,
+    ReconcileLog,
+    lease_event,
+    pool_event,
+    running_controller,
+)
+from tests.support.waiting import wait_for_async
 
 
 async def steady(ctx: OperatorContext, body: dict[str, Any]) -> ReconcileResult:
@@ -59,21 +29,13 @@ async def steady(ctx: OperatorContext, body: dict[str, Any]) -> ReconcileResult:
 
 @pytest.mark.looptime
 async def test_group_pass_runs_at_lease_expiry_not_before() -> None:
-    loop = asyncio.get_running_loop()
-    seen: list[tuple[float, int]] = []
-
-    async def groups(ctx: OperatorContext, body: dict[str, Any], relist: bool) -> GroupSync:
-        agents = ctx.tracker.agents("ns", "p", 10)
-        seen.append((round(loop.time() - start, 3), sum(a.fresh for a in agents)))
-        upcoming = [a.expires_at - ctx.clock() for a in agents if a.fresh]
-        return GroupSync(agents, [], min([30.0, *upcoming]))
-
-    start = loop.time()
-    async with controller(steady, groups) as ctl:
-        ctl.observe_lease("ADDED", lease("n1", "r1"))
-        ctl.observe_pool("ADDED", pool())
+    groups = GroupPassLog(start=asyncio.get_running_loop().time())
+    seen = groups.passes
+    async with running_controller(steady, groups) as ctl:
+        ctl.observe_lease("ADDED", lease_event("n1", "r1"))
+        ctl.observe_pool("ADDED", pool_event())
         await asyncio.sleep(4)
-        ctl.observe_lease("MODIFIED", lease("n1", "r2"))  # a heartbeat: no reconcile now
+        ctl.observe_lease("MODIFIED", lease_event("n1", "r2"))  # a heartbeat: no reconcile now
         await asyncio.sleep(20)
     assert seen[0] == (0.0, 1)
     # Renewed at t=4 (no reconcile for a mere heartbeat), so it expires at t=14: the
@@ -86,28 +48,22 @@ async def test_group_pass_runs_at_lease_expiry_not_before() -> None:
 
 @pytest.mark.looptime
 async def test_significant_lease_change_and_spec_change_trigger_reconciles() -> None:
-    loop = asyncio.get_running_loop()
-    times: list[float] = []
-
-    async def reconcile(ctx: OperatorContext, body: dict[str, Any]) -> ReconcileResult:
-        times.append(round(loop.time() - start, 3))
-        return ReconcileResult("Ready", 30.0, 0, 0)
-
-    start = loop.time()
-    async with controller(reconcile) as ctl:
-        ctl.observe_pool("ADDED", pool())
+    reconcile = ReconcileLog(start=asyncio.get_running_loop().time())
+    times = reconcile.times
+    async with running_controller(reconcile) as ctl:
+        ctl.observe_pool("ADDED", pool_event())
         await asyncio.sleep(1)
-        ctl.observe_lease("ADDED", lease("n1", "r1"))  # new agent
+        ctl.observe_lease("ADDED", lease_event("n1", "r1"))  # new agent
         await asyncio.sleep(1)
-        status_only = pool()
+        status_only = pool_event()
         status_only["status"] = {"phase": "Ready"}
         ctl.observe_pool("MODIFIED", status_only)  # our own status write: nothing to do
         await asyncio.sleep(1)
-        ctl.observe_pool("MODIFIED", pool(spec={"x": 2}))
+        ctl.observe_pool("MODIFIED", pool_event(spec={"x": 2}))
         await asyncio.sleep(1)
-        ctl.observe_lease("MODIFIED", lease("n1", "r2", ready=False))
+        ctl.observe_lease("MODIFIED", lease_event("n1", "r2", ready=False))
         await asyncio.sleep(1)
-        ctl.observe_pool("DELETED", pool())
+        ctl.observe_pool("DELETED", pool_event())
         await asyncio.sleep(60)
     assert times == [0.0, 1.0, 3.0, 4.0]
     assert ctl.pools == {} and len(ctl.ctx.tracker) == 0
@@ -115,18 +71,10 @@ async def test_significant_lease_change_and_spec_change_trigger_reconciles() -> 
 
 @pytest.mark.looptime
 async def test_failed_reconciles_back_off_exponentially() -> None:
-    loop = asyncio.get_running_loop()
-    times: list[float] = []
-
-    async def reconcile(ctx: OperatorContext, body: dict[str, Any]) -> ReconcileResult:
-        times.append(round(loop.time() - start, 3))
-        if len(times) < 4:
-            raise RuntimeError("API unavailable")
-        return ReconcileResult("Ready", 100.0, 0, 0)
-
-    start = loop.time()
-    async with controller(reconcile) as ctl:
-        ctl.observe_pool("ADDED", pool())
+    reconcile = ReconcileLog(asyncio.get_running_loop().time(), failures=3, requeue=100.0)
+    times = reconcile.times
+    async with running_controller(reconcile) as ctl:
+        ctl.observe_pool("ADDED", pool_event())
         await asyncio.sleep(10)
     assert times == [0.0, 0.5, 1.5, 3.5]
     assert ctl.failures == {}
@@ -140,9 +88,9 @@ async def test_a_pool_found_gone_is_forgotten_without_retries() -> None:
         calls.append(body["metadata"]["name"])
         raise PoolGone("deleted meanwhile")
 
-    async with controller(reconcile) as ctl:
-        ctl.observe_lease("ADDED", lease("n1", "r1"))
-        ctl.observe_pool("ADDED", pool())
+    async with running_controller(reconcile) as ctl:
+        ctl.observe_lease("ADDED", lease_event("n1", "r1"))
+        ctl.observe_pool("ADDED", pool_event())
         await asyncio.sleep(60)
     assert calls == ["p"]
     assert ctl.pools == {} and ctl.failures == {} and len(ctl.ctx.tracker) == 0
@@ -150,7 +98,8 @@ async def test_a_pool_found_gone_is_forgotten_without_retries() -> None:
 
 async def test_no_busy_loop_while_more_pools_are_due_than_slots() -> None:
     """Three pools due, one slot: the loop must sleep until the running reconcile
-    ends instead of spinning on a zero timeout (it reads the clock once per turn)."""
+    ends instead of spinning on a zero timeout (it reads the clock once per turn): over
+    two hundred turns of the event loop it turns only a few times."""
     turns = 0
     release = asyncio.Event()
     started: list[str] = []
@@ -160,7 +109,7 @@ async def test_no_busy_loop_while_more_pools_are_due_than_slots() -> None:
         await asyncio.wait_for(release.wait(), timeout=5)
         return ReconcileResult("Ready", 30.0, 0, 0)
 
-    async with controller(reconcile) as ctl:
+    async with running_controller(reconcile) as ctl:
         ctl.concurrency = 1
         loop_clock = ctl.ctx.clock
 
@@ -171,15 +120,13 @@ async def test_no_busy_loop_while_more_pools_are_due_than_slots() -> None:
 
         ctl.ctx.clock = counting_clock
         for name in ("a", "b", "c"):
-            ctl.observe_pool("ADDED", pool(name))
-        await asyncio.sleep(0.3)
+            ctl.observe_pool("ADDED", pool_event(name))
+        for _ in range(200):  # two hundred turns of the event loop; no clock involved
+            await asyncio.sleep(0)
         assert started == ["a"]
         assert turns < 20, f"the controller loop turned {turns} times while waiting for a slot"
         release.set()
-        for _ in range(100):
-            if len(started) == 3:
-                break
-            await asyncio.sleep(0.01)
+        await wait_for_async(lambda: len(started) == 3, "the other two reconciles", 10)
         assert sorted(started) == ["a", "b", "c"]
 
 
@@ -194,11 +141,11 @@ def test_a_lease_switching_pools_marks_both_pools_due() -> None:
         nodes=NodeCache(ttl=60, clock=lambda: clock[0]),
     )
     ctl = Controller(ctx)
-    ctl.observe_pool("ADDED", pool("p"))
-    ctl.observe_pool("ADDED", pool("q"))
-    ctl.observe_lease("ADDED", lease("n1", "r1"))
+    ctl.observe_pool("ADDED", pool_event("p"))
+    ctl.observe_pool("ADDED", pool_event("q"))
+    ctl.observe_lease("ADDED", lease_event("n1", "r1"))
     ctl.due.clear()
-    moved = lease("n1", "r2")
+    moved = lease_event("n1", "r2")
     moved["metadata"]["labels"]["flexkv.io/pool"] = "q"
     ctl.observe_lease("MODIFIED", moved)
     assert set(ctl.due) == {("ns", "p"), ("ns", "q")}

@@ -7,10 +7,11 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from flexkv_apiserver import ApiServer
-from flexkv_harness import DAEMONSETS, NS, POOLS, create, patch, pool_manifest
 from flexkv_operator.apply import drifted_fields
-from reconcile_harness import ManualClock, reconcile, reconcile_context
+
+from tests.operator.flexkv_harness import pool_manifest
+from tests.operator.reconcile_harness import ManualClock, reconcile, reconcile_context
+from tests.support.kube_api import DAEMONSETS, NS, POOLS, ApiServer
 
 CONFIGMAPS = "v1/configmaps"
 
@@ -27,8 +28,7 @@ def events(api: ApiServer, reason: str) -> list[dict[str, Any]]:
 
 
 async def test_hand_edits_are_reverted_and_foreign_fields_left_alone(api: ApiServer) -> None:
-    await create(
-        api,
+    await api.create_object(
         POOLS,
         pool_manifest(agent={"resources": {"requests": {"memory": "1024Mi", "cpu": "0.5"}}}),
     )
@@ -46,8 +46,7 @@ async def test_hand_edits_are_reverted_and_foreign_fields_left_alone(api: ApiSer
             port["protocol"] = "TCP"
         template["spec"]["containers"].append({"name": "injected-sidecar", "image": "mesh:1"})
         template["metadata"]["annotations"]["kubectl.kubernetes.io/restartedAt"] = "now"
-        await patch(
-            api,
+        await api.patch_object(
             DAEMONSETS,
             "pool-agent",
             {"spec": {"template": template, "revisionHistoryLimit": 10}},
@@ -62,7 +61,7 @@ async def test_hand_edits_are_reverted_and_foreign_fields_left_alone(api: ApiSer
         # A hand edit of the image: reverted, reported.
         edited = copy.deepcopy(ds(api)["spec"]["template"])
         edited["spec"]["containers"][0]["image"] = "someone/else:latest"
-        await patch(api, DAEMONSETS, "pool-agent", {"spec": {"template": edited}})
+        await api.patch_object(DAEMONSETS, "pool-agent", {"spec": {"template": edited}})
         clock.now += 1
         result = await reconcile(ctx, api)
         live = ds(api)["spec"]["template"]
@@ -76,8 +75,8 @@ async def test_hand_edits_are_reverted_and_foreign_fields_left_alone(api: ApiSer
         config = api.stored(CONFIGMAPS, NS, "pool-agent-config")
         assert config is not None
         original = config["data"]["agent.yaml"]
-        await patch(
-            api, CONFIGMAPS, "pool-agent-config", {"data": {"agent.yaml": "pool: hacked\n"}}
+        await api.patch_object(
+            CONFIGMAPS, "pool-agent-config", {"data": {"agent.yaml": "pool: hacked\n"}}
         )
         clock.now += 1
         await reconcile(ctx, api)

@@ -3,31 +3,29 @@ deletion, failover, racing operators, restarts, API faults and bad specs."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 from typing import Any
 
 import kmock
 import yaml
-from flexkv_apiserver import ApiServer
-from flexkv_harness import (
-    DAEMONSETS,
-    FAST,
-    GROUPS,
-    NS,
-    POOLS,
-    FakeAgent,
-    create,
-    delete,
-    heartbeating,
-    patch,
-    pool_manifest,
-    running_operator,
-    wait_for,
-)
 from flexkv_operator.names import ANNOTATION_CONFIG_HASH
 
+from tests.operator.flexkv_harness import (
+    FAST,
+    FakeAgent,
+    corrupt_curve_secret,
+    curve_secret_repaired,
+    group_agents,
+    heartbeating,
+    pool_manifest,
+    running_operator,
+    start_group,
+)
+from tests.support.kube_api import DAEMONSETS, GROUPS, NS, POOLS, ApiServer
+from tests.support.waiting import wait_for_async
+
 LEASE, RETRY = 3.0, 1.0
+BEAT = 0.25  # the agents' renewal period in the tests that keep them alive
 CHILDREN = {
     "v1/configmaps": ["pool-agent-config"],
     "v1/secrets": ["pool-curve"],
@@ -66,8 +64,7 @@ def event_reasons(api: ApiServer) -> list[str]:
 async def mark_rolled_out(api: ApiServer, desired: int) -> None:
     ds = api.stored(DAEMONSETS, NS, "pool-agent")
     assert ds is not None
-    await patch(
-        api,
+    await api.patch_object(
         DAEMONSETS,
         "pool-agent",
         {
@@ -82,26 +79,12 @@ async def mark_rolled_out(api: ApiServer, desired: int) -> None:
     )
 
 
-def group_agents(api: ApiServer, nodes: list[str], replica: str = "r0") -> list[FakeAgent]:
-    size = len(nodes)
-    return [
-        FakeAgent(
-            api,
-            "pool",
-            node,
-            [{"replica": replica, "ppRank": rank, "ppSize": size}],
-            lease_duration=3,
-        )
-        for rank, node in enumerate(nodes)
-    ]
-
-
 async def test_pool_creates_children_and_becomes_ready(api: ApiServer) -> None:
     async with running_operator(api):
-        created = await create(api, POOLS, pool_manifest(**FAST))
+        created = await api.create_object(POOLS, pool_manifest(**FAST))
         uid = created["metadata"]["uid"]
-        await wait_for(
-            lambda: all(api.names(k, NS) == v for k, v in CHILDREN.items()), 10, "children"
+        await wait_for_async(
+            lambda: all(api.names(k, NS) == v for k, v in CHILDREN.items()), "children", 10
         )
         for plural, names in CHILDREN.items():
             for name in names:
@@ -112,14 +95,14 @@ async def test_pool_creates_children_and_becomes_ready(api: ApiServer) -> None:
             api.stored("v1/configmaps", NS, "pool-agent-config")["data"]["agent.yaml"]
         )  # type: ignore[index]
         assert agent_yaml["pool"] == "pool" and agent_yaml["heartbeat"]["leaseDurationSeconds"] == 3
-        await wait_for(lambda: status(api).get("phase") == "Pending", 10, "Pending without agents")
+        await wait_for_async(
+            lambda: status(api).get("phase") == "Pending", "Pending without agents", 10
+        )
 
-        agents = group_agents(api, ["node-a", "node-b"])
-        for agent in agents:
-            await agent.start()
+        agents = await start_group(api, ["node-a", "node-b"])
         await mark_rolled_out(api, 2)
         async with heartbeating(agents, 0.5):
-            await wait_for(lambda: status(api).get("phase") == "Ready", 10, "pool Ready")
+            await wait_for_async(lambda: status(api).get("phase") == "Ready", "pool Ready", 10)
             st = status(api)
             assert st["readyAgents"] == 2 and st["desiredAgents"] == 2 and st["groupCount"] == 1
             assert st["observedGeneration"] == 1
@@ -160,8 +143,8 @@ async def test_pool_creates_children_and_becomes_ready(api: ApiServer) -> None:
 
 async def test_spec_update_rolls_agents_and_cache_epoch_does_not(api: ApiServer) -> None:
     async with running_operator(api):
-        await create(api, POOLS, pool_manifest(**FAST))
-        await wait_for(lambda: api.stored(DAEMONSETS, NS, "pool-agent"), 10, "DaemonSet")
+        await api.create_object(POOLS, pool_manifest(**FAST))
+        await wait_for_async(lambda: api.stored(DAEMONSETS, NS, "pool-agent"), "DaemonSet", 10)
 
         def template_hash() -> str:
             ds = api.stored(DAEMONSETS, NS, "pool-agent") or {}
@@ -172,61 +155,72 @@ async def test_spec_update_rolls_agents_and_cache_epoch_does_not(api: ApiServer)
             return dict(yaml.safe_load(cm["data"]["agent.yaml"]))
 
         first = template_hash()
-        await wait_for(lambda: status(api).get("cacheEpoch") == 0, 10, "first status")
-        await patch(api, POOLS, "pool", {"spec": {"cacheEpoch": 5}})
-        await wait_for(lambda: agent_yaml()["cacheEpoch"] == 5, 10, "cacheEpoch in the ConfigMap")
-        assert template_hash() == first  # agents re-read the file; no restart
-        await wait_for(lambda: status(api).get("cacheEpoch") == 5, 10, "status.cacheEpoch")
-
-        await patch(
-            api, POOLS, "pool", {"spec": {"tokensPerBlock": 32, "agent": {"image": "img:2"}}}
+        await wait_for_async(lambda: status(api).get("cacheEpoch") == 0, "first status", 10)
+        await api.patch_object(POOLS, "pool", {"spec": {"cacheEpoch": 5}})
+        await wait_for_async(
+            lambda: agent_yaml()["cacheEpoch"] == 5, "cacheEpoch in the ConfigMap", 10
         )
-        await wait_for(lambda: template_hash() != first, 10, "DaemonSet template change")
+        assert template_hash() == first  # agents re-read the file; no restart
+        await wait_for_async(lambda: status(api).get("cacheEpoch") == 5, "status.cacheEpoch", 10)
+
+        await api.patch_object(
+            POOLS, "pool", {"spec": {"tokensPerBlock": 32, "agent": {"image": "img:2"}}}
+        )
+        await wait_for_async(lambda: template_hash() != first, "DaemonSet template change", 10)
         ds = api.stored(DAEMONSETS, NS, "pool-agent") or {}
         assert ds["spec"]["template"]["spec"]["containers"][0]["image"] == "img:2"
         assert agent_yaml()["tokensPerBlock"] == 32
-        await wait_for(
-            lambda: status(api).get("observedGeneration") == 3, 10, "observedGeneration 3"
+        await wait_for_async(
+            lambda: status(api).get("observedGeneration") == 3, "observedGeneration 3", 10
         )
         assert condition(api, "Progressing")["status"] == "True"
-        await wait_for(lambda: "CacheFlush" in event_reasons(api), 5, "CacheFlush event")
+        await wait_for_async(lambda: "CacheFlush" in event_reasons(api), "CacheFlush event", 5)
 
 
 async def test_deleted_pool_is_forgotten_and_children_are_not_recreated(api: ApiServer) -> None:
     async with running_operator(api):
-        await create(api, POOLS, pool_manifest(**FAST))
-        await wait_for(lambda: api.names(DAEMONSETS, NS) == ["pool-agent"], 10, "DaemonSet")
-        await delete(api, POOLS, "pool")
+        await api.create_object(POOLS, pool_manifest(**FAST))
+        await wait_for_async(lambda: api.names(DAEMONSETS, NS) == ["pool-agent"], "DaemonSet", 10)
+        await api.delete_object(POOLS, "pool")
         # The emulated garbage collector removes the owned children.
-        await wait_for(
-            lambda: all(api.names(plural, NS) == [] for plural in CHILDREN), 10, "collection"
+        await wait_for_async(
+            lambda: all(api.names(plural, NS) == [] for plural in CHILDREN), "collection", 10
         )
         agent = FakeAgent(api, "pool", "node-a", [{"replica": "r0", "ppRank": 0, "ppSize": 1}])
         await agent.start()  # a lease of the deleted pool must not revive it
-        await asyncio.sleep(1.5)
-        assert all(api.names(plural, NS) == [] for plural in CHILDREN)
-        assert api.names(GROUPS, NS) == []
+        await agent.beat()
+        # A pool created after the Lease: once its children exist, the operator has
+        # moved past the Lease's events.
+        await api.create_object(POOLS, pool_manifest("later", **FAST))
+        await wait_for_async(
+            lambda: api.names(DAEMONSETS, NS) == ["later-agent"], "the later pool's DaemonSet", 10
+        )
+        assert all(not of_pool(api.names(plural, NS), "pool") for plural in CHILDREN)
+        assert of_pool(api.names(GROUPS, NS), "pool") == []
+
+
+def of_pool(names: list[str], pool: str) -> list[str]:
+    """The names among ``names`` that belong to ``pool`` (they start with its name)."""
+    return [name for name in names if name.startswith(f"{pool}-")]
 
 
 async def test_lost_leader_is_replaced_with_a_higher_epoch_in_time(api: ApiServer) -> None:
-    agents = group_agents(api, ["node-a", "node-b", "node-c"])
-    for agent in agents:
-        await agent.start()
+    agents = await start_group(api, ["node-a", "node-b", "node-c"])
     async with running_operator(api), heartbeating(agents, 0.25) as alive:
-        await create(api, POOLS, pool_manifest(**FAST))
-        await wait_for(
-            lambda: group(api).get("leader", {}).get("node") == "node-a", 10, "first leader"
+        await api.create_object(POOLS, pool_manifest(**FAST))
+        await wait_for_async(
+            lambda: group(api).get("leader", {}).get("node") == "node-a", "first leader", 10
         )
         epoch = group(api)["epoch"]
         alive["node-a"] = False
-        new = await wait_for(
+        new = await wait_for_async(
             lambda: (
                 group(api)
                 if (group(api).get("leader") or {}).get("node", "node-a") != "node-a"
                 else None
             ),
-            LEASE + RETRY + 5,
             "new leader",
+            LEASE + RETRY + 5,
         )
         assert new["leader"]["node"] == "node-b" and new["leader"]["ppRank"] == 1
         assert new["epoch"] == epoch + 1 and new["lastFailover"]
@@ -239,9 +233,9 @@ async def test_lost_leader_is_replaced_with_a_higher_epoch_in_time(api: ApiServe
         # No timed assertion here (a shared CI box is noisy): the wait above is bounded,
         # test_operator_controller proves on a fake clock that the reconcile runs exactly
         # at lease expiry, and bench/operator.py measures the failover time.
-        await wait_for(lambda: "Failover" in event_reasons(api), 5, "Failover event")
-        await wait_for(
-            lambda: condition(api, "Degraded").get("status") == "True", 5, "pool Degraded"
+        await wait_for_async(lambda: "Failover" in event_reasons(api), "Failover event", 5)
+        await wait_for_async(
+            lambda: condition(api, "Degraded").get("status") == "True", "pool Degraded", 5
         )
 
 
@@ -258,17 +252,15 @@ def leaders_by_epoch(api: ApiServer, name: str = "pool-r0") -> dict[int, set[str
 
 
 async def test_two_racing_operators_never_publish_two_leaders_for_one_epoch(api: ApiServer) -> None:
-    agents = group_agents(api, ["node-a", "node-b", "node-c", "node-d"])
-    for agent in agents:
-        await agent.start()
+    agents = await start_group(api, ["node-a", "node-b", "node-c", "node-d"])
     async with (
         running_operator(api, "op-a"),
         running_operator(api, "op-b"),
         heartbeating(agents, 0.25) as alive,
     ):
-        await create(api, POOLS, pool_manifest(**FAST))
-        await wait_for(
-            lambda: group(api).get("leader", {}).get("node") == "node-a", 10, "first leader"
+        await api.create_object(POOLS, pool_manifest(**FAST))
+        await wait_for_async(
+            lambda: group(api).get("leader", {}).get("node") == "node-a", "first leader", 10
         )
         for lost in ("node-a", "node-b"):
             alive[lost] = False
@@ -276,10 +268,10 @@ async def test_two_racing_operators_never_publish_two_leaders_for_one_epoch(api:
             def replaced(lost: str = lost) -> bool:
                 return (group(api).get("leader") or {}).get("node") not in (lost, None)
 
-            await wait_for(
+            await wait_for_async(
                 replaced,
-                LEASE + RETRY + 8,
                 f"leader after losing {lost}",
+                LEASE + RETRY + 8,
             )
     # The race really happened: conditional group writes were refused with 409 and
     # the losing operator re-read and decided again.
@@ -298,16 +290,14 @@ async def test_two_racing_operators_never_publish_two_leaders_for_one_epoch(api:
 
 
 async def test_restart_resumes_without_duplicates_or_new_epochs(api: ApiServer) -> None:
-    agents = group_agents(api, ["node-a", "node-b"])
-    for agent in agents:
-        await agent.start()
-    async with heartbeating(agents, 0.25):
+    agents = await start_group(api, ["node-a", "node-b"])
+    async with heartbeating(agents, BEAT):
         async with running_operator(api, "first"):
-            await create(api, POOLS, pool_manifest(**FAST))
-            await wait_for(lambda: group(api).get("epoch") == 1, 10, "first election")
+            await api.create_object(POOLS, pool_manifest(**FAST))
+            await wait_for_async(lambda: group(api).get("epoch") == 1, "first election", 10)
             # Groups are published on their own timer: wait for the children as well.
-            await wait_for(
-                lambda: all(api.names(k, NS) == v for k, v in CHILDREN.items()), 10, "children"
+            await wait_for_async(
+                lambda: all(api.names(k, NS) == v for k, v in CHILDREN.items()), "children", 10
             )
         secret = api.stored("v1/secrets", NS, "pool-curve")
         ds_version = api.stored(DAEMONSETS, NS, "pool-agent")["metadata"]["resourceVersion"]  # type: ignore[index]
@@ -316,10 +306,16 @@ async def test_restart_resumes_without_duplicates_or_new_epochs(api: ApiServer) 
         # so a new list proves the second operator reconciled the pool itself.
         group_lists_before = group_lists(api)
         async with running_operator(api, "second"):
-            await wait_for(
-                lambda: group_lists(api) > group_lists_before, 10, "the second operator's reconcile"
+            await wait_for_async(
+                lambda: group_lists(api) > group_lists_before, "the second operator's reconcile", 10
             )
-            await asyncio.sleep(LEASE + RETRY)  # past one lease duration: nothing expires
+            # Renewals for longer than one lease duration: nothing expires.
+            beats = [agent.beats + int((LEASE + RETRY) / BEAT) for agent in agents]
+            await wait_for_async(
+                lambda: all(a.beats >= b for a, b in zip(agents, beats, strict=True)),
+                "renewals past one lease duration",
+                30,
+            )
             assert group(api)["epoch"] == 1 and group(api)["leader"]["node"] == "node-a"
         assert api.stored("v1/secrets", NS, "pool-curve") == secret
         assert api.stored(DAEMONSETS, NS, "pool-agent")["metadata"]["resourceVersion"] == ds_version  # type: ignore[index]
@@ -349,16 +345,18 @@ async def test_api_errors_409_and_500_are_retried(api: ApiServer) -> None:
     agents = group_agents(api, ["node-a"])
     await agents[0].start()
     async with running_operator(api), heartbeating(agents, 0.25):
-        await create(api, POOLS, pool_manifest(**FAST))
+        await api.create_object(POOLS, pool_manifest(**FAST))
         await mark_rolled_out_when_present(api, 1)
-        await wait_for(lambda: status(api).get("phase") == "Ready", 15, "Ready despite faults")
+        await wait_for_async(
+            lambda: status(api).get("phase") == "Ready", "Ready despite faults", 15
+        )
         assert group(api)["leader"]["node"] == "node-a" and group(api)["epoch"] == 1
     assert [f.hits for f in faults] == [2, 2, 2, 1]
     assert api.names(DAEMONSETS, NS) == ["pool-agent"]
 
 
 async def mark_rolled_out_when_present(api: ApiServer, desired: int) -> None:
-    await wait_for(lambda: api.stored(DAEMONSETS, NS, "pool-agent"), 15, "DaemonSet")
+    await wait_for_async(lambda: api.stored(DAEMONSETS, NS, "pool-agent"), "DaemonSet", 15)
     await mark_rolled_out(api, desired)
 
 
@@ -371,12 +369,12 @@ async def test_bad_spec_is_reported_and_isolated(api: ApiServer) -> None:
         }
     }
     async with running_operator(api):
-        await create(api, POOLS, pool_manifest("bad", **bad_timing))
-        await create(api, POOLS, pool_manifest("good", **FAST))
-        await wait_for(
+        await api.create_object(POOLS, pool_manifest("bad", **bad_timing))
+        await api.create_object(POOLS, pool_manifest("good", **FAST))
+        await wait_for_async(
             lambda: condition(api, "ConfigValid", "bad").get("status") == "False",
-            10,
             "ConfigValid=False",
+            10,
         )
         message = condition(api, "ConfigValid", "bad")["message"]
         assert (
@@ -384,8 +382,8 @@ async def test_bad_spec_is_reported_and_isolated(api: ApiServer) -> None:
             and "leaseDurationSeconds (5) > renewDeadlineSeconds (5)" in message
         )
         assert status(api, "bad")["phase"] == "Invalid"
-        await wait_for(
-            lambda: api.stored(DAEMONSETS, NS, "good-agent"), 10, "the good pool's children"
+        await wait_for_async(
+            lambda: api.stored(DAEMONSETS, NS, "good-agent"), "the good pool's children", 10
         )
         assert not any(
             n.startswith("bad-") for n in api.names("v1/configmaps", NS) + api.names(DAEMONSETS, NS)
@@ -394,42 +392,35 @@ async def test_bad_spec_is_reported_and_isolated(api: ApiServer) -> None:
 
         # A bad update of a working pool leaves its children as they were.
         ds_before = api.stored(DAEMONSETS, NS, "good-agent")
-        await patch(api, POOLS, "good", {"spec": {"tiers": {"cpu": {"size": "lots"}}}})
-        await wait_for(
+        await api.patch_object(POOLS, "good", {"spec": {"tiers": {"cpu": {"size": "lots"}}}})
+        await wait_for_async(
             lambda: condition(api, "ConfigValid", "good").get("status") == "False",
-            10,
             "good turns invalid",
+            10,
         )
         assert "spec.tiers.cpu.size" in condition(api, "ConfigValid", "good")["message"]
         assert api.stored(DAEMONSETS, NS, "good-agent") == ds_before
 
         # Fixing the spec creates the children.
-        await patch(api, POOLS, "bad", {"spec": FAST})
-        await wait_for(
-            lambda: api.stored(DAEMONSETS, NS, "bad-agent"), 10, "children after the fix"
+        await api.patch_object(POOLS, "bad", {"spec": FAST})
+        await wait_for_async(
+            lambda: api.stored(DAEMONSETS, NS, "bad-agent"), "children after the fix", 10
         )
-        await wait_for(
-            lambda: condition(api, "ConfigValid", "bad").get("status") == "True", 10, "valid again"
+        await wait_for_async(
+            lambda: condition(api, "ConfigValid", "bad").get("status") == "True", "valid again", 10
         )
 
 
 async def test_curve_secret_is_generated_once_and_repaired_if_broken(api: ApiServer) -> None:
     async with running_operator(api):
-        await create(api, POOLS, pool_manifest(**FAST))
-        await wait_for(lambda: api.stored("v1/secrets", NS, "pool-curve"), 10, "Secret")
+        await api.create_object(POOLS, pool_manifest(**FAST))
+        await wait_for_async(lambda: api.stored("v1/secrets", NS, "pool-curve"), "Secret", 10)
         original = api.stored("v1/secrets", NS, "pool-curve")
         public = base64.b64decode(original["data"]["curve-public.key"]).decode()  # type: ignore[index]
         assert len(public) == 40
-        await patch(api, POOLS, "pool", {"spec": {"cacheEpoch": 1}})  # a reconcile
-        await wait_for(lambda: status(api).get("cacheEpoch") == 1, 10, "reconciled")
+        await api.patch_object(POOLS, "pool", {"spec": {"cacheEpoch": 1}})  # a reconcile
+        await wait_for_async(lambda: status(api).get("cacheEpoch") == 1, "reconciled", 10)
         assert api.stored("v1/secrets", NS, "pool-curve") == original
-        await patch(api, "v1/secrets", "pool-curve", {"data": {"curve-secret.key": "AAAA"}})
-        await patch(api, POOLS, "pool", {"spec": {"cacheEpoch": 2}})
-        await wait_for(
-            lambda: (
-                (api.stored("v1/secrets", NS, "pool-curve") or {})["data"]["curve-secret.key"]
-                != "AAAA"
-            ),
-            10,
-            "repaired Secret",
-        )
+        await corrupt_curve_secret(api)
+        await api.patch_object(POOLS, "pool", {"spec": {"cacheEpoch": 2}})
+        await wait_for_async(lambda: curve_secret_repaired(api), "repaired Secret", 10)

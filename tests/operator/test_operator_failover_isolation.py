@@ -10,31 +10,28 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from flexkv_apiserver import ApiServer
-from flexkv_harness import (
-    DAEMONSETS,
+from flexkv_operator.context import OperatorContext
+from flexkv_operator.reconcile import GroupSync, ReconcileResult
+
+from tests.operator.flexkv_harness import (
     FAST,
-    GROUPS,
-    NS,
-    POOLS,
-    FakeAgent,
-    create,
+    group_agents,
     heartbeating,
-    patch,
     pool_manifest,
     running_operator,
-    wait_for,
 )
-from flexkv_operator.context import OperatorContext
-from flexkv_operator.controller import Controller
-from flexkv_operator.reconcile import GroupSync, ReconcileResult
-from reconcile_harness import (
+from tests.operator.reconcile_harness import (
+    GroupPassLog,
     ManualClock,
+    lease_event,
     observe_leases,
+    pool_event,
     reconcile,
     reconcile_context,
     running_controller,
 )
+from tests.support.kube_api import DAEMONSETS, GROUPS, NS, POOLS, ApiServer
+from tests.support.waiting import wait_for_async
 
 
 def group(api: ApiServer, name: str = "pool-r0") -> dict[str, Any]:
@@ -55,40 +52,27 @@ def events(api: ApiServer, reason: str) -> list[dict[str, Any]]:
     return [e for e in found if e.get("reason") == reason]
 
 
-def agents_of(api: ApiServer, nodes: list[str], lease: int = 10) -> list[FakeAgent]:
-    return [
-        FakeAgent(
-            api,
-            "pool",
-            node,
-            [{"replica": "r0", "ppRank": rank, "ppSize": len(nodes)}],
-            lease_duration=lease,
-        )
-        for rank, node in enumerate(nodes)
-    ]
-
-
 # -- one reconcile at a time, on a hand-moved clock ------------------------------------
 
 
 async def lose_node_a(ctx: OperatorContext, api: ApiServer, clock: ManualClock) -> None:
     """node-a stops renewing; node-b renews; node-a's 10 s lease expires."""
     clock.now += 6
-    await agents_of(api, ["node-a", "node-b"])[1].beat()
+    await group_agents(api, ["node-a", "node-b"], lease_duration=10)[1].beat()
     observe_leases(ctx, api)
     clock.now += 6
 
 
 async def test_invalid_spec_does_not_stop_failover(api: ApiServer) -> None:
-    await create(api, POOLS, pool_manifest())
-    for agent in agents_of(api, ["node-a", "node-b"]):
+    await api.create_object(POOLS, pool_manifest())
+    for agent in group_agents(api, ["node-a", "node-b"], lease_duration=10):
         await agent.start()
     clock = ManualClock()
     async with reconcile_context(api, clock) as ctx:
         await reconcile(ctx, api)
         assert leader(api) == "node-a" and group(api)["epoch"] == 1
         # "0Gi" passes the CRD's pattern but is refused by the operator.
-        await patch(api, POOLS, "pool", {"spec": {"tiers": {"cpu": {"size": "0Gi"}}}})
+        await api.patch_object(POOLS, "pool", {"spec": {"tiers": {"cpu": {"size": "0Gi"}}}})
         await lose_node_a(ctx, api, clock)
         result = await reconcile(ctx, api)
         assert result.phase == "Invalid"
@@ -98,8 +82,8 @@ async def test_invalid_spec_does_not_stop_failover(api: ApiServer) -> None:
 
 async def test_refused_child_is_reported_and_does_not_stop_failover(api: ApiServer) -> None:
     refused = api.fail(422, action="create", plural="daemonsets", times=1000)
-    await create(api, POOLS, pool_manifest())
-    for agent in agents_of(api, ["node-a", "node-b"]):
+    await api.create_object(POOLS, pool_manifest())
+    for agent in group_agents(api, ["node-a", "node-b"], lease_duration=10):
         await agent.start()
     clock = ManualClock()
     async with reconcile_context(api, clock) as ctx:
@@ -133,54 +117,23 @@ async def test_refused_child_is_reported_and_does_not_stop_failover(api: ApiServ
 # -- the controller's two timers, on looptime's fake clock -----------------------------
 
 
-def pool_body() -> dict[str, Any]:
-    return {"metadata": {"name": "p", "namespace": "ns", "uid": "u", "generation": 1}, "spec": {}}
-
-
-def lease_body(renew: str) -> dict[str, Any]:
-    return {
-        "metadata": {
-            "name": "flexkv-agent-n1",
-            "namespace": "ns",
-            "resourceVersion": renew,
-            "labels": {
-                "app.kubernetes.io/name": "flexkv-agent",
-                "flexkv.io/pool": "p",
-                "flexkv.io/node": "n1",
-            },
-            "annotations": {"flexkv.io/ready": "true", "flexkv.io/memberships": "[]"},
-        },
-        "spec": {"renewTime": renew, "leaseDurationSeconds": 10},
-    }
-
-
-def controller(reconciler: Any, group_syncer: Any
-               ) -> contextlib.AbstractAsyncContextManager[Controller]:
-    return running_controller(reconciler, group_syncer)
-
-
 @pytest.mark.looptime
 async def test_group_pass_runs_at_lease_expiry_while_every_reconcile_fails() -> None:
     loop = asyncio.get_running_loop()
-    passes: list[tuple[float, int]] = []
+    start = loop.time()
+    groups = GroupPassLog(start=start)
+    passes = groups.passes
     reconciles: list[float] = []
 
     async def failing(ctx: OperatorContext, body: dict[str, Any]) -> ReconcileResult:
         reconciles.append(round(loop.time() - start, 3))
         raise RuntimeError("spec invalid, child refused: whatever it is")
 
-    async def groups(ctx: OperatorContext, body: dict[str, Any], relist: bool) -> GroupSync:
-        agents = ctx.tracker.agents("ns", "p", 10)
-        passes.append((round(loop.time() - start, 3), sum(a.fresh for a in agents)))
-        upcoming = [a.expires_at - ctx.clock() for a in agents if a.fresh]
-        return GroupSync(agents, [], min([30.0, *upcoming]))
-
-    start = loop.time()
-    async with controller(failing, groups) as ctl:
-        ctl.observe_lease("ADDED", lease_body("r1"))
-        ctl.observe_pool("ADDED", pool_body())
+    async with running_controller(failing, groups) as ctl:
+        ctl.observe_lease("ADDED", lease_event("n1", "r1"))
+        ctl.observe_pool("ADDED", pool_event(spec={}))
         await asyncio.sleep(4)
-        ctl.observe_lease("MODIFIED", lease_body("r2"))
+        ctl.observe_lease("MODIFIED", lease_event("n1", "r2"))
         await asyncio.sleep(40)
     # Reconciles back off (0, 0.5, 1.5, 3.5, 7.5, 15.5, 31.5) while the group pass
     # runs exactly when the renewed Lease (t=4) expires, at t=14.
@@ -212,8 +165,8 @@ async def test_after_an_api_outage_groups_resume_within_a_second_not_after_backo
         return GroupSync([], [], 30.0)
 
     start = loop.time()
-    async with controller(reconcile_, groups) as ctl:
-        ctl.observe_pool("ADDED", pool_body())
+    async with running_controller(reconcile_, groups) as ctl:
+        ctl.observe_pool("ADDED", pool_event(spec={}))
         await asyncio.sleep(60)
     first_ok = next(p for p in passes if p[2])
     # Group passes retry at most every second during the outage, so the first one
@@ -232,12 +185,12 @@ async def test_after_an_api_outage_groups_resume_within_a_second_not_after_backo
 async def pool_with_first_leader(api: ApiServer) -> AsyncIterator[dict[str, bool]]:
     """The real operator, a pool and two agents renewing 3 s Leases (a refused
     renewal is skipped), once node-a leads; yields the agents' ``alive`` map."""
-    agents = agents_of(api, ["node-a", "node-b"], lease=3)
+    agents = group_agents(api, ["node-a", "node-b"])
     for agent in agents:
         await agent.start()
     async with running_operator(api), heartbeating(agents, 0.25, skip_refused=True) as alive:
-        await create(api, POOLS, pool_manifest(**FAST))
-        await wait_for(lambda: leader(api) == "node-a", 10, "first leader")
+        await api.create_object(POOLS, pool_manifest(**FAST))
+        await wait_for_async(lambda: leader(api) == "node-a", "first leader", 10)
         yield alive
 
 
@@ -245,16 +198,16 @@ async def failover(api: ApiServer, alive: dict[str, bool], timeout: float = 15) 
     assert leader(api) == "node-a"
     epoch = group(api)["epoch"]
     alive["node-a"] = False
-    await wait_for(
-        lambda: leader(api) == "node-b" and group(api)["epoch"] == epoch + 1, timeout, "failover"
+    await wait_for_async(
+        lambda: leader(api) == "node-b" and group(api)["epoch"] == epoch + 1, "failover", timeout
     )
 
 
 async def test_operator_fails_over_while_the_spec_is_invalid(api: ApiServer) -> None:
     async with pool_with_first_leader(api) as alive:
-        await patch(api, POOLS, "pool", {"spec": {"tiers": {"cpu": {"size": "0Gi"}}}})
-        await wait_for(
-            lambda: condition(api, "ConfigValid").get("status") == "False", 10, "invalid"
+        await api.patch_object(POOLS, "pool", {"spec": {"tiers": {"cpu": {"size": "0Gi"}}}})
+        await wait_for_async(
+            lambda: condition(api, "ConfigValid").get("status") == "False", "invalid", 10
         )
         await failover(api, alive)
 
@@ -262,15 +215,15 @@ async def test_operator_fails_over_while_the_spec_is_invalid(api: ApiServer) -> 
 async def test_operator_fails_over_and_reports_while_a_child_is_refused(api: ApiServer) -> None:
     api.fail(422, action="create", plural="daemonsets", times=10**6)
     async with pool_with_first_leader(api) as alive:
-        await wait_for(
-            lambda: condition(api, "Degraded").get("reason") == "ReconcileError", 10, "reported"
+        await wait_for_async(
+            lambda: condition(api, "Degraded").get("reason") == "ReconcileError", "reported", 10
         )
         assert "injected 422" in condition(api, "Degraded")["message"]
         await failover(api, alive)
-        await wait_for(
+        await wait_for_async(
             lambda: (events(api, "ReconcileError") or [{}])[0].get("count", 0) >= 2,
-            10,
             "a retried failure counted on one Event",
+            10,
         )
         assert len(events(api, "ReconcileError")) == 1
 
@@ -279,12 +232,24 @@ async def test_operator_fails_over_right_after_its_api_outage(api: ApiServer) ->
     async with pool_with_first_leader(api) as alive:
         # Every request of the operator's own client fails (its watches stay open).
         outage = api.fail(503, times=10**6, user_agent="flexkv-operator")
-        await patch(api, POOLS, "pool", {"spec": {"cacheEpoch": 1}})  # a reconcile that fails
+        await api.patch_object(POOLS, "pool", {"spec": {"cacheEpoch": 1}})  # a reconcile that fails
         epoch = group(api)["epoch"]
         alive["node-a"] = False
-        await asyncio.sleep(8)
+
+        def refused_failovers() -> list[Any]:
+            """The operator's writes of node-b as the group's leader (all refused)."""
+            return [
+                request
+                for request in api.requests_from(
+                    "flexkv-operator", methods=("PATCH",), plural="kvcachegroups", name="pool-r0"
+                )
+                if isinstance(request.data, dict)
+                and ((request.data.get("status") or {}).get("leader") or {}).get("node") == "node-b"
+            ]
+
+        await wait_for_async(refused_failovers, "the failover's write, refused in the outage", 20)
         assert leader(api) == "node-a" and outage.hits > 0, "nothing was written in the outage"
         outage.remaining = 0
-        await wait_for(
-            lambda: leader(api) == "node-b" and group(api)["epoch"] == epoch + 1, 10, "failover"
+        await wait_for_async(
+            lambda: leader(api) == "node-b" and group(api)["epoch"] == epoch + 1, "failover", 10
         )

@@ -5,11 +5,12 @@ and two replicas whose names sanitise alike never overwrite each other's group."
 from __future__ import annotations
 
 import kmock
-from flexkv_apiserver import ApiServer
-from flexkv_harness import GROUPS, NS, POOLS, FakeAgent, create, delete, pool_manifest
 from flexkv_operator.controller import Controller
 from flexkv_operator.group_publisher import GroupCache
-from reconcile_harness import ManualClock, reconcile, reconcile_context
+
+from tests.operator.flexkv_harness import FakeAgent, pool_manifest, start_group
+from tests.operator.reconcile_harness import ManualClock, reconcile, reconcile_context
+from tests.support.kube_api import GROUPS, NS, POOLS, ApiServer
 
 LONG_LEASE = 600  # no expiry during these tests unless the clock is moved that far
 
@@ -26,17 +27,11 @@ def group_fetches(api: ApiServer) -> int:
     )
 
 
-async def start_agents(api: ApiServer, pool: str, replica: str, nodes: list[str]) -> None:
-    for rank, node in enumerate(nodes):
-        membership = {"replica": replica, "ppRank": rank, "ppSize": len(nodes)}
-        await FakeAgent(api, pool, node, [membership], lease_duration=LONG_LEASE).start()
-
-
 async def test_deleted_group_is_recreated_with_a_leader_above_its_old_epoch(
     api: ApiServer,
 ) -> None:
-    await create(api, POOLS, pool_manifest())
-    await start_agents(api, "pool", "r0", ["node-a", "node-b"])
+    await api.create_object(POOLS, pool_manifest())
+    await start_group(api, ["node-a", "node-b"], lease_duration=LONG_LEASE)
     clock = ManualClock()
     async with reconcile_context(api, clock) as ctx:
         await reconcile(ctx, api)
@@ -45,7 +40,7 @@ async def test_deleted_group_is_recreated_with_a_leader_above_its_old_epoch(
 
         # Deleted by hand while the cache still holds it; a member change makes the
         # next reconcile write, and the write's 404 makes it create the group again.
-        await delete(api, GROUPS, "pool-r0")
+        await api.delete_object(GROUPS, "pool-r0")
         await FakeAgent(
             api,
             "pool",
@@ -71,7 +66,7 @@ async def test_deleted_group_is_recreated_with_a_leader_above_its_old_epoch(
 
         # Deleted again with nothing to write: the cache entry expires, the GET finds
         # nothing, the group is created again, above the epoch the pool recorded.
-        await delete(api, GROUPS, "pool-r0")
+        await api.delete_object(GROUPS, "pool-r0")
         clock.now += 31
         await reconcile(ctx, api)
         st = group_status(api)
@@ -79,8 +74,8 @@ async def test_deleted_group_is_recreated_with_a_leader_above_its_old_epoch(
 
 
 async def test_group_cache_expires_after_its_ttl_and_does_not_slide(api: ApiServer) -> None:
-    await create(api, POOLS, pool_manifest())
-    await start_agents(api, "pool", "r0", ["node-a"])
+    await api.create_object(POOLS, pool_manifest())
+    await start_group(api, ["node-a"], lease_duration=LONG_LEASE)
     clock = ManualClock()
     async with reconcile_context(api, clock) as ctx:
         await reconcile(ctx, api)  # GET (404), create, status write: cached at t=0
@@ -96,8 +91,8 @@ async def test_group_cache_expires_after_its_ttl_and_does_not_slide(api: ApiServ
 async def test_forgetting_a_pool_or_deleting_a_stale_group_drops_cache_entries(
     api: ApiServer,
 ) -> None:
-    await create(api, POOLS, pool_manifest())
-    await start_agents(api, "pool", "r0", ["node-a"])
+    await api.create_object(POOLS, pool_manifest())
+    await start_group(api, ["node-a"], lease_duration=LONG_LEASE)
     clock = ManualClock()
     async with reconcile_context(api, clock) as ctx:
         assert ctx.groups is not None
@@ -130,10 +125,10 @@ async def test_pools_whose_group_names_collide_never_take_over_each_others_group
     api: ApiServer,
 ) -> None:
     """Pool "a" replica "b-c" and pool "a-b" replica "c" both map to "a-b-c"."""
-    await create(api, POOLS, pool_manifest("a"))
-    await create(api, POOLS, pool_manifest("a-b"))
-    await start_agents(api, "a", "b-c", ["node-a"])
-    await start_agents(api, "a-b", "c", ["node-b"])
+    await api.create_object(POOLS, pool_manifest("a"))
+    await api.create_object(POOLS, pool_manifest("a-b"))
+    await start_group(api, ["node-a"], pool="a", replica="b-c", lease_duration=LONG_LEASE)
+    await start_group(api, ["node-b"], pool="a-b", replica="c", lease_duration=LONG_LEASE)
     clock = ManualClock()
     async with reconcile_context(api, clock) as ctx:
         await reconcile(ctx, api, "a")
@@ -157,9 +152,9 @@ async def test_pools_whose_group_names_collide_never_take_over_each_others_group
 async def test_replicas_of_one_pool_that_sanitise_alike_get_one_group_and_an_error(
     api: ApiServer,
 ) -> None:
-    await create(api, POOLS, pool_manifest())
-    await start_agents(api, "pool", "Llama_0", ["node-a"])
-    await start_agents(api, "pool", "llama.0", ["node-b"])
+    await api.create_object(POOLS, pool_manifest())
+    await start_group(api, ["node-a"], replica="Llama_0", lease_duration=LONG_LEASE)
+    await start_group(api, ["node-b"], replica="llama.0", lease_duration=LONG_LEASE)
     clock = ManualClock()
     async with reconcile_context(api, clock) as ctx:
         await reconcile(ctx, api)

@@ -10,26 +10,25 @@ import logging
 import threading
 from typing import Any
 
-from flexkv_apiserver import ApiServer
-from flexkv_harness import (
-    DAEMONSETS,
+from flexkv_operator import names
+from flexkv_operator.membership import LeaseTracker
+
+from tests.operator.flexkv_harness import (
     FAST,
-    GROUPS,
-    NS,
-    POOLS,
     FakeAgent,
-    create,
-    delete,
     heartbeating,
     pool_manifest,
     running_operator,
-    wait_for,
 )
-from flexkv_operator import names
-from flexkv_operator.membership import LeaseTracker
-from reconcile_harness import ManualClock, observe_leases, reconcile, reconcile_context
+from tests.operator.reconcile_harness import (
+    ManualClock,
+    observe_leases,
+    reconcile,
+    reconcile_context,
+)
+from tests.support.kube_api import DAEMONSETS, GROUPS, LEASES, NS, POOLS, ApiServer
+from tests.support.waiting import wait_for_async
 
-LEASES = "coordination.k8s.io/v1/leases"
 PODS = "v1/pods"
 
 
@@ -49,8 +48,7 @@ async def agent_pod(api: ApiServer, pool: str, node: str) -> dict[str, Any]:
     """The agent pod the DaemonSet controller would create (owned by the DaemonSet)."""
     ds = api.stored(DAEMONSETS, NS, f"{pool}-agent")
     assert ds is not None
-    return await create(
-        api,
+    return await api.create_object(
         PODS,
         {
             "apiVersion": "v1",
@@ -79,11 +77,10 @@ def condition(api: ApiServer, pool: str, type_: str) -> dict[str, Any]:
 
 
 async def test_emulator_collects_owned_objects_recursively(api: ApiServer) -> None:
-    root = await create(
-        api, "v1/configmaps", {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "a"}}
+    root = await api.create_object(
+        "v1/configmaps", {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "a"}}
     )
-    child = await create(
-        api,
+    child = await api.create_object(
         "v1/configmaps",
         {
             "apiVersion": "v1",
@@ -91,8 +88,7 @@ async def test_emulator_collects_owned_objects_recursively(api: ApiServer) -> No
             "metadata": {"name": "b", "ownerReferences": [owner(root)]},
         },
     )
-    await create(
-        api,
+    await api.create_object(
         "v1/configmaps",
         {
             "apiVersion": "v1",
@@ -100,11 +96,10 @@ async def test_emulator_collects_owned_objects_recursively(api: ApiServer) -> No
             "metadata": {"name": "c", "ownerReferences": [owner(child)]},
         },
     )
-    other = await create(
-        api, "v1/configmaps", {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "d"}}
+    other = await api.create_object(
+        "v1/configmaps", {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "d"}}
     )
-    await create(
-        api,
+    await api.create_object(
         "v1/configmaps",
         {
             "apiVersion": "v1",
@@ -112,8 +107,8 @@ async def test_emulator_collects_owned_objects_recursively(api: ApiServer) -> No
             "metadata": {"name": "e", "ownerReferences": [owner(root), owner(other)]},
         },
     )
-    await delete(api, "v1/configmaps", "a")
-    await wait_for(lambda: api.names("v1/configmaps", NS) == ["d", "e"], 10, "collection")
+    await api.delete_object("v1/configmaps", "a")
+    await wait_for_async(lambda: api.names("v1/configmaps", NS) == ["d", "e"], "collection", 10)
     # "e" has another live owner ("d"), so it stays, as with the real collector.
 
 
@@ -121,8 +116,8 @@ async def test_deleted_pools_leases_are_collected_and_leave_no_ghost_overlap(
     api: ApiServer,
 ) -> None:
     async with running_operator(api):
-        await create(api, POOLS, pool_manifest("old", **FAST))
-        await wait_for(lambda: api.stored(DAEMONSETS, NS, "old-agent"), 10, "old DaemonSet")
+        await api.create_object(POOLS, pool_manifest("old", **FAST))
+        await wait_for_async(lambda: api.stored(DAEMONSETS, NS, "old-agent"), "old DaemonSet", 10)
         pod = await agent_pod(api, "old", "node-a")
         old = FakeAgent(
             api,
@@ -133,17 +128,17 @@ async def test_deleted_pools_leases_are_collected_and_leave_no_ghost_overlap(
         )
         await old.start()
         async with heartbeating([old], 0.25) as alive:
-            await wait_for(lambda: api.stored(GROUPS, NS, "old-r0"), 10, "old group")
+            await wait_for_async(lambda: api.stored(GROUPS, NS, "old-r0"), "old group", 10)
             alive["node-a"] = False
-        await delete(api, POOLS, "old")
+        await api.delete_object(POOLS, "old")
         # pool -> DaemonSet -> pod -> Lease, each through its owner reference.
-        await wait_for(
-            lambda: names.lease_name("node-a") not in api.names(LEASES, NS), 10, "Lease collected"
+        await wait_for_async(
+            lambda: names.lease_name("node-a") not in api.names(LEASES, NS), "Lease collected", 10
         )
         assert api.names(PODS, NS) == [] and api.names(GROUPS, NS) == []
 
-        await create(api, POOLS, pool_manifest("new", **FAST))
-        await wait_for(lambda: api.stored(DAEMONSETS, NS, "new-agent"), 10, "new DaemonSet")
+        await api.create_object(POOLS, pool_manifest("new", **FAST))
+        await wait_for_async(lambda: api.stored(DAEMONSETS, NS, "new-agent"), "new DaemonSet", 10)
         new = FakeAgent(
             api,
             "new",
@@ -153,10 +148,10 @@ async def test_deleted_pools_leases_are_collected_and_leave_no_ghost_overlap(
         )
         await new.start()
         async with heartbeating([new], 0.25):
-            await wait_for(
+            await wait_for_async(
                 lambda: ((api.stored(POOLS, NS, "new") or {}).get("status") or {}).get("groups"),
-                10,
                 "new pool's groups in its status",
+                10,
             )
             degraded = condition(api, "new", "Degraded")
             assert degraded.get("reason") != "PoolsOverlap", degraded
@@ -199,8 +194,10 @@ class _Forgotten(logging.Handler):
         self.event = threading.Event()
 
     def emit(self, record: logging.LogRecord) -> None:
-        if record.getMessage() == "Pool deleted; forgetting it" and \
-                getattr(record, "pool", None) == self.pool:
+        if (
+            record.getMessage() == "Pool deleted; forgetting it"
+            and getattr(record, "pool", None) == self.pool
+        ):
             self.event.set()
 
 
@@ -218,26 +215,29 @@ async def test_a_late_renewal_of_a_deleted_pools_agent_never_makes_an_overlap_wi
     controller_log.setLevel(logging.INFO)
     try:
         async with running_operator(api):
-            await create(api, POOLS, pool_manifest("old", **FAST))
+            await api.create_object(POOLS, pool_manifest("old", **FAST))
             old = FakeAgent(api, "old", "node-a", [{"replica": "r0", "ppRank": 0, "ppSize": 1}])
             await old.start()
             async with heartbeating([old], 0.25):
-                await wait_for(lambda: api.stored(GROUPS, NS, "old-r0"), 10, "old group")
-            await delete(api, POOLS, "old")
-            await wait_for(forgotten.event.is_set, 10, "the operator forgetting pool old")
+                await wait_for_async(lambda: api.stored(GROUPS, NS, "old-r0"), "old group", 10)
+            await api.delete_object(POOLS, "old")
+            await wait_for_async(forgotten.event.is_set, "the operator forgetting pool old", 10)
             # The old agent's last renewal, as it shuts down, lands after the forget.
             old.ready = False
             await old.beat()
             assert names.lease_name("node-a") in api.names(LEASES, NS)  # not collected yet
 
-            await create(api, POOLS, pool_manifest("new", **FAST))
+            await api.create_object(POOLS, pool_manifest("new", **FAST))
             new = FakeAgent(api, "new", "node-a", [{"replica": "r0", "ppRank": 0, "ppSize": 1}])
             async with heartbeating([new], 0.25):  # takes the node's Lease over
-                await wait_for(lambda: api.stored(GROUPS, NS, "new-r0"), 10, "new group")
-                await wait_for(
-                    lambda: (pool_status(api, "new").get("readyAgents") == 1
-                             and pool_status(api, "new").get("groupCount") == 1),
-                    10, "pool new's status with its agent and group",
+                await wait_for_async(lambda: api.stored(GROUPS, NS, "new-r0"), "new group", 10)
+                await wait_for_async(
+                    lambda: (
+                        pool_status(api, "new").get("readyAgents") == 1
+                        and pool_status(api, "new").get("groupCount") == 1
+                    ),
+                    "pool new's status with its agent and group",
+                    10,
                 )
                 degraded = condition(api, "new", "Degraded")
                 assert degraded.get("reason") != "PoolsOverlap", degraded
@@ -246,16 +246,17 @@ async def test_a_late_renewal_of_a_deleted_pools_agent_never_makes_an_overlap_wi
         controller_log.setLevel(level)
         controller_log.removeHandler(forgotten)
     overlap_events = [e for e in events(api) if e.get("reason") == "PoolsOverlap"]
-    assert overlap_events == [], [(e["involvedObject"]["name"], e.get("message"))
-                                  for e in overlap_events]
+    assert overlap_events == [], [
+        (e["involvedObject"]["name"], e.get("message")) for e in overlap_events
+    ]
 
 
 async def test_a_pool_deleted_during_its_reconcile_posts_no_overlap_event(api: ApiServer) -> None:
     """Pool ``old`` is reconciled while ``new``'s agent takes over its node Lease, and
     ``old`` is deleted before the reconcile writes its status: the status write finds
     nothing, and no ``PoolsOverlap`` Event is posted for the deleted pool."""
-    await create(api, POOLS, pool_manifest("old", **FAST))
-    await create(api, POOLS, pool_manifest("new", **FAST))
+    await api.create_object(POOLS, pool_manifest("old", **FAST))
+    await api.create_object(POOLS, pool_manifest("new", **FAST))
     clock = ManualClock()
     async with reconcile_context(api, clock) as ctx:
         await FakeAgent(api, "old", "node-a").start()
@@ -267,7 +268,7 @@ async def test_a_pool_deleted_during_its_reconcile_posts_no_overlap_event(api: A
 
         async def deleted_before_status(path: str, patch_body: dict[str, Any]) -> dict[str, Any]:
             if path.endswith("/kvcachepools/old/status"):
-                await delete(api, POOLS, "old")  # the user deletes the pool meanwhile
+                await api.delete_object(POOLS, "old")  # the user deletes the pool meanwhile
             return await write(path, patch_body)
 
         ctx.client.patch = deleted_before_status  # type: ignore[method-assign]

@@ -4,25 +4,22 @@ when the controller is not running or the agent Lease watch is stale."""
 
 from __future__ import annotations
 
-import asyncio
 import socket
+import urllib.request
 
 import aiohttp
-from flexkv_apiserver import ApiServer
-from flexkv_harness import (
+from flexkv_operator.metrics import OperatorMetrics, Readiness
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.operator.flexkv_harness import (
     FAST,
-    GROUPS,
-    NS,
-    POOLS,
-    FakeAgent,
-    create,
     heartbeating,
     pool_manifest,
     running_operator,
-    wait_for,
+    start_group,
 )
-from flexkv_operator.metrics import OperatorMetrics, Readiness
-from prometheus_client.parser import text_string_to_metric_families
+from tests.support.kube_api import GROUPS, NS, POOLS, ApiServer
+from tests.support.waiting import wait_for_async
 
 
 def free_port() -> int:
@@ -43,39 +40,31 @@ async def test_metrics_and_readiness_of_a_running_operator(api: ApiServer) -> No
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     api.fail(422, action="create", plural="configmaps", times=1)
-    agents = [
-        FakeAgent(api, "pool", node, [{"replica": "r0", "ppRank": rank, "ppSize": 2}])
-        for rank, node in enumerate(["node-a", "node-b"])
-    ]
-    for agent in agents:
-        await agent.start()
+    agents = await start_group(api, ["node-a", "node-b"])
     async with (
         heartbeating(agents, 0.25) as alive,
         running_operator(api, metrics_port=port),
         aiohttp.ClientSession() as http,
     ):
-        await create(api, POOLS, pool_manifest(**FAST))
+        await api.create_object(POOLS, pool_manifest(**FAST))
         group = lambda: (api.stored(GROUPS, NS, "pool-r0") or {}).get("status") or {}  # noqa: E731
-        await wait_for(lambda: (group().get("leader") or {}).get("node") == "node-a", 10, "leader")
+        await wait_for_async(
+            lambda: (group().get("leader") or {}).get("node") == "node-a", "leader", 10
+        )
         alive["node-a"] = False
-        await wait_for(
-            lambda: (group().get("leader") or {}).get("node") == "node-b", 15, "failover"
+        await wait_for_async(
+            lambda: (group().get("leader") or {}).get("node") == "node-b", "failover", 15
         )
 
-        async def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-            async with http.get(f"{base}/metrics") as response:
+        def degraded_counted() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+            """The scraped samples once the degraded group is counted, else nothing."""
+            with urllib.request.urlopen(f"{base}/metrics", timeout=5) as response:
                 assert response.status == 200
-                return samples(await response.text())
+                found = samples(response.read().decode())
+            degraded = found.get(("flexkv_operator_groups", (("phase", "Degraded"),)))
+            return found if degraded == 1.0 else {}
 
-        async def settled() -> bool:
-            found = await scrape()
-            return found.get(("flexkv_operator_groups", (("phase", "Degraded"),))) == 1.0
-
-        for _ in range(100):
-            if await settled():
-                break
-            await asyncio.sleep(0.1)
-        found = await scrape()
+        found = await wait_for_async(degraded_counted, "the Degraded group counted", 10)
         assert (
             found[("flexkv_operator_reconciles_total", (("kind", "pool"), ("result", "success")))]
             >= 1

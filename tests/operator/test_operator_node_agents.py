@@ -7,12 +7,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from flexkv_apiserver import ApiServer
-from flexkv_harness import GROUPS, NS, POOLS, FakeAgent, create, pool_manifest
 from flexkv_operator import names
 from flexkv_operator.membership import LeaseTracker
 from flexkv_operator.reconcile import reconcile_pool
-from reconcile_harness import LEASES, ManualClock, add_node, reconcile, reconcile_context
+
+from tests.operator.flexkv_harness import FakeAgent, pool_manifest
+from tests.operator.reconcile_harness import ManualClock, add_node, reconcile, reconcile_context
+from tests.support.kube_api import GROUPS, LEASES, NS, POOLS, ApiServer
 
 LEASE = 3
 
@@ -31,7 +32,7 @@ def agent(api: ApiServer, node: str, rank: int, pool: str = "pool") -> FakeAgent
 async def test_agent_of_a_removed_node_is_dropped_after_many_lease_durations(
     api: ApiServer,
 ) -> None:
-    await create(api, POOLS, pool_manifest())
+    await api.create_object(POOLS, pool_manifest())
     for node in ("node-a", "node-b"):
         await add_node(api, node)  # node-gone is not (or no longer) in the cluster
     agents = [agent(api, "node-a", 0), agent(api, "node-b", 1), agent(api, "node-gone", 2)]
@@ -70,7 +71,7 @@ async def test_agent_of_a_removed_node_is_dropped_after_many_lease_durations(
 
 async def test_a_renewed_lease_is_not_deleted(api: ApiServer) -> None:
     """The delete is conditional on the resourceVersion the operator judged."""
-    await create(api, POOLS, pool_manifest())
+    await api.create_object(POOLS, pool_manifest())
     gone = agent(api, "node-gone", 0)
     await gone.start()
     clock = ManualClock()
@@ -86,8 +87,8 @@ async def test_a_renewed_lease_is_not_deleted(api: ApiServer) -> None:
 
 
 async def test_two_pools_sharing_one_lease_are_both_degraded(api: ApiServer) -> None:
-    await create(api, POOLS, pool_manifest("p1"))
-    await create(api, POOLS, pool_manifest("p2"))
+    await api.create_object(POOLS, pool_manifest("p1"))
+    await api.create_object(POOLS, pool_manifest("p2"))
     clock = ManualClock()
     async with reconcile_context(api, clock) as ctx:
         await agent(api, "node-a", 0, "p1").start()

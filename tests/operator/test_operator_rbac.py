@@ -22,24 +22,20 @@ from typing import Any
 import kmock
 import pytest
 import yaml
-from flexkv_apiserver import ApiServer
-from flexkv_harness import (
-    DAEMONSETS,
+from flexkv_operator import names
+
+from tests.operator.flexkv_harness import (
     FAST,
-    GROUPS,
-    NS,
-    POOLS,
     FakeAgent,
-    create,
-    delete,
+    corrupt_curve_secret,
+    curve_secret_repaired,
     heartbeating,
-    patch,
     pool_manifest,
     running_operator,
-    wait_for,
 )
-from flexkv_operator import names
-from reconcile_harness import LEASES, add_node
+from tests.operator.reconcile_harness import add_node
+from tests.support.kube_api import DAEMONSETS, GROUPS, LEASES, NS, POOLS, ApiServer
+from tests.support.waiting import wait_for_async
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "flexkv-operator"
@@ -106,7 +102,7 @@ def rbac_verb(request: kmock.Request) -> str:
 def operator_requests(api: ApiServer) -> list[tuple[Permission, bool, str]]:
     """(permission, namespaced request, description) of each operator request."""
     found = []
-    for request in list(api._requests):
+    for request in list(api):
         agent = str(request.headers.get("User-Agent", ""))
         if not agent.startswith(OPERATOR_AGENTS):
             continue  # the test's own requests
@@ -151,24 +147,23 @@ async def test_every_operator_request_is_granted_and_every_grant_is_used(
     ):
         # A managed Mooncake master: its Deployment and Service are children too.
         remote = {"mooncake": {"managed": True}}
-        await create(
-            api, POOLS, pool_manifest(**FAST, tiers={"cpu": {"size": "1Gi"}, "remote": remote})
+        await api.create_object(
+            POOLS, pool_manifest(**FAST, tiers={"cpu": {"size": "1Gi"}, "remote": remote})
         )
 
         def group(name: str) -> dict[str, Any]:
             return api.stored(GROUPS, NS, name) or {}
 
-        await wait_for(
+        await wait_for_async(
             lambda: (group("pool-r0").get("status") or {}).get("leader") and group("pool-r1"),
-            15,
             "both groups",
+            15,
         )
-        await wait_for(lambda: len(api.names("v1/services", NS)) == 3, 15, "Services created")
+        await wait_for_async(lambda: len(api.names("v1/services", NS)) == 3, "Services created", 15)
         # Every child is patched: image and maxUnavailable (DaemonSet, PDB), service
         # labels (Services), cacheEpoch (ConfigMap), a broken key pair (Secret), the
         # master's resources (Deployment).
-        await patch(
-            api,
+        await api.patch_object(
             POOLS,
             "pool",
             {
@@ -178,50 +173,41 @@ async def test_every_operator_request_is_granted_and_every_grant_is_used(
                     "monitoring": {"serviceLabels": {"team": "kv"}},
                     "tiers": {
                         "remote": {
-                            "mooncake": {
-                                "master": {"resources": {"requests": {"cpu": "200m"}}}
-                            }
+                            "mooncake": {"master": {"resources": {"requests": {"cpu": "200m"}}}}
                         }
                     },
                 }
             },
         )
-        await patch(api, "v1/secrets", "pool-curve", {"data": {"curve-secret.key": "AAAA"}})
-        await wait_for(
+        await corrupt_curve_secret(api)
+        await wait_for_async(
             lambda: (
                 (api.stored("policy/v1/poddisruptionbudgets", NS, "pool-agent") or {})
                 .get("spec", {})
                 .get("maxUnavailable")
                 == 2
             ),
-            15,
             "PDB patched",
-        )
-        await wait_for(
-            lambda: (
-                (api.stored("v1/secrets", NS, "pool-curve") or {})["data"]["curve-secret.key"]
-                != "AAAA"
-            ),
             15,
-            "Secret repaired",
         )
+        await wait_for_async(lambda: curve_secret_repaired(api), "Secret repaired", 15)
         # node-x is not a node of the cluster: its silent Lease is deleted, and its
         # group with it.
         alive["node-x"] = False
-        await wait_for(
+        await wait_for_async(
             lambda: (
                 names.lease_name("node-x") not in api.names(LEASES, NS)
                 and "pool-r1" not in api.names(GROUPS, NS)
             ),
-            20,
             "node-x's Lease and group deleted",
+            20,
         )
         # A larger ppSize is patched into the group's spec.
         agents[1].memberships = [{"replica": "r0", "ppRank": 1, "ppSize": 3}]
-        await wait_for(lambda: group("pool-r0")["spec"]["ppSize"] == 3, 15, "ppSize patched")
+        await wait_for_async(lambda: group("pool-r0")["spec"]["ppSize"] == 3, "ppSize patched", 15)
         ds = api.stored(DAEMONSETS, NS, "pool-agent") or {}
         assert ds["spec"]["template"]["spec"]["containers"][0]["image"] == "img:2"
-        await wait_for(
+        await wait_for_async(
             lambda: (
                 (api.stored(DEPLOYMENTS, NS, "pool-mooncake-master") or {})
                 .get("spec", {})
@@ -233,26 +219,26 @@ async def test_every_operator_request_is_granted_and_every_grant_is_used(
                 .get("cpu")
                 == "200m"
             ),
-            15,
             "master Deployment patched",
+            15,
         )
         # The remote tier turned off: the master's Deployment and Service are deleted.
-        await patch(api, POOLS, "pool", {"spec": {"tiers": {"remote": None}}})
-        await wait_for(
+        await api.patch_object(POOLS, "pool", {"spec": {"tiers": {"remote": None}}})
+        await wait_for_async(
             lambda: (
                 "pool-mooncake-master" not in api.names(DEPLOYMENTS, NS)
                 and "pool-mooncake-master" not in api.names("v1/services", NS)
             ),
-            15,
             "master deleted",
+            15,
         )
         # A group deleted by hand is re-created.
         old_uid = group("pool-r0")["metadata"]["uid"]
-        await delete(api, GROUPS, "pool-r0")
-        await wait_for(
+        await api.delete_object(GROUPS, "pool-r0")
+        await wait_for_async(
             lambda: group("pool-r0").get("metadata", {}).get("uid") not in (None, old_uid),
-            15,
             "group re-created",
+            15,
         )
         assert base64.b64decode(
             (api.stored("v1/secrets", NS, "pool-curve") or {})["data"]["curve-public.key"]
@@ -262,7 +248,7 @@ async def test_every_operator_request_is_granted_and_every_grant_is_used(
     assert {agent for agent in OPERATOR_AGENTS} == {
         agent
         for agent in OPERATOR_AGENTS
-        for r in api._requests
+        for r in api
         if str(r.headers.get("User-Agent", "")).startswith(agent)
     }, "both kopf and the operator's own client must have been seen"
     denied = sorted(

@@ -11,20 +11,21 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from flexkv_apiserver import ApiServer
-from flexkv_harness import DAEMONSETS, NS, POOLS, create, delete, patch, pool_manifest, wait_for
 from flexkv_operator import crds, mooncake, names
 from flexkv_operator.children import PoolIdentity, agent_config, render_all
 from flexkv_operator.spec import ConfigInvalid, parse_pool_spec
-from reconcile_harness import ManualClock, reconcile, reconcile_context
 from test_operator_crds import refusals
+
+from tests.operator.flexkv_harness import pool_manifest
+from tests.operator.reconcile_harness import ManualClock, reconcile, reconcile_context
+from tests.support.kube_api import DAEMONSETS, NS, POOLS, ApiServer
+from tests.support.waiting import wait_for, wait_for_async
 
 DEPLOYMENTS = "apps/v1/deployments"
 SERVICES = "v1/services"
@@ -64,7 +65,7 @@ def master_container(api: ApiServer) -> dict[str, Any]:
 
 
 async def test_managed_master_is_created_owned_and_agents_point_at_it(api: ApiServer) -> None:
-    pool = await create(api, POOLS, pool_manifest(tiers=MANAGED))
+    pool = await api.create_object(POOLS, pool_manifest(tiers=MANAGED))
     async with reconcile_context(api, ManualClock()) as ctx:
         await reconcile(ctx, api)
 
@@ -137,7 +138,7 @@ async def test_managed_master_is_created_owned_and_agents_point_at_it(api: ApiSe
 
 
 async def test_master_drift_is_reverted_and_a_steady_pool_writes_nothing(api: ApiServer) -> None:
-    await create(api, POOLS, pool_manifest(tiers=MANAGED))
+    await api.create_object(POOLS, pool_manifest(tiers=MANAGED))
     clock = ManualClock()
     async with reconcile_context(api, clock) as ctx:
         await reconcile(ctx, api)
@@ -147,9 +148,9 @@ async def test_master_drift_is_reverted_and_a_steady_pool_writes_nothing(api: Ap
         template = copy.deepcopy((stored(api, DEPLOYMENTS, MASTER) or {})["spec"]["template"])
         template["spec"]["containers"][0]["image"] = "someone/else:latest"
         template["spec"]["containers"][0]["args"] = ["--rpc_port=1"]
-        await patch(api, DEPLOYMENTS, MASTER, {"spec": {"template": template, "replicas": 3}})
-        await patch(
-            api, SERVICES, MASTER, {"spec": {"selector": {names.LABEL_INSTANCE: "other"}}}
+        await api.patch_object(DEPLOYMENTS, MASTER, {"spec": {"template": template, "replicas": 3}})
+        await api.patch_object(
+            SERVICES, MASTER, {"spec": {"selector": {names.LABEL_INSTANCE: "other"}}}
         )
         clock.now += 1
         result = await reconcile(ctx, api)
@@ -167,7 +168,7 @@ async def test_master_drift_is_reverted_and_a_steady_pool_writes_nothing(api: Ap
         resources = {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "2Gi"}}
         tiers = copy.deepcopy(MANAGED)
         tiers["remote"]["mooncake"]["master"] = {"resources": resources}
-        await patch(api, POOLS, "pool", {"spec": {"tiers": tiers}})
+        await api.patch_object(POOLS, "pool", {"spec": {"tiers": tiers}})
         clock.now += 1
         await reconcile(ctx, api)
         assert master_container(api)["resources"] == resources
@@ -176,7 +177,7 @@ async def test_master_drift_is_reverted_and_a_steady_pool_writes_nothing(api: Ap
 async def test_turning_managed_off_deletes_the_master_and_repoints_the_agents(
     api: ApiServer,
 ) -> None:
-    await create(api, POOLS, pool_manifest(tiers=MANAGED))
+    await api.create_object(POOLS, pool_manifest(tiers=MANAGED))
     clock = ManualClock()
     async with reconcile_context(api, clock) as ctx:
         await reconcile(ctx, api)
@@ -185,7 +186,7 @@ async def test_turning_managed_off_deletes_the_master_and_repoints_the_agents(
         # An existing master instead: the managed one goes, agents follow the addresses.
         mooncake_spec = {"managed": False, **EXTERNAL_MOONCAKE}
         external = {"spec": {"tiers": {"remote": {"mooncake": mooncake_spec}}}}
-        await patch(api, POOLS, "pool", external)
+        await api.patch_object(POOLS, "pool", external)
         clock.now += 1
         result = await reconcile(ctx, api)
         assert result.errors == ()
@@ -197,8 +198,7 @@ async def test_turning_managed_off_deletes_the_master_and_repoints_the_agents(
         assert remote["metadataServer"] == "http://10.0.0.5:8080/metadata"
 
         # Managed again, then no remote tier at all: the master comes and goes.
-        await patch(
-            api,
+        await api.patch_object(
             POOLS,
             "pool",
             {
@@ -218,7 +218,7 @@ async def test_turning_managed_off_deletes_the_master_and_repoints_the_agents(
         clock.now += 1
         await reconcile(ctx, api)
         assert stored(api, DEPLOYMENTS, MASTER) is not None
-        await patch(api, POOLS, "pool", {"spec": {"tiers": {"remote": None}}})
+        await api.patch_object(POOLS, "pool", {"spec": {"tiers": {"remote": None}}})
         clock.now += 1
         await reconcile(ctx, api)
         assert stored(api, DEPLOYMENTS, MASTER) is None and stored(api, SERVICES, MASTER) is None
@@ -231,14 +231,14 @@ async def test_turning_managed_off_deletes_the_master_and_repoints_the_agents(
 
 
 async def test_a_namesake_the_pool_does_not_own_is_left_alone(api: ApiServer) -> None:
-    await create(api, POOLS, pool_manifest())
+    await api.create_object(POOLS, pool_manifest())
     foreign = {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": {"name": MASTER, "namespace": NS},
         "spec": {"selector": {"app": "someone-elses"}, "ports": [{"port": 1}]},
     }
-    await create(api, SERVICES, foreign)
+    await api.create_object(SERVICES, foreign)
     async with reconcile_context(api, ManualClock()) as ctx:
         result = await reconcile(ctx, api)
     assert result.errors == ()
@@ -246,21 +246,21 @@ async def test_a_namesake_the_pool_does_not_own_is_left_alone(api: ApiServer) ->
 
 
 async def test_deleting_the_pool_collects_the_master(api: ApiServer) -> None:
-    await create(api, POOLS, pool_manifest(tiers=MANAGED))
+    await api.create_object(POOLS, pool_manifest(tiers=MANAGED))
     async with reconcile_context(api, ManualClock()) as ctx:
         await reconcile(ctx, api)
     assert stored(api, DEPLOYMENTS, MASTER) is not None
-    await delete(api, POOLS, "pool")
-    await wait_for(
+    await api.delete_object(POOLS, "pool")
+    await wait_for_async(
         lambda: stored(api, DEPLOYMENTS, MASTER) is None and stored(api, SERVICES, MASTER) is None,
-        10,
         "the master collected with its pool",
+        10,
     )
 
 
 async def test_a_refused_master_is_reported_and_the_rest_applied(api: ApiServer) -> None:
     refused = api.fail(422, action="create", plural="deployments", times=1000)
-    await create(api, POOLS, pool_manifest(tiers=MANAGED))
+    await api.create_object(POOLS, pool_manifest(tiers=MANAGED))
     clock = ManualClock()
     async with reconcile_context(api, clock) as ctx:
         result = await reconcile(ctx, api)
@@ -283,7 +283,7 @@ async def test_a_refused_master_is_reported_and_the_rest_applied(api: ApiServer)
 
 
 async def test_a_bad_remote_spec_is_reported_and_changes_nothing(api: ApiServer) -> None:
-    await create(api, POOLS, pool_manifest(tiers=MANAGED))
+    await api.create_object(POOLS, pool_manifest(tiers=MANAGED))
     clock = ManualClock()
     async with reconcile_context(api, clock) as ctx:
         await reconcile(ctx, api)
@@ -291,7 +291,7 @@ async def test_a_bad_remote_spec_is_reported_and_changes_nothing(api: ApiServer)
         # Both a managed master and an address: the CRD refuses this; an older or
         # emulated API server may not, and the operator refuses it again.
         bad = {"remote": {"mooncake": {"managed": True, "masterAddress": "m:50051"}}}
-        await patch(api, POOLS, "pool", {"spec": {"tiers": bad}})
+        await api.patch_object(POOLS, "pool", {"spec": {"tiers": bad}})
         clock.now += 1
         result = await reconcile(ctx, api)
         assert result.phase == "Invalid"
@@ -497,9 +497,7 @@ BAD_REMOTE = [
             {
                 "mooncake": {
                     "managed": True,
-                    "master": {
-                        "resources": {"requests": {"cpu": "2"}, "limits": {"cpu": "1"}}
-                    },
+                    "master": {"resources": {"requests": {"cpu": "2"}, "limits": {"cpu": "1"}}},
                 }
             }
         ),
@@ -530,11 +528,13 @@ def test_mooncake_size_errors_name_the_setting_and_the_bound() -> None:
     assert "segmentSize: 8388608 bytes is below 16Mi (16777216)" in problem("segmentSize", "8Mi")
     huge = problem("localBufferSize", "1Ti")
     assert "localBufferSize: 1099511627776 bytes" in huge and "64Gi" in huge
-    for doc, bound in ((_pool_doc(_spec({"mooncake": {"managed": True, "segmentSize": "8Mi"}})),
-                        "at least 16Mi"),
-                       (_pool_doc(_spec({"mooncake": {"managed": True,
-                                                      "localBufferSize": "1Ti"}})),
-                        "between 1Mi and 64Gi")):
+    for doc, bound in (
+        (_pool_doc(_spec({"mooncake": {"managed": True, "segmentSize": "8Mi"}})), "at least 16Mi"),
+        (
+            _pool_doc(_spec({"mooncake": {"managed": True, "localBufferSize": "1Ti"}})),
+            "between 1Mi and 64Gi",
+        ),
+    ):
         [cel] = refusals(crds.POOL_PLURAL, doc)
         assert bound in cel
     for ok in ("16Mi", 16777216):
@@ -554,9 +554,7 @@ def test_a_managed_master_needs_a_pool_name_its_service_can_carry() -> None:
 # -- the CRD (schema and CEL, as the API server checks them) agrees ---------------------
 
 
-@pytest.mark.parametrize(
-    "spec", [s for _, s, _ in BAD_REMOTE], ids=[n for n, _, _ in BAD_REMOTE]
-)
+@pytest.mark.parametrize("spec", [s for _, s, _ in BAD_REMOTE], ids=[n for n, _, _ in BAD_REMOTE])
 def test_the_crd_refuses_what_the_operator_refuses(spec: dict[str, Any]) -> None:
     doc = {
         "apiVersion": "flexkv.io/v1alpha1",
@@ -594,9 +592,7 @@ GOOD_REMOTE = [
                 "timeoutSeconds": 0.25,
                 "mooncake": {
                     "managed": True,
-                    "master": {
-                        "resources": {"requests": {"cpu": "1"}, "limits": {"cpu": 2}}
-                    },
+                    "master": {"resources": {"requests": {"cpu": "1"}, "limits": {"cpu": 2}}},
                 },
             }
         ),
@@ -647,14 +643,17 @@ def test_store_port_errors_name_the_value_the_data_port_and_the_fix() -> None:
     rpc = _store_port_problem(5557)
     assert "5557" in rpc and "fanout 5557" in rpc
 
-    [cel] = refusals(crds.POOL_PLURAL, _pool_doc(_spec({"mooncake": {"managed": True,
-                                                                       "storePort": 8079}})))
+    [cel] = refusals(
+        crds.POOL_PLURAL, _pool_doc(_spec({"mooncake": {"managed": True, "storePort": 8079}}))
+    )
     assert "storePort + 1" in cel and "agent.ports.http" in cel and "next port" in cel
-    [bound] = refusals(crds.POOL_PLURAL, _pool_doc(_spec({"mooncake": {"managed": True,
-                                                                        "storePort": 65535}})))
+    [bound] = refusals(
+        crds.POOL_PLURAL, _pool_doc(_spec({"mooncake": {"managed": True, "storePort": 65535}}))
+    )
     assert "65534" in bound
-    [moved] = refusals(crds.POOL_PLURAL, _pool_doc(_spec({"mooncake": {"managed": True,
-                                                                        "storePort": 40000}})))
+    [moved] = refusals(
+        crds.POOL_PLURAL, _pool_doc(_spec({"mooncake": {"managed": True, "storePort": 40000}}))
+    )
     assert "32768..60999" in moved
 
     # Just above the agent's ports, and the highest port with a data port, are fine.
@@ -748,24 +747,32 @@ def test_the_rendered_master_command_runs_the_real_mooncake_master(tmp_path: Pat
     log = tmp_path / "master.log"
     with log.open("wb") as out:
         process = subprocess.Popen(
-            [binary, *container["args"], *moved], stdout=out, stderr=subprocess.STDOUT,
+            [binary, *container["args"], *moved],
+            stdout=out,
+            stderr=subprocess.STDOUT,
             cwd=tmp_path,
         )
+        answered: list[bool] = []
+
+        def up_or_exited() -> bool:
+            """True once the master answers on both ports (``answered`` holds whether
+            /health said 200) or has exited."""
+            if process.poll() is not None:
+                return True
+            try:
+                with socket.create_connection(("127.0.0.1", rpc), timeout=1):
+                    pass
+                url = f"http://127.0.0.1:{metadata}/health"
+                with urllib.request.urlopen(url, timeout=2) as answer:
+                    answered.append(answer.status == 200)
+            except OSError:
+                return False
+            return True
+
         try:
-            deadline = time.monotonic() + 60
-            healthy = False
-            while time.monotonic() < deadline and process.poll() is None:
-                try:
-                    with socket.create_connection(("127.0.0.1", rpc), timeout=1):
-                        pass
-                    url = f"http://127.0.0.1:{metadata}/health"
-                    with urllib.request.urlopen(url, timeout=2) as answer:
-                        healthy = answer.status == 200
-                    break
-                except OSError:
-                    time.sleep(0.2)
+            wait_for(up_or_exited, "mooncake_master's ports", timeout=60, interval=0.2)
             assert process.poll() is None, f"mooncake_master exited: {log.read_text()[-2000:]}"
-            assert healthy, f"no /health on the metadata port: {log.read_text()[-2000:]}"
+            assert answered == [True], f"no /health on the metadata port: {log.read_text()[-2000:]}"
         finally:
             process.terminate()
             try:

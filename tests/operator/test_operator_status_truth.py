@@ -7,9 +7,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from flexkv_apiserver import ApiServer
-from flexkv_harness import DAEMONSETS, GROUPS, NS, POOLS, FakeAgent, create, patch, pool_manifest
-from reconcile_harness import ManualClock, observe_leases, reconcile, reconcile_context
+from tests.operator.flexkv_harness import FakeAgent, pool_manifest
+from tests.operator.reconcile_harness import (
+    ManualClock,
+    observe_leases,
+    reconcile,
+    reconcile_context,
+)
+from tests.support.kube_api import DAEMONSETS, GROUPS, NS, POOLS, ApiServer
 
 LEASE = 10
 
@@ -36,8 +41,7 @@ def agent(api: ApiServer, node: str, rank: int, size: int, pool: str = "pool") -
 async def rolled_out(api: ApiServer, desired: int, pool: str = "pool") -> None:
     ds = api.stored(DAEMONSETS, NS, f"{pool}-agent")
     assert ds is not None
-    await patch(
-        api,
+    await api.patch_object(
         DAEMONSETS,
         f"{pool}-agent",
         {
@@ -54,8 +58,8 @@ async def rolled_out(api: ApiServer, desired: int, pool: str = "pool") -> None:
 async def test_ready_pool_turns_degraded_not_ready_on_overlap_with_one_event(
     api: ApiServer,
 ) -> None:
-    await create(api, POOLS, pool_manifest("p1"))
-    await create(api, POOLS, pool_manifest("p2"))
+    await api.create_object(POOLS, pool_manifest("p1"))
+    await api.create_object(POOLS, pool_manifest("p2"))
     clock = ManualClock()
     async with reconcile_context(api, clock) as ctx:
         await agent(api, "node-a", 0, 1, "p1").start()
@@ -81,7 +85,7 @@ async def test_ready_pool_turns_degraded_not_ready_on_overlap_with_one_event(
 
 
 async def test_group_missing_a_stage_makes_the_pool_degraded_not_ready(api: ApiServer) -> None:
-    await create(api, POOLS, pool_manifest())
+    await api.create_object(POOLS, pool_manifest())
     clock = ManualClock()
     async with reconcile_context(api, clock) as ctx:
         await agent(api, "node-a", 0, 2).start()
@@ -102,7 +106,7 @@ async def test_group_missing_a_stage_makes_the_pool_degraded_not_ready(api: ApiS
 async def test_lost_agent_on_a_rolled_out_pool_is_degraded_not_progressing(
     api: ApiServer,
 ) -> None:
-    await create(api, POOLS, pool_manifest())
+    await api.create_object(POOLS, pool_manifest())
     clock = ManualClock()
     async with reconcile_context(api, clock) as ctx:
         agents = [agent(api, "node-a", 0, 2), agent(api, "node-b", 1, 2)]
@@ -133,7 +137,7 @@ async def test_invalid_sizing_gets_a_warning_event(api: ApiServer) -> None:
         },
     )
     assert response.status < 300
-    await create(api, POOLS, pool_manifest(tiers={"cpu": {"size": "64Gi"}}))
+    await api.create_object(POOLS, pool_manifest(tiers={"cpu": {"size": "64Gi"}}))
     clock = ManualClock()
     async with reconcile_context(api, clock) as ctx:
         await reconcile(ctx, api)
@@ -146,7 +150,7 @@ async def test_leader_elected_event_when_the_reply_to_the_group_write_is_lost(
     api: ApiServer,
 ) -> None:
     lost = api.fail(504, action="update", plural="kvcachegroups", lost_reply=True)
-    await create(api, POOLS, pool_manifest())
+    await api.create_object(POOLS, pool_manifest())
     clock = ManualClock()
     async with reconcile_context(api, clock) as ctx:
         await agent(api, "node-a", 0, 1).start()

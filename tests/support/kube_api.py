@@ -1,13 +1,20 @@
-"""An emulated Kubernetes API server for the operator's tests and benchmark.
+"""An emulated Kubernetes API server for the tests and benchmarks (kmock-based).
 
-kmock's :class:`KubernetesEmulator` stores objects and streams watch events but
-has no resourceVersion, uid, generation, optimistic concurrency or status
-subresource semantics. This subclass adds exactly those, as the real API server
+One emulator serves every suite that talks to Kubernetes: the operator's tests
+and benchmark (kopf and the operator's own client) and the agent's tests of its
+Lease heartbeat and KVCacheGroup watch (the ``kubernetes`` client). It uses
+kmock's public API only: :class:`kmock.KubernetesEmulator` is subclassed the way
+its documentation invites ("inherit and implement for your cases") by
+overriding its request handler.
+
+kmock's emulator stores objects and streams watch events but has no
+resourceVersion, uid, generation, optimistic concurrency or status subresource
+semantics. :class:`ApiServer` adds exactly those, as the real API server
 behaves, plus fault injection:
 
 * create: ``metadata.uid``, ``creationTimestamp``, ``generation: 1`` and a fresh
   ``resourceVersion``; ``status`` is dropped for resources with a status
-  subresource (flexkv.io kinds);
+  subresource (flexkv.io kinds, as the chart's CRDs declare);
 * patch: a ``metadata.resourceVersion`` in the body is a precondition (409
   ``Conflict`` when stale); so is ``preconditions.resourceVersion`` in the
   DeleteOptions body of a delete; every accepted patch gets a new resourceVersion; a
@@ -16,10 +23,13 @@ behaves, plus fault injection:
   changes;
 * delete: objects whose ``metadata.ownerReferences`` name the deleted object's
   uid are deleted too, in the background and recursively (the garbage
-  collector's background propagation), unless another owner remains;
-* :meth:`fail` makes the next N matching requests answer an error status before
-  touching any state (optionally only requests whose ``User-Agent`` starts with a
-  prefix: an outage seen by one client, e.g. the operator's own requests);
+  collector's background propagation), unless another owner remains; an object
+  created later whose owners are all deleted already is collected the same way
+  (a client that read its owner just before the deletion);
+* :meth:`ApiServer.fail` makes the next N matching requests answer an error
+  status before touching any state (optionally only requests whose
+  ``User-Agent`` starts with a prefix: an outage seen by one client, e.g. the
+  operator's own requests);
 * ``history_limit`` (None by default: keep all, for assertions) bounds kmock's
   request log, for long runs (the benchmark).
 
@@ -28,24 +38,38 @@ its whole request log (quadratic in the requests served). :class:`DirectRouting`
 answers the plain Kubernetes actions (list, fetch, create, update, delete) with
 kmock's own emulator handlers directly, after the same state changes; watches and
 anything else still go through the DSL. Behaviour is the same, the cost per
-request no longer grows with the run.
+request no longer grows with the run. A consequence: a DSL reaction
+(``api[...] << 500``) applies to watches and non-resource paths only; inject a
+fault into the plain actions with :meth:`ApiServer.fail`.
+
+The request log is read through kmock's public views: ``list(api)`` for every
+request, ``api[kmock.action.WATCH]`` for the watches.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import datetime
 import itertools
 import uuid
+import warnings
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp.web
 import kmock
-from kmock._internal.k8s import KubernetesError, KubernetesScaffold
+from kmock import KubernetesError, KubernetesScaffold
 
 STATUS_SUBRESOURCE_GROUPS = frozenset({"flexkv.io"})
+NS = "ns1"
+"""The namespace the tests' objects live in unless they name another."""
+POOLS = "flexkv.io/v1alpha1/kvcachepools"
+GROUPS = "flexkv.io/v1alpha1/kvcachegroups"
+LEASES = "coordination.k8s.io/v1/leases"
+DAEMONSETS = "apps/v1/daemonsets"
 
 
 def merge_patch(value: Any, patch: Any) -> Any:
@@ -70,6 +94,15 @@ class Fault:
     hits: int = 0
     user_agent: str | None = None
     lost_reply: bool = False  # apply the request, then answer ``status`` (a lost reply)
+
+
+def collection_path(plural_path: str, namespace: str | None) -> str:
+    """The URL path of a collection: ``apps/v1/daemonsets`` in ``ns1`` is
+    ``/apis/apps/v1/namespaces/ns1/daemonsets``; ``v1/pods`` is under ``/api``."""
+    group_version, plural = plural_path.rsplit("/", 1)
+    base = f"/api/{group_version}" if "/" not in group_version else f"/apis/{group_version}"
+    scope = f"/namespaces/{namespace}" if namespace else ""
+    return f"{base}{scope}/{plural}"
 
 
 class DirectRouting(KubernetesScaffold):
@@ -101,7 +134,9 @@ class ApiServer(kmock.KubernetesEmulator, DirectRouting):
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
-        self.resources.load_bundled()
+        with warnings.catch_warnings():  # kmock reads its bundle with a deprecated API
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.resources.load_bundled()
         for plural, kind in (("kvcachepools", "KVCachePool"), ("kvcachegroups", "KVCacheGroup")):
             self.resources[f"flexkv.io/v1alpha1/{plural}"] = kmock.ResourceInfo(
                 kind=kind,
@@ -116,6 +151,7 @@ class ApiServer(kmock.KubernetesEmulator, DirectRouting):
         self.history_limit: int | None = None
         self._collectors: set[asyncio.Task[None]] = set()
         self.collected: list[tuple[str, str, str]] = []
+        self.deleted_uids: set[str] = set()
 
     def fail(
         self,
@@ -164,13 +200,9 @@ class ApiServer(kmock.KubernetesEmulator, DirectRouting):
             uids = {o.get("uid") for o in owners if isinstance(o, dict)}
             if owner_uid not in uids or uids & live_uids:
                 continue
-            base = (
-                f"/apis/{resource.group}/{resource.version}"
-                if resource.group
-                else f"/api/{resource.version}"
-            )
-            scope = f"/namespaces/{namespace}" if namespace else ""
-            response = await self.delete(f"{base}{scope}/{resource.plural}/{name}")
+            parts = (resource.group, resource.version, resource.plural)
+            path = collection_path("/".join(str(p) for p in parts if p), namespace)
+            response = await self.delete(f"{path}/{name}")
             self.collected.append((str(resource.plural), str(namespace), str(name)))
             assert response.status < 300 or response.status == 404, await response.text()
 
@@ -181,6 +213,59 @@ class ApiServer(kmock.KubernetesEmulator, DirectRouting):
             if wanted and (namespace is None or ns == namespace):
                 result.append(name)
         return sorted(result)
+
+    def requests_from(
+        self,
+        user_agent: str,
+        *,
+        methods: Collection[str] = (),
+        plural: str | None = None,
+        name: str | None = None,
+    ) -> list[kmock.Request]:
+        """The requests served so far, refused ones included, whose User-Agent starts
+        with ``user_agent``; only those with one of ``methods`` (``GET``, ``POST``,
+        ``PATCH``, ``PUT``, ``DELETE``; any when empty), on ``plural`` and on the
+        object ``name`` when given."""
+        found = []
+        for request in list(self):
+            if not str(request.headers.get("User-Agent", "")).startswith(user_agent):
+                continue
+            method = str(getattr(request.method, "value", request.method)).upper()
+            if methods and method not in methods:
+                continue
+            resource = request.resource
+            if plural is not None and (resource is None or resource.plural != plural):
+                continue
+            if name is not None and request.name != name:
+                continue
+            found.append(request)
+        return found
+
+    async def create_object(
+        self, plural_path: str, body: dict[str, Any], namespace: str = NS
+    ) -> dict[str, Any]:
+        """POST ``body`` into ``namespace`` over HTTP, as a client would; return the
+        stored object (``plural_path`` like ``apps/v1/daemonsets``). Fails the test
+        on an error status."""
+        response = await self.post(collection_path(plural_path, namespace), json=body)
+        assert response.status < 300, await response.text()
+        result: dict[str, Any] = await response.json()
+        return result
+
+    async def patch_object(
+        self, plural_path: str, name: str, body: dict[str, Any], namespace: str = NS
+    ) -> dict[str, Any]:
+        """Merge-patch the named object over HTTP; return it. Fails the test on an
+        error status."""
+        response = await self.patch(f"{collection_path(plural_path, namespace)}/{name}", json=body)
+        assert response.status < 300, await response.text()
+        result: dict[str, Any] = await response.json()
+        return result
+
+    async def delete_object(self, plural_path: str, name: str, namespace: str = NS) -> None:
+        """DELETE the named object over HTTP. Fails the test on an error status."""
+        response = await self.delete(f"{collection_path(plural_path, namespace)}/{name}")
+        assert response.status < 300, await response.text()
 
     def _check_faults(self, request: kmock.Request, lost_reply: bool = False) -> None:
         action = str(request.action.value).lower() if request.action is not None else None
@@ -282,9 +367,8 @@ class ApiServer(kmock.KubernetesEmulator, DirectRouting):
                 answer = await super()._handle(request)
             uid = ((gone or {}).get("metadata") or {}).get("uid")
             if uid:
-                task = asyncio.create_task(self._collect_dependents(str(uid)))
-                self._collectors.add(task)
-                task.add_done_callback(self._collectors.discard)
+                self.deleted_uids.add(str(uid))
+                self._schedule_collection(str(uid))
             return answer
         if action in (kmock.action.CREATE, kmock.action.UPDATE) and isinstance(request.data, dict):
             async with self._write_lock:
@@ -292,5 +376,24 @@ class ApiServer(kmock.KubernetesEmulator, DirectRouting):
                     self._stamp_create(request)
                 else:
                     self._stamp_update(request)
-                return await super()._handle(request)
+                answer = await super()._handle(request)
+            if action == kmock.action.CREATE:
+                owners = (request.data.get("metadata") or {}).get("ownerReferences") or []
+                uids = {str(o.get("uid")) for o in owners if isinstance(o, dict)}
+                if uids and uids <= self.deleted_uids:  # created for owners already gone
+                    self._schedule_collection(next(iter(uids)))
+            return answer
         return await super()._handle(request)
+
+    def _schedule_collection(self, owner_uid: str) -> None:
+        task = asyncio.create_task(self._collect_dependents(owner_uid))
+        self._collectors.add(task)
+        task.add_done_callback(self._collectors.discard)
+
+
+@contextlib.asynccontextmanager
+async def api_server(history_limit: int | None = None) -> AsyncIterator[ApiServer]:
+    """A running :class:`ApiServer` on a free local port (``server.url``)."""
+    async with ApiServer() as server, kmock.Server(server):
+        server.history_limit = history_limit
+        yield server
