@@ -53,12 +53,12 @@ import httpx
 
 from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.embedded import EmbeddedBackend
-from node_agent.backend.layout import KVDtype, KVLayout
 from node_agent.backend.stage_store import TierStore
 from node_agent.client import EngineClient, RankInfo, SharedKVBuffers
 from node_agent.coordinator import Coordinator, CoordinatorConfig
 from node_agent.engine_api import protocol
 from node_agent.pp.group import GroupView, GroupViewSource, Member
+from node_agent.vocab.layout import KVDtype, KVLayout
 
 COLD_RING = 3
 """Staging sets the bandwidth baseline rotates through (see ``bench_bandwidth``)."""

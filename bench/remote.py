@@ -55,12 +55,12 @@ import torch
 
 from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.embedded import EmbeddedBackend
-from node_agent.backend.layout import KVDtype, KVLayout
 from node_agent.backend.remote.keys import KeySpace, block_digest
 from node_agent.backend.remote.objects import HEADER_BYTES
 from node_agent.backend.remote.settings import RemoteSettings
 from node_agent.backend.remote.tier import RemotePool, RemoteTier
 from node_agent.backend.stage_store import TierStore
+from node_agent.vocab.layout import KVDtype, KVLayout
 
 
 def _free_port() -> int:

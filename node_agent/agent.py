@@ -19,10 +19,8 @@ import asyncio
 import contextlib
 import logging
 import os
-import re
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,31 +28,27 @@ import uvicorn
 from fastapi import FastAPI
 
 from node_agent import __version__
-from node_agent.backend.layout import KVLayout
+from node_agent.assembly import StageBuilder, StageDeps
 from node_agent.backend.remote.join import StorePortInUse, store_ports_problem
 from node_agent.backend.remote.mooncake_client import MooncakeUnavailable, check_available
 from node_agent.backend.remote.settings import RemoteSettings
 from node_agent.backend.remote.tier import RemotePool
 from node_agent.config import AgentConfig, ConfigError, load_config
-from node_agent.engine_api.budget import call_budget
 from node_agent.engine_api.server import EngineServer
 from node_agent.engine_api.service import EngineService, RankRef, Stage
 from node_agent.http.app import create_app
-from node_agent.http.state import RecentErrors, Service
+from node_agent.http.state import Service
 from node_agent.kube.group_watch import KubeGroupSource
 from node_agent.kube.groups import FileGroupSource, GroupMember, GroupView
 from node_agent.kube.heartbeat import LeaseHeartbeat
 from node_agent.metrics import AgentMetrics
 from node_agent.pp.group import GroupView as PPView
 from node_agent.pp.group import GroupViewError, Member
+from node_agent.vocab.budget import call_budget
+from node_agent.vocab.layout import KVLayout
+from node_agent.vocab.recent_errors import RecentErrors
 
 log = logging.getLogger(__name__)
-
-StageBuilder = Callable[["Agent", RankRef, KVLayout], Stage]
-
-
-_INVALID_NAME = re.compile(r"[^a-z0-9-]+")
-
 
 def build_remote_pool(cfg: AgentConfig, metrics: AgentMetrics) -> RemotePool | None:
     """The agent's Mooncake Store client for ``tiers.remote`` (None without it). It
@@ -87,14 +81,6 @@ def build_remote_pool(cfg: AgentConfig, metrics: AgentMetrics) -> RemotePool | N
     ), metrics)
     threading.Thread(target=pool.start, name="flexkv-remote-join", daemon=True).start()
     return pool
-
-
-def group_name(pool: str, replica: str) -> str:
-    """The KVCacheGroup name of a replica (docs/contracts.md section 3), by the
-    operator's rule: ``<pool>-<replica>`` lowercased, every run of characters
-    outside ``[a-z0-9-]`` replaced by ``-``, trimmed, at most 253 characters."""
-    raw = _INVALID_NAME.sub("-", f"{pool}-{replica}".lower()).strip("-")
-    return raw[:253].rstrip("-") or "group"
 
 
 class _Stages:
@@ -162,7 +148,8 @@ class _EpochWatcher:
 
 class Agent:
     """One node agent. ``stage_builder`` makes the started connector of a newly
-    registered stage (:func:`node_agent.engine_api.stages.default_stage_builder`);
+    registered stage from :attr:`stage_deps`
+    (:func:`node_agent.assembly.default_stage_builder`);
     ``kube_api`` (a ``kubernetes.client.ApiClient``) enables the Lease heartbeat and
     the KVCacheGroup views; ``config_path`` enables re-reading ``cacheEpoch``."""
 
@@ -183,7 +170,7 @@ class Agent:
         self.service = EngineService(self._build_stage, cfg.tokens_per_block, status=self.status,
                                      stale_after=cfg.heartbeat.lease_duration_seconds,
                                      on_stage=self.attach_stage)
-        # The connector's waits end inside engineCallSeconds (engine_api/budget.py);
+        # The connector's waits end inside engineCallSeconds (vocab/budget.py);
         # the server's bound is only a last resort behind them.
         budget = call_budget(cfg.timeouts.engine_call_seconds, cfg.timeouts.fanout_wait_seconds)
         self.engine = EngineServer(cfg.engine_endpoint, self.service, self.metrics,
@@ -206,11 +193,14 @@ class Agent:
         self._epoch_watcher = _EpochWatcher(
             self, Path(config_path) if config_path else None, period)
         self.remote_pool = build_remote_pool(cfg, self.metrics)
+        self.stage_deps = StageDeps(cfg=cfg, metrics=self.metrics, remote_pool=self.remote_pool,
+                                    key_epoch=lambda: self.key_epoch)
+        """What the stage builder gets: never the agent itself."""
 
     # -- wiring ----------------------------------------------------------------
 
     def _build_stage(self, rank: RankRef, layout: KVLayout) -> Stage:
-        return self._builder(self, rank, layout)
+        return self._builder(self.stage_deps, rank, layout)
 
     def attach_stage(self, stage: Stage) -> None:
         """Feed a new multi-stage group the view already known for its replica.

@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from node_agent.backend.layout import register_buffers
+from node_agent.backend.planes import register_buffers
 from node_agent.backend.replication import ReplicatedBackend, StageStore
 from node_agent.coordinator.config import CoordinatorConfig
 from node_agent.coordinator.errors import UnknownRequestError

@@ -42,12 +42,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from node_agent.backend.layout import KVLayout
 from node_agent.engine_api import protocol
 from node_agent.engine_api.buffers import OpenedBuffer, open_buffer
 from node_agent.engine_api.identity import check_digest
 from node_agent.engine_api.protocol import layout_to_wire, parse_layout
 from node_agent.engine_api.server import NotReadyError
+from node_agent.vocab.layout import KVLayout
 
 log = logging.getLogger(__name__)
 

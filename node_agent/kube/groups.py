@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from node_agent.http.state import RecentErrors
+from node_agent.vocab.recent_errors import RecentErrors
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from kubernetes.client import CoordinationV1Api
 from kubernetes.client.exceptions import ApiException
 
 from node_agent.config import AgentConfig
-from node_agent.http.state import RecentErrors
+from node_agent.vocab.recent_errors import RecentErrors
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from node_agent.agent import Agent
+from node_agent.assembly import default_stage_builder
 from node_agent.engine_api.service import RankRef, Stage
-from node_agent.engine_api.stages import default_stage_builder
 from node_agent.kube.groups import GroupMember, GroupView
 from node_agent.pp.auth import CurveKeys
 from tests.agent.harness import LAYOUT, agent_mapping, cfg_of, short_dir, wait_for

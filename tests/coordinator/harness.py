@@ -24,7 +24,6 @@ import torch
 
 from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.embedded import EmbeddedBackend
-from node_agent.backend.layout import KVDtype, KVLayout
 from node_agent.backend.stage_store import TierStore
 from node_agent.coordinator import Coordinator, CoordinatorConfig
 from node_agent.metrics import AgentMetrics
@@ -32,6 +31,7 @@ from node_agent.pp.auth import CurveKeys
 from node_agent.pp.channel import FanoutServer, FaultPlan
 from node_agent.pp.group import GroupView, GroupViewSource
 from node_agent.pp.messages import decode, is_batch, unpack_batch
+from node_agent.vocab.layout import KVDtype, KVLayout
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=4, kv_dim=2,
                   dtype=KVDtype.FLOAT32, tokens_per_block=4)

@@ -13,11 +13,11 @@ import torch
 
 from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.embedded import EmbeddedBackend
-from node_agent.backend.layout import KVDtype, KVLayout
 from node_agent.coordinator import Coordinator
 from node_agent.coordinator.tracking import CompletedRids
 from node_agent.metrics import AgentMetrics
 from node_agent.pp.group import GroupView, GroupViewSource
+from node_agent.vocab.layout import KVDtype, KVLayout
 
 from .harness import GROUP, group_status, kv_content, make_buffers, make_connector, write_slots
 

@@ -20,12 +20,12 @@ import torch
 
 from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.embedded import EmbeddedBackend
-from node_agent.backend.layout import KVDtype, KVLayout, LayoutName
 from node_agent.backend.slots import check_whole_pages
 from node_agent.backend.stage_store import TierStore
 from node_agent.coordinator import Coordinator, CoordinatorConfig
 from node_agent.coordinator.inputs import prepare_slots, prepare_store
 from node_agent.pp.group import GroupView, GroupViewSource
+from node_agent.vocab.layout import KVDtype, KVLayout, LayoutName
 
 from .harness import group_status, wait_for
 from .pairs import StageThread

@@ -14,10 +14,10 @@ import torch
 from node_agent.backend.base import KVBackend, TaskNotFoundError
 from node_agent.backend.embedded import EmbeddedBackend
 from node_agent.backend.flexkv_adapter import FlexKVBackend, FlexKVSettings
-from node_agent.backend.replication import Direction
 from node_agent.backend.single_stage import SingleStageBackend
 from node_agent.coordinator import Coordinator, CoordinatorConfig
 from node_agent.pp.group import GroupView, GroupViewSource, Member
+from node_agent.vocab.placement import Direction
 from tests.fake_flexkv import load_fake_flexkv
 
 from .harness import (
