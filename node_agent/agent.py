@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -39,12 +40,11 @@ from node_agent.engine_api.service import EngineService, RankRef, Stage
 from node_agent.http.app import create_app
 from node_agent.http.state import Service
 from node_agent.kube.group_watch import KubeGroupSource
-from node_agent.kube.groups import FileGroupSource, GroupMember, GroupView
+from node_agent.kube.groups import FileGroupSource
 from node_agent.kube.heartbeat import LeaseHeartbeat
 from node_agent.metrics import AgentMetrics
-from node_agent.pp.group import GroupView as PPView
-from node_agent.pp.group import GroupViewError, Member
 from node_agent.vocab.budget import call_budget
+from node_agent.vocab.group_view import GroupView, GroupViewError
 from node_agent.vocab.layout import KVLayout
 from node_agent.vocab.recent_errors import RecentErrors
 
@@ -219,15 +219,9 @@ class Agent:
         if stage.pp_size == 1 or stage.views is None:
             return
 
-        def member(m: GroupMember) -> Member:
-            return Member(node=m.node, pp_rank=m.pp_rank, fanout_endpoint=m.fanout_endpoint,
-                          ready=m.ready)
-
-        pp_view = PPView(group=stage.group, epoch=view.epoch,
-                         leader=member(view.leader) if view.leader else None,
-                         members=tuple(member(m) for m in view.members))
         try:
-            stage.views.update(pp_view)
+            # The stage follows its own group name, whatever the object is called.
+            stage.views.update(dataclasses.replace(view, group=stage.group))
         except GroupViewError as exc:
             log.warning("Group view refused", extra={"group": stage.group, "error": str(exc)})
             self.errors.record("group_view", f"{stage.group}: {exc}")

@@ -51,8 +51,9 @@ from node_agent.engine_api.identity import stage_namespace
 from node_agent.engine_api.service import INLINE_CANDIDATES, RankRef, Stage
 from node_agent.metrics import AgentMetrics
 from node_agent.pp.auth import CurveKeys
-from node_agent.pp.group import GroupView, GroupViewSource, Member
+from node_agent.pp.group import GroupViewSource
 from node_agent.vocab.budget import call_budget
+from node_agent.vocab.group_view import GroupMember, GroupView
 from node_agent.vocab.layout import KVLayout
 
 _INVALID_NAME = re.compile(r"[^a-z0-9-]+")
@@ -151,11 +152,11 @@ def default_stage_builder(deps: StageDeps, rank: RankRef, layout: KVLayout) -> S
             "bytes in the agent's config, or register a layout with smaller blocks"
         )
     if rank.pp_size == 1:
-        me = Member(node=cfg.node_name, pp_rank=0, fanout_endpoint="")
-        views = GroupViewSource(GroupView(group, 0, me, (me,)))
+        me = GroupMember(node=cfg.node_name, pp_rank=0, fanout_endpoint="")
+        views = GroupViewSource(GroupView(group, 0, me, (me,), rank.replica, rank.pp_size))
         endpoint, keys = None, None
     else:
-        views = GroupViewSource(GroupView(group, 0, None, ()))
+        views = GroupViewSource(GroupView(group, 0, None, (), rank.replica, rank.pp_size))
         endpoint = f"tcp://{cfg.bind_address}:{cfg.ports.fanout}"
         keys = CurveKeys.load(cfg.curve_key_dir)
     ccfg = connector_config(cfg, rank, layout, group, endpoint)

@@ -35,9 +35,10 @@ from node_agent.coordinator.tracking import CompletedRids
 from node_agent.metrics import AgentMetrics
 from node_agent.pp.auth import CurveKeys
 from node_agent.pp.channel import FanoutServer
-from node_agent.pp.group import GroupView, GroupViewSource
+from node_agent.pp.group import GroupViewSource
 from node_agent.pp.messages import Message, Op
 from node_agent.pp.stream import StreamMetrics
+from node_agent.vocab.group_view import GroupView
 
 log = logging.getLogger(__name__)
 
