@@ -284,19 +284,25 @@ class Agent:
         return comps
 
     def _tiers(self) -> dict[str, dict[str, int]]:
-        """Tier capacity and use as the backend last published them in the metrics
-        (configured sizes before any stage exists)."""
-        reg = self.metrics.registry
+        """Capacity and use of each configured tier, from the own stats of the
+        backends of the stages this agent leads (summed over them); a tier no leading
+        backend reports shows its configured size, nothing used."""
+        own: dict[str, tuple[int, int]] = {}
+        for stage in list(self.service.stages.values()):
+            try:
+                tiers = stage.connector.tier_bytes()
+            except Exception:  # reported by the stage's own status; /status must answer
+                continue
+            for name, (cap, used) in (tiers or {}).items():
+                c, u = own.get(name, (0, 0))
+                own[name] = (c + cap, u + used)
         out: dict[str, dict[str, int]] = {}
         for tier in ("cpu", "ssd"):
-            cap = reg.get_sample_value("flexkv_agent_tier_capacity_bytes", {"tier": tier})
-            used = reg.get_sample_value("flexkv_agent_tier_used_bytes", {"tier": tier})
             conf = self.cfg.tiers.cpu if tier == "cpu" else self.cfg.tiers.ssd
             if conf is None:
-                continue  # not configured (the backend may still publish a 0 gauge)
-            if cap is None:
-                cap, used = float(conf.size), 0.0
-            out[tier] = {"capacityBytes": int(cap), "usedBytes": int(used or 0)}
+                continue  # not configured
+            cap, used = own.get(tier, (conf.size, 0))
+            out[tier] = {"capacityBytes": int(cap), "usedBytes": int(used)}
         return out
 
     def _remote_status(self) -> dict[str, Any] | None:

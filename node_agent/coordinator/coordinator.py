@@ -391,6 +391,15 @@ class Coordinator:
 
     # -- health ----------------------------------------------------------------------------
 
+    def tier_bytes(self) -> dict[str, tuple[int, int]] | None:
+        """Tier name -> (capacity, used) bytes, from the leader backend's own stats;
+        None while this stage is not the leader (a follower's store keeps no index)."""
+        role = self._role
+        if not isinstance(role, LeaderRole):
+            return None
+        return {name: (t.capacity_bytes, t.used_bytes)
+                for name, t in role.backend.stats().tiers.items()}
+
     def ready(self) -> bool:
         """True when started, every expected engine rank registered, this stage
         holds a role and is not degraded (for /readyz)."""

@@ -65,6 +65,9 @@ class Coordinator(Protocol):
     def close(self) -> None: ...
     def status(self) -> dict[str, Any]: ...
     def ready(self) -> bool: ...
+    def tier_bytes(self) -> dict[str, tuple[int, int]] | None:
+        """Tier name -> (capacity, used) bytes of the stage's backend while the stage
+        leads its group; None otherwise."""
 
 
 def wait_completed(conn: Coordinator, timeout_ms: int) -> list[str]:
