@@ -53,12 +53,13 @@ import httpx
 
 from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.embedded import EmbeddedBackend
-from node_agent.backend.layout import KVDtype, KVLayout
 from node_agent.backend.stage_store import TierStore
 from node_agent.client import EngineClient, RankInfo, SharedKVBuffers
 from node_agent.coordinator import Coordinator, CoordinatorConfig
 from node_agent.engine_api import protocol
-from node_agent.pp.group import GroupView, GroupViewSource, Member
+from node_agent.pp.group import GroupViewSource
+from node_agent.vocab.group_view import GroupMember, GroupView
+from node_agent.vocab.layout import KVDtype, KVLayout
 
 COLD_RING = 3
 """Staging sets the bandwidth baseline rotates through (see ``bench_bandwidth``)."""
@@ -205,7 +206,7 @@ def bench_bandwidth(client: EngineClient, bufs: SharedKVBuffers, layout: KVLayou
 
 
 def inprocess_connector(layout: KVLayout, cpu_bytes: int) -> Coordinator:
-    me = Member(node="bench", pp_rank=0, fanout_endpoint="")
+    me = GroupMember(node="bench", pp_rank=0, fanout_endpoint="")
     bcfg = EmbeddedBackendConfig(layout=layout, cpu_bytes=cpu_bytes, pinned=False,
                                  deferred_visibility=True)
     conn = Coordinator(CoordinatorConfig(group="bench-inproc", pp_rank=0, layout=layout),

@@ -53,12 +53,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import contextlib
 
-from node_agent.backend.replication import Direction
 from node_agent.coordinator.tracking import Mailbox
 from node_agent.pp.auth import CurveKeys
 from node_agent.pp.channel import FanoutServer
 from node_agent.pp.messages import Ack, Decision, Kind, Message, Op, Reset
 from node_agent.pp.stream import FollowerStream, LeaderStream, StreamMetrics
+from node_agent.vocab.placement import Direction
 
 GROUP = "bench"
 TOKENS_PER_BLOCK = 16

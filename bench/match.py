@@ -44,7 +44,7 @@ import torch
 from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.embedded import EmbeddedBackend
 from node_agent.backend.hashing import BlockHasher
-from node_agent.backend.layout import KVDtype, KVLayout
+from node_agent.vocab.layout import KVDtype, KVLayout
 
 
 def _rss_bytes() -> int:

@@ -55,12 +55,12 @@ import torch
 
 from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.embedded import EmbeddedBackend
-from node_agent.backend.layout import KVDtype, KVLayout
 from node_agent.backend.remote.keys import KeySpace, block_digest
 from node_agent.backend.remote.objects import HEADER_BYTES
 from node_agent.backend.remote.settings import RemoteSettings
 from node_agent.backend.remote.tier import RemotePool, RemoteTier
 from node_agent.backend.stage_store import TierStore
+from node_agent.vocab.layout import KVDtype, KVLayout
 
 
 def _free_port() -> int:
@@ -246,7 +246,8 @@ def bench_lookup(master: str, metadata: str, tokens_n: int, tpb: int,
 def bench_lookup_during_fetch(master: str, metadata: str, tokens_n: int, iters: int,
                               prompts: int) -> dict[str, object]:
     from node_agent.coordinator import Coordinator, CoordinatorConfig
-    from node_agent.pp.group import GroupView, GroupViewSource, Member
+    from node_agent.pp.group import GroupViewSource
+    from node_agent.vocab.group_view import GroupMember, GroupView
 
     tpb, fetch_blocks = 16, 2048
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_size=1, kv_dim=1,
@@ -278,7 +279,7 @@ def bench_lookup_during_fetch(master: str, metadata: str, tokens_n: int, iters: 
     cfg = CoordinatorConfig(group="bench", pp_rank=0, layout=layout,
                           engine_call_seconds=60.0, fanout_wait_seconds=10.0,
                           transfer_seconds=15.0)
-    me = Member(node="bench", pp_rank=0, fanout_endpoint="")
+    me = GroupMember(node="bench", pp_rank=0, fanout_endpoint="")
 
     def no_store() -> TierStore:
         raise AssertionError("a single-stage group has no follower")

@@ -95,8 +95,8 @@ def _engine(args: argparse.Namespace) -> None:
     import torch
     import yaml
 
-    from node_agent.backend.layout import KVDtype, KVLayout
     from node_agent.client import EngineClient, RankInfo, SharedKVBuffers
+    from node_agent.vocab.layout import KVDtype, KVLayout
 
     layout = KVLayout(num_layers=args.layers, num_kv_heads=8, head_size=128,
                       dtype=KVDtype.FLOAT16, tokens_per_block=16)

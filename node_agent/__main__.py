@@ -71,7 +71,7 @@ def _run(args: argparse.Namespace) -> int:
             "backend: embedded"
         )
     from node_agent.agent import Agent
-    from node_agent.engine_api.stages import default_stage_builder
+    from node_agent.assembly import default_stage_builder
 
     agent = Agent(cfg, default_stage_builder, kube_api=_kube_api(cfg.kubernetes),
                   config_path=args.config)

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,28 +29,26 @@ import uvicorn
 from fastapi import FastAPI
 
 from node_agent import __version__
-from node_agent.backend.layout import KVLayout
+from node_agent.assembly import StageBuilder, StageDeps
 from node_agent.backend.remote.join import StorePortInUse, store_ports_problem
 from node_agent.backend.remote.mooncake_client import MooncakeUnavailable, check_available
 from node_agent.backend.remote.settings import RemoteSettings
 from node_agent.backend.remote.tier import RemotePool
 from node_agent.config import AgentConfig, ConfigError, load_config
-from node_agent.engine_api.budget import call_budget
 from node_agent.engine_api.server import EngineServer
 from node_agent.engine_api.service import EngineService, RankRef, Stage
 from node_agent.http.app import create_app
-from node_agent.http.state import RecentErrors, Service
+from node_agent.http.state import Service
 from node_agent.kube.group_watch import KubeGroupSource
-from node_agent.kube.groups import FileGroupSource, GroupMember, GroupView
+from node_agent.kube.groups import FileGroupSource
 from node_agent.kube.heartbeat import LeaseHeartbeat
 from node_agent.metrics import AgentMetrics
-from node_agent.pp.group import GroupView as PPView
-from node_agent.pp.group import GroupViewError, Member
+from node_agent.vocab.budget import call_budget
+from node_agent.vocab.group_view import GroupView, GroupViewError
+from node_agent.vocab.layout import KVLayout
+from node_agent.vocab.recent_errors import RecentErrors
 
 log = logging.getLogger(__name__)
-
-StageBuilder = Callable[["Agent", RankRef, KVLayout], Stage]
-
 
 def build_remote_pool(cfg: AgentConfig, metrics: AgentMetrics) -> RemotePool | None:
     """The agent's Mooncake Store client for ``tiers.remote`` (None without it). It
@@ -150,7 +148,8 @@ class _EpochWatcher:
 
 class Agent:
     """One node agent. ``stage_builder`` makes the started connector of a newly
-    registered stage (:func:`node_agent.engine_api.stages.default_stage_builder`);
+    registered stage from :attr:`stage_deps`
+    (:func:`node_agent.assembly.default_stage_builder`);
     ``kube_api`` (a ``kubernetes.client.ApiClient``) enables the Lease heartbeat and
     the KVCacheGroup views; ``config_path`` enables re-reading ``cacheEpoch``."""
 
@@ -171,7 +170,7 @@ class Agent:
         self.service = EngineService(self._build_stage, cfg.tokens_per_block, status=self.status,
                                      stale_after=cfg.heartbeat.lease_duration_seconds,
                                      on_stage=self.attach_stage)
-        # The connector's waits end inside engineCallSeconds (engine_api/budget.py);
+        # The connector's waits end inside engineCallSeconds (vocab/budget.py);
         # the server's bound is only a last resort behind them.
         budget = call_budget(cfg.timeouts.engine_call_seconds, cfg.timeouts.fanout_wait_seconds)
         self.engine = EngineServer(cfg.engine_endpoint, self.service, self.metrics,
@@ -194,11 +193,14 @@ class Agent:
         self._epoch_watcher = _EpochWatcher(
             self, Path(config_path) if config_path else None, period)
         self.remote_pool = build_remote_pool(cfg, self.metrics)
+        self.stage_deps = StageDeps(cfg=cfg, metrics=self.metrics, remote_pool=self.remote_pool,
+                                    key_epoch=lambda: self.key_epoch)
+        """What the stage builder gets: never the agent itself."""
 
     # -- wiring ----------------------------------------------------------------
 
     def _build_stage(self, rank: RankRef, layout: KVLayout) -> Stage:
-        return self._builder(self, rank, layout)
+        return self._builder(self.stage_deps, rank, layout)
 
     def attach_stage(self, stage: Stage) -> None:
         """Feed a new multi-stage group the view already known for its replica.
@@ -217,15 +219,9 @@ class Agent:
         if stage.pp_size == 1 or stage.views is None:
             return
 
-        def member(m: GroupMember) -> Member:
-            return Member(node=m.node, pp_rank=m.pp_rank, fanout_endpoint=m.fanout_endpoint,
-                          ready=m.ready)
-
-        pp_view = PPView(group=stage.group, epoch=view.epoch,
-                         leader=member(view.leader) if view.leader else None,
-                         members=tuple(member(m) for m in view.members))
         try:
-            stage.views.update(pp_view)
+            # The stage follows its own group name, whatever the object is called.
+            stage.views.update(dataclasses.replace(view, group=stage.group))
         except GroupViewError as exc:
             log.warning("Group view refused", extra={"group": stage.group, "error": str(exc)})
             self.errors.record("group_view", f"{stage.group}: {exc}")
@@ -288,19 +284,25 @@ class Agent:
         return comps
 
     def _tiers(self) -> dict[str, dict[str, int]]:
-        """Tier capacity and use as the backend last published them in the metrics
-        (configured sizes before any stage exists)."""
-        reg = self.metrics.registry
+        """Capacity and use of each configured tier, from the own stats of the
+        backends of the stages this agent leads (summed over them); a tier no leading
+        backend reports shows its configured size, nothing used."""
+        own: dict[str, tuple[int, int]] = {}
+        for stage in list(self.service.stages.values()):
+            try:
+                tiers = stage.connector.tier_bytes()
+            except Exception:  # reported by the stage's own status; /status must answer
+                continue
+            for name, (cap, used) in (tiers or {}).items():
+                c, u = own.get(name, (0, 0))
+                own[name] = (c + cap, u + used)
         out: dict[str, dict[str, int]] = {}
         for tier in ("cpu", "ssd"):
-            cap = reg.get_sample_value("flexkv_agent_tier_capacity_bytes", {"tier": tier})
-            used = reg.get_sample_value("flexkv_agent_tier_used_bytes", {"tier": tier})
             conf = self.cfg.tiers.cpu if tier == "cpu" else self.cfg.tiers.ssd
             if conf is None:
-                continue  # not configured (the backend may still publish a 0 gauge)
-            if cap is None:
-                cap, used = float(conf.size), 0.0
-            out[tier] = {"capacityBytes": int(cap), "usedBytes": int(used or 0)}
+                continue  # not configured
+            cap, used = own.get(tier, (conf.size, 0))
+            out[tier] = {"capacityBytes": int(cap), "usedBytes": int(used)}
         return out
 
     def _remote_status(self) -> dict[str, Any] | None:

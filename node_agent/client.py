@@ -51,10 +51,10 @@ import numpy.typing as npt
 import torch
 import zmq
 
-from node_agent.backend.layout import KVLayout, LayoutName
 from node_agent.engine_api import protocol
 from node_agent.engine_api.buffers import CREATED_HERE, cuda_handle, dtype_name
 from node_agent.engine_api.protocol import array_length, bool_array, int64_array, layout_to_wire
+from node_agent.vocab.layout import KVLayout, LayoutName
 
 _NOBLOCK = int(zmq.NOBLOCK)
 _RCVMORE = int(zmq.RCVMORE)

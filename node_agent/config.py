@@ -35,7 +35,7 @@ from node_agent.backend.remote.settings import (
     store_port_problem,
 )
 from node_agent.contract import files, quantity
-from node_agent.engine_api.budget import call_budget
+from node_agent.vocab.budget import call_budget
 
 ENV_PREFIX = "FLEXKV_"
 # Unix domain socket paths are limited to sizeof(sun_path) - 1 bytes on Linux.

@@ -102,9 +102,9 @@ def agent(work: Path) -> Iterator[tuple[str, str]]:
 def check_ipc(work: Path) -> None:
     import torch
 
-    from node_agent.backend.layout import KVDtype, KVLayout
     from node_agent.client import EngineClient, RankInfo
     from node_agent.integrations.sglang.connector import AgentKVConnector
+    from node_agent.vocab.layout import KVDtype, KVLayout
 
     layout = KVLayout(num_layers=4, num_kv_heads=8, head_size=128, dtype=KVDtype.BFLOAT16,
                       tokens_per_block=TPB)

@@ -20,7 +20,7 @@ The contract, in FlexKV's terms:
 * **Token ids** are int64 numpy arrays on the CPU.
 * **Engine buffers.** Before anything moves, every engine rank of the stage
   registers its KV buffers with :meth:`KVBackend.register_kv_buffers` (layout
-  and validation in :mod:`node_agent.backend.layout`); ``is_ready`` turns true
+  and validation in :mod:`node_agent.backend.planes`); ``is_ready`` turns true
   once the backend started and every expected rank registered.
 """
 
@@ -176,7 +176,7 @@ class KVBackend(abc.ABC):
         """Register engine rank ``rank``'s KV buffers (CUDA or CPU tensors).
 
         ``buffers`` is arranged as the backend's layout names it (see
-        :mod:`node_agent.backend.layout`: for SGLang MHA ``(k_buffer, v_buffer)``,
+        :mod:`node_agent.backend.planes`: for SGLang MHA ``(k_buffer, v_buffer)``,
         for MLA ``(kv_buffer,)``). The backend keeps views of the engine's memory,
         never copies. Raises ``ValueError`` naming the bad rank, list, shape,
         dtype or device with nothing registered. Registering a rank again

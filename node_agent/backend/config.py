@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from node_agent.backend.hashing import HashAlgorithm
-from node_agent.backend.layout import KVLayout
+from node_agent.vocab.layout import KVLayout
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class EmbeddedBackendConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.layout, KVLayout):
             raise ValueError(
-                f"layout={self.layout!r} is invalid; pass a node_agent.backend.layout.KVLayout"
+                f"layout={self.layout!r} is invalid; pass a node_agent.vocab.layout.KVLayout"
             )
         bpb = self.layout.bytes_per_block
         _int_at_least("cpu_bytes", self.cpu_bytes, bpb,

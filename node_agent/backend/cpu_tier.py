@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from node_agent.backend.layout import KVLayout
+from node_agent.vocab.layout import KVLayout
 
 
 class CpuTier:

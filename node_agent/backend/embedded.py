@@ -45,22 +45,16 @@ from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.hashing import BlockHasher
 from node_agent.backend.index import NO_NODES, BlockIndex, NodeIds
 from node_agent.backend.inputs import as_token_ids, mask_span, span_mask
-from node_agent.backend.layout import RegisteredBuffers, register_buffers
+from node_agent.backend.planes import RegisteredBuffers, register_buffers
 from node_agent.backend.remote.keys import block_digest
 from node_agent.backend.remote.tier import RemoteTier
-from node_agent.backend.replication import (
-    BlockLocation,
-    Direction,
-    ReplicatedBackend,
-    Tier,
-    TierMove,
-    TransferPlan,
-)
+from node_agent.backend.replication import ReplicatedBackend
 from node_agent.backend.slots import validate_slot_mapping
 from node_agent.backend.stage_store import TierStore
 from node_agent.backend.tasks import Task, TaskState
 from node_agent.backend.transfer import CopyAborted
 from node_agent.metrics import AgentMetrics
+from node_agent.vocab.placement import BlockLocation, Direction, Tier, TierMove, TransferPlan
 
 log = logging.getLogger(__name__)
 

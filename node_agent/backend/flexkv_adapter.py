@@ -13,7 +13,7 @@ FlexKV facts, with the FlexKV source files they come from):
   copies (FlexKV writes into the mask it is given), a namespace string becomes
   FlexKV's ``List[str]``; FlexKV's ``KVResponse`` becomes ours, mapped by status
   *name* (FlexKV's ``NOTFOUND`` value is ``"not_found"``).
-* **Configuration.** :class:`~node_agent.backend.layout.KVLayout` becomes
+* **Configuration.** :class:`~node_agent.vocab.layout.KVLayout` becomes
   FlexKV's ``ModelConfig``; tier sizes in bytes become ``CacheConfig`` block
   counts using the bytes per block of one PP stage, rounded down so a tier
   never exceeds its configured size.
@@ -66,7 +66,8 @@ from node_agent.backend.base import (
     TokenArray,
     launch_task_ids,
 )
-from node_agent.backend.layout import KVLayout, LayoutName, register_buffers
+from node_agent.backend.planes import register_buffers
+from node_agent.vocab.layout import KVLayout, LayoutName
 
 if TYPE_CHECKING:
     import torch

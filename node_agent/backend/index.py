@@ -60,7 +60,7 @@ import numpy.typing as npt
 
 from node_agent.backend.block_ring import BlockRing
 from node_agent.backend.key_table import ZERO_STANDIN, Keys, KeyTable, as_keys
-from node_agent.backend.replication import BlockLocation, Tier, TierMove
+from node_agent.vocab.placement import BlockLocation, Tier, TierMove
 
 log = logging.getLogger(__name__)
 

@@ -25,69 +25,14 @@ Two roles implement this module's interfaces:
 from __future__ import annotations
 
 import abc
-import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from node_agent.backend.base import BoolMask, KVBackend, SlotArray, TokenArray
+from node_agent.vocab.placement import Tier, TierMove, TransferPlan
 
 if TYPE_CHECKING:
     import torch
-
-
-class Tier(enum.Enum):
-    """A cache tier of a stage."""
-
-    CPU = "cpu"
-    SSD = "ssd"
-    #: The shared pool (node_agent/backend/remote). Only in tier moves: REMOTE -> CPU
-    #: (fetch; the source index is the remote block id) and CPU -> REMOTE (write).
-    REMOTE = "remote"
-
-    # Members are singletons compared by identity; hashing by identity too keeps
-    # BlockLocation hashing off Enum's Python-level __hash__ (index hot path).
-    __hash__ = object.__hash__
-
-
-class Direction(enum.Enum):
-    """Which way a plan moves KV: engine slots to tiers (STORE) or back (LOAD)."""
-
-    STORE = "store"
-    LOAD = "load"
-
-
-@dataclass(frozen=True, order=True, slots=True)
-class BlockLocation:
-    """One physical block of a tier: ``index`` in ``[0, num_blocks(tier))``."""
-
-    tier: Tier
-    index: int
-
-
-@dataclass(frozen=True)
-class TransferPlan:
-    """What one stage copies for one task.
-
-    ``blocks[i]`` is where the i-th masked block of the task lives (LOAD) or will
-    live (STORE). The slot mapping executed with the plan holds
-    ``len(blocks) * tokens_per_block`` slots in token order.
-    """
-
-    direction: Direction
-    blocks: tuple[BlockLocation, ...]
-
-
-@dataclass(frozen=True)
-class TierMove:
-    """A leader decision to move a block between tiers, or drop it (``dst`` None).
-
-    Dropping needs no copy; moving copies the stage's own bytes of ``src`` to
-    ``dst``. Every stage applies moves in stream order, before any later plan.
-    """
-
-    src: BlockLocation
-    dst: BlockLocation | None
 
 
 class StageStore(abc.ABC):

@@ -34,12 +34,8 @@ from node_agent.backend.base import (
     TaskNotFoundError,
     TokenArray,
 )
-from node_agent.backend.replication import (
-    Direction,
-    ReplicatedBackend,
-    TierMove,
-    TransferPlan,
-)
+from node_agent.backend.replication import ReplicatedBackend
+from node_agent.vocab.placement import Direction, TierMove, TransferPlan
 
 
 class SingleStageBackend(ReplicatedBackend):

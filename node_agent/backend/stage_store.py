@@ -17,18 +17,13 @@ import torch
 
 from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.cpu_tier import CpuTier
-from node_agent.backend.layout import KVLayout, RegisteredBuffers, register_buffers
-from node_agent.backend.replication import (
-    BlockLocation,
-    Direction,
-    StageStore,
-    Tier,
-    TierMove,
-    TransferPlan,
-)
+from node_agent.backend.planes import RegisteredBuffers, register_buffers
+from node_agent.backend.replication import StageStore
 from node_agent.backend.slots import validate_slot_mapping
 from node_agent.backend.ssd_tier import SsdTier
 from node_agent.backend.transfer import BlockCopier
+from node_agent.vocab.layout import KVLayout
+from node_agent.vocab.placement import BlockLocation, Direction, Tier, TierMove, TransferPlan
 
 if TYPE_CHECKING:
     from node_agent.backend.remote.tier import RemoteTier

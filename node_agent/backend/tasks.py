@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from node_agent.backend.base import BoolMask, KVResponse, KVResponseStatus
 from node_agent.backend.index import NodeIds
-from node_agent.backend.replication import Direction, TransferPlan
+from node_agent.vocab.placement import Direction, TransferPlan
 
 
 class TaskState(enum.Enum):

@@ -52,9 +52,10 @@ import torch
 
 from node_agent.backend.cpu_tier import CpuTier
 from node_agent.backend.lanes import run_items
-from node_agent.backend.layout import KVLayout, RegisteredBuffers
-from node_agent.backend.replication import BlockLocation, Tier
+from node_agent.backend.planes import RegisteredBuffers
 from node_agent.backend.ssd_tier import SsdTier
+from node_agent.vocab.layout import KVLayout
+from node_agent.vocab.placement import BlockLocation, Tier
 
 #: At most this many slice / gather ops per plane; beyond, one vectorised scatter.
 MAX_SEGMENTS = 16

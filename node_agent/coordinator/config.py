@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from node_agent.backend.layout import KVLayout
+from node_agent.vocab.layout import KVLayout
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,7 @@ class CoordinatorConfig:
     leader's wait for followers' acks, ``transfer_seconds`` one stage's copy.
     The longest chain of waits in one engine call is ``fanout_wait_seconds +
     3 * transfer_seconds`` and must stay below ``engine_call_seconds``
-    (``node_agent.engine_api.budget.call_budget`` computes such a split; the
+    (``node_agent.vocab.budget.call_budget`` computes such a split; the
     defaults are its split of 10 s).
     """
 
@@ -59,7 +59,7 @@ class CoordinatorConfig:
                 f"transfer_seconds={self.transfer_seconds:g} = {chain:g} must be below "
                 f"engine_call_seconds={self.engine_call_seconds:g} (the longest chain of "
                 "waits in one engine call); derive both from engine_call_seconds with "
-                "node_agent.engine_api.budget.call_budget"
+                "node_agent.vocab.budget.call_budget"
             )
         if self.heartbeat_seconds * 3 > self.leader_timeout_seconds:
             raise ValueError(

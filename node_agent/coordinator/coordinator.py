@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from node_agent.backend.layout import register_buffers
+from node_agent.backend.planes import register_buffers
 from node_agent.backend.replication import ReplicatedBackend, StageStore
 from node_agent.coordinator.config import CoordinatorConfig
 from node_agent.coordinator.errors import UnknownRequestError
@@ -35,9 +35,10 @@ from node_agent.coordinator.tracking import CompletedRids
 from node_agent.metrics import AgentMetrics
 from node_agent.pp.auth import CurveKeys
 from node_agent.pp.channel import FanoutServer
-from node_agent.pp.group import GroupView, GroupViewSource
+from node_agent.pp.group import GroupViewSource
 from node_agent.pp.messages import Message, Op
 from node_agent.pp.stream import StreamMetrics
+from node_agent.vocab.group_view import GroupView
 
 log = logging.getLogger(__name__)
 
@@ -389,6 +390,15 @@ class Coordinator:
             role.reset()
 
     # -- health ----------------------------------------------------------------------------
+
+    def tier_bytes(self) -> dict[str, tuple[int, int]] | None:
+        """Tier name -> (capacity, used) bytes, from the leader backend's own stats;
+        None while this stage is not the leader (a follower's store keeps no index)."""
+        role = self._role
+        if not isinstance(role, LeaderRole):
+            return None
+        return {name: (t.capacity_bytes, t.used_bytes)
+                for name, t in role.backend.stats().tiers.items()}
 
     def ready(self) -> bool:
         """True when started, every expected engine rank registered, this stage

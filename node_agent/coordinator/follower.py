@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from node_agent.backend.replication import Direction, StageStore, Tier
+from node_agent.backend.replication import StageStore
 from node_agent.coordinator.config import CoordinatorConfig
 from node_agent.coordinator.errors import UnknownRequestError
 from node_agent.coordinator.inputs import LookupInput, StoreInput, prepare_slots
@@ -46,6 +46,7 @@ from node_agent.pp.messages import (
     Result,
 )
 from node_agent.pp.stream import FollowerStream, StreamMetrics
+from node_agent.vocab.placement import Direction, Tier
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 from node_agent.backend.base import KVResponseStatus
-from node_agent.backend.replication import Direction, ReplicatedBackend, TierMove, TransferPlan
+from node_agent.backend.replication import ReplicatedBackend
 from node_agent.coordinator.config import CoordinatorConfig
 from node_agent.coordinator.errors import UnknownRequestError
 from node_agent.coordinator.inputs import LookupInput, StoreInput, prepare_slots
@@ -52,6 +52,7 @@ from node_agent.pp.messages import (
     Result,
 )
 from node_agent.pp.stream import LeaderStream, StreamMetrics
+from node_agent.vocab.placement import Direction, TierMove, TransferPlan
 
 log = logging.getLogger(__name__)
 

@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from node_agent.backend.layout import KVLayout
 from node_agent.client import EngineClient, RankInfo, SharedKVBuffers
 from node_agent.demo.workload import DemoRequest, WorkloadSpec, generate, kv_values
+from node_agent.vocab.layout import KVLayout
 
 
 class DemoEngine:

@@ -39,8 +39,8 @@ import yaml
 from node_agent.contract import kube
 
 if TYPE_CHECKING:
-    from node_agent.backend.layout import KVLayout
     from node_agent.demo.workload import WorkloadSpec
+    from node_agent.vocab.layout import KVLayout
 
 
 def _positive(text: str) -> int:
@@ -165,10 +165,10 @@ def _write_group_file(path: Path, pool: str, replica: str, fanout_ports: list[in
 
 def run_demo(args: argparse.Namespace) -> int:
     """Run the demo; 0 when every request was served and every loaded token matched."""
-    from node_agent.backend.layout import KVDtype, KVLayout
     from node_agent.demo.workload import WorkloadSpec
     from node_agent.engine_api.protocol import layout_to_wire
     from node_agent.pp.auth import CurveKeys
+    from node_agent.vocab.layout import KVDtype, KVLayout
 
     spec = WorkloadSpec(conversations=args.conversations, turns=args.turns,
                         shared_prefixes=args.shared_prefixes, system_tokens=args.system_tokens,

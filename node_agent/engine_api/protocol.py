@@ -33,7 +33,7 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from node_agent.backend.layout import KVLayout
+from node_agent.vocab.layout import KVLayout
 
 VERSION: Final = 1
 MAX_HEADER_BYTES: Final = 256 * 1024

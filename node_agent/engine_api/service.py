@@ -42,12 +42,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from node_agent.backend.layout import KVLayout
 from node_agent.engine_api import protocol
 from node_agent.engine_api.buffers import OpenedBuffer, open_buffer
 from node_agent.engine_api.identity import check_digest
 from node_agent.engine_api.protocol import layout_to_wire, parse_layout
 from node_agent.engine_api.server import NotReadyError
+from node_agent.vocab.layout import KVLayout
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,9 @@ class Coordinator(Protocol):
     def close(self) -> None: ...
     def status(self) -> dict[str, Any]: ...
     def ready(self) -> bool: ...
+    def tier_bytes(self) -> dict[str, tuple[int, int]] | None:
+        """Tier name -> (capacity, used) bytes of the stage's backend while the stage
+        leads its group; None otherwise."""
 
 
 def wait_completed(conn: Coordinator, timeout_ms: int) -> list[str]:

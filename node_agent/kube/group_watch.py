@@ -27,8 +27,8 @@ from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError as Urllib3Error
 
 from node_agent.contract import kube
-from node_agent.http.state import RecentErrors
 from node_agent.kube.groups import GROUP, PLURAL, VERSION, ViewDelivery, ViewsCallback
+from node_agent.vocab.recent_errors import RecentErrors
 
 log = logging.getLogger(__name__)
 

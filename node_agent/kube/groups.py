@@ -1,8 +1,9 @@
 """Group views: which PP groups exist, who leads them at which epoch, who the members
 are (docs/contracts.md section 3), read from ``KVCacheGroup`` status or from a file.
 
-:func:`parse_group` turns one KVCacheGroup-shaped mapping into a
-:class:`GroupView`; objects without a usable status (no epoch yet) are skipped.
+:func:`parse_group` (the one parser of a KVCacheGroup) turns one KVCacheGroup-shaped
+mapping into a :class:`~node_agent.vocab.group_view.GroupView`; objects without a
+usable status (no epoch yet) are skipped, malformed ones are reported and skipped.
 Two sources deliver the views of this agent's pool to a callback, only when they
 changed:
 
@@ -21,53 +22,18 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from node_agent.contract import kube
-from node_agent.http.state import RecentErrors
+from node_agent.vocab.group_view import GroupMember, GroupView, GroupViewError
+from node_agent.vocab.recent_errors import RecentErrors
 
 log = logging.getLogger(__name__)
 
 GROUP, VERSION, PLURAL = kube.CRD_GROUP, kube.CRD_VERSION, kube.GROUP_PLURAL
-
-
-class GroupViewError(ValueError):
-    """A KVCacheGroup object does not have the contract's shape."""
-
-
-@dataclass(frozen=True)
-class GroupMember:
-    """One stage of a PP group."""
-
-    node: str
-    pp_rank: int
-    fanout_endpoint: str
-    ready: bool = True
-
-
-@dataclass(frozen=True)
-class GroupView:
-    """The operator's current decision for one PP group."""
-
-    name: str
-    replica: str
-    pp_size: int
-    epoch: int
-    leader: GroupMember | None
-    members: tuple[GroupMember, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        """The view as /status shows it."""
-        def m(x: GroupMember) -> dict[str, Any]:
-            return {"node": x.node, "ppRank": x.pp_rank, "fanoutEndpoint": x.fanout_endpoint,
-                    "ready": x.ready}
-        return {"name": self.name, "replica": self.replica, "ppSize": self.pp_size,
-                "epoch": self.epoch, "leader": m(self.leader) if self.leader else None,
-                "members": [m(x) for x in self.members]}
 
 
 def _member(obj: object, where: str) -> GroupMember:
@@ -78,6 +44,12 @@ def _member(obj: object, where: str) -> GroupMember:
     if not isinstance(node, str) or not isinstance(rank, int) or not isinstance(ep, str):
         raise GroupViewError(f"{where}: needs node (string), ppRank (int), fanoutEndpoint "
                              f"(string), got {dict(obj)!r}")
+    if not node:
+        raise GroupViewError(f"{where}.node must be a non-empty string")
+    if isinstance(rank, bool) or rank < 0:
+        raise GroupViewError(f"{where}.ppRank must be an int >= 0, got {rank!r}")
+    if not ep.startswith("tcp://"):
+        raise GroupViewError(f"{where}.fanoutEndpoint must be tcp://host:port, got {ep!r}")
     return GroupMember(node=node, pp_rank=rank, fanout_endpoint=ep,
                        ready=bool(obj.get("ready", True)))
 
@@ -89,7 +61,7 @@ def parse_group(obj: Mapping[str, Any]) -> GroupView | None:
     if not isinstance(status, Mapping) or status.get("epoch") is None:
         return None
     epoch = status.get("epoch")
-    if not isinstance(epoch, int) or epoch < 0:
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
         raise GroupViewError(f"KVCacheGroup {name}: status.epoch {epoch!r} must be an int >= 0")
     replica, pp_size = spec.get("replica"), spec.get("ppSize")
     if not isinstance(replica, str) or not isinstance(pp_size, int) or pp_size < 1:
@@ -97,9 +69,19 @@ def parse_group(obj: Mapping[str, Any]) -> GroupView | None:
                              f"(int >= 1), got {replica!r} / {pp_size!r}")
     leader_raw = status.get("leader")
     leader = _member(leader_raw, f"KVCacheGroup {name} status.leader") if leader_raw else None
+    raw_members = status.get("members") or []
+    if not isinstance(raw_members, list):
+        raise GroupViewError(f"KVCacheGroup {name}: status.members must be a list, "
+                             f"got {raw_members!r}")
     members = tuple(_member(m, f"KVCacheGroup {name} status.members[{i}]")
-                    for i, m in enumerate(status.get("members") or []))
-    return GroupView(name=name, replica=replica, pp_size=pp_size, epoch=epoch,
+                    for i, m in enumerate(raw_members))
+    ranks = [m.pp_rank for m in members]
+    if len(set(ranks)) != len(ranks):
+        raise GroupViewError(f"KVCacheGroup {name}: duplicate ppRank in status.members {ranks}")
+    if leader is not None and members and leader.pp_rank not in ranks:
+        raise GroupViewError(f"KVCacheGroup {name}: status.leader ppRank {leader.pp_rank} "
+                             f"is not a member {ranks}")
+    return GroupView(group=name, replica=replica, pp_size=pp_size, epoch=epoch,
                      leader=leader, members=members)
 
 

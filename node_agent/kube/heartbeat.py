@@ -32,7 +32,7 @@ from kubernetes.client.exceptions import ApiException
 from node_agent.config import AgentConfig
 from node_agent.contract import kube
 from node_agent.contract.kube import lease_name
-from node_agent.http.state import RecentErrors
+from node_agent.vocab.recent_errors import RecentErrors
 
 log = logging.getLogger(__name__)
 

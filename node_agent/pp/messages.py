@@ -36,13 +36,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from node_agent.backend.replication import (
-    BlockLocation,
-    Direction,
-    Tier,
-    TierMove,
-    TransferPlan,
-)
+from node_agent.vocab.placement import BlockLocation, Direction, Tier, TierMove, TransferPlan
 
 MAGIC = b"FKV1"
 WIRE_VERSION = 5

@@ -20,9 +20,9 @@ import httpx
 import yaml
 
 from node_agent.agent import Agent
-from node_agent.backend.layout import KVDtype, KVLayout
+from node_agent.assembly import default_stage_builder
 from node_agent.config import AgentConfig, config_from_mapping
-from node_agent.engine_api.stages import default_stage_builder
+from node_agent.vocab.layout import KVDtype, KVLayout
 
 TPB = 4
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=8, dtype=KVDtype.FLOAT16,

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from node_agent.agent import Agent
+from node_agent.assembly import default_stage_builder
 from node_agent.engine_api.service import RankRef
-from node_agent.engine_api.stages import default_stage_builder
 from tests.agent.harness import LAYOUT, NUM_SLOTS, TPB, agent_mapping, cfg_of, short_dir
 from tests.fake_flexkv import load_fake_flexkv
 
@@ -39,7 +39,7 @@ def _buffers() -> list[list[torch.Tensor]]:
 def test_one_stage_group_round_trips_through_flexkv(flexkv_agent: Agent) -> None:
     import flexkv._fake as fake  # the fake on sys.path; records every manager
 
-    stage = default_stage_builder(flexkv_agent, RankRef("rep", 0, 1, 0, 1), LAYOUT)
+    stage = default_stage_builder(flexkv_agent.stage_deps, RankRef("rep", 0, 1, 0, 1), LAYOUT)
     conn = stage.connector
     try:
         bufs = _buffers()
@@ -66,7 +66,7 @@ def test_one_stage_group_round_trips_through_flexkv(flexkv_agent: Agent) -> None
 
 def test_multi_stage_group_is_refused_naming_the_fix(flexkv_agent: Agent) -> None:
     with pytest.raises(ValueError, match=r"one-stage groups only.*ppSize 2.*backend: embedded"):
-        default_stage_builder(flexkv_agent, RankRef("rep", 0, 2, 0, 1), LAYOUT)
+        default_stage_builder(flexkv_agent.stage_deps, RankRef("rep", 0, 2, 0, 1), LAYOUT)
 
 
 def test_a_stage_of_a_model_hands_flexkv_its_model_namespace(flexkv_agent: Agent) -> None:
@@ -77,7 +77,8 @@ def test_a_stage_of_a_model_hands_flexkv_its_model_namespace(flexkv_agent: Agent
     from node_agent.engine_api.identity import ModelIdentity, stage_namespace
 
     model = ModelIdentity(model="/models/llama").digest()
-    stage = default_stage_builder(flexkv_agent, RankRef("rep", 0, 1, 0, 1, model), LAYOUT)
+    rank = RankRef("rep", 0, 1, 0, 1, model)
+    stage = default_stage_builder(flexkv_agent.stage_deps, rank, LAYOUT)
     conn = stage.connector
     try:
         conn.register_kv_buffers(0, _buffers())

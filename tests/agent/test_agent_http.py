@@ -261,7 +261,7 @@ async def test_one_stage_per_agent_and_idle_stage_yields_to_new_replica(work: Pa
 async def test_tensor_parallel_ranks_register_and_rank0_moves_all(work: Path) -> None:
     import torch
 
-    from node_agent.backend.layout import KVLayout
+    from node_agent.vocab.layout import KVLayout
 
     layout = KVLayout(num_layers=2, num_kv_heads=4, head_size=8, dtype=LAYOUT.dtype,
                       tokens_per_block=LAYOUT.tokens_per_block, tp_size=2)

@@ -15,10 +15,10 @@ import pytest
 import yaml
 
 from node_agent.agent import Agent
+from node_agent.assembly import default_stage_builder
 from node_agent.engine_api.service import RankRef, Stage
-from node_agent.engine_api.stages import default_stage_builder
-from node_agent.kube.groups import GroupMember, GroupView
 from node_agent.pp.auth import CurveKeys
+from node_agent.vocab.group_view import GroupMember, GroupView
 from tests.agent.harness import LAYOUT, agent_mapping, cfg_of, short_dir, wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -35,7 +35,8 @@ def work() -> Iterator[Path]:
 def _view(peer_ready: bool) -> GroupView:
     lead = GroupMember("node-0", 0, "tcp://127.0.0.1:1")
     peer = GroupMember("node-1", 1, "tcp://127.0.0.1:2", ready=peer_ready)
-    return GroupView("tp-rep", "rep", 2, 1, lead, (lead, peer))
+    return GroupView(group="tp-rep", replica="rep", pp_size=2, epoch=1, leader=lead,
+                     members=(lead, peer))
 
 
 def _pp_stage(agent: Agent) -> Stage:

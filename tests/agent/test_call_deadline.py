@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from node_agent.client import EngineClient, RankInfo, SharedKVBuffers
-from node_agent.engine_api.budget import call_budget
 from node_agent.pp.auth import CurveKeys
+from node_agent.vocab.budget import call_budget
 from tests.agent.harness import (
     LAYOUT,
     NUM_SLOTS,

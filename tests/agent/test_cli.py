@@ -41,7 +41,7 @@ def test_parser_requires_a_config_for_run() -> None:
 
 
 def test_group_names_follow_the_operators_rule() -> None:
-    from node_agent.agent import group_name
+    from node_agent.contract.kube import group_name
 
     assert group_name("my-pool", "Llama_70B.0") == "my-pool-llama-70b-0"
     assert group_name("p", "x--") == "p-x"  # trailing dashes trimmed, inner ones kept

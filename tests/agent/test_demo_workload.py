@@ -6,10 +6,10 @@ from pathlib import Path
 
 import numpy as np
 
-from node_agent.backend.layout import KVDtype, KVLayout
 from node_agent.client import EngineClient, RankInfo
 from node_agent.demo.engine import DemoEngine, percentiles
 from node_agent.demo.workload import WorkloadSpec, generate
+from node_agent.vocab.layout import KVDtype, KVLayout
 
 
 def test_turns_repeat_the_previous_turn_as_prefix() -> None:

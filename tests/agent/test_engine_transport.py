@@ -36,8 +36,8 @@ from node_agent.client import (
 from node_agent.engine_api import protocol
 from node_agent.engine_api.buffers import HandleError, cuda_handle_fields, open_buffer
 from node_agent.engine_api.server import EngineServer, NotReadyError
-from node_agent.http.state import RecentErrors
 from node_agent.metrics import AgentMetrics
+from node_agent.vocab.recent_errors import RecentErrors
 from tests.agent.harness import wait_for
 
 pytestmark = pytest.mark.timeout(60)

@@ -19,15 +19,11 @@ from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
 from node_agent.config import config_from_mapping
-from node_agent.http.state import RecentErrors
 from node_agent.kube.group_watch import KubeGroupSource
-from node_agent.kube.groups import (
-    FileGroupSource,
-    GroupView,
-    GroupViewError,
-    parse_group,
-)
+from node_agent.kube.groups import FileGroupSource, parse_group
 from node_agent.kube.heartbeat import LeaseHeartbeat, lease_name
+from node_agent.vocab.group_view import GroupView, GroupViewError
+from node_agent.vocab.recent_errors import RecentErrors
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -19,8 +19,8 @@ import pytest
 import torch
 import yaml
 
-from node_agent.backend.layout import KVDtype, KVLayout, LayoutName
 from node_agent.client import EngineClient, RankInfo, SharedKVBuffers
+from node_agent.vocab.layout import KVDtype, KVLayout, LayoutName
 from tests.agent.harness import (
     TPB,
     agent_mapping,

@@ -11,7 +11,7 @@ import torch
 
 from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.embedded import EmbeddedBackend
-from node_agent.backend.layout import KVDtype, KVLayout, LayoutName
+from node_agent.vocab.layout import KVDtype, KVLayout, LayoutName
 
 TPB = 4
 

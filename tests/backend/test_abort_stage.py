@@ -15,14 +15,8 @@ import pytest
 import torch
 from backend_helpers import TPB, PauseAt, config, make_buffers, planes, small_layout
 
-from node_agent.backend.replication import (
-    BlockLocation,
-    Direction,
-    Tier,
-    TierMove,
-    TransferPlan,
-)
 from node_agent.backend.stage_store import TierStore
+from node_agent.vocab.placement import BlockLocation, Direction, Tier, TierMove, TransferPlan
 
 
 def no_stage_copy_thread() -> bool:

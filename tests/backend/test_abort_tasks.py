@@ -24,7 +24,7 @@ from backend_helpers import (
 
 from node_agent.backend.base import KVResponseStatus
 from node_agent.backend.embedded import EmbeddedBackend
-from node_agent.backend.replication import Tier
+from node_agent.vocab.placement import Tier
 
 S = KVResponseStatus
 

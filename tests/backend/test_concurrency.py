@@ -14,8 +14,8 @@ from backend_helpers import TPB, config, small_layout
 from node_agent.backend.base import KVResponseStatus
 from node_agent.backend.embedded import EmbeddedBackend
 from node_agent.backend.hashing import BlockHasher
-from node_agent.backend.layout import register_buffers
-from node_agent.backend.replication import Tier
+from node_agent.backend.planes import register_buffers
+from node_agent.vocab.placement import Tier
 
 THREADS = 4
 ROUNDS = 12

@@ -27,8 +27,8 @@ from node_agent.backend.flexkv_adapter import (
     flexkv_block_bytes,
     size_tiers,
 )
-from node_agent.backend.layout import KVDtype, KVLayout, LayoutName
 from node_agent.metrics import AgentMetrics
+from node_agent.vocab.layout import KVDtype, KVLayout, LayoutName
 from tests.fake_flexkv import load_fake_flexkv
 
 TPB = 4

@@ -16,7 +16,7 @@ from node_agent.backend.flexkv_adapter import (
     FlexKVSettings,
     FlexKVUnavailableError,
 )
-from node_agent.backend.layout import KVLayout
+from node_agent.vocab.layout import KVLayout
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,7 +30,7 @@ def test_module_import_does_not_import_flexkv_and_fake_is_not_visible() -> None:
         import node_agent.backend.flexkv_adapter as fa
         assert not [m for m in sys.modules if m == "flexkv" or m.startswith("flexkv.")]
         assert importlib.util.find_spec("flexkv") is None, "a flexkv package is visible"
-        from node_agent.backend.layout import KVLayout
+        from node_agent.vocab.layout import KVLayout
         try:
             fa.FlexKVBackend(KVLayout(num_layers=1, num_kv_heads=1, head_size=8),
                              fa.FlexKVSettings(cpu_bytes=1 << 20))

@@ -13,7 +13,7 @@ from node_agent.backend.block_ring import BlockRing
 from node_agent.backend.hashing import BlockHasher
 from node_agent.backend.index import BlockIndex
 from node_agent.backend.key_table import SLOTS, ZERO_STANDIN, KeyTable, as_keys
-from node_agent.backend.replication import Tier, TierMove
+from node_agent.vocab.placement import Tier, TierMove
 
 
 def _check_table(table: KeyTable, ref: dict[int, int], rng: np.random.Generator) -> None:

@@ -6,7 +6,8 @@ import pytest
 import torch
 from backend_helpers import make_buffers, small_layout
 
-from node_agent.backend.layout import KVDtype, KVLayout, LayoutName, register_buffers
+from node_agent.backend.planes import register_buffers
+from node_agent.vocab.layout import KVDtype, KVLayout, LayoutName
 
 
 def test_llama3_8b_stage_bytes_per_block() -> None:

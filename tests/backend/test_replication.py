@@ -12,14 +12,8 @@ from backend_helpers import TPB, config, make_buffers, small_layout, started, st
 
 from node_agent.backend.base import KVBackendError, KVResponseStatus, TaskNotFoundError
 from node_agent.backend.embedded import EmbeddedBackend
-from node_agent.backend.replication import (
-    BlockLocation,
-    Direction,
-    Tier,
-    TierMove,
-    TransferPlan,
-)
 from node_agent.backend.stage_store import TierStore
+from node_agent.vocab.placement import BlockLocation, Direction, Tier, TierMove, TransferPlan
 
 S = KVResponseStatus
 

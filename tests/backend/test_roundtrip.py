@@ -16,7 +16,7 @@ from backend_helpers import (
     tokens,
 )
 
-from node_agent.backend.layout import KVDtype, LayoutName
+from node_agent.vocab.layout import KVDtype, LayoutName
 
 
 @pytest.mark.parametrize("dtype", list(KVDtype))

@@ -15,7 +15,6 @@ from backend_helpers import config, small_layout, started, store, tokens
 from node_agent.backend import transfer
 from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.lanes import run_items
-from node_agent.backend.replication import BlockLocation, Direction, Tier, TransferPlan
 from node_agent.backend.stage_store import TierStore
 from node_agent.backend.transfer import (
     MAX_SEGMENTS,
@@ -24,6 +23,7 @@ from node_agent.backend.transfer import (
     plan_rows,
     run_starts,
 )
+from node_agent.vocab.placement import BlockLocation, Direction, Tier, TransferPlan
 
 
 def _apply(dst_rows: np.ndarray, src_rows: np.ndarray, n_dst: int, n_src: int,

@@ -18,9 +18,9 @@ from backend_helpers import (
 )
 
 from node_agent.backend.embedded import EmbeddedBackend
-from node_agent.backend.replication import BlockLocation, Tier
 from node_agent.backend.ssd_tier import FILE_NAME
 from node_agent.metrics import AgentMetrics
+from node_agent.vocab.placement import BlockLocation, Tier
 
 
 def _no_orphans(b: EmbeddedBackend) -> None:

@@ -16,8 +16,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from node_agent.backend.base import KVResponseStatus
 from node_agent.backend.embedded import EmbeddedBackend
 from node_agent.backend.hashing import BlockHasher
-from node_agent.backend.layout import register_buffers
-from node_agent.backend.replication import Tier
+from node_agent.backend.planes import register_buffers
+from node_agent.vocab.placement import Tier
 
 LAYOUT = small_layout()
 PROMPTS = 6

@@ -24,14 +24,16 @@ import torch
 
 from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.embedded import EmbeddedBackend
-from node_agent.backend.layout import KVDtype, KVLayout
 from node_agent.backend.stage_store import TierStore
 from node_agent.coordinator import Coordinator, CoordinatorConfig
 from node_agent.metrics import AgentMetrics
 from node_agent.pp.auth import CurveKeys
 from node_agent.pp.channel import FanoutServer, FaultPlan
-from node_agent.pp.group import GroupView, GroupViewSource
+from node_agent.pp.group import GroupViewSource
 from node_agent.pp.messages import decode, is_batch, unpack_batch
+from node_agent.vocab.group_view import GroupView
+from node_agent.vocab.layout import KVDtype, KVLayout
+from tests.support.group_views import update_status
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=4, kv_dim=2,
                   dtype=KVDtype.FLOAT32, tokens_per_block=4)
@@ -184,7 +186,7 @@ class Stage:
         if op == "endpoint":
             return c.fanout_endpoint
         if op == "view":
-            return self.view.update_from_status(args["status"])
+            return update_status(self.view, args["status"])
         if op == "store":
             write_slots(self.bufs, args["slots"], kv_content(self.rank, args["tokens"]))
             return c.store_kv(args["rid"], args["tokens"], np.asarray(args["slots"]))

@@ -23,8 +23,10 @@ import torch
 from node_agent.coordinator import Coordinator
 from node_agent.metrics import AgentMetrics
 from node_agent.pp.channel import FaultPlan
-from node_agent.pp.group import GroupView, GroupViewSource
+from node_agent.pp.group import GroupViewSource
 from node_agent.pp.messages import Op, decode, is_batch, unpack_batch
+from node_agent.vocab.group_view import GroupView
+from tests.support.group_views import update_status
 
 from .harness import (
     GROUP,
@@ -132,7 +134,7 @@ class InProcessGroup:
     def publish(self, epoch: int, leader: int = 0) -> None:
         self.epoch = epoch
         for v in self.views:
-            v.update_from_status(group_status(epoch, leader, self.endpoints))
+            update_status(v, group_status(epoch, leader, self.endpoints))
         self.wait_ready()
 
     def wait_ready(self, timeout: float = 15.0) -> None:

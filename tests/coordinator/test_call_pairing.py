@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from node_agent.coordinator import Coordinator
-from node_agent.pp.group import GroupView, GroupViewSource
+from node_agent.pp.group import GroupViewSource
+from node_agent.vocab.group_view import GroupView
+from tests.support.group_views import update_status
 
 from .harness import (
     GROUP,
@@ -38,7 +40,7 @@ def pair() -> Iterator[tuple[Coordinator, Coordinator]]:
             c.register_kv_buffers(0, make_buffers())
         eps = {r: c.fanout_endpoint or "" for r, c in enumerate(conns)}
         for v in views:
-            v.update_from_status(group_status(1, 0, eps))
+            update_status(v, group_status(1, 0, eps))
         wait_for(lambda: all(c.ready() for c in conns), "both stages ready")
         yield conns[0], conns[1]
     finally:

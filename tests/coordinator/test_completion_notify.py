@@ -13,18 +13,19 @@ import torch
 
 from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.embedded import EmbeddedBackend
-from node_agent.backend.layout import KVDtype, KVLayout
 from node_agent.coordinator import Coordinator
 from node_agent.coordinator.tracking import CompletedRids
 from node_agent.metrics import AgentMetrics
-from node_agent.pp.group import GroupView, GroupViewSource
+from node_agent.pp.group import GroupViewSource
+from node_agent.vocab.layout import KVDtype, KVLayout
+from tests.support.group_views import view_of
 
 from .harness import GROUP, group_status, kv_content, make_buffers, make_connector, write_slots
 
 
 @pytest.fixture
 def single() -> Iterator[tuple[Coordinator, tuple[list[torch.Tensor], list[torch.Tensor]]]]:
-    view = GroupViewSource(GroupView.from_status(GROUP, group_status(1, 0,
+    view = GroupViewSource(view_of(GROUP, group_status(1, 0,
                                                                      {0: "tcp://127.0.0.1:1"})))
     conn = make_connector(0, view, keys=None, endpoint=None, metrics=AgentMetrics())
     conn.start()

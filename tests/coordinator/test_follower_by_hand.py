@@ -16,7 +16,6 @@ from typing import Any
 
 import numpy as np
 
-from node_agent.backend.replication import Direction
 from node_agent.backend.stage_store import TierStore
 from node_agent.coordinator import CoordinatorConfig
 from node_agent.coordinator.follower import FollowerRole
@@ -32,6 +31,7 @@ from node_agent.pp.messages import (
     decode,
 )
 from node_agent.pp.stream import StreamMetrics
+from node_agent.vocab.placement import Direction
 
 from .harness import GROUP, LAYOUT, NUM_SLOTS, backend_config, make_buffers
 

@@ -11,7 +11,6 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from node_agent.backend.replication import BlockLocation, Direction, Tier, TierMove, TransferPlan
 from node_agent.backend.stage_store import TierStore
 from node_agent.coordinator import CoordinatorConfig, UnknownRequestError
 from node_agent.coordinator.follower import FollowerRole
@@ -28,6 +27,7 @@ from node_agent.pp.messages import (
     Sync,
 )
 from node_agent.pp.stream import StreamMetrics
+from node_agent.vocab.placement import BlockLocation, Direction, Tier, TierMove, TransferPlan
 
 from .harness import GROUP, LAYOUT, NUM_SLOTS, backend_config, make_buffers, wait_for
 

@@ -273,7 +273,7 @@ def test_injected_faults_never_apply_out_of_order(group: Group, action: str,
 
 ROGUE = r"""
 import sys, time, zmq, numpy as np
-from node_agent.backend.replication import Direction
+from node_agent.vocab.placement import Direction
 from node_agent.pp.messages import Decision, Envelope, Op, encode
 ctx = zmq.Context()
 s = ctx.socket(zmq.PUSH)

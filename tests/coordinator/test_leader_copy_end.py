@@ -16,7 +16,8 @@ import torch
 
 from node_agent.coordinator import UnknownRequestError
 from node_agent.coordinator.leader import LeaderRole
-from node_agent.pp.group import GroupView, GroupViewSource
+from node_agent.pp.group import GroupViewSource
+from tests.support.group_views import view_of
 
 from .harness import (
     GROUP,
@@ -34,7 +35,7 @@ Bufs = tuple[list[torch.Tensor], list[torch.Tensor]]
 
 class Single:
     def __init__(self, **timeouts: float) -> None:
-        self.view = GroupViewSource(GroupView.from_status(
+        self.view = GroupViewSource(view_of(
             GROUP, group_status(1, 0, {0: "tcp://127.0.0.1:1"})))
         self.conn = make_connector(0, self.view, keys=None, endpoint=None, **timeouts)
         self.conn.start()
@@ -135,7 +136,7 @@ def test_role_change_reports_unpolled_completions(single: Single) -> None:
             break
         time.sleep(0.005)
     assert single.leader.status()["completedQueued"] == 1
-    single.view.update(GroupView.from_status(GROUP, group_status(2, 0, {0: "tcp://127.0.0.1:1"})))
+    single.view.update(view_of(GROUP, group_status(2, 0, {0: "tcp://127.0.0.1:1"})))
     assert single.conn.poll_completed() == ["r1"]
 
 
@@ -144,7 +145,7 @@ def test_role_change_reports_stores_in_flight(single: Single) -> None:
     assert single.store("r2", np.arange(2 * TPB), np.arange(2 * TPB)) >= 0
     assert single.leader.status()["inflightStores"] == 1
     gate.set()  # the backend shutdown of the closing role ends the copy
-    single.view.update(GroupView.from_status(GROUP, group_status(2, 0, {0: "tcp://127.0.0.1:1"})))
+    single.view.update(view_of(GROUP, group_status(2, 0, {0: "tcp://127.0.0.1:1"})))
     assert single.conn.poll_completed() == ["r2"]
     assert "copy-ended" in single.events
 

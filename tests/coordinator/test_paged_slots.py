@@ -20,12 +20,14 @@ import torch
 
 from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.embedded import EmbeddedBackend
-from node_agent.backend.layout import KVDtype, KVLayout, LayoutName
 from node_agent.backend.slots import check_whole_pages
 from node_agent.backend.stage_store import TierStore
 from node_agent.coordinator import Coordinator, CoordinatorConfig
 from node_agent.coordinator.inputs import prepare_slots, prepare_store
-from node_agent.pp.group import GroupView, GroupViewSource
+from node_agent.pp.group import GroupViewSource
+from node_agent.vocab.group_view import GroupView
+from node_agent.vocab.layout import KVDtype, KVLayout, LayoutName
+from tests.support.group_views import update_status
 
 from .harness import group_status, wait_for
 from .pairs import StageThread
@@ -98,7 +100,7 @@ class PagedGroup:
                 self.threads.append(StageThread(r))
             endpoints = {r: c.fanout_endpoint or "" for r, c in enumerate(self.conns)}
             for v in self.views:
-                v.update_from_status(group_status(1, 0, endpoints))
+                update_status(v, group_status(1, 0, endpoints))
             wait_for(lambda: all(c.ready() for c in self.conns), "every stage ready", 15.0)
         except BaseException:
             self.close()

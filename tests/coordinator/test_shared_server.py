@@ -14,7 +14,9 @@ import torch
 from node_agent.coordinator import Coordinator
 from node_agent.pp.auth import CurveKeys
 from node_agent.pp.channel import FanoutServer
-from node_agent.pp.group import GroupView, GroupViewSource
+from node_agent.pp.group import GroupViewSource
+from node_agent.vocab.group_view import GroupView
+from tests.support.group_views import update_status
 
 from .harness import (
     LAYOUT,
@@ -51,7 +53,7 @@ def two_groups() -> Iterator[dict[str, list[Stage]]]:
             groups[g] = [leader, follower]
             eps = {0: str(leader[0].fanout_endpoint), 1: shared.endpoint}
             for conn, _ in groups[g]:
-                conn._view.update_from_status(group_status(1, 0, eps))
+                update_status(conn._view, group_status(1, 0, eps))
         deadline = time.monotonic() + 10
         while not all(c.ready() for st in groups.values() for c, _ in st):
             assert time.monotonic() < deadline, "stages never became ready"

@@ -13,7 +13,8 @@ import torch
 
 from node_agent.coordinator import Coordinator, UnknownRequestError
 from node_agent.metrics import AgentMetrics
-from node_agent.pp.group import GroupView, GroupViewSource
+from node_agent.pp.group import GroupViewSource
+from tests.support.group_views import view_of
 
 from .harness import (
     GROUP,
@@ -32,7 +33,7 @@ TPB = LAYOUT.tokens_per_block
 
 @pytest.fixture
 def single() -> Iterator[tuple[Coordinator, tuple[list[torch.Tensor], list[torch.Tensor]]]]:
-    view = GroupViewSource(GroupView.from_status(GROUP, group_status(1, 0, {0: "tcp://127.0.0.1:1"})))
+    view = GroupViewSource(view_of(GROUP, group_status(1, 0, {0: "tcp://127.0.0.1:1"})))
     conn = make_connector(0, view, keys=None, endpoint=None, metrics=AgentMetrics())
     conn.start()
     bufs = make_buffers()
@@ -140,7 +141,7 @@ def test_completed_rids_are_bounded_and_overflow_is_counted() -> None:
     """An engine that never polls cannot grow the completed list without end: the
     oldest rids are dropped beyond ``max_completed`` and counted (status, metric)."""
     metrics = AgentMetrics()
-    view = GroupViewSource(GroupView.from_status(GROUP, group_status(1, 0, {0: "tcp://127.0.0.1:1"})))
+    view = GroupViewSource(view_of(GROUP, group_status(1, 0, {0: "tcp://127.0.0.1:1"})))
     conn = make_connector(0, view, keys=None, endpoint=None, metrics=metrics, max_completed=3)
     conn.start()
     bufs = make_buffers()
@@ -165,7 +166,7 @@ def test_completed_rids_are_bounded_and_overflow_is_counted() -> None:
 
 
 def test_max_completed_must_be_positive() -> None:
-    view = GroupViewSource(GroupView.from_status(GROUP, group_status(1, 0, {0: "tcp://127.0.0.1:1"})))
+    view = GroupViewSource(view_of(GROUP, group_status(1, 0, {0: "tcp://127.0.0.1:1"})))
     with pytest.raises(ValueError, match="max_completed=0 must be an int >= 1"):
         make_connector(0, view, keys=None, endpoint=None, max_completed=0)
 

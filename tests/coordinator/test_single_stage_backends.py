@@ -14,10 +14,11 @@ import torch
 from node_agent.backend.base import KVBackend, TaskNotFoundError
 from node_agent.backend.embedded import EmbeddedBackend
 from node_agent.backend.flexkv_adapter import FlexKVBackend, FlexKVSettings
-from node_agent.backend.replication import Direction
 from node_agent.backend.single_stage import SingleStageBackend
 from node_agent.coordinator import Coordinator, CoordinatorConfig
-from node_agent.pp.group import GroupView, GroupViewSource, Member
+from node_agent.pp.group import GroupViewSource
+from node_agent.vocab.group_view import GroupMember, GroupView
+from node_agent.vocab.placement import Direction
 from tests.fake_flexkv import load_fake_flexkv
 
 from .harness import (
@@ -50,7 +51,7 @@ def _flexkv() -> KVBackend:
 
 
 def _connector(inner: Callable[[], KVBackend]) -> Coordinator:
-    me = Member(node="node-0", pp_rank=0, fanout_endpoint="")
+    me = GroupMember(node="node-0", pp_rank=0, fanout_endpoint="")
     view = GroupViewSource(GroupView(GROUP, 0, me, (me,)))
     cfg = CoordinatorConfig(group=GROUP, pp_rank=0, layout=LAYOUT, fanout_endpoint=None,
                           engine_call_seconds=6.0, fanout_wait_seconds=2.5,

@@ -22,9 +22,11 @@ from node_agent.coordinator import Coordinator
 from node_agent.metrics import AgentMetrics
 from node_agent.pp.auth import CurveKeys
 from node_agent.pp.channel import FanoutServer, Sender
-from node_agent.pp.group import GroupView, GroupViewSource
+from node_agent.pp.group import GroupViewSource
 from node_agent.pp.messages import Envelope, Heartbeat, Hello, Message, Op, Result, encode
 from node_agent.pp.stream import FollowerStream, StreamMetrics
+from node_agent.vocab.group_view import GroupView
+from tests.support.group_views import update_status
 
 from .harness import (
     GROUP,
@@ -70,7 +72,7 @@ def stale() -> Iterator[StaleLeader]:
                               hello_interval=0.05)
     f_server.register(GROUP, follower.handle)
     assert conn.fanout_endpoint is not None
-    view.update_from_status(group_status(1, 0, {0: conn.fanout_endpoint,
+    update_status(view, group_status(1, 0, {0: conn.fanout_endpoint,
                                                 1: f_server.endpoint}))
     follower.follow(1, conn.fanout_endpoint)
     s = StaleLeader(conn, metrics, keys, bufs, follower, applied)

@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 import zmq
 
-from node_agent.backend.replication import Direction
 from node_agent.pp.auth import CurveKeyError, CurveKeys
 from node_agent.pp.channel import FanoutServer, Sender
 from node_agent.pp.messages import Decision, Envelope, Message, Op, encode
+from node_agent.vocab.placement import Direction
 
 ROGUE = r"""
 import sys, time, zmq, numpy as np
 from node_agent.pp.messages import Decision, Envelope, Op, encode
-from node_agent.backend.replication import Direction
+from node_agent.vocab.placement import Direction
 endpoint, mode, server_key = sys.argv[1], sys.argv[2], sys.argv[3].encode()
 ctx = zmq.Context()
 s = ctx.socket(zmq.PUSH)

@@ -1,23 +1,19 @@
-"""Group view: parsing the KVCacheGroup status shape, monotonic epochs, file reload."""
+"""Group view: parsing the KVCacheGroup shape, monotonic epochs, file reload."""
 
 from __future__ import annotations
 
 import json
-import time
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from node_agent.pp.group import (
-    GroupView,
-    GroupViewError,
-    GroupViewFile,
-    GroupViewSource,
-    StaleViewError,
-    load_view_file,
-)
+from node_agent.kube.groups import FileGroupSource
+from node_agent.pp.group import GroupViewSource, StaleViewError
+from node_agent.vocab.group_view import GroupView, GroupViewError
+from tests.support.group_views import update_status, view_of
 
 
 def status(epoch: int, leader: int, size: int = 3) -> dict[str, Any]:
@@ -27,8 +23,13 @@ def status(epoch: int, leader: int, size: int = 3) -> dict[str, Any]:
             "phase": "Ready"}
 
 
+def group_object(name: str, st: dict[str, Any]) -> dict[str, Any]:
+    return {"metadata": {"name": name}, "spec": {"poolRef": "p", "replica": name, "ppSize": 3},
+            "status": st}
+
+
 def test_status_shape_parses_into_a_view() -> None:
-    v = GroupView.from_status("pool-llama-0", status(3, 0))
+    v = view_of("pool-llama-0", status(3, 0))
     assert (v.group, v.epoch, v.size) == ("pool-llama-0", 3, 3)
     assert v.leader is not None and v.leader.pp_rank == 0
     assert [m.pp_rank for m in v.followers()] == [1, 2]
@@ -49,51 +50,59 @@ def test_status_shape_parses_into_a_view() -> None:
 )
 def test_bad_status_names_the_field(patch: dict[str, Any], reason: str) -> None:
     with pytest.raises(GroupViewError, match=reason):
-        GroupView.from_status("g", {**status(1, 0), **patch})
+        view_of("g", {**status(1, 0), **patch})
 
 
 def test_duplicate_ranks_are_refused() -> None:
     s = status(1, 0)
     s["members"][1]["ppRank"] = 0
     with pytest.raises(GroupViewError, match="duplicate ppRank"):
-        GroupView.from_status("g", s)
+        view_of("g", s)
 
 
 def test_epochs_never_go_back_and_one_leader_per_epoch() -> None:
-    src = GroupViewSource(GroupView.from_status("g", status(2, 0)))
+    src = GroupViewSource(view_of("g", status(2, 0)))
     seen: list[int] = []
     src.subscribe(lambda v: seen.append(v.epoch))
-    assert src.update_from_status(status(3, 1)) is True
-    assert src.update_from_status(status(3, 1)) is False
+    assert update_status(src, status(3, 1)) is True
+    assert update_status(src, status(3, 1)) is False
     with pytest.raises(StaleViewError, match="older"):
-        src.update_from_status(status(2, 0))
+        update_status(src, status(2, 0))
     with pytest.raises(StaleViewError, match="already has leader rank 1"):
-        src.update_from_status(status(3, 2))
+        update_status(src, status(3, 2))
     assert seen == [3] and src.view.epoch == 3
 
 
+def _write(path: Path, text: str) -> None:
+    """Write ``text`` and move the modification time forward (two writes within one
+    clock tick of the file system must still read as a change)."""
+    before = path.stat().st_mtime_ns if path.exists() else 0
+    path.write_text(text)
+    if path.stat().st_mtime_ns <= before:
+        os.utime(path, ns=(before + 1_000_000, before + 1_000_000))
+
+
 def test_file_view_reloads_on_change(tmp_path: Path) -> None:
-    path = tmp_path / "group.yaml"
-    path.write_text(yaml.safe_dump({"metadata": {"name": "g"}, "status": status(1, 0)}))
-    fv = GroupViewFile(path, interval=0.02).start()
-    seen: list[int] = []
-    fv.source.subscribe(lambda v: seen.append(v.epoch))
-    try:
-        time.sleep(0.05)
-        path.write_text(yaml.safe_dump({"group": "g", "status": status(2, 1)}))
-        deadline = time.monotonic() + 5
-        while not seen and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert seen == [2] and fv.source.view.leader.pp_rank == 1  # type: ignore[union-attr]
-        path.write_text("{not yaml: [")  # a broken write keeps the last good view
-        time.sleep(0.1)
-        assert fv.source.view.epoch == 2
-    finally:
-        fv.stop()
+    path = tmp_path / "groups.yaml"
+    _write(path, yaml.safe_dump([group_object("g", status(1, 0))]))
+    seen: list[dict[str, GroupView]] = []
+    src = FileGroupSource(path, "p", seen.append, period=1.0)
+    assert src.poll_once() is True and seen[-1]["g"].epoch == 1
+    assert src.poll_once() is False  # unchanged file: nothing delivered
+    _write(path, yaml.safe_dump({"items": [group_object("g", status(2, 1))]}))
+    assert src.poll_once() is True
+    leader = seen[-1]["g"].leader
+    assert seen[-1]["g"].epoch == 2 and leader is not None and leader.pp_rank == 1
+    _write(path, "{not yaml: [")  # a broken write keeps the last good view
+    with pytest.raises(yaml.YAMLError):
+        src.poll_once()
+    assert len(seen) == 2 and src.views is not None and src.views["g"].epoch == 2
 
 
 def test_json_file_is_read(tmp_path: Path) -> None:
-    path = tmp_path / "group.json"
-    path.write_text(json.dumps({"group": "g", "status": status(4, 2)}))
-    v = load_view_file(path)
+    path = tmp_path / "groups.json"
+    path.write_text(json.dumps([group_object("g", status(4, 2))]))
+    seen: list[dict[str, GroupView]] = []
+    assert FileGroupSource(path, "p", seen.append, period=1.0).poll_once() is True
+    v = seen[-1]["g"]
     assert v.epoch == 4 and v.leader is not None and v.leader.pp_rank == 2

@@ -13,7 +13,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from node_agent.backend.replication import BlockLocation, Direction, Tier, TierMove, TransferPlan
 from node_agent.pp.messages import (
     WIRE_VERSION,
     Ack,
@@ -42,6 +41,7 @@ from node_agent.pp.messages import (
     unpack,
     unpack_batch,
 )
+from node_agent.vocab.placement import BlockLocation, Direction, Tier, TierMove, TransferPlan
 
 
 def _decision(direction: Direction, blocks: list[int], tpb: int = 4, skip: int = 1) -> Decision:

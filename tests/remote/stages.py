@@ -11,13 +11,13 @@ import torch
 from node_agent.backend.base import KVResponseStatus
 from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.embedded import EmbeddedBackend
-from node_agent.backend.layout import KVDtype, KVLayout
 from node_agent.backend.remote.keys import KeySpace
 from node_agent.backend.remote.objects import HEADER_BYTES
 from node_agent.backend.remote.settings import RemoteSettings
 from node_agent.backend.remote.tier import RemotePool, RemoteTier
 from node_agent.backend.stage_store import TierStore
 from node_agent.metrics import AgentMetrics
+from node_agent.vocab.layout import KVDtype, KVLayout
 from tests.remote.conftest import Master, free_port
 
 TPB = 4

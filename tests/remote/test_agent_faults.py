@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 import yaml
 
-from node_agent.backend.layout import KVDtype, KVLayout
 from node_agent.backend.remote.objects import HEADER_BYTES
 from node_agent.client import EngineClient, SharedKVBuffers
+from node_agent.vocab.layout import KVDtype, KVLayout
 from tests.agent.harness import (
     LAYOUT,
     NUM_SLOTS,

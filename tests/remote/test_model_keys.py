@@ -9,9 +9,9 @@ import dataclasses
 import numpy as np
 
 from node_agent.backend.hashing import BlockHasher
-from node_agent.backend.layout import KVDtype, KVLayout
 from node_agent.backend.remote.keys import KeySpace, block_digest
 from node_agent.engine_api.identity import ModelIdentity, stage_namespace
+from node_agent.vocab.layout import KVDtype, KVLayout
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_size=8, dtype=KVDtype.FLOAT16,
                   tokens_per_block=4)

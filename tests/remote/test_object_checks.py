@@ -19,7 +19,7 @@ from node_agent.backend.embedded import EmbeddedBackend
 from node_agent.backend.hashing import BlockHasher
 from node_agent.backend.remote.calls import PendingCall
 from node_agent.backend.remote.keys import block_digest
-from node_agent.backend.replication import Tier
+from node_agent.vocab.placement import Tier
 from tests.remote.conftest import Master
 from tests.remote.stages import TPB, Node, backend, fill, load, node, rows, store
 

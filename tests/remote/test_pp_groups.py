@@ -20,7 +20,8 @@ from node_agent.backend.remote.keys import KeySpace, block_digest
 from node_agent.backend.remote.tier import RemoteTier
 from node_agent.backend.stage_store import TierStore
 from node_agent.coordinator import Coordinator, CoordinatorConfig
-from node_agent.pp.group import GroupView, GroupViewSource
+from node_agent.pp.group import GroupViewSource
+from node_agent.vocab.group_view import GroupView
 from tests.coordinator.harness import (
     LAYOUT,
     backend_config,
@@ -34,6 +35,7 @@ from tests.coordinator.harness import (
 )
 from tests.remote.conftest import Master
 from tests.remote.stages import Node, node
+from tests.support.group_views import update_status
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 TOKENS = np.arange(300, 332, dtype=np.int64)  # 8 blocks of 4 tokens
@@ -76,7 +78,7 @@ class Group:
             self.bufs.append(bufs)
         endpoints = {r: c.fanout_endpoint or "" for r, c in enumerate(self.conns)}
         for v in self.views:
-            v.update_from_status(group_status(1, 0, endpoints))
+            update_status(v, group_status(1, 0, endpoints))
         wait_for(lambda: all(c.ready() for c in self.conns), f"{name} ready", 20)
 
     def on_every_stage(self, fn: Callable[[int, Coordinator], Any]) -> list[Any]:

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from node_agent.backend.layout import KVDtype
 from node_agent.backend.remote.settings import RemoteSettings
 from node_agent.backend.remote.tier import RemotePool
-from node_agent.backend.replication import Tier, TierMove
 from node_agent.pp import messages
+from node_agent.vocab.layout import KVDtype
+from node_agent.vocab.placement import Tier, TierMove
 from tests.remote.conftest import Master, free_port
 from tests.remote.stages import LAYOUT, TPB, backend, fill, follower, load, node, rows, store
 

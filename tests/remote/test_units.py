@@ -10,12 +10,12 @@ import threading
 import pytest
 import yaml
 
-from node_agent.backend.layout import KVDtype, KVLayout, LayoutName
 from node_agent.backend.remote.calls import BoundedCaller, RemoteBusy, RemoteTimeout
 from node_agent.backend.remote.keys import DIGEST_MASK, KeySpace, block_digest
 from node_agent.backend.remote.writer import WriteBehind
 from node_agent.config import ConfigError, config_from_mapping, load_config
 from node_agent.metrics import AgentMetrics
+from node_agent.vocab.layout import KVDtype, KVLayout, LayoutName
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_size=8, dtype=KVDtype.FLOAT16,
                   tokens_per_block=4)

@@ -37,11 +37,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from node_agent.backend.layout import KVLayout
 from node_agent.client import EngineClient, RankInfo, SharedKVBuffers
 from node_agent.demo.workload import kv_values
 from node_agent.engine_api.protocol import layout_to_wire, parse_layout
 from node_agent.integrations.sglang.connector import AgentKVConnector
+from node_agent.vocab.layout import KVLayout
 
 
 @dataclass(frozen=True)

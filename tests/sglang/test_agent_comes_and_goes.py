@@ -115,7 +115,7 @@ def test_a_layout_the_agent_refuses_fails_start_up_then_only_logs(work: Path) ->
     raises the agent's ValueError (SGLang does not start misconfigured); if the
     agent refuses later (a restarted agent with another configuration), calls
     degrade to misses instead of failing the scheduler."""
-    from node_agent.backend.layout import KVLayout
+    from node_agent.vocab.layout import KVLayout
 
     data = agent_mapping(work, "solo")
     path = work / "agent.yaml"

@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from node_agent.backend.layout import KVDtype, KVLayout
 from node_agent.client import EngineClient, RankInfo
 from node_agent.integrations.sglang.connector import AgentKVConnector, agent_rid
 from node_agent.integrations.sglang.kv_pool import layout_from_kv_pool
 from node_agent.integrations.sglang.settings import DEFAULT_SOCKET, PluginSettings
+from node_agent.vocab.layout import KVDtype, KVLayout
 from tests.sglang.stage import Handle
 
 

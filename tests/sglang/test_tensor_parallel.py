@@ -13,8 +13,8 @@ import socket
 import pytest
 import yaml
 
-from node_agent.backend.layout import KVDtype, KVLayout
 from node_agent.engine_api.protocol import layout_to_wire
+from node_agent.vocab.layout import KVDtype, KVLayout
 from tests.agent.harness import (
     agent_mapping,
     short_dir,

@@ -39,9 +39,9 @@ import pytest
 import torch
 import yaml
 
-from node_agent.backend.layout import KVDtype, KVLayout, LayoutName
 from node_agent.client import EngineClient, RankInfo, SharedKVBuffers
 from node_agent.integrations.vllm.tiny_model import prompt_ids
+from node_agent.vocab.layout import KVDtype, KVLayout, LayoutName
 from tests.agent.harness import (
     free_port,
     short_dir,

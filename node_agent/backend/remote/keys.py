@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from node_agent.backend.layout import KVLayout
+from node_agent.vocab.layout import KVLayout
 
 #: Width of a block digest: keys and object headers carry the low 128 bits of the
 #: block hash.

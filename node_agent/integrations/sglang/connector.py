@@ -52,9 +52,9 @@ from typing import Any, Protocol, TypeVar, cast
 import numpy as np
 import numpy.typing as npt
 
-from node_agent.backend.layout import KVLayout
 from node_agent.client import AgentTimeoutError, AgentUnavailableError, EngineAPIError
 from node_agent.engine_api.protocol import int64_array
+from node_agent.vocab.layout import KVLayout
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -1,4 +1,4 @@
-"""SGLang's KV pool as the agent's :class:`~node_agent.backend.layout.KVLayout`.
+"""SGLang's KV pool as the agent's :class:`~node_agent.vocab.layout.KVLayout`.
 
 SGLang 0.5.23's token-to-KV pools (``sglang/srt/mem_cache/memory_pool.py``)
 keep one tensor per layer: ``MHATokenToKVPool`` has ``k_buffer`` and ``v_buffer``
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from node_agent.backend.layout import KVDtype, KVLayout, LayoutName
+from node_agent.vocab.layout import KVDtype, KVLayout, LayoutName
 
 
 def layout_from_kv_pool(pool: Any, page_size: int, tp_size: int = 1,

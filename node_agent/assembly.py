@@ -1,6 +1,10 @@
-"""Building a stage: the connector of one PP group member, on the embedded backend.
+"""The agent's composition root for stages: the coordinator of one PP group member
+and the backend under it, built from explicit dependencies.
 
-:func:`default_stage_builder` is the agent's :class:`~.service.StageFactory`:
+:func:`default_stage_builder` is the agent's stage builder: it takes a
+:class:`StageDeps` (the agent's config, metrics, Mooncake client and cache-epoch
+reader; never the agent itself) and serves as the engine API's
+:class:`~node_agent.engine_api.service.StageFactory` once the agent binds it:
 
 * the group is ``<pool>-<replica>`` (the KVCacheGroup name);
 * a single-stage group (``ppSize`` 1) gets a fixed view naming itself leader at
@@ -8,7 +12,8 @@
 * a multi-stage group starts with an empty view (no leader: calls answer "not
   stored" / miss) that the agent's group-view source fills in, binds the fan-out
   server on ``bindAddress:ports.fanout`` and needs the pool's Curve keys;
-* the connector's waits are split from ``engineCallSeconds`` (:mod:`.budget`),
+* the connector's waits are split from ``engineCallSeconds``
+  (:mod:`node_agent.vocab.budget`),
   so a call ends before the engine API would answer it with a timeout;
 * the leader's backend is an :class:`EmbeddedBackend` with deferred visibility,
   sized by ``tiers``; a follower keeps a :class:`TierStore` of the same size;
@@ -27,34 +32,54 @@ leader's physical decisions, which only the embedded backend produces.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.embedded import EmbeddedBackend
 from node_agent.backend.flexkv_adapter import start_flexkv_backend
-from node_agent.backend.layout import KVLayout
 from node_agent.backend.remote.keys import KeySpace
 from node_agent.backend.remote.objects import HEADER_BYTES
-from node_agent.backend.remote.tier import RemoteTier
+from node_agent.backend.remote.tier import RemotePool, RemoteTier
 from node_agent.backend.replication import ReplicatedBackend
 from node_agent.backend.single_stage import SingleStageBackend
 from node_agent.backend.stage_store import TierStore
+from node_agent.config import AgentConfig
+from node_agent.contract.kube import group_name
 from node_agent.coordinator import Coordinator, CoordinatorConfig
-from node_agent.engine_api.budget import call_budget
 from node_agent.engine_api.identity import stage_namespace
 from node_agent.engine_api.service import INLINE_CANDIDATES, RankRef, Stage
+from node_agent.metrics import AgentMetrics
 from node_agent.pp.auth import CurveKeys
-from node_agent.pp.group import GroupView, GroupViewSource, Member
+from node_agent.pp.group import GroupViewSource
+from node_agent.vocab.budget import call_budget
+from node_agent.vocab.group_view import GroupMember, GroupView
+from node_agent.vocab.layout import KVLayout
 
-if TYPE_CHECKING:
-    from node_agent.agent import Agent
+
+@dataclass(frozen=True)
+class StageDeps:
+    """What building a stage needs from the agent process.
+
+    ``remote_pool`` is the agent's one Mooncake client (None without
+    ``tiers.remote``); ``key_epoch`` returns the cache epoch remote tier keys carry
+    now (the agent switches it before a flush starts)."""
+
+    cfg: AgentConfig
+    metrics: AgentMetrics
+    remote_pool: RemotePool | None
+    key_epoch: Callable[[], int]
 
 
-def backend_config(agent: Agent, layout: KVLayout, model: str = "") -> EmbeddedBackendConfig:
+StageBuilder = Callable[[StageDeps, RankRef, KVLayout], Stage]
+"""Builds and starts the coordinator of a newly registered stage (raises
+``ValueError`` naming what is missing)."""
+
+
+def backend_config(cfg: AgentConfig, layout: KVLayout, model: str = "") -> EmbeddedBackendConfig:
     """The embedded backend's config from agent.yaml ``tiers``/``eviction``/``timeouts``;
     its hash namespace is the stage's ``model`` (a digest, ``""`` for none) with the
     pool's ``modelSalt``."""
-    cfg = agent.cfg
     ssd = cfg.tiers.ssd
     return EmbeddedBackendConfig(
         layout=layout, cpu_bytes=cfg.tiers.cpu.size, pinned=cfg.tiers.cpu.pinned,
@@ -66,25 +91,25 @@ def backend_config(agent: Agent, layout: KVLayout, model: str = "") -> EmbeddedB
     )
 
 
-def remote_tier(agent: Agent, rank: RankRef, layout: KVLayout) -> RemoteTier | None:
+def remote_tier(deps: StageDeps, rank: RankRef, layout: KVLayout) -> RemoteTier | None:
     """The stage's remote tier over the agent's Mooncake pool (None without
     ``tiers.remote``); its keys carry the stage's PP rank, the pool's salt and the
     stage's model namespace."""
-    pool = agent.remote_pool
+    pool = deps.remote_pool
     if pool is None:
         return None
-    cfg = agent.cfg
+    cfg = deps.cfg
     keyspace = KeySpace(layout=layout, pp_rank=rank.pp_rank, pp_size=rank.pp_size,
-                        namespace=cfg.namespace, pool=cfg.pool, cache_epoch=agent.key_epoch,
+                        namespace=cfg.namespace, pool=cfg.pool, cache_epoch=deps.key_epoch(),
                         model=stage_namespace(rank.model, cfg.model_salt))
-    return RemoteTier(pool, keyspace, epoch=lambda: agent.key_epoch)
+    return RemoteTier(pool, keyspace, epoch=deps.key_epoch)
 
 
-def connector_config(agent: Agent, rank: RankRef, layout: KVLayout, group: str,
+def connector_config(cfg: AgentConfig, rank: RankRef, layout: KVLayout, group: str,
                      endpoint: str | None) -> CoordinatorConfig:
     """The stage's connector config, its waits split from ``engineCallSeconds`` by
-    :func:`.budget.call_budget` so that every engine call ends inside it."""
-    t = agent.cfg.timeouts
+    :func:`node_agent.vocab.budget.call_budget` so that every engine call ends inside it."""
+    t = cfg.timeouts
     budget = call_budget(t.engine_call_seconds, t.fanout_wait_seconds)
     return CoordinatorConfig(
         group=group, pp_rank=rank.pp_rank, layout=layout, fanout_endpoint=endpoint,
@@ -95,11 +120,9 @@ def connector_config(agent: Agent, rank: RankRef, layout: KVLayout, group: str,
     )
 
 
-def default_stage_builder(agent: Agent, rank: RankRef, layout: KVLayout) -> Stage:
+def default_stage_builder(deps: StageDeps, rank: RankRef, layout: KVLayout) -> Stage:
     """Build and start the connector of ``rank``'s stage (see module docstring)."""
-    from node_agent.contract.kube import group_name
-
-    cfg = agent.cfg
+    cfg = deps.cfg
     if cfg.backend == "flexkv" and rank.pp_size > 1:
         raise ValueError(
             f"backend 'flexkv' serves one-stage groups only, but replica {rank.replica!r} has "
@@ -108,7 +131,7 @@ def default_stage_builder(agent: Agent, rank: RankRef, layout: KVLayout) -> Stag
             "the pool for pipeline-parallel engines that span nodes"
         )
     group = group_name(cfg.pool, rank.replica)
-    bcfg = backend_config(agent, layout, rank.model)  # validates sizes against the layout
+    bcfg = backend_config(cfg, layout, rank.model)  # validates sizes against the layout
     remote = cfg.tiers.remote
     object_bytes = layout.bytes_per_block + HEADER_BYTES
     if remote is not None and remote.mooncake.local_buffer_size < 2 * object_bytes:
@@ -119,27 +142,27 @@ def default_stage_builder(agent: Agent, rank: RankRef, layout: KVLayout) -> Stag
             "bytes in the agent's config, or register a layout with smaller blocks"
         )
     if rank.pp_size == 1:
-        me = Member(node=cfg.node_name, pp_rank=0, fanout_endpoint="")
-        views = GroupViewSource(GroupView(group, 0, me, (me,)))
+        me = GroupMember(node=cfg.node_name, pp_rank=0, fanout_endpoint="")
+        views = GroupViewSource(GroupView(group, 0, me, (me,), rank.replica, rank.pp_size))
         endpoint, keys = None, None
     else:
-        views = GroupViewSource(GroupView(group, 0, None, ()))
+        views = GroupViewSource(GroupView(group, 0, None, (), rank.replica, rank.pp_size))
         endpoint = f"tcp://{cfg.bind_address}:{cfg.ports.fanout}"
         keys = CurveKeys.load(cfg.curve_key_dir)
-    ccfg = connector_config(agent, rank, layout, group, endpoint)
-    metrics = agent.metrics
+    ccfg = connector_config(cfg, rank, layout, group, endpoint)
+    metrics = deps.metrics
 
     def leader_backend() -> ReplicatedBackend:
         if cfg.backend == "flexkv":
             return SingleStageBackend(start_flexkv_backend(cfg, layout, metrics),
                                       namespace=bcfg.namespace)
-        return EmbeddedBackend(bcfg, metrics=metrics, remote=remote_tier(agent, rank, layout))
+        return EmbeddedBackend(bcfg, metrics=metrics, remote=remote_tier(deps, rank, layout))
 
     connector = Coordinator(
         ccfg, views,
         backend_factory=leader_backend,
-        store_factory=lambda: TierStore(bcfg, remote_tier(agent, rank, layout)),
-        keys=keys, metrics=metrics, cache_epoch=lambda: agent.key_epoch,
+        store_factory=lambda: TierStore(bcfg, remote_tier(deps, rank, layout)),
+        keys=keys, metrics=metrics, cache_epoch=deps.key_epoch,
     ).start()
     # A single-stage group's leader never waits on a follower, and the embedded
     # backend matches in memory: its lookups and releases take only short locks,
