@@ -42,6 +42,7 @@ from node_agent.http.state import Service
 from node_agent.kube.group_watch import KubeGroupSource
 from node_agent.kube.groups import FileGroupSource
 from node_agent.kube.heartbeat import LeaseHeartbeat
+from node_agent.kube.lookup_window import LookupWindow
 from node_agent.metrics import AgentMetrics
 from node_agent.vocab.budget import call_budget
 from node_agent.vocab.group_view import GroupView, GroupViewError
@@ -182,6 +183,7 @@ class Agent:
         if cfg.group_view_file:
             self.groups = FileGroupSource(cfg.group_view_file, cfg.pool, self._on_views,
                                           period, self.errors)
+        self._lookup_window = LookupWindow()
         if kube_api is not None:
             from kubernetes.client import CoordinationV1Api, CustomObjectsApi
 
@@ -253,8 +255,28 @@ class Agent:
         log.info("Cache flushed for new epoch", extra={"old": old, "new": epoch})
 
     def _heartbeat_info(self) -> dict[str, Any]:
-        return {"memberships": self.service.memberships(), "tiers": self._tiers(),
+        info = {"memberships": self.service.memberships(), "tiers": self._tiers(),
                 "ready": self._ready_overall(), "cacheEpoch": self.cache_epoch}
+        totals = self._lookup_totals()
+        if totals is not None:
+            info["lookups"] = self._lookup_window.sample(*totals)
+        return info
+
+    def _lookup_totals(self) -> tuple[int, int] | None:
+        """Tokens looked up and hit on the stages this agent leads, summed; None when
+        none of them counts lookups (no stage yet, followers only, or a backend
+        that does not count)."""
+        counted = []
+        for stage in list(self.service.stages.values()):
+            try:
+                totals = stage.connector.lookup_totals()
+            except Exception:  # reported by the stage's own status
+                continue
+            if totals is not None:
+                counted.append(totals)
+        if not counted:
+            return None
+        return sum(t[0] for t in counted), sum(t[1] for t in counted)
 
     def services(self) -> list[Service]:
         """Background services in start order."""

@@ -100,12 +100,16 @@ class BackendStats:
 
     ``tiers`` is keyed by tier name (``cpu``, ``ssd``); ``tasks`` counts live
     tasks by state (``matched``, ``launched``, ``finished``, ``unpublished``).
+    ``lookup_tokens`` counts the tokens ``get_match`` was asked for since the
+    backend started (the hits are the tiers' ``hit_blocks``); None when the
+    backend does not count them.
     """
 
     tiers: dict[str, TierStats] = field(default_factory=dict)
     tasks: dict[str, int] = field(default_factory=dict)
     registered_ranks: tuple[int, ...] = ()
     expected_ranks: int = 0
+    lookup_tokens: int | None = None
 
 
 class KVBackendError(RuntimeError):

@@ -108,6 +108,7 @@ class EmbeddedBackend(ReplicatedBackend):
         self._moves: list[TierMove] = []
         self._pending_buffers: dict[int, RegisteredBuffers] = {}
         self._hits = {Tier.CPU: 0, Tier.SSD: 0}
+        self._lookup_tokens = 0
         self._remote_hits = 0
         self._store: TierStore | None = None
         self._index: BlockIndex | None = None
@@ -262,6 +263,7 @@ class EmbeddedBackend(ReplicatedBackend):
             self._expire_locked()
             nodes = index.match(hashes, index.keys(hashes))
             first, last = start // tpb, min(len(nodes), end // tpb)
+            self._lookup_tokens += max(0, end - start)
             if self._metrics is not None:
                 self._metrics.lookup_tokens.inc(max(0, end - start))
             if last <= first:
@@ -704,7 +706,8 @@ class EmbeddedBackend(ReplicatedBackend):
             counts["unpublished"] = len(self._unpublished)
             ranks = store.registered_ranks if store else tuple(sorted(self._pending_buffers))
             return BackendStats(tiers=tiers, tasks=counts, registered_ranks=ranks,
-                                expected_ranks=self.config.expected_ranks)
+                                expected_ranks=self.config.expected_ranks,
+                                lookup_tokens=self._lookup_tokens)
 
     @property
     def store(self) -> TierStore:

@@ -400,6 +400,19 @@ class Coordinator:
         return {name: (t.capacity_bytes, t.used_bytes)
                 for name, t in role.backend.stats().tiers.items()}
 
+    def lookup_totals(self) -> tuple[int, int] | None:
+        """(tokens looked up, tokens hit) since the leader backend started, from its
+        own stats; None while this stage is not the leader or when its backend does
+        not count lookups."""
+        role = self._role
+        if not isinstance(role, LeaderRole):
+            return None
+        stats = role.backend.stats()
+        if stats.lookup_tokens is None:
+            return None
+        hit_blocks = sum(t.hit_blocks for t in stats.tiers.values())
+        return stats.lookup_tokens, hit_blocks * self.cfg.tokens_per_block
+
     def ready(self) -> bool:
         """True when started, every expected engine rank registered, this stage
         holds a role and is not degraded (for /readyz)."""

@@ -116,6 +116,8 @@ class LeaseHeartbeat:
                     kube.ANNOTATION_TIERS: json.dumps(info.get("tiers", {}), sort_keys=True),
                     kube.ANNOTATION_READY: "true" if ready else "false",
                     kube.ANNOTATION_CACHE_EPOCH: str(info.get("cacheEpoch", cfg.cache_epoch)),
+                    **({kube.ANNOTATION_LOOKUPS: json.dumps(info["lookups"], sort_keys=True)}
+                       if "lookups" in info else {}),
                 },
             },
             "spec": {

@@ -137,3 +137,37 @@ async def test_kvcachegroup_status_drives_roles_and_failover(kube: Any, kube_api
             c.close()
         for b in bufs:
             b.close()
+
+
+async def test_lease_reports_the_lookups_and_hits_of_the_stages_it_leads(
+        kube: Any, kube_api: Any, work: Path) -> None:
+    cfg = cfg_of(agent_mapping(work, "solo"))
+    bufs = SharedKVBuffers.for_layout(LAYOUT, NUM_SLOTS)
+    client = EngineClient(cfg.engine_socket, RankInfo("solo-0"), timeout=5)
+    try:
+        async with running_agent(cfg, kube_api=kube_api):
+            await asyncio.to_thread(client.register_kv_buffers, LAYOUT, bufs.handles)
+            stored_tokens = np.arange(1000, 1032, dtype=np.int64)
+            assert await asyncio.to_thread(
+                client.store_kv, "a", stored_tokens, np.arange(32)) >= 0
+            await wait_for(lambda: "a" in client.poll_completed(), 10, "store of a completed")
+            # 32 stored tokens found, then 16 tokens nothing holds.
+            assert await asyncio.to_thread(client.lookup, "hit", stored_tokens) == 32
+            await asyncio.to_thread(client.release, "hit")
+            assert await asyncio.to_thread(
+                client.lookup, "miss", np.arange(5000, 5016, dtype=np.int64)) == 0
+            await asyncio.to_thread(client.release, "miss")
+
+            def counted() -> dict[str, int] | None:
+                text = _annotations(kube, "solo").get("flexkv.io/lookups")
+                value: dict[str, int] | None = json.loads(text) if text else None
+                return value if value and value["lookupTokens"] >= 48 else None
+
+            await wait_for(counted, 20, "the Lease counting both lookups")
+            lookups = counted()
+            assert lookups is not None
+            assert (lookups["lookupTokens"], lookups["hitTokens"]) == (48, 32)
+            assert 0 <= lookups["windowSeconds"] <= 300 + cfg.heartbeat.retry_period_seconds
+    finally:
+        client.close()
+        bufs.close()
