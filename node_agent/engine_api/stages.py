@@ -50,10 +50,12 @@ if TYPE_CHECKING:
     from node_agent.agent import Agent
 
 
-def backend_config(agent: Agent, layout: KVLayout, model: str = "") -> EmbeddedBackendConfig:
+def backend_config(agent: Agent, layout: KVLayout, model: str = "",
+                   pp_size: int = 1) -> EmbeddedBackendConfig:
     """The embedded backend's config from agent.yaml ``tiers``/``eviction``/``timeouts``;
     its hash namespace is the stage's ``model`` (a digest, ``""`` for none) with the
-    pool's ``modelSalt``."""
+    pool's ``modelSalt``. ``tiers.ssd.persist`` applies to single-stage groups only
+    (docs/pp.md: a PP group's stages cannot prove their surviving files agree)."""
     cfg = agent.cfg
     ssd = cfg.tiers.ssd
     return EmbeddedBackendConfig(
@@ -63,6 +65,8 @@ def backend_config(agent: Agent, layout: KVLayout, model: str = "") -> EmbeddedB
         unlaunched_match_seconds=cfg.timeouts.unlaunched_match_seconds,
         deferred_visibility=True,
         namespace=stage_namespace(model, cfg.model_salt),
+        ssd_persist=bool(ssd and ssd.persist and pp_size == 1), pool=cfg.pool,
+        cache_epoch=agent.key_epoch,
     )
 
 
@@ -108,7 +112,7 @@ def default_stage_builder(agent: Agent, rank: RankRef, layout: KVLayout) -> Stag
             "the pool for pipeline-parallel engines that span nodes"
         )
     group = group_name(cfg.pool, rank.replica)
-    bcfg = backend_config(agent, layout, rank.model)  # validates sizes against the layout
+    bcfg = backend_config(agent, layout, rank.model, rank.pp_size)  # validates sizes
     remote = cfg.tiers.remote
     object_bytes = layout.bytes_per_block + HEADER_BYTES
     if remote is not None and remote.mooncake.local_buffer_size < 2 * object_bytes:
@@ -133,7 +137,8 @@ def default_stage_builder(agent: Agent, rank: RankRef, layout: KVLayout) -> Stag
         if cfg.backend == "flexkv":
             return SingleStageBackend(start_flexkv_backend(cfg, layout, metrics),
                                       namespace=bcfg.namespace)
-        return EmbeddedBackend(bcfg, metrics=metrics, remote=remote_tier(agent, rank, layout))
+        return EmbeddedBackend(bcfg, metrics=metrics, remote=remote_tier(agent, rank, layout),
+                               cache_epoch=lambda: agent.key_epoch)
 
     connector = Coordinator(
         ccfg, views,
