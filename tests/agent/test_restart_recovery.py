@@ -20,10 +20,13 @@ import pytest
 import torch
 import yaml
 
+from node_agent.agent import Agent
 from node_agent.backend.hashing import BlockHasher
 from node_agent.backend.ssd_format import HEADER_BYTES, RECORDS_NAME, decode_records
 from node_agent.backend.ssd_tier import FILE_NAME
 from node_agent.client import AgentUnavailableError, EngineClient, RankInfo, SharedKVBuffers
+from node_agent.config import config_from_mapping
+from node_agent.engine_api.stages import backend_config, default_stage_builder
 from tests.agent.harness import (
     LAYOUT,
     NUM_SLOTS,
@@ -287,3 +290,23 @@ def test_a_second_pool_on_the_same_ssd_path_is_refused_at_start(work: Path) -> N
         if other is not None:
             stop_process(other)
         stop_process(proc)
+
+
+def test_only_single_stage_groups_keep_their_ssd_tier(work: Path) -> None:
+    """A PP group's stages (leader and followers) never persist: one stage's
+    surviving files prove nothing about the other stages' (docs/pp.md)."""
+    _, data = _config(work)
+    agent = Agent(config_from_mapping(data), default_stage_builder)
+    try:
+        single = backend_config(agent, LAYOUT, "", pp_size=1)
+        assert single.ssd_persist and single.pool == "tp"
+        for pp_size in (2, 4):
+            assert not backend_config(agent, LAYOUT, "", pp_size=pp_size).ssd_persist
+        data["tiers"]["ssd"]["persist"] = False
+        off = Agent(config_from_mapping(data), default_stage_builder)
+        assert not backend_config(off, LAYOUT, "", pp_size=1).ssd_persist
+        if off.ssd_owner is not None:
+            off.ssd_owner.close()
+    finally:
+        if agent.ssd_owner is not None:
+            agent.ssd_owner.close()
