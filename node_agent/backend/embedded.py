@@ -103,6 +103,8 @@ class EmbeddedBackend(ReplicatedBackend):
         """CPU blocks spilled to a persistent SSD tier by ``shutdown``."""
         self.recovery_done = threading.Event()
         """Set once a persistent SSD tier's recovery ended (at once without one)."""
+        self.recovery: Recovery | None = None
+        """What the recovery verified (bytes, seconds), once it was applied."""
         self._recovery: threading.Thread | None = None
         self._evicted: dict[int, int] = {}  # CPU block -> remote block digest (evict policy)
         # Node -> (its generation, the REMOTE -> CPU move) of blocks a fetch brought,
@@ -227,6 +229,7 @@ class EmbeddedBackend(ReplicatedBackend):
                 dropped = dict(found.dropped)
                 dropped["orphan"] += len(found.blocks) - adopted  # refused by the index
                 self.recovered_blocks, self.recovered_dropped = adopted, dropped
+                self.recovery = found
                 if self._metrics is not None:
                     self._metrics.recovered_blocks.inc(adopted)
                     for reason, n in dropped.items():
