@@ -7,12 +7,13 @@ tier, a bumped ``cacheEpoch`` and a second pool on the same SSD path."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import numpy as np
@@ -27,6 +28,7 @@ from node_agent.backend.ssd_tier import FILE_NAME
 from node_agent.client import AgentUnavailableError, EngineClient, RankInfo, SharedKVBuffers
 from node_agent.config import config_from_mapping
 from node_agent.engine_api.stages import backend_config, default_stage_builder
+from node_agent.kube.heartbeat import ANN_TIERS, LeaseHeartbeat
 from tests.agent.harness import (
     LAYOUT,
     NUM_SLOTS,
@@ -307,6 +309,22 @@ def test_only_single_stage_groups_keep_their_ssd_tier(work: Path) -> None:
         assert not backend_config(off, LAYOUT, "", pp_size=1).ssd_persist
         if off.ssd_owner is not None:
             off.ssd_owner.close()
+    finally:
+        if agent.ssd_owner is not None:
+            agent.ssd_owner.close()
+
+
+def test_the_lease_and_status_report_the_recovered_blocks(work: Path) -> None:
+    """The Lease's tiers annotation (what the operator reads) carries the same
+    ``recoveredBlocks`` as ``/status``: the count of the recovery metric."""
+    _, data = _config(work)
+    agent = Agent(config_from_mapping(data), default_stage_builder)
+    try:
+        agent.metrics.recovered_blocks.inc(7)
+        assert agent.status()["tiers"]["ssd"]["recoveredBlocks"] == 7
+        beat = LeaseHeartbeat(cast(Any, None), agent.cfg, agent._heartbeat_info)
+        tiers = json.loads(beat._body()["metadata"]["annotations"][ANN_TIERS])
+        assert tiers["ssd"]["recoveredBlocks"] == 7
     finally:
         if agent.ssd_owner is not None:
             agent.ssd_owner.close()
