@@ -198,10 +198,10 @@ class EmbeddedBackend(ReplicatedBackend):
             self._metrics.recovered_blocks.inc(0)
             for reason in DROP_REASONS:
                 self._metrics.recovered_dropped_blocks.labels(reason=reason)
-        if not ssd.found and not ssd.bad_records:
+        if not ssd.recorded:
             self.recovery_done.set()
             return
-        reserved = [r.block for r in ssd.found]
+        reserved = list(ssd.recorded)
         index.reserve_ssd(reserved)
         epoch = index.epoch
         self._recovery = threading.Thread(target=self._recover, args=(ssd, reserved, epoch),

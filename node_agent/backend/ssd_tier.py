@@ -35,16 +35,19 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
+
 from node_agent.backend.ssd_format import (
     HEADER_BYTES,
+    RECORD,
     RECORD_BYTES,
     RECORDS_NAME,
     HeaderError,
-    Record,
     TierIdentity,
     block_checksum,
     decode_header,
@@ -81,13 +84,14 @@ class SsdTier:
         self.slot = -1
         self.identity = identity
         self.hash_bytes = hash_bytes
-        #: Intact records of this identity found at open (a persistent tier reopened);
-        #: their blocks are not verified until :meth:`verify`.
-        self.found: list[Record] = []
-        #: Records found at open that were torn or not this identity's.
-        self.bad_records = 0
+        #: Blocks with a record (not checked yet) when a persistent tier reopened its
+        #: files; :meth:`verify` checks them, and nothing may write them before.
+        self.recorded: list[int] = []
+        self._raw_records = b""
         self._records_fd = -1
-        self._seq = 1
+        # Write sequence numbers start at the wall clock in ns: every record of this
+        # run is newer than every record of an earlier run (each took more than 1 ns).
+        self._seq = time.time_ns()
         self._sums: dict[int, int] = {}
         self._digest = identity.digest() if identity is not None else b""
         self._owner: DirectoryOwner | None = None
@@ -122,7 +126,7 @@ class SsdTier:
         log.info("SSD tier opened", extra={"files": [str(f) for f in self.files],
                                            "blocks": num_blocks,
                                            "persistent": identity is not None,
-                                           "records": len(self.found)})
+                                           "recorded": len(self.recorded)})
 
     def _records_path(self, directory: Path, slot: int) -> Path:
         return directory / RECORDS_NAME.format(slot=slot)
@@ -192,8 +196,9 @@ class SsdTier:
         if keep:
             raw = os.pread(fd, size - HEADER_BYTES, HEADER_BYTES).ljust(size - HEADER_BYTES,
                                                                        b"\0")
-            self.found, self.bad_records = decode_records(raw, self._digest, self.hash_bytes)
-            self._seq = max((r.seq for r in self.found), default=0) + 1
+            used = np.frombuffer(raw, dtype=RECORD, count=self.num_blocks)["magic"] != b""
+            self.recorded = np.flatnonzero(used).tolist()
+            self._raw_records = raw
         else:
             self._write_header()
         os.ftruncate(fd, size)
@@ -207,13 +212,15 @@ class SsdTier:
         os.pwrite(fd, encode_header(self.identity), 0)
 
     def verify(self, stop: Callable[[], bool] = lambda: False) -> Recovery:
-        """Read back and check the blocks of :attr:`found` (:func:`.ssd_recovery.recover`).
+        """Decode the records of :attr:`recorded` and read back and check their blocks
+        (:func:`.ssd_recovery.recover`).
 
         The caller keeps those blocks from being written until this returns (the
         index holds them reserved); ``stop()`` ends the scan early
         (:class:`~.ssd_recovery.RecoveryStopped`)."""
-        found = recover(self.found, self.bad_records, self.bytes_per_block, self._read_into,
-                        stop)
+        records, bad = decode_records(self._raw_records, self._digest, self.hash_bytes)
+        self._raw_records = b""
+        found = recover(records, bad, self.bytes_per_block, self._read_into, stop)
         log.info("SSD tier verified", extra={
             "blocks": len(found.blocks), "dropped": found.dropped,
             "bytes_verified": found.bytes_verified, "seconds": round(found.seconds, 3)})
@@ -236,7 +243,7 @@ class SsdTier:
         self.identity = replace(self.identity, cache_epoch=cache_epoch)
         self._digest = self.identity.digest()
         self._sums.clear()
-        self.found, self.bad_records = [], 0
+        self.recorded, self._raw_records = [], b""
         self._write_header()
 
     def _where(self, index: int) -> tuple[int, int]:

@@ -178,7 +178,7 @@ def test_another_layout_never_recovers(tmp_path: Path) -> None:
                                 ssd_bytes=8 * lay.bytes_per_block)
     b, _ = _recovered(other)
     try:
-        assert b.recovered_blocks == 0 and not b.store.ssd.found  # type: ignore[union-attr]
+        assert b.recovered_blocks == 0 and not b.store.ssd.recorded  # type: ignore[union-attr]
     finally:
         b.shutdown()
 
