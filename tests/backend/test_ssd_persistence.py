@@ -24,6 +24,7 @@ from backend_helpers import (
 
 from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.embedded import EmbeddedBackend
+from node_agent.backend.index import BlockIndex
 from node_agent.backend.replication import BlockLocation, Tier
 from node_agent.backend.ssd_format import (
     HEADER_BYTES,
@@ -324,3 +325,22 @@ def test_a_second_pools_tier_on_the_same_path_is_refused(tmp_path: Path) -> None
     finally:
         b.shutdown()
     assert os.path.exists(tmp_path / FILE_NAME.format(slot=0, index=0))
+
+
+def test_adopted_blocks_join_the_prefix_tree_and_never_shadow_a_block_stored_meanwhile(
+        ) -> None:
+    index = BlockIndex(cpu_blocks=4, ssd_blocks=4, high=1.0, low=1.0)
+    head = index.add_pending(None, [11], [])
+    index.publish(head)  # stored again (on the CPU tier) while the recovery ran
+    index.reserve_ssd([0, 1, 2])
+    assert index.used(Tier.SSD) == 3
+    adopted = index.adopt([(11, None, 1, 4),   # already indexed: skipped, block freed
+                           (12, 11, 0, 5),     # its child: joins the CPU head
+                           (13, 12, 3, 6),     # block 3 was not reserved: refused
+                           (14, 99, 2, 7)],    # parent unknown: an orphan
+                          [0, 1, 2])
+    assert adopted == 1
+    index.check_consistency()
+    assert len(index.match([11, 12, 13])) == 2
+    assert index.location(int(index.match([11, 12])[1])) == BlockLocation(Tier.SSD, 0)
+    assert index.used(Tier.SSD) == 1 and sorted(index.free[Tier.SSD]) == [1, 2, 3]
