@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -40,8 +41,9 @@ from node_agent.backend.ssd_format import (
 )
 from node_agent.backend.ssd_owner import DirectoryOwner, SsdPathInUse
 from node_agent.backend.ssd_recovery import recover
-from node_agent.backend.ssd_tier import FILE_NAME
+from node_agent.backend.ssd_tier import FILE_NAME, SsdTier
 from node_agent.metrics import AgentMetrics
+from tests.support.waiting import wait_for
 
 BLOCKS = 4  # blocks per prompt
 
@@ -344,3 +346,72 @@ def test_adopted_blocks_join_the_prefix_tree_and_never_shadow_a_block_stored_mea
     assert len(index.match([11, 12, 13])) == 2
     assert index.location(int(index.match([11, 12])[1])) == BlockLocation(Tier.SSD, 0)
     assert index.used(Tier.SSD) == 1 and sorted(index.free[Tier.SSD]) == [1, 2, 3]
+
+
+class _HeldReads:
+    """Holds the recovery thread's first block read until ``go`` is set."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.entered = threading.Event()
+        self.go = threading.Event()
+        original = SsdTier._read_into
+
+        def held(tier: SsdTier, index: int, buffer: memoryview) -> int:
+            self.entered.set()
+            assert self.go.wait(30), "the test never released the recovery"
+            return original(tier, index, buffer)
+
+        monkeypatch.setattr(SsdTier, "_read_into", held)
+
+
+def test_a_flush_during_recovery_abandons_it_and_serves_nothing_old(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = _cfg(tmp_path)
+    prompts, _ = _fill(tmp_path, cfg)
+    held = _HeldReads(monkeypatch)
+    epoch = [0]
+    b = EmbeddedBackend(cfg, cache_epoch=lambda: epoch[0])
+    b.start()
+    try:
+        assert held.entered.wait(30)
+        assert b.stats().tiers["ssd"].used_blocks == 3 * BLOCKS  # reserved while checked
+        epoch[0] = 1
+        b.reset()
+        assert b.stats().tiers["ssd"].used_blocks == 0
+        held.go.set()
+        assert b.recovery_done.wait(30)
+        assert b.recovered_blocks == 0 and b.recovery is None
+        assert all(b.get_match(p)[0] == -1 for p in prompts)
+        b._index.check_consistency()  # type: ignore[union-attr]
+    finally:
+        held.go.set()
+        b.shutdown()
+    again, _ = _recovered(dataclasses.replace(cfg, cache_epoch=1))
+    try:
+        assert again.recovered_blocks == 0  # the flush forgot the records on disk too
+    finally:
+        again.shutdown()
+
+
+def test_a_shutdown_during_recovery_stops_it_and_keeps_the_files_for_the_next_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = _cfg(tmp_path)
+    prompts, kv = _fill(tmp_path, cfg)
+    held = _HeldReads(monkeypatch)
+    b = EmbeddedBackend(cfg)
+    b.start()
+    assert held.entered.wait(30)
+    stopper = threading.Thread(target=b.shutdown)
+    stopper.start()
+    wait_for(lambda: b._closed, "the backend marked closed")
+    held.go.set()
+    stopper.join(30)
+    assert not stopper.is_alive() and b.recovered_blocks == 0
+    monkeypatch.undo()
+    again, bufs = _recovered(cfg)
+    try:
+        assert again.recovered_blocks == 3 * BLOCKS
+        for p, want in zip(prompts, kv, strict=True):
+            _loads_bit_exact(again, bufs, p, want)
+    finally:
+        again.shutdown()
