@@ -8,9 +8,13 @@ marked not ready, the engine socket stops taking calls and drains in-flight ones
 turns SIGTERM / SIGINT into that shutdown.
 
 What survives what (docs/agent.md): an engine restart keeps everything cached
-(the engine re-registers its buffers); an agent restart loses the cache, because
-the block index lives in the agent's memory (the SSD tier's files are reused,
-their content is not), and engines re-register transparently on their next call.
+(the engine re-registers its buffers); an agent restart keeps a single-stage
+group's SSD tier when ``tiers.ssd.persist`` is on (its verified blocks are
+indexed again; a clean stop spills the CPU tier there first) and loses the rest,
+because the block index lives in the agent's memory; engines re-register
+transparently on their next call. The agent holds its SSD directories for its
+pool from the start (``node_agent.backend.ssd_owner``): an agent of another pool
+on the same paths is refused.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from node_agent.backend.remote.join import StorePortInUse, store_ports_problem
 from node_agent.backend.remote.mooncake_client import MooncakeUnavailable, check_available
 from node_agent.backend.remote.settings import RemoteSettings
 from node_agent.backend.remote.tier import RemotePool
+from node_agent.backend.ssd_owner import DirectoryOwner, SsdPathInUse
 from node_agent.config import AgentConfig, ConfigError, load_config
 from node_agent.engine_api.server import EngineServer
 from node_agent.engine_api.service import EngineService, RankRef, Stage
@@ -84,19 +89,33 @@ def build_remote_pool(cfg: AgentConfig, metrics: AgentMetrics) -> RemotePool | N
     return pool
 
 
+def claim_ssd_paths(cfg: AgentConfig) -> DirectoryOwner | None:
+    """Hold ``tiers.ssd.paths`` for the agent's pool (None without an SSD tier); a
+    ``ConfigError`` naming the other pool when an agent of another pool holds one."""
+    if cfg.tiers.ssd is None:
+        return None
+    try:
+        return DirectoryOwner(cfg.tiers.ssd.paths, cfg.pool)
+    except SsdPathInUse as exc:
+        raise ConfigError(f"tiers.ssd.paths: {exc}") from exc
+
+
 class _Stages:
     """Closes every stage last on shutdown (first in start order)."""
 
     name = "stages"
 
-    def __init__(self, service: EngineService) -> None:
+    def __init__(self, service: EngineService, owner: DirectoryOwner | None = None) -> None:
         self._service = service
+        self._owner = owner
 
     async def start(self) -> None:
         return None
 
     async def stop(self) -> None:
         await asyncio.to_thread(self._service.close)
+        if self._owner is not None:  # after every tier closed: the paths are free
+            self._owner.close()
 
 
 class _EpochWatcher:
@@ -194,6 +213,7 @@ class Agent:
                                             self._heartbeat_info, self.errors)
         self._epoch_watcher = _EpochWatcher(
             self, Path(config_path) if config_path else None, period)
+        self.ssd_owner = claim_ssd_paths(cfg)
         self.remote_pool = build_remote_pool(cfg, self.metrics)
         self.stage_deps = StageDeps(cfg=cfg, metrics=self.metrics, remote_pool=self.remote_pool,
                                     key_epoch=lambda: self.key_epoch)
@@ -280,7 +300,7 @@ class Agent:
 
     def services(self) -> list[Service]:
         """Background services in start order."""
-        out: list[Service] = [_Stages(self.service)]
+        out: list[Service] = [_Stages(self.service, self.ssd_owner)]
         if self.groups is not None:
             out.append(self.groups)
         out.append(self.engine)
@@ -325,7 +345,21 @@ class Agent:
                 continue  # not configured
             cap, used = own.get(tier, (conf.size, 0))
             out[tier] = {"capacityBytes": int(cap), "usedBytes": int(used)}
+        recovered = self._recovered_blocks()
+        ssd = self.cfg.tiers.ssd
+        if ssd is not None and ssd.persist and "ssd" in out:
+            out["ssd"]["recoveredBlocks"] = recovered
         return out
+
+    def _recovered_blocks(self) -> int:
+        """SSD blocks the backends of this agent's stages recovered at their start."""
+        total = 0
+        for stage in list(self.service.stages.values()):
+            try:
+                total += stage.connector.recovered_blocks() or 0
+            except Exception:  # reported by the stage's own status; /status must answer
+                continue
+        return total
 
     def _remote_status(self) -> dict[str, Any] | None:
         """The remote tier as /status shows it (None without ``tiers.remote``)."""

@@ -76,10 +76,13 @@ StageBuilder = Callable[[StageDeps, RankRef, KVLayout], Stage]
 ``ValueError`` naming what is missing)."""
 
 
-def backend_config(cfg: AgentConfig, layout: KVLayout, model: str = "") -> EmbeddedBackendConfig:
+def backend_config(cfg: AgentConfig, layout: KVLayout, model: str = "", pp_size: int = 1,
+                   cache_epoch: int = 0) -> EmbeddedBackendConfig:
     """The embedded backend's config from agent.yaml ``tiers``/``eviction``/``timeouts``;
     its hash namespace is the stage's ``model`` (a digest, ``""`` for none) with the
-    pool's ``modelSalt``."""
+    pool's ``modelSalt``. ``tiers.ssd.persist`` applies to single-stage groups only
+    (docs/pp.md: a PP group's stages cannot prove their surviving files agree);
+    ``cache_epoch`` is the epoch the SSD files are written under."""
     ssd = cfg.tiers.ssd
     return EmbeddedBackendConfig(
         layout=layout, cpu_bytes=cfg.tiers.cpu.size, pinned=cfg.tiers.cpu.pinned,
@@ -88,6 +91,8 @@ def backend_config(cfg: AgentConfig, layout: KVLayout, model: str = "") -> Embed
         unlaunched_match_seconds=cfg.timeouts.unlaunched_match_seconds,
         deferred_visibility=True,
         namespace=stage_namespace(model, cfg.model_salt),
+        ssd_persist=bool(ssd and ssd.persist and pp_size == 1), pool=cfg.pool,
+        cache_epoch=cache_epoch,
     )
 
 
@@ -131,7 +136,8 @@ def default_stage_builder(deps: StageDeps, rank: RankRef, layout: KVLayout) -> S
             "the pool for pipeline-parallel engines that span nodes"
         )
     group = group_name(cfg.pool, rank.replica)
-    bcfg = backend_config(cfg, layout, rank.model)  # validates sizes against the layout
+    bcfg = backend_config(cfg, layout, rank.model, rank.pp_size,
+                          deps.key_epoch())  # validates sizes against the layout
     remote = cfg.tiers.remote
     object_bytes = layout.bytes_per_block + HEADER_BYTES
     if remote is not None and remote.mooncake.local_buffer_size < 2 * object_bytes:
@@ -156,7 +162,8 @@ def default_stage_builder(deps: StageDeps, rank: RankRef, layout: KVLayout) -> S
         if cfg.backend == "flexkv":
             return SingleStageBackend(start_flexkv_backend(cfg, layout, metrics),
                                       namespace=bcfg.namespace)
-        return EmbeddedBackend(bcfg, metrics=metrics, remote=remote_tier(deps, rank, layout))
+        return EmbeddedBackend(bcfg, metrics=metrics, remote=remote_tier(deps, rank, layout),
+                               cache_epoch=deps.key_epoch)
 
     connector = Coordinator(
         ccfg, views,

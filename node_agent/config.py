@@ -173,6 +173,7 @@ class CpuTier:
 class SsdTier:
     size: int = _key("size", _quantity, default=0)
     paths: tuple[str, ...] = _key("paths", _paths, default=("/var/lib/flexkv/ssd",))
+    persist: bool = _key("persist", _bool, default=True)
 
 
 _HOST_PORT = re.compile(r"^\[?[A-Za-z0-9_.:-]+\]?:[0-9]{1,5}$")

@@ -101,6 +101,17 @@ class AgentMetrics:
             "Failed SSD tier operations (spill: a CPU block's copy to SSD failed and the "
             "block was dropped instead)", ["op"], registry=r,
         )
+        self.recovered_blocks = Counter(
+            "flexkv_agent_recovered_blocks",
+            "SSD blocks a persistent SSD tier found intact at start and indexed again",
+            registry=r,
+        )
+        self.recovered_dropped_blocks = Counter(
+            "flexkv_agent_recovered_dropped_blocks",
+            "SSD blocks a persistent SSD tier found at start and did not index (record: "
+            "torn or foreign record; checksum: torn or half-written bytes; duplicate; "
+            "orphan: its prefix was not recovered)", ["reason"], registry=r,
+        )
         self.ready = Gauge("flexkv_agent_ready", "1 when /readyz answers 200", registry=r)
         self.completed_dropped = Counter(
             "flexkv_agent_completed_dropped",

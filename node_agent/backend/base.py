@@ -92,6 +92,8 @@ class TierStats:
     """Blocks that left this tier (spilled to a lower tier or dropped)."""
     hit_blocks: int = 0
     """Blocks matched by ``get_match`` while resident in this tier."""
+    recovered_blocks: int = 0
+    """SSD blocks found on disk, verified and served again after a restart."""
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,16 @@ class EmbeddedBackendConfig:
     """Namespace of every block hash when a call names none: the stage's model
     (``node_agent.engine_api.identity.stage_namespace``), so that the blocks of two
     models never share an id in any tier."""
+    ssd_persist: bool = False
+    """Keep the SSD tier's blocks across restarts (``tiers.ssd.persist``; docs/backend.md):
+    a backend starting with the same identity recovers the verified blocks."""
+    pool: str = ""
+    """The pool whose agent runs this stage: it owns the SSD directories
+    (``node_agent.backend.ssd_owner``) and names a persistent tier's files."""
+    cache_epoch: int = 0
+    """The ``cacheEpoch`` a persistent SSD tier's files are written under."""
+    stop_spill_seconds: float = 10.0
+    """How long ``shutdown`` may spill the CPU tier to a persistent SSD tier."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, KVLayout):
@@ -85,6 +95,11 @@ class EmbeddedBackendConfig:
                 f"hash_algorithm={self.hash_algorithm!r} is unknown; use one of "
                 f"{[a.value for a in HashAlgorithm]}"
             ) from None
+        if self.ssd_persist and not self.ssd_bytes:
+            raise ValueError(
+                "ssd_persist=True without an SSD tier (ssd_bytes=0); set tiers.ssd.size or "
+                "drop tiers.ssd.persist"
+            )
         if self.expected_ranks == 0:
             object.__setattr__(self, "expected_ranks", self.layout.tp_size)
         elif self.expected_ranks != self.layout.tp_size:

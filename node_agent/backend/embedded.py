@@ -50,6 +50,9 @@ from node_agent.backend.remote.keys import block_digest
 from node_agent.backend.remote.tier import RemoteTier
 from node_agent.backend.replication import ReplicatedBackend
 from node_agent.backend.slots import validate_slot_mapping
+from node_agent.backend.ssd_format import DROP_REASONS
+from node_agent.backend.ssd_recovery import Recovery, RecoveryStopped
+from node_agent.backend.ssd_tier import SsdTier
 from node_agent.backend.stage_store import TierStore
 from node_agent.backend.tasks import Task, TaskState
 from node_agent.backend.transfer import CopyAborted
@@ -79,9 +82,24 @@ class EmbeddedBackend(ReplicatedBackend):
         metrics: AgentMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         remote: RemoteTier | None = None,
+        cache_epoch: Callable[[], int] | None = None,
     ) -> None:
         self.config = config
         self.remote = remote
+        self._cache_epoch = cache_epoch or (lambda: config.cache_epoch)
+        """The current ``cacheEpoch``: a flush (``reset``) names it in a persistent SSD
+        tier's files."""
+        self.recovered_blocks = 0
+        """SSD blocks recovered at start (a persistent SSD tier)."""
+        self.recovered_dropped: dict[str, int] = {}
+        """SSD blocks found at start and not recovered, by reason."""
+        self.spilled_on_stop = 0
+        """CPU blocks spilled to a persistent SSD tier by ``shutdown``."""
+        self.recovery_done = threading.Event()
+        """Set once a persistent SSD tier's recovery ended (at once without one)."""
+        self.recovery: Recovery | None = None
+        """What the recovery verified (bytes, seconds), once it was applied."""
+        self._recovery: threading.Thread | None = None
         self._evicted: dict[int, int] = {}  # CPU block -> remote block digest (evict policy)
         # Node -> (its generation, the REMOTE -> CPU move) of blocks a fetch brought,
         # for refetch_failed (deferred visibility only).
@@ -139,6 +157,10 @@ class EmbeddedBackend(ReplicatedBackend):
             )
             if self.remote is not None and self.remote.write_policy == "evict":
                 self._index.on_cpu_evict = self._on_cpu_evict
+            if store.ssd is not None and store.ssd.persistent:
+                self._restore_locked(store)
+            else:
+                self.recovery_done.set()
             self._pool = ThreadPoolExecutor(self.config.worker_threads,
                                             thread_name_prefix="flexkv-transfer")
             self._reaper = threading.Thread(target=self._reap_loop, name="flexkv-expiry",
@@ -149,6 +171,86 @@ class EmbeddedBackend(ReplicatedBackend):
             "cpu_blocks": store.num_blocks(Tier.CPU), "ssd_blocks": store.num_blocks(Tier.SSD),
             "bytes_per_block": self.config.layout.bytes_per_block,
         })
+
+    def _restore_locked(self, store: TierStore) -> None:
+        """Start recovering what the persistent SSD tier found: its recorded blocks are
+        reserved (never written) while a thread verifies them; the verified ones are
+        then indexed (:meth:`BlockIndex.adopt`). Every later spill is recorded."""
+        index, ssd = self._index, store.ssd
+        assert index is not None and ssd is not None
+
+        def record(block_hash: int, parent: int | None, block: int) -> None:
+            try:
+                ssd.record(block, block_hash, parent)
+            except OSError as e:  # the block is cached; only its restart survival is lost
+                log.error("SSD block record write failed", extra={"block": block,
+                                                                  "error": str(e)})
+                if self._metrics is not None:
+                    self._metrics.ssd_errors.labels(op="record").inc()
+
+        index.on_spill = record
+        if self._metrics is not None:
+            self._metrics.recovered_blocks.inc(0)
+            for reason in DROP_REASONS:
+                self._metrics.recovered_dropped_blocks.labels(reason=reason)
+        if not ssd.recorded:
+            self.recovery_done.set()
+            return
+        reserved = list(ssd.recorded)
+        index.reserve_ssd(reserved)
+        epoch = index.epoch
+        self._recovery = threading.Thread(target=self._recover, args=(ssd, reserved, epoch),
+                                          name="flexkv-ssd-recovery", daemon=True)
+        self._recovery.start()
+
+    def _recover(self, ssd: SsdTier, reserved: list[int], epoch: int) -> None:
+        """Recovery thread: verify the recorded blocks, then index the good ones."""
+        try:
+            try:
+                found = ssd.verify(stop=lambda: self._closed or self._index is None
+                                   or self._index.epoch != epoch)
+            except RecoveryStopped:
+                log.info("SSD recovery stopped before it finished (shutdown or flush)")
+                return
+            except Exception:
+                log.exception("SSD recovery failed; the recorded blocks are freed")
+                found = Recovery()
+            with self._cond:
+                index = self._index
+                if self._closed or index is None or index.epoch != epoch:
+                    return  # a flush cleared the index (its SSD ring is whole again)
+                adopted = index.adopt([(r.hash, r.parent, r.block, r.seq)
+                                       for r in found.blocks], reserved)
+                dropped = dict(found.dropped)
+                dropped["orphan"] += len(found.blocks) - adopted  # refused by the index
+                self.recovered_blocks, self.recovered_dropped = adopted, dropped
+                self.recovery = found
+                if self._metrics is not None:
+                    self._metrics.recovered_blocks.inc(adopted)
+                    for reason, n in dropped.items():
+                        self._metrics.recovered_dropped_blocks.labels(reason=reason).inc(n)
+                self._update_gauges()
+            log.info("SSD blocks recovered", extra={
+                "blocks": adopted, "dropped": dropped, "bytes_verified": found.bytes_verified,
+                "seconds": round(found.seconds, 3)})
+        finally:
+            self.recovery_done.set()
+
+    def _spill_cpu_locked(self) -> None:
+        """On shutdown with a persistent SSD tier: spill the CPU tier's blocks to SSD
+        (leaf-first, least recently used first) within ``stop_spill_seconds``."""
+        index, store = self._index, self._store
+        if index is None or store is None or store.ssd is None or not store.ssd.persistent:
+            return
+        deadline = time.monotonic() + self.config.stop_spill_seconds
+        index.on_cpu_evict = None  # the remote tier is closing: nothing more to offer it
+        before = index.evictions[Tier.CPU]
+        spilled, dropped = index.empty_cpu(lambda: time.monotonic() < deadline)
+        self.spilled_on_stop = spilled
+        self._count_spill_failures_locked()
+        log.info("CPU tier spilled to SSD on stop", extra={
+            "spilled": spilled, "dropped": dropped, "left": index.used(Tier.CPU),
+            "evictions": index.evictions[Tier.CPU] - before})
 
     def is_ready(self) -> bool:
         store = self._store
@@ -170,6 +272,10 @@ class EmbeddedBackend(ReplicatedBackend):
                 if t.status is None:
                     self._finish_locked(t, KVResponseStatus.CANCELLED, "backend shut down")
             self._cond.notify_all()
+        if self._recovery is not None:  # it checks _closed before every block
+            self._recovery.join()
+        with self._cond:
+            self._spill_cpu_locked()
         if store is not None:
             store.close()
         log.info("Embedded backend shut down")
@@ -205,6 +311,9 @@ class EmbeddedBackend(ReplicatedBackend):
                 self._finish_locked(t, KVResponseStatus.CANCELLED, "cache reset")
         index = self._require_started()
         index.clear()
+        assert self._store is not None
+        if self._store.ssd is not None:
+            self._store.ssd.reset_records(self._cache_epoch())
         self._fetched.clear()
         self._refetch.clear()
         self._node_writers.clear()
@@ -698,6 +807,7 @@ class EmbeddedBackend(ReplicatedBackend):
                         capacity_bytes=cap * bpb, used_bytes=used * bpb, capacity_blocks=cap,
                         used_blocks=used, evictions=index.evictions[tier],
                         hit_blocks=self._hits[tier],
+                        recovered_blocks=self.recovered_blocks if tier is Tier.SSD else 0,
                     )
             counts = {s.value: 0 for s in TaskState}
             for t in self._tasks.values():

@@ -105,6 +105,9 @@ class BlockIndex:
         #: (spilled or dropped), before its CPU block can be reused (the remote
         #: tier's ``writePolicy: evict``).
         self.on_cpu_evict: Callable[[int, int], None] | None = None
+        #: Called with ``(hash, parent hash or None, ssd block)`` once a spill's copy
+        #: succeeded (a persistent SSD tier records the block's identity).
+        self.on_spill: Callable[[int, int | None, int], None] | None = None
         self.evictions = {Tier.CPU: 0, Tier.SSD: 0}
         self.epoch = 0
         n = cpu_blocks + ssd_blocks
@@ -381,6 +384,86 @@ class BlockIndex:
             self._cpu_children_v[p] -= 1
             self._offer(p)
 
+    def reserve_ssd(self, blocks: Sequence[int]) -> None:
+        """Take SSD ``blocks`` out of the free ring until :meth:`adopt` decides on them
+        (a persistent tier's recorded blocks, while they are verified). Only before
+        any SSD block is used."""
+        if self.used(Tier.SSD):
+            raise ValueError(f"reserve_ssd needs an unused SSD tier; {self.used(Tier.SSD)} "
+                             "blocks are in use")
+        ring = self.free[Tier.SSD]
+        ring.take(len(ring))
+        ring.extend(np.setdiff1d(np.arange(self.capacity[Tier.SSD], dtype=np.int64),
+                                 np.asarray(blocks, dtype=np.int64)))
+
+    def adopt(self, blocks: Sequence[tuple[int, int | None, int, int]],
+              reserved: Sequence[int]) -> int:
+        """Index recovered SSD blocks as visible nodes; free the rest of ``reserved``.
+
+        ``blocks`` are ``(hash, parent hash or None, ssd block, write sequence)``,
+        every parent before its children, each block one of ``reserved``
+        (:meth:`reserve_ssd`). A block is adopted only when its hash is not indexed
+        yet (not stored again meanwhile) and its parent is a visible node (adopted
+        before it, or cached meanwhile), so the index stays a prefix tree; the
+        others' blocks return to the free ring. Adopted blocks are older, for LRU,
+        than every block indexed before, in write order. Returns how many were
+        adopted."""
+        pos: dict[int, int] = {}
+        taken: set[int] = set()
+        hashes: list[int] = []
+        parents: list[int] = []  # >= 0: an indexed node; -1: none; <= -2: -2 - position
+        where: list[int] = []
+        seqs: list[int] = []
+        allowed = set(reserved)
+        for h, parent, block, seq in blocks:
+            key = (h & ((1 << 64) - 1)) or ZERO_STANDIN
+            if key in taken or block not in allowed or self._lookup1(h) >= 0:
+                continue
+            if parent is None:
+                par = -1
+            elif parent in pos:
+                par = -2 - pos[parent]
+            else:
+                par = self._lookup1(parent)
+                if par < 0 or not self._visible_v[par]:
+                    continue
+            pos[h] = len(hashes)
+            taken.add(key)
+            allowed.discard(block)
+            parents.append(par)
+            hashes.append(h)
+            where.append(block)
+            seqs.append(seq)
+        self.free[Tier.SSD].extend(np.array(sorted(allowed), dtype=np.int64))
+        k = len(hashes)
+        if not k:
+            return 0
+        top = self._nfree_ids
+        ids = self._free_ids[top - k:top][::-1].copy()
+        self._nfree_ids = top - k
+        par_ids = np.array(parents, dtype=np.int64)
+        inner = par_ids <= -2
+        par_ids[inner] = ids[-2 - par_ids[inner]]
+        self._parent[ids] = par_ids
+        self._children[ids] = 0
+        self._cpu_children[ids] = 0
+        np.add.at(self._children, par_ids[par_ids >= 0], 1)
+        self._tier[ids] = _SSD
+        self._block[ids] = where
+        self._locks[ids] = 0
+        self._visible[ids] = 1
+        self._tick[ids] = np.argsort(np.argsort(np.array(seqs, dtype=np.int64))) - k
+        self._gen[ids] += 1
+        keys = as_keys(hashes, self._wide)
+        self._key[ids] = keys
+        self._table.insert(keys, ids)
+        if self._wide:
+            hash_ = self._hash
+            for i, h in zip(ids.tolist(), hashes, strict=True):
+                hash_[i] = h
+        self._offer_all(ids)
+        return k
+
     def enforce_watermarks(self, moves: list[TierMove]) -> None:
         """Evict tiers above the high watermark down to the low watermark."""
         for tier in (Tier.CPU, Tier.SSD):
@@ -389,6 +472,18 @@ class BlockIndex:
                 target = int(self.low * cap)
                 while self.used(tier) > target and self._evict_one(tier, moves):
                     pass
+
+    def empty_cpu(self, keep_going: Callable[[], bool]) -> tuple[int, int]:
+        """Evict CPU blocks, one by one by the usual rules (spill where the SSD tier has
+        or can make room, else drop a leaf), until none is evictable or ``keep_going()``
+        is false; returns ``(spilled, dropped)``. For a clean stop of a persistent SSD
+        tier: what is spilled survives the restart."""
+        moves: list[TierMove] = []
+        while self.used(Tier.CPU) and keep_going() and self._evict_one(Tier.CPU, moves):
+            pass
+        cpu = [m for m in moves if m.src.tier is Tier.CPU]
+        spilled = sum(1 for m in cpu if m.dst is not None)
+        return spilled, len(cpu) - spilled
 
     def clear(self) -> None:
         """Forget every block (a flush); ids handed out before are void (``epoch`` moves)."""
@@ -513,8 +608,11 @@ class BlockIndex:
                     else:
                         if self.on_cpu_evict is not None and self._visible_v[i]:
                             self.on_cpu_evict(self._full_hash(i), src.index)
-                        self._tier_v[i], self._block_v[i] = _SSD, dst
                         p = self._parent_v[i]
+                        if self.on_spill is not None:
+                            self.on_spill(self._full_hash(i),
+                                          self._full_hash(p) if p >= 0 else None, dst)
+                        self._tier_v[i], self._block_v[i] = _SSD, dst
                         if p >= 0:
                             self._cpu_children_v[p] -= 1
                             self._offer(p)

@@ -20,6 +20,7 @@ from node_agent.backend.cpu_tier import CpuTier
 from node_agent.backend.planes import RegisteredBuffers, register_buffers
 from node_agent.backend.replication import StageStore
 from node_agent.backend.slots import validate_slot_mapping
+from node_agent.backend.ssd_format import HASH_BYTES, tier_identity
 from node_agent.backend.ssd_tier import SsdTier
 from node_agent.backend.transfer import BlockCopier
 from node_agent.vocab.layout import KVLayout
@@ -63,7 +64,9 @@ class TierStore(StageStore):
         self.layout: KVLayout = config.layout
         self.cpu = CpuTier(config.layout, config.cpu_blocks, config.pinned)
         self.ssd = (
-            SsdTier(config.layout.bytes_per_block, config.ssd_blocks, config.ssd_paths)
+            SsdTier(config.layout.bytes_per_block, config.ssd_blocks, config.ssd_paths,
+                    identity=tier_identity(config) if config.ssd_persist else None,
+                    hash_bytes=HASH_BYTES[config.hash_algorithm], pool=config.pool)
             if config.ssd_blocks
             else None
         )

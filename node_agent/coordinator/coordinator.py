@@ -400,6 +400,15 @@ class Coordinator:
         return {name: (t.capacity_bytes, t.used_bytes)
                 for name, t in role.backend.stats().tiers.items()}
 
+    def recovered_blocks(self) -> int | None:
+        """SSD blocks the leader backend recovered at its start (a persistent SSD
+        tier); None while this stage is not the leader."""
+        role = self._role
+        if not isinstance(role, LeaderRole):
+            return None
+        ssd = role.backend.stats().tiers.get("ssd")
+        return ssd.recovered_blocks if ssd is not None else 0
+
     def lookup_totals(self) -> tuple[int, int] | None:
         """(tokens looked up, tokens hit) since the leader backend started, from its
         own stats; None while this stage is not the leader or when its backend does

@@ -68,6 +68,9 @@ class Coordinator(Protocol):
     def tier_bytes(self) -> dict[str, tuple[int, int]] | None:
         """Tier name -> (capacity, used) bytes of the stage's backend while the stage
         leads its group; None otherwise."""
+    def recovered_blocks(self) -> int | None:
+        """SSD blocks the stage's backend recovered at its start, while the stage
+        leads its group; None otherwise."""
     def lookup_totals(self) -> tuple[int, int] | None:
         """(tokens looked up, tokens hit) since the stage's backend started, while
         the stage leads its group and its backend counts them; None otherwise."""

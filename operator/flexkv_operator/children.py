@@ -44,7 +44,8 @@ def agent_config(pool: PoolIdentity, config: PoolConfig) -> dict[str, Any]:
         "cpu": {"size": raw["tiers"]["cpu"]["size"], "pinned": raw["tiers"]["cpu"]["pinned"]}
     }
     if config.ssd_paths:
-        tiers["ssd"] = {"size": raw["tiers"]["ssd"]["size"], "paths": list(config.ssd_paths)}
+        tiers["ssd"] = {"size": raw["tiers"]["ssd"]["size"], "paths": list(config.ssd_paths),
+                        "persist": raw["tiers"]["ssd"].get("persist", True)}
     if config.remote is not None:
         tiers["remote"] = mooncake.agent_remote_section(pool.name, pool.namespace, config)
     eviction = raw["eviction"]

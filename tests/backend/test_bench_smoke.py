@@ -57,3 +57,17 @@ def test_match_bench_rows(tmp_path: Path) -> None:
                 "cpu_p99_ms"} <= set(r)
         assert r["index_blocks"] == 400
     assert float(rows[3]["tracemalloc_bytes_per_block"]) > 0  # type: ignore[arg-type]
+
+
+def test_restart_bench_rows(tmp_path: Path) -> None:
+    rows = _run("restart.py", "--gb", "0.01", "--layers", "2", "--prompt-blocks", "4",
+                "--dir", str(tmp_path / "ssd"), tmp=tmp_path)
+    assert [(r["row"], r.get("stop")) for r in rows] == [
+        ("fill", None), ("restart", "clean"), ("hit_rate", "clean"), ("hit_rate", "no_spill"),
+        ("load", None)]
+    assert float(rows[0]["ratio"]) > 0  # type: ignore[arg-type]
+    restart = rows[1]
+    assert {"ready_seconds", "first_hit_seconds", "scan_gb_per_s", "ready_goal_met",
+            "scan_goal_met"} <= set(restart)
+    assert int(restart["recovered_blocks"]) > 0  # type: ignore[call-overload]
+    assert rows[2]["before"] == 1.0 and 0 < float(rows[2]["after"]) <= 1  # type: ignore[arg-type]

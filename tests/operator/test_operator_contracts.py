@@ -47,6 +47,9 @@ def test_rendered_agent_yaml_is_accepted_by_the_agent(example: str) -> None:
     assert agent.cache_epoch == config.cache_epoch
     assert agent.tiers.cpu.size == config.cpu_bytes
     assert (agent.tiers.ssd.size if agent.tiers.ssd else 0) == config.ssd_bytes
+    if agent.tiers.ssd is not None:  # persist is rendered; the CRD's default is true
+        ssd_spec = spec["tiers"]["ssd"]
+        assert agent.tiers.ssd.persist is ssd_spec.get("persist", True)
     assert agent.ports.http == config.http_port and agent.ports.fanout == config.fanout_port
     assert agent.heartbeat.lease_duration_seconds == config.timings.lease_duration
     assert agent.curve_key_dir == names.CURVE_MOUNT
