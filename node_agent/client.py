@@ -54,7 +54,8 @@ import zmq
 from node_agent.backend.layout import KVLayout, LayoutName
 from node_agent.engine_api import protocol
 from node_agent.engine_api.buffers import CREATED_HERE, cuda_handle, dtype_name
-from node_agent.engine_api.protocol import array_length, bool_array, int64_array, layout_to_wire
+from node_agent.engine_api.protocol import array_length, bool_array, layout_to_wire
+from node_agent.vocab.tokens import int64_array
 
 _NOBLOCK = int(zmq.NOBLOCK)
 _RCVMORE = int(zmq.RCVMORE)

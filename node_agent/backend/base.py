@@ -30,15 +30,19 @@ import abc
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import numpy.typing as npt
+
+from node_agent.vocab.tokens import int64_array
 
 if TYPE_CHECKING:
     import torch
 
 TokenArray = npt.NDArray[np.int64]
+MatchOp = Literal["get", "put"]
+"""Which match a backend's ``_match`` makes: ``get_match`` or ``put_match``."""
 BoolMask = npt.NDArray[np.bool_]
 SlotArray = npt.NDArray[np.int64]
 
@@ -190,7 +194,6 @@ class KVBackend(abc.ABC):
 
     # -- matching -----------------------------------------------------------
 
-    @abc.abstractmethod
     def get_match(
         self,
         token_ids: TokenArray,
@@ -205,10 +208,11 @@ class KVBackend(abc.ABC):
         ``(task_id, mask)`` where mask is True over the loadable span; task id is
         -1 and the mask all False when nothing can be loaded. The matched blocks
         are locked (cannot be evicted) until the task is launched and finishes,
-        is cancelled, or expires un-launched.
+        is cancelled, or expires un-launched. Token ids are read by
+        :func:`node_agent.vocab.tokens.int64_array` (``ValueError`` names a bad one).
         """
+        return self._match("get", int64_array("token_ids", token_ids), token_mask, namespace)
 
-    @abc.abstractmethod
     def put_match(
         self,
         token_ids: TokenArray,
@@ -221,8 +225,15 @@ class KVBackend(abc.ABC):
         block-aligned span after the cached prefix; task id is -1 and the mask
         all False when nothing needs writing. Space for the span is reserved;
         the new blocks become visible to ``get_match`` only when the task
-        finishes SUCCESS.
+        finishes SUCCESS. Token ids are read as by :meth:`get_match`.
         """
+        return self._match("put", int64_array("token_ids", token_ids), token_mask, namespace)
+
+    @abc.abstractmethod
+    def _match(self, op: MatchOp, tokens: TokenArray, token_mask: BoolMask | None,
+               namespace: str | None) -> tuple[int, BoolMask]:
+        """What each backend implements: :meth:`get_match` (``op == "get"``) or
+        :meth:`put_match` (``"put"``) of already checked ``tokens``."""
 
     # -- execution ----------------------------------------------------------
 

@@ -35,6 +35,7 @@ from node_agent.backend.base import (
     KVBackendError,
     KVResponse,
     KVResponseStatus,
+    MatchOp,
     SlotArray,
     TaskNotFoundError,
     TierStats,
@@ -44,7 +45,7 @@ from node_agent.backend.base import (
 from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.hashing import BlockHasher
 from node_agent.backend.index import NO_NODES, BlockIndex, NodeIds
-from node_agent.backend.inputs import as_token_ids, mask_span, span_mask
+from node_agent.backend.inputs import mask_span, span_mask
 from node_agent.backend.layout import RegisteredBuffers, register_buffers
 from node_agent.backend.remote.keys import block_digest
 from node_agent.backend.remote.tier import RemoteTier
@@ -61,6 +62,7 @@ from node_agent.backend.stage_store import TierStore
 from node_agent.backend.tasks import Task, TaskState
 from node_agent.backend.transfer import CopyAborted
 from node_agent.metrics import AgentMetrics
+from node_agent.vocab.tokens import int64_array
 
 log = logging.getLogger(__name__)
 
@@ -250,17 +252,28 @@ class EmbeddedBackend(ReplicatedBackend):
             return stage if namespace is None else namespace
         return f"{stage}\x00{namespace}"
 
-    def get_match(
-        self,
-        token_ids: TokenArray,
-        token_mask: BoolMask | None = None,
-        namespace: str | None = None,
-    ) -> tuple[int, BoolMask]:
-        t0 = time.perf_counter()
-        tokens = as_token_ids(token_ids)
+    def _block_hashes(self, token_ids: object, token_mask: object,
+                      namespace: str | None) -> tuple[TokenArray, int, int, list[int]]:
+        """The inputs of a match, checked: ``(tokens, start, end, hashes)``, where
+        ``[start, end)`` is the span the mask selects and ``hashes`` are the chained
+        hashes of the whole blocks up to ``end``. ``ValueError`` names a bad input."""
+        tokens = int64_array("token_ids", token_ids)
         start, end = mask_span(token_mask, len(tokens), self.tokens_per_block)
+        hashes = self._hasher.hashes(tokens, self._namespace(namespace),
+                                     limit=end // self.tokens_per_block)
+        return tokens, start, end, hashes
+
+    def _match(self, op: MatchOp, tokens: TokenArray, token_mask: BoolMask | None,
+               namespace: str | None) -> tuple[int, BoolMask]:
+        if op == "get":
+            return self._get_match(tokens, token_mask, namespace)
+        return self._put_match(tokens, token_mask, namespace)
+
+    def _get_match(self, token_ids: TokenArray, token_mask: BoolMask | None,
+                   namespace: str | None) -> tuple[int, BoolMask]:
+        t0 = time.perf_counter()
+        tokens, start, end, hashes = self._block_hashes(token_ids, token_mask, namespace)
         tpb = self.tokens_per_block
-        hashes = self._hasher.hashes(tokens, self._namespace(namespace), limit=end // tpb)
         if self.remote is not None and hashes and self.fetch_in_match:
             self._continue_on_remote(hashes)
         with self._lock:
@@ -296,17 +309,11 @@ class EmbeddedBackend(ReplicatedBackend):
         assert task.mask is not None
         return task.id, task.mask
 
-    def put_match(
-        self,
-        token_ids: TokenArray,
-        token_mask: BoolMask | None = None,
-        namespace: str | None = None,
-    ) -> tuple[int, BoolMask]:
+    def _put_match(self, token_ids: TokenArray, token_mask: BoolMask | None,
+                   namespace: str | None) -> tuple[int, BoolMask]:
         t0 = time.perf_counter()
-        tokens = as_token_ids(token_ids)
-        start, end = mask_span(token_mask, len(tokens), self.tokens_per_block)
+        tokens, start, end, hashes = self._block_hashes(token_ids, token_mask, namespace)
         tpb = self.tokens_per_block
-        hashes = self._hasher.hashes(tokens, self._namespace(namespace), limit=end // tpb)
         nothing = (-1, span_mask(len(tokens), 0, 0))
         with self._lock:
             index = self._require_started()
@@ -352,10 +359,7 @@ class EmbeddedBackend(ReplicatedBackend):
         to publish, never during the fetch)."""
         if self.remote is None:
             return
-        tokens = as_token_ids(token_ids)
-        _, end = mask_span(token_mask, len(tokens), self.tokens_per_block)
-        hashes = self._hasher.hashes(tokens, self._namespace(namespace),
-                                     limit=end // self.tokens_per_block)
+        hashes = self._block_hashes(token_ids, token_mask, namespace)[3]
         if hashes:
             self._continue_on_remote(hashes)
 

@@ -60,6 +60,7 @@ from node_agent.backend.base import (
     KVBackendError,
     KVResponse,
     KVResponseStatus,
+    MatchOp,
     SlotArray,
     TaskNotFoundError,
     TierStats,
@@ -474,26 +475,8 @@ class FlexKVBackend(KVBackend):
 
     # -- matching -----------------------------------------------------------
 
-    def get_match(
-        self,
-        token_ids: TokenArray,
-        token_mask: BoolMask | None = None,
-        namespace: str | None = None,
-    ) -> tuple[int, BoolMask]:
-        return self._match("get", token_ids, token_mask, namespace)
-
-    def put_match(
-        self,
-        token_ids: TokenArray,
-        token_mask: BoolMask | None = None,
-        namespace: str | None = None,
-    ) -> tuple[int, BoolMask]:
-        return self._match("put", token_ids, token_mask, namespace)
-
-    def _match(
-        self, op: str, token_ids: Any, token_mask: Any, namespace: str | None
-    ) -> tuple[int, BoolMask]:
-        ids = _token_array(token_ids)
+    def _match(self, op: MatchOp, ids: TokenArray, token_mask: BoolMask | None,
+               namespace: str | None) -> tuple[int, BoolMask]:
         n = len(ids)
         mask = _input_mask(token_mask, n)
         ns = _namespace(namespace)
@@ -828,18 +811,6 @@ class FlexKVBackend(KVBackend):
                 registered_ranks=tuple(sorted(self._registered)),
                 expected_ranks=self.layout.tp_size,
             )
-
-
-def _token_array(token_ids: Any) -> TokenArray:
-    """Token ids as a 1-D int64 CPU numpy array (torch tensors are moved to the CPU)."""
-    if hasattr(token_ids, "detach"):
-        token_ids = token_ids.detach().cpu().numpy()
-    arr = np.asarray(token_ids)
-    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-        raise ValueError(
-            f"token_ids must be a 1-D sequence of integers, got dtype {arr.dtype} shape {arr.shape}"
-        )
-    return np.ascontiguousarray(arr, dtype=np.int64)
 
 
 def _input_mask(token_mask: Any, n: int) -> BoolMask | None:

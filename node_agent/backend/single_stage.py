@@ -30,6 +30,7 @@ from node_agent.backend.base import (
     BoolMask,
     KVBackend,
     KVResponse,
+    MatchOp,
     SlotArray,
     TaskNotFoundError,
     TokenArray,
@@ -100,26 +101,13 @@ class SingleStageBackend(ReplicatedBackend):
     def stats(self) -> BackendStats:
         return self.inner.stats()
 
-    def get_match(
-        self,
-        token_ids: TokenArray,
-        token_mask: BoolMask | None = None,
-        namespace: str | None = None,
-    ) -> tuple[int, BoolMask]:
-        task_id, mask = self.inner.get_match(token_ids, token_mask,
-                                             namespace or self.namespace)
-        self._remember(task_id, Direction.LOAD)
-        return task_id, mask
-
-    def put_match(
-        self,
-        token_ids: TokenArray,
-        token_mask: BoolMask | None = None,
-        namespace: str | None = None,
-    ) -> tuple[int, BoolMask]:
-        task_id, mask = self.inner.put_match(token_ids, token_mask,
-                                             namespace or self.namespace)
-        self._remember(task_id, Direction.STORE)
+    def _match(self, op: MatchOp, tokens: TokenArray, token_mask: BoolMask | None,
+               namespace: str | None) -> tuple[int, BoolMask]:
+        """The inner backend's match under the stage's namespace (when the call
+        names none); the task's direction is remembered for ``launch``."""
+        match = self.inner.get_match if op == "get" else self.inner.put_match
+        task_id, mask = match(tokens, token_mask, namespace or self.namespace)
+        self._remember(task_id, Direction.LOAD if op == "get" else Direction.STORE)
         return task_id, mask
 
     def launch(

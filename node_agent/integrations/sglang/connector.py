@@ -50,11 +50,10 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast
 
 import numpy as np
-import numpy.typing as npt
 
 from node_agent.backend.layout import KVLayout
 from node_agent.client import AgentTimeoutError, AgentUnavailableError, EngineAPIError
-from node_agent.engine_api.protocol import int64_array
+from node_agent.vocab.tokens import int64_array
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -103,10 +102,6 @@ def agent_rid(handle: Hashable) -> str:
     if rid is None or attempt is None:
         return str(handle)
     return f"{rid}:{attempt}"
-
-
-def _cpu_int64(where: str, values: object) -> npt.NDArray[np.int64]:
-    return int64_array(where, values)
 
 
 class AgentKVConnector:
@@ -309,7 +304,7 @@ class AgentKVConnector:
             return -1, 0
         rid = agent_rid(handle)
         try:
-            tokens = _cpu_int64("lookup_kv: token_ids", token_ids)
+            tokens = int64_array("lookup_kv: token_ids", token_ids)
             mask = None
             if token_mask is not None:
                 if hasattr(token_mask, "detach"):
@@ -352,7 +347,7 @@ class AgentKVConnector:
             return 0
         rid = agent_rid(handle)
         try:
-            slots = _cpu_int64("retrieve_kv: slot_mapping", slot_mapping)
+            slots = int64_array("retrieve_kv: slot_mapping", slot_mapping)
         except ValueError as exc:
             self._refused("retrieve", exc)
             self._release(rid)
@@ -439,8 +434,8 @@ class AgentKVConnector:
                aligned: int) -> tuple[int, bool]:
         if not self._available():
             return -1, False
-        ids = _cpu_int64("store_kv: token_ids", token_ids)[:aligned]
-        idx = _cpu_int64("store_kv: kv_indices", kv_indices)[:aligned]
+        ids = int64_array("store_kv: token_ids", token_ids)[:aligned]
+        idx = int64_array("store_kv: kv_indices", kv_indices)[:aligned]
         try:
             task_id = int(self.client.store_kv(agent_rid(handle), ids, idx))
         except AgentTimeoutError as exc:
