@@ -120,6 +120,13 @@ class TaskNotFoundError(KVBackendError, KeyError):
     """A task id passed to ``launch`` or ``cancel`` is not a live, un-launched task."""
 
 
+def task_id(value: object) -> int:
+    """A task id as an int; ``ValueError`` when it is not an integer (a bool neither)."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise ValueError(f"task id {value!r} is not an integer")
+    return int(value)
+
+
 def launch_task_ids(task_ids: Sequence[object], slot_mappings: Sequence[object]) -> list[int]:
     """The ids of a ``launch`` call as ints, checked against its slot mappings.
 
@@ -237,7 +244,6 @@ class KVBackend(abc.ABC):
 
     # -- execution ----------------------------------------------------------
 
-    @abc.abstractmethod
     def launch(
         self,
         task_ids: Sequence[int],
@@ -252,9 +258,16 @@ class KVBackend(abc.ABC):
         a bad mapping raises ``ValueError`` naming the bad value and leaves every
         task of the call un-launched. Returns the ids to wait on: the same ids,
         or with ``as_batch`` one new id covering all of them (callers must use it).
+        The ids are checked first (:func:`launch_task_ids`).
         """
+        return self._launch(launch_task_ids(task_ids, slot_mappings), slot_mappings, as_batch)
 
     @abc.abstractmethod
+    def _launch(self, ids: list[int], slot_mappings: Sequence[SlotArray],
+                as_batch: bool) -> list[int]:
+        """What each backend implements: :meth:`launch` of checked task ``ids``
+        (ints, one per slot mapping, none repeated)."""
+
     def wait(
         self,
         task_ids: Sequence[int],
@@ -267,7 +280,13 @@ class KVBackend(abc.ABC):
         answers NOTFOUND). Unfinished ones answer TIMEOUT and stay live. With
         ``completely`` the call returns only when all tasks are terminal or the
         timeout expired; otherwise it may return as soon as any is terminal.
+        Every id must be an integer (:func:`task_id`).
         """
+        return self._wait([task_id(t) for t in task_ids], timeout, completely)
+
+    @abc.abstractmethod
+    def _wait(self, ids: list[int], timeout: float, completely: bool) -> dict[int, KVResponse]:
+        """What each backend implements: :meth:`wait` for checked task ``ids``."""
 
     @abc.abstractmethod
     def try_wait(self, task_ids: Sequence[int]) -> dict[int, KVResponse]:

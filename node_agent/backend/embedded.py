@@ -40,7 +40,6 @@ from node_agent.backend.base import (
     TaskNotFoundError,
     TierStats,
     TokenArray,
-    launch_task_ids,
 )
 from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.hashing import BlockHasher
@@ -505,13 +504,8 @@ class EmbeddedBackend(ReplicatedBackend):
 
     # -- execution -----------------------------------------------------------
 
-    def launch(
-        self,
-        task_ids: Sequence[int],
-        slot_mappings: Sequence[SlotArray],
-        as_batch: bool = False,
-    ) -> list[int]:
-        ids = launch_task_ids(task_ids, slot_mappings)
+    def _launch(self, ids: list[int], slot_mappings: Sequence[SlotArray],
+                as_batch: bool) -> list[int]:
         with self._lock:
             self._require_started()
             self._expire_locked()
@@ -564,14 +558,8 @@ class EmbeddedBackend(ReplicatedBackend):
                 t.future = pool.submit(self._run, t, s)
         return out
 
-    def wait(
-        self,
-        task_ids: Sequence[int],
-        timeout: float = 20.0,
-        completely: bool = False,
-    ) -> dict[int, KVResponse]:
+    def _wait(self, ids: list[int], timeout: float, completely: bool) -> dict[int, KVResponse]:
         deadline = time.monotonic() + max(0.0, timeout)
-        ids = [int(t) for t in task_ids]
         with self._cond:
             while True:
                 self._expire_locked()

@@ -65,7 +65,7 @@ from node_agent.backend.base import (
     TaskNotFoundError,
     TierStats,
     TokenArray,
-    launch_task_ids,
+    task_id,
 )
 from node_agent.backend.layout import KVLayout, LayoutName, register_buffers
 
@@ -567,13 +567,8 @@ class FlexKVBackend(KVBackend):
 
     # -- execution ----------------------------------------------------------
 
-    def launch(
-        self,
-        task_ids: Sequence[int],
-        slot_mappings: Sequence[SlotArray],
-        as_batch: bool = False,
-    ) -> list[int]:
-        ids = launch_task_ids(task_ids, slot_mappings)
+    def _launch(self, ids: list[int], slot_mappings: Sequence[SlotArray],
+                as_batch: bool) -> list[int]:
         with self._lock:
             manager = self._require_started("launch")
             self._expire_unlaunched()
@@ -663,12 +658,7 @@ class FlexKVBackend(KVBackend):
             )
         return arr
 
-    def wait(
-        self,
-        task_ids: Sequence[int],
-        timeout: float = 20.0,
-        completely: bool = False,
-    ) -> dict[int, KVResponse]:
+    def _wait(self, ids: list[int], timeout: float, completely: bool) -> dict[int, KVResponse]:
         """Poll FlexKV until every task is terminal or ``timeout`` passes.
 
         ``completely`` is passed to FlexKV, where it means "the task's whole
@@ -677,7 +667,6 @@ class FlexKVBackend(KVBackend):
         """
         if not (isinstance(timeout, int | float) and math.isfinite(timeout) and timeout >= 0):
             raise ValueError(f"wait: timeout={timeout!r} is invalid; use a finite number >= 0")
-        ids = [_task_id(t) for t in task_ids]
         deadline = time.monotonic() + timeout
         done: dict[int, KVResponse] = {}
         pending = list(dict.fromkeys(ids))
@@ -696,7 +685,7 @@ class FlexKVBackend(KVBackend):
         return {tid: done[tid] for tid in dict.fromkeys(ids)}
 
     def try_wait(self, task_ids: Sequence[int]) -> dict[int, KVResponse]:
-        ids = [_task_id(t) for t in task_ids]
+        ids = [task_id(t) for t in task_ids]
         done: dict[int, KVResponse] = {}
         with self._lock:
             self._require_started("try_wait")
@@ -748,7 +737,7 @@ class FlexKVBackend(KVBackend):
         """Roll back un-launched tasks through FlexKV's ``cancel``. Unlike the embedded
         backend, launched tasks are not stopped: they run to their end in FlexKV's
         transfer engine (see :meth:`KVBackend.cancel`)."""
-        ids = [_task_id(t) for t in task_ids]
+        ids = [task_id(t) for t in task_ids]
         with self._lock:
             manager = self._require_started("cancel")
             victims = [t for t in dict.fromkeys(ids)
@@ -840,12 +829,6 @@ def _namespace(namespace: str | None) -> list[str] | None:
     if not isinstance(namespace, str):
         raise ValueError(f"namespace must be a string or None, got {namespace!r}")
     return [namespace]
-
-
-def _task_id(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise ValueError(f"task id {value!r} is not an integer")
-    return int(value)
 
 
 def _status_name(answer: Any) -> str:

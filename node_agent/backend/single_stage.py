@@ -110,21 +110,12 @@ class SingleStageBackend(ReplicatedBackend):
         self._remember(task_id, Direction.LOAD if op == "get" else Direction.STORE)
         return task_id, mask
 
-    def launch(
-        self,
-        task_ids: Sequence[int],
-        slot_mappings: Sequence[SlotArray],
-        as_batch: bool = False,
-    ) -> list[int]:
-        return self.inner.launch(task_ids, slot_mappings, as_batch)
+    def _launch(self, ids: list[int], slot_mappings: Sequence[SlotArray],
+                as_batch: bool) -> list[int]:
+        return self.inner.launch(ids, slot_mappings, as_batch)
 
-    def wait(
-        self,
-        task_ids: Sequence[int],
-        timeout: float = 20.0,
-        completely: bool = False,
-    ) -> dict[int, KVResponse]:
-        answers = self.inner.wait(task_ids, timeout, completely)
+    def _wait(self, ids: list[int], timeout: float, completely: bool) -> dict[int, KVResponse]:
+        answers = self.inner.wait(ids, timeout, completely)
         self._forget_terminal(answers)
         return answers
 

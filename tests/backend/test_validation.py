@@ -150,3 +150,17 @@ def test_config_errors_name_key_value_and_fix(kw: dict[str, object], needle: str
     base: dict[str, object] = {"layout": small_layout(), "cpu_bytes": 1 << 20}
     with pytest.raises(ValueError, match=needle):
         EmbeddedBackendConfig(**{**base, **kw})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [True, 1.0, "1"])
+def test_wait_refuses_a_task_id_that_is_not_an_integer(bad: object) -> None:
+    """Every backend reads task ids alike: a bool, float or string is never taken
+    as the task of another id."""
+    b, _ = started(config(small_layout(), cpu_blocks=4))
+    try:
+        tid, _ = b.put_match(tokens(TPB))
+        with pytest.raises(ValueError, match=rf"^task id {bad!r} is not an integer$"):
+            b.wait([bad], timeout=0)  # type: ignore[list-item]
+        b.cancel([tid])
+    finally:
+        b.shutdown()
