@@ -605,15 +605,25 @@ class EmbeddedBackend(ReplicatedBackend):
         has its copy aborted and ends CANCELLED when the copy stopped."""
         with self._cond:
             for i in (int(t) for t in task_ids):
-                t = self._tasks.get(i) or self._members.get(i)
-                if t is None or t.status is not None:
-                    continue
-                if t.state is TaskState.MATCHED and not t.members:
-                    self._finish_locked(t, KVResponseStatus.CANCELLED, "cancelled")
-                    del self._tasks[i]
-                else:
-                    self._abort_locked(t)
+                self._cancel_locked(i, "cancelled")
             self._cond.notify_all()
+
+    def _cancel_locked(self, task_id: int, reason: str, discard: bool = False) -> None:
+        """End task ``task_id`` (under the lock; unknown or terminal: nothing). An
+        un-launched match ends CANCELLED with ``reason`` and is forgotten at once; a
+        launched, unfinished task (or batch, or member) has its copy aborted and,
+        with ``discard``, its blocks freed when the copy ends."""
+        t = self._tasks.get(task_id) or self._members.get(task_id)
+        if t is None or t.status is not None:
+            return
+        if t.state is TaskState.MATCHED and not t.members:
+            self._finish_locked(t, KVResponseStatus.CANCELLED, reason)
+            del self._tasks[task_id]
+            return
+        if discard:
+            for m in t.members or [t]:
+                m.discarded = True
+        self._abort_locked(t)
 
     # -- replication (PP leader) -------------------------------------------------
 
@@ -665,16 +675,7 @@ class EmbeddedBackend(ReplicatedBackend):
             if nodes and self._index is not None:
                 self._index.remove_pending(np.concatenate(nodes))
                 self._update_gauges()
-            t = self._tasks.get(task_id) or self._members.get(task_id)
-            if t is None or t.status is not None:
-                return
-            if t.state is TaskState.MATCHED and not t.members:
-                self._finish_locked(t, KVResponseStatus.CANCELLED, "discarded")
-                del self._tasks[task_id]
-            else:
-                for m in t.members or [t]:
-                    m.discarded = True
-                self._abort_locked(t)
+            self._cancel_locked(task_id, "discarded", discard=True)
             self._cond.notify_all()
 
     # -- stats ---------------------------------------------------------------
