@@ -52,14 +52,12 @@ from typing import Any, Protocol, TypeVar, cast
 import numpy as np
 
 from node_agent.backend.layout import KVLayout
-from node_agent.client import AgentTimeoutError, AgentUnavailableError, EngineAPIError
+from node_agent.client import AGENT_ERRORS, AgentHealth, AgentTimeoutError, AgentUnavailableError
 from node_agent.vocab.tokens import int64_array
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-#: Errors that mean "the agent did not serve this call"; each degrades to a miss.
-AGENT_ERRORS = (AgentUnavailableError, AgentTimeoutError, EngineAPIError, ConnectionError)
 #: Bound on the ``ping`` that probes a suspended agent before calls resume.
 PROBE_SECONDS = 1.0
 
@@ -152,19 +150,19 @@ class AgentKVConnector:
         self._clock = clock
         self._lock = threading.RLock()
         self._registered = False
-        self._suspended_until = 0.0
-        self._next_try = 0.0
+        self.health = AgentHealth(retry_seconds, clock=clock, log=log, name="Node agent",
+                                  fallback="SGLang continues on its own radix cache",
+                                  resumed="KV offload resumed")
         self._pending: dict[Hashable, _Pending] = {}
         self._stores: dict[str, deque[_Store]] = {}
         self._task_ids = itertools.count(1)
-        self._warned: str | None = None
 
     # -- registration and degradation --------------------------------------------------
 
     @property
     def connected(self) -> bool:
         """True while this rank's buffers are registered and the agent answers."""
-        return self._registered and self._suspended_until == 0.0
+        return self._registered and not self.health.down
 
     def connect(self) -> bool:
         """Register the buffers now if the agent is there; True when registered.
@@ -173,72 +171,56 @@ class AgentKVConnector:
         it is a configuration error, not an absent agent.
         """
         with self._lock:
-            self._next_try = 0.0
+            self.health.retry_now()
             return self._available(refusal_raises=True)
 
     def _available(self, refusal_raises: bool = False) -> bool:
-        """Whether to send this call to the agent at all.
+        """Whether to send this call to the agent at all (:attr:`health`, the
+        client's resilience policy, without a probe thread).
 
-        Not registered: register, at most once per ``retry_seconds``. Suspended after
-        a call that got no answer: answer locally (miss / not stored) until
-        ``retry_seconds`` passed, then probe with a short ``ping``. A dead agent
-        whose socket file is left behind would otherwise cost the client's whole
-        timeout on every call of every scheduler tick.
+        After a call the agent did not serve (no agent, no answer, not ready),
+        calls are answered locally (miss / not stored) until ``retry_seconds``
+        passed; then the next call first probes: it registers the buffers when
+        they are not registered (the agent was gone, or refused them), else
+        sends a short ``ping``. A dead agent whose socket file is left behind
+        would otherwise cost the client's whole timeout on every call of every
+        scheduler tick.
         """
-        now = self._clock()
+        if not self.health.should_call():
+            return False
         if not self._registered:
-            if now < self._next_try:
-                return False
-            self._next_try = now + self.retry_seconds
             try:
                 self.client.register_kv_buffers(self.layout, self._buffers)
             except AGENT_ERRORS as exc:
                 self._degraded("register", exc)
                 return False
             except ValueError as exc:
+                # The agent refused this rank's layout: not served until it is
+                # accepted; register again only after retry_seconds.
+                self._refused("register", exc)
+                self.health.failed("register", exc, down=True)
                 if refusal_raises:
                     raise
-                # A (restarted) agent refused this rank's layout: keep serving from
-                # the radix cache and try again later; the log names the mismatch.
-                self._refused("register", exc)
                 return False
             self._registered = True
-            self._suspended_until = 0.0
-            self._recovered()
+            self.health.succeeded()
             return True
-        if self._suspended_until == 0.0:
+        if not self.health.down:
             return True
-        if now < self._suspended_until:
-            return False
         try:
             self.client.ping(timeout=min(self.client.timeout, PROBE_SECONDS))
         except AGENT_ERRORS as exc:
             self._degraded("ping", exc)
             return False
-        self._suspended_until = 0.0
-        self._recovered()
+        self.health.succeeded()
         return True
 
-    def _recovered(self) -> None:
-        if self._warned is not None:
-            log.info("Node agent serving again; KV offload resumed")
-            self._warned = None
-
     def _degraded(self, op: str, exc: BaseException) -> None:
-        """The agent did not serve ``op``: stop calling it for ``retry_seconds``.
-
-        Logged once per kind of failure, not once per call."""
-        kind = type(exc).__name__
-        if self._warned != kind:
-            self._warned = kind
-            log.warning("Node agent not serving; SGLang continues on its own radix cache",
-                        extra={"op": op, "error": str(exc),
-                               "retrySeconds": self.retry_seconds})
-        if isinstance(exc, AgentUnavailableError):
-            self._registered = False  # gone or restarting: register again later
-            self._next_try = self._clock() + self.retry_seconds
-        elif isinstance(exc, AgentTimeoutError | ConnectionError):
-            self._suspended_until = self._clock() + self.retry_seconds
+        """The agent did not serve ``op``: the policy stops calls for
+        ``retry_seconds`` when ``exc`` means it is down; an absent agent's
+        successor needs this rank's buffers registered again."""
+        if self.health.failed(op, exc) and isinstance(exc, AgentUnavailableError):
+            self._registered = False
 
     def _agent_gone(self) -> bool:
         """True when the agent's socket file is missing: no agent process can be
