@@ -197,10 +197,10 @@ class AgentKVConnector:
             except ValueError as exc:
                 # The agent refused this rank's layout: not served until it is
                 # accepted; register again only after retry_seconds.
-                self._refused("register", exc)
                 self.health.failed("register", exc, down=True)
                 if refusal_raises:
                     raise
+                self._refused("register", exc)
                 return False
             self._registered = True
             self.health.succeeded()
