@@ -20,15 +20,8 @@ from node_agent.client import (
     RankInfo,
     agent_down,
 )
+from tests.support.clock import ManualClock
 from tests.support.waiting import wait_for
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _unavailable(tmp_path: Path) -> AgentUnavailableError:
@@ -57,7 +50,7 @@ def test_agent_down_tells_an_absent_agent_from_an_answer_about_one_call(
 
 
 def test_a_refused_call_leaves_the_agent_up(caplog: pytest.LogCaptureFixture) -> None:
-    health = AgentHealth(5, clock=_Clock())
+    health = AgentHealth(5, clock=ManualClock())
     with caplog.at_level(logging.WARNING, logger="node_agent.client"):
         assert health.failed("lookup", EngineAPIError("KeyError", "no such rid")) is False
     assert not health.down and health.should_call()
@@ -66,7 +59,7 @@ def test_a_refused_call_leaves_the_agent_up(caplog: pytest.LogCaptureFixture) ->
 
 
 def test_while_down_only_one_probe_per_retry_period_is_granted(tmp_path: Path) -> None:
-    clock = _Clock()
+    clock = ManualClock()
     health = AgentHealth(5, clock=clock)
     assert health.should_call() and health.should_call()  # up: every call goes
     assert health.failed("lookup", _unavailable(tmp_path)) is True
@@ -84,7 +77,7 @@ def test_while_down_only_one_probe_per_retry_period_is_granted(tmp_path: Path) -
 
 
 def test_a_failed_probe_waits_a_whole_period_again(tmp_path: Path) -> None:
-    clock = _Clock()
+    clock = ManualClock()
     health = AgentHealth(5, clock=clock)
     health.failed("lookup", _unavailable(tmp_path))
     clock.now += 5
@@ -98,7 +91,7 @@ def test_a_failed_probe_waits_a_whole_period_again(tmp_path: Path) -> None:
 
 
 def test_retry_now_grants_a_probe_at_once(tmp_path: Path) -> None:
-    health = AgentHealth(5, clock=_Clock())
+    health = AgentHealth(5, clock=ManualClock())
     health.failed("register", _unavailable(tmp_path))
     assert not health.should_call()
     health.retry_now()
@@ -109,7 +102,7 @@ def test_each_outage_and_its_end_are_logged_once_and_hooks_run(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     failures: list[int] = []
     changes: list[bool] = []
-    health = AgentHealth(5, clock=_Clock(), on_failure=lambda: failures.append(1),
+    health = AgentHealth(5, clock=ManualClock(), on_failure=lambda: failures.append(1),
                          on_change=changes.append, name="Node agent",
                          fallback="SGLang continues on its own radix cache",
                          resumed="KV offload resumed")

@@ -27,6 +27,7 @@ from tests.agent.harness import (
     wait_healthy,
 )
 from tests.sglang.stage import Handle
+from tests.support.clock import ManualClock
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -101,12 +102,6 @@ def test_the_model_salt_is_read_from_the_environment() -> None:
             != model_identity(args, None).digest())
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_a_rank_whose_replica_another_model_took_waits_for_a_probe(agent: str) -> None:
@@ -115,7 +110,7 @@ def test_a_rank_whose_replica_another_model_took_waits_for_a_probe(agent: str) -
     serving this rank, so no call is made until ``retry_seconds`` passed and a
     probe was answered; every call meanwhile is a local miss."""
     bufs = SharedKVBuffers.for_layout(LAYOUT, 64)
-    clock = _Clock()
+    clock = ManualClock()
     model = model_identity(server_args("/models/llama"), None).digest()
     client = EngineClient(agent, RankInfo(replica="sglang", model=model), timeout=10)
     first = AgentKVConnector(client, LAYOUT, bufs.handles, page_size=LAYOUT.tokens_per_block,
