@@ -35,13 +35,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import math
 import os
 import secrets
 import socket
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -53,8 +54,9 @@ import zmq
 
 from node_agent.engine_api import protocol
 from node_agent.engine_api.buffers import CREATED_HERE, cuda_handle, dtype_name
-from node_agent.engine_api.protocol import array_length, bool_array, int64_array, layout_to_wire
+from node_agent.engine_api.protocol import array_length, bool_array, layout_to_wire
 from node_agent.vocab.layout import KVLayout, LayoutName
+from node_agent.vocab.tokens import int64_array
 
 _NOBLOCK = int(zmq.NOBLOCK)
 _RCVMORE = int(zmq.RCVMORE)
@@ -97,6 +99,144 @@ class AgentUnavailableError(ConnectionError):
 
 class AgentTimeoutError(TimeoutError):
     """The agent did not answer within the client's timeout."""
+
+
+#: Errors of a call that may mean "the agent cannot serve right now" (gone, restarting,
+#: overloaded); :func:`agent_down` tells them from an answer about one call.
+AGENT_ERRORS = (AgentUnavailableError, AgentTimeoutError, EngineAPIError, ConnectionError,
+                OSError)
+
+
+def agent_down(exc: BaseException) -> bool:
+    """True when ``exc`` says the agent is gone, restarting or overloaded: no agent
+    listens, no answer in time, a connection error, or the agent answered
+    ``NotReady`` or ``InternalError``. False for an answer about this one call (a
+    rejected argument, any other error type)."""
+    if isinstance(exc, EngineAPIError):
+        return exc.error_type in ("NotReady", "InternalError")
+    return isinstance(exc, AGENT_ERRORS)
+
+
+class AgentHealth:
+    """Whether an engine integration calls its agent now: the one client-side
+    resilience policy (the vLLM connector and the SGLang plugin both use it).
+
+    * A call that failed because the agent is down (:func:`agent_down`, or a
+      caller's ``down=True``) marks it down; any other failure is an answer about
+      that one call and changes nothing (it is logged as a refusal).
+    * While down, no call is made except a probe every ``retry_seconds``: with
+      ``probe``, a thread of its own calls it (nothing in the engine waits on it);
+      without, :meth:`should_call` grants the caller's next call as the probe once
+      ``retry_seconds`` passed since the failure (then again ``retry_seconds``
+      later). The first call or probe that succeeds marks the agent up again.
+    * Each outage is logged once when it starts and once when it ends (warnings
+      on ``log``); ``on_failure`` runs for every failure that means down (a
+      counter), ``on_change(up)`` on every change of state (a gauge).
+
+    ``name``, ``fallback`` and ``resumed`` word the log lines: "<name> unavailable,
+    <fallback> ...", "<name> reachable again, <resumed>". Thread-safe.
+    """
+
+    def __init__(self, retry_seconds: float, *, probe: Callable[[], object] | None = None,
+                 on_failure: Callable[[], None] | None = None,
+                 on_change: Callable[[bool], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 log: logging.Logger | None = None, name: str = "FlexKV agent",
+                 fallback: str = "serving without the cache (recompute)",
+                 resumed: str = "cache hits resume") -> None:
+        if retry_seconds <= 0:
+            raise ValueError(f"retry_seconds={retry_seconds} must be > 0 seconds")
+        self.retry_seconds = retry_seconds
+        self._probe, self._on_failure, self._on_change = probe, on_failure, on_change
+        self._clock = clock
+        self._log = log or logging.getLogger(__name__)
+        self._name, self._fallback, self._resumed = name, fallback, resumed
+        self._lock = threading.Lock()
+        self._down = False
+        self._next_probe = 0.0
+        self._probing = False
+        self._closed = threading.Event()
+
+    @property
+    def down(self) -> bool:
+        """True from a failure that means down until a call or probe succeeds."""
+        return self._down
+
+    def should_call(self) -> bool:
+        """Whether to make a call now: True while up; while down, False with a
+        probe thread, else True once per ``retry_seconds`` (that call is the probe)."""
+        with self._lock:
+            if not self._down:
+                return True
+            if self._probe is not None:
+                return False
+            now = self._clock()
+            if now < self._next_probe:
+                return False
+            self._next_probe = now + self.retry_seconds
+            return True
+
+    def retry_now(self) -> None:
+        """Grant the next call as a probe at once (an explicit connect)."""
+        with self._lock:
+            self._next_probe = 0.0
+
+    def failed(self, what: str, exc: BaseException, down: bool | None = None) -> bool:
+        """Record that call ``what`` failed with ``exc``; True when that marks the
+        agent down (``down`` overrides :func:`agent_down`'s verdict)."""
+        if not (agent_down(exc) if down is None else down):
+            self._log.warning("%s refused %s, treating it as a miss: %s", self._name, what, exc,
+                              extra={"op": what, "error": str(exc)})
+            return False
+        if self._on_failure is not None:
+            self._on_failure()
+        with self._lock:
+            first = not self._down
+            self._down = True
+            self._next_probe = self._clock() + self.retry_seconds
+            start = (self._probe is not None and not self._probing
+                     and not self._closed.is_set())
+            self._probing = self._probing or start
+        if first:
+            self._log.warning(
+                "%s unavailable, %s and calling it again only once it answers a probe "
+                "(every %ss): %s failed: %s", self._name, self._fallback, self.retry_seconds,
+                what, exc, extra={"op": what, "error": str(exc),
+                                  "retrySeconds": self.retry_seconds})
+            if self._on_change is not None:
+                self._on_change(False)
+        if start:
+            threading.Thread(target=self._probe_loop, name="flexkv-probe", daemon=True).start()
+        return True
+
+    def succeeded(self) -> None:
+        """A call or probe was answered: the agent is up (logged when it was down)."""
+        if not self._down:
+            return
+        with self._lock:
+            was, self._down = self._down, False
+        if was:
+            self._log.warning("%s reachable again, %s", self._name, self._resumed)
+            if self._on_change is not None:
+                self._on_change(True)
+
+    def _probe_loop(self) -> None:
+        assert self._probe is not None
+        while not self._closed.wait(self.retry_seconds):
+            try:
+                self._probe()
+            except Exception as exc:
+                self._log.debug("%s still unavailable: %s", self._name, exc)
+                continue
+            break
+        with self._lock:
+            self._probing = False
+        if not self._closed.is_set():
+            self.succeeded()
+
+    def close(self) -> None:
+        """Stop probing (a probe thread ends within one ``retry_seconds``)."""
+        self._closed.set()
 
 
 @dataclass(frozen=True)

@@ -30,15 +30,19 @@ import abc
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import numpy.typing as npt
+
+from node_agent.vocab.tokens import int64_array
 
 if TYPE_CHECKING:
     import torch
 
 TokenArray = npt.NDArray[np.int64]
+MatchOp = Literal["get", "put"]
+"""Which match a backend's ``_match`` makes: ``get_match`` or ``put_match``."""
 BoolMask = npt.NDArray[np.bool_]
 SlotArray = npt.NDArray[np.int64]
 
@@ -122,6 +126,13 @@ class TaskNotFoundError(KVBackendError, KeyError):
     """A task id passed to ``launch`` or ``cancel`` is not a live, un-launched task."""
 
 
+def task_id(value: object) -> int:
+    """A task id as an int; ``ValueError`` when it is not an integer (a bool neither)."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise ValueError(f"task id {value!r} is not an integer")
+    return int(value)
+
+
 def launch_task_ids(task_ids: Sequence[object], slot_mappings: Sequence[object]) -> list[int]:
     """The ids of a ``launch`` call as ints, checked against its slot mappings.
 
@@ -196,7 +207,6 @@ class KVBackend(abc.ABC):
 
     # -- matching -----------------------------------------------------------
 
-    @abc.abstractmethod
     def get_match(
         self,
         token_ids: TokenArray,
@@ -211,10 +221,11 @@ class KVBackend(abc.ABC):
         ``(task_id, mask)`` where mask is True over the loadable span; task id is
         -1 and the mask all False when nothing can be loaded. The matched blocks
         are locked (cannot be evicted) until the task is launched and finishes,
-        is cancelled, or expires un-launched.
+        is cancelled, or expires un-launched. Token ids are read by
+        :func:`node_agent.vocab.tokens.int64_array` (``ValueError`` names a bad one).
         """
+        return self._match("get", int64_array("token_ids", token_ids), token_mask, namespace)
 
-    @abc.abstractmethod
     def put_match(
         self,
         token_ids: TokenArray,
@@ -227,12 +238,18 @@ class KVBackend(abc.ABC):
         block-aligned span after the cached prefix; task id is -1 and the mask
         all False when nothing needs writing. Space for the span is reserved;
         the new blocks become visible to ``get_match`` only when the task
-        finishes SUCCESS.
+        finishes SUCCESS. Token ids are read as by :meth:`get_match`.
         """
+        return self._match("put", int64_array("token_ids", token_ids), token_mask, namespace)
+
+    @abc.abstractmethod
+    def _match(self, op: MatchOp, tokens: TokenArray, token_mask: BoolMask | None,
+               namespace: str | None) -> tuple[int, BoolMask]:
+        """What each backend implements: :meth:`get_match` (``op == "get"``) or
+        :meth:`put_match` (``"put"``) of already checked ``tokens``."""
 
     # -- execution ----------------------------------------------------------
 
-    @abc.abstractmethod
     def launch(
         self,
         task_ids: Sequence[int],
@@ -247,9 +264,16 @@ class KVBackend(abc.ABC):
         a bad mapping raises ``ValueError`` naming the bad value and leaves every
         task of the call un-launched. Returns the ids to wait on: the same ids,
         or with ``as_batch`` one new id covering all of them (callers must use it).
+        The ids are checked first (:func:`launch_task_ids`).
         """
+        return self._launch(launch_task_ids(task_ids, slot_mappings), slot_mappings, as_batch)
 
     @abc.abstractmethod
+    def _launch(self, ids: list[int], slot_mappings: Sequence[SlotArray],
+                as_batch: bool) -> list[int]:
+        """What each backend implements: :meth:`launch` of checked task ``ids``
+        (ints, one per slot mapping, none repeated)."""
+
     def wait(
         self,
         task_ids: Sequence[int],
@@ -262,7 +286,13 @@ class KVBackend(abc.ABC):
         answers NOTFOUND). Unfinished ones answer TIMEOUT and stay live. With
         ``completely`` the call returns only when all tasks are terminal or the
         timeout expired; otherwise it may return as soon as any is terminal.
+        Every id must be an integer (:func:`task_id`).
         """
+        return self._wait([task_id(t) for t in task_ids], timeout, completely)
+
+    @abc.abstractmethod
+    def _wait(self, ids: list[int], timeout: float, completely: bool) -> dict[int, KVResponse]:
+        """What each backend implements: :meth:`wait` for checked task ``ids``."""
 
     @abc.abstractmethod
     def try_wait(self, task_ids: Sequence[int]) -> dict[int, KVResponse]:

@@ -35,16 +35,16 @@ from node_agent.backend.base import (
     KVBackendError,
     KVResponse,
     KVResponseStatus,
+    MatchOp,
     SlotArray,
     TaskNotFoundError,
     TierStats,
     TokenArray,
-    launch_task_ids,
 )
 from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.hashing import BlockHasher
 from node_agent.backend.index import NO_NODES, BlockIndex, NodeIds
-from node_agent.backend.inputs import as_token_ids, mask_span, span_mask
+from node_agent.backend.inputs import mask_span, span_mask
 from node_agent.backend.planes import RegisteredBuffers, register_buffers
 from node_agent.backend.remote.keys import block_digest
 from node_agent.backend.remote.tier import RemoteTier
@@ -58,6 +58,7 @@ from node_agent.backend.tasks import Task, TaskState
 from node_agent.backend.transfer import CopyAborted
 from node_agent.metrics import AgentMetrics
 from node_agent.vocab.placement import BlockLocation, Direction, Tier, TierMove, TransferPlan
+from node_agent.vocab.tokens import int64_array
 
 log = logging.getLogger(__name__)
 
@@ -354,17 +355,28 @@ class EmbeddedBackend(ReplicatedBackend):
             return stage if namespace is None else namespace
         return f"{stage}\x00{namespace}"
 
-    def get_match(
-        self,
-        token_ids: TokenArray,
-        token_mask: BoolMask | None = None,
-        namespace: str | None = None,
-    ) -> tuple[int, BoolMask]:
-        t0 = time.perf_counter()
-        tokens = as_token_ids(token_ids)
+    def _block_hashes(self, token_ids: object, token_mask: object,
+                      namespace: str | None) -> tuple[TokenArray, int, int, list[int]]:
+        """The inputs of a match, checked: ``(tokens, start, end, hashes)``, where
+        ``[start, end)`` is the span the mask selects and ``hashes`` are the chained
+        hashes of the whole blocks up to ``end``. ``ValueError`` names a bad input."""
+        tokens = int64_array("token_ids", token_ids)
         start, end = mask_span(token_mask, len(tokens), self.tokens_per_block)
+        hashes = self._hasher.hashes(tokens, self._namespace(namespace),
+                                     limit=end // self.tokens_per_block)
+        return tokens, start, end, hashes
+
+    def _match(self, op: MatchOp, tokens: TokenArray, token_mask: BoolMask | None,
+               namespace: str | None) -> tuple[int, BoolMask]:
+        if op == "get":
+            return self._get_match(tokens, token_mask, namespace)
+        return self._put_match(tokens, token_mask, namespace)
+
+    def _get_match(self, token_ids: TokenArray, token_mask: BoolMask | None,
+                   namespace: str | None) -> tuple[int, BoolMask]:
+        t0 = time.perf_counter()
+        tokens, start, end, hashes = self._block_hashes(token_ids, token_mask, namespace)
         tpb = self.tokens_per_block
-        hashes = self._hasher.hashes(tokens, self._namespace(namespace), limit=end // tpb)
         if self.remote is not None and hashes and self.fetch_in_match:
             self._continue_on_remote(hashes)
         with self._lock:
@@ -401,17 +413,11 @@ class EmbeddedBackend(ReplicatedBackend):
         assert task.mask is not None
         return task.id, task.mask
 
-    def put_match(
-        self,
-        token_ids: TokenArray,
-        token_mask: BoolMask | None = None,
-        namespace: str | None = None,
-    ) -> tuple[int, BoolMask]:
+    def _put_match(self, token_ids: TokenArray, token_mask: BoolMask | None,
+                   namespace: str | None) -> tuple[int, BoolMask]:
         t0 = time.perf_counter()
-        tokens = as_token_ids(token_ids)
-        start, end = mask_span(token_mask, len(tokens), self.tokens_per_block)
+        tokens, start, end, hashes = self._block_hashes(token_ids, token_mask, namespace)
         tpb = self.tokens_per_block
-        hashes = self._hasher.hashes(tokens, self._namespace(namespace), limit=end // tpb)
         nothing = (-1, span_mask(len(tokens), 0, 0))
         with self._lock:
             index = self._require_started()
@@ -457,10 +463,7 @@ class EmbeddedBackend(ReplicatedBackend):
         to publish, never during the fetch)."""
         if self.remote is None:
             return
-        tokens = as_token_ids(token_ids)
-        _, end = mask_span(token_mask, len(tokens), self.tokens_per_block)
-        hashes = self._hasher.hashes(tokens, self._namespace(namespace),
-                                     limit=end // self.tokens_per_block)
+        hashes = self._block_hashes(token_ids, token_mask, namespace)[3]
         if hashes:
             self._continue_on_remote(hashes)
 
@@ -606,13 +609,8 @@ class EmbeddedBackend(ReplicatedBackend):
 
     # -- execution -----------------------------------------------------------
 
-    def launch(
-        self,
-        task_ids: Sequence[int],
-        slot_mappings: Sequence[SlotArray],
-        as_batch: bool = False,
-    ) -> list[int]:
-        ids = launch_task_ids(task_ids, slot_mappings)
+    def _launch(self, ids: list[int], slot_mappings: Sequence[SlotArray],
+                as_batch: bool) -> list[int]:
         with self._lock:
             self._require_started()
             self._expire_locked()
@@ -665,14 +663,8 @@ class EmbeddedBackend(ReplicatedBackend):
                 t.future = pool.submit(self._run, t, s)
         return out
 
-    def wait(
-        self,
-        task_ids: Sequence[int],
-        timeout: float = 20.0,
-        completely: bool = False,
-    ) -> dict[int, KVResponse]:
+    def _wait(self, ids: list[int], timeout: float, completely: bool) -> dict[int, KVResponse]:
         deadline = time.monotonic() + max(0.0, timeout)
-        ids = [int(t) for t in task_ids]
         with self._cond:
             while True:
                 self._expire_locked()
@@ -718,15 +710,25 @@ class EmbeddedBackend(ReplicatedBackend):
         has its copy aborted and ends CANCELLED when the copy stopped."""
         with self._cond:
             for i in (int(t) for t in task_ids):
-                t = self._tasks.get(i) or self._members.get(i)
-                if t is None or t.status is not None:
-                    continue
-                if t.state is TaskState.MATCHED and not t.members:
-                    self._finish_locked(t, KVResponseStatus.CANCELLED, "cancelled")
-                    del self._tasks[i]
-                else:
-                    self._abort_locked(t)
+                self._cancel_locked(i, "cancelled")
             self._cond.notify_all()
+
+    def _cancel_locked(self, task_id: int, reason: str, discard: bool = False) -> None:
+        """End task ``task_id`` (under the lock; unknown or terminal: nothing). An
+        un-launched match ends CANCELLED with ``reason`` and is forgotten at once; a
+        launched, unfinished task (or batch, or member) has its copy aborted and,
+        with ``discard``, its blocks freed when the copy ends."""
+        t = self._tasks.get(task_id) or self._members.get(task_id)
+        if t is None or t.status is not None:
+            return
+        if t.state is TaskState.MATCHED and not t.members:
+            self._finish_locked(t, KVResponseStatus.CANCELLED, reason)
+            del self._tasks[task_id]
+            return
+        if discard:
+            for m in t.members or [t]:
+                m.discarded = True
+        self._abort_locked(t)
 
     # -- replication (PP leader) -------------------------------------------------
 
@@ -778,16 +780,7 @@ class EmbeddedBackend(ReplicatedBackend):
             if nodes and self._index is not None:
                 self._index.remove_pending(np.concatenate(nodes))
                 self._update_gauges()
-            t = self._tasks.get(task_id) or self._members.get(task_id)
-            if t is None or t.status is not None:
-                return
-            if t.state is TaskState.MATCHED and not t.members:
-                self._finish_locked(t, KVResponseStatus.CANCELLED, "discarded")
-                del self._tasks[task_id]
-            else:
-                for m in t.members or [t]:
-                    m.discarded = True
-                self._abort_locked(t)
+            self._cancel_locked(task_id, "discarded", discard=True)
             self._cond.notify_all()
 
     # -- stats ---------------------------------------------------------------

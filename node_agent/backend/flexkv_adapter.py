@@ -60,11 +60,12 @@ from node_agent.backend.base import (
     KVBackendError,
     KVResponse,
     KVResponseStatus,
+    MatchOp,
     SlotArray,
     TaskNotFoundError,
     TierStats,
     TokenArray,
-    launch_task_ids,
+    task_id,
 )
 from node_agent.backend.planes import register_buffers
 from node_agent.vocab.layout import KVLayout, LayoutName
@@ -475,26 +476,8 @@ class FlexKVBackend(KVBackend):
 
     # -- matching -----------------------------------------------------------
 
-    def get_match(
-        self,
-        token_ids: TokenArray,
-        token_mask: BoolMask | None = None,
-        namespace: str | None = None,
-    ) -> tuple[int, BoolMask]:
-        return self._match("get", token_ids, token_mask, namespace)
-
-    def put_match(
-        self,
-        token_ids: TokenArray,
-        token_mask: BoolMask | None = None,
-        namespace: str | None = None,
-    ) -> tuple[int, BoolMask]:
-        return self._match("put", token_ids, token_mask, namespace)
-
-    def _match(
-        self, op: str, token_ids: Any, token_mask: Any, namespace: str | None
-    ) -> tuple[int, BoolMask]:
-        ids = _token_array(token_ids)
+    def _match(self, op: MatchOp, ids: TokenArray, token_mask: BoolMask | None,
+               namespace: str | None) -> tuple[int, BoolMask]:
         n = len(ids)
         mask = _input_mask(token_mask, n)
         ns = _namespace(namespace)
@@ -585,13 +568,8 @@ class FlexKVBackend(KVBackend):
 
     # -- execution ----------------------------------------------------------
 
-    def launch(
-        self,
-        task_ids: Sequence[int],
-        slot_mappings: Sequence[SlotArray],
-        as_batch: bool = False,
-    ) -> list[int]:
-        ids = launch_task_ids(task_ids, slot_mappings)
+    def _launch(self, ids: list[int], slot_mappings: Sequence[SlotArray],
+                as_batch: bool) -> list[int]:
         with self._lock:
             manager = self._require_started("launch")
             self._expire_unlaunched()
@@ -681,12 +659,7 @@ class FlexKVBackend(KVBackend):
             )
         return arr
 
-    def wait(
-        self,
-        task_ids: Sequence[int],
-        timeout: float = 20.0,
-        completely: bool = False,
-    ) -> dict[int, KVResponse]:
+    def _wait(self, ids: list[int], timeout: float, completely: bool) -> dict[int, KVResponse]:
         """Poll FlexKV until every task is terminal or ``timeout`` passes.
 
         ``completely`` is passed to FlexKV, where it means "the task's whole
@@ -695,7 +668,6 @@ class FlexKVBackend(KVBackend):
         """
         if not (isinstance(timeout, int | float) and math.isfinite(timeout) and timeout >= 0):
             raise ValueError(f"wait: timeout={timeout!r} is invalid; use a finite number >= 0")
-        ids = [_task_id(t) for t in task_ids]
         deadline = time.monotonic() + timeout
         done: dict[int, KVResponse] = {}
         pending = list(dict.fromkeys(ids))
@@ -714,7 +686,7 @@ class FlexKVBackend(KVBackend):
         return {tid: done[tid] for tid in dict.fromkeys(ids)}
 
     def try_wait(self, task_ids: Sequence[int]) -> dict[int, KVResponse]:
-        ids = [_task_id(t) for t in task_ids]
+        ids = [task_id(t) for t in task_ids]
         done: dict[int, KVResponse] = {}
         with self._lock:
             self._require_started("try_wait")
@@ -766,7 +738,7 @@ class FlexKVBackend(KVBackend):
         """Roll back un-launched tasks through FlexKV's ``cancel``. Unlike the embedded
         backend, launched tasks are not stopped: they run to their end in FlexKV's
         transfer engine (see :meth:`KVBackend.cancel`)."""
-        ids = [_task_id(t) for t in task_ids]
+        ids = [task_id(t) for t in task_ids]
         with self._lock:
             manager = self._require_started("cancel")
             victims = [t for t in dict.fromkeys(ids)
@@ -831,18 +803,6 @@ class FlexKVBackend(KVBackend):
             )
 
 
-def _token_array(token_ids: Any) -> TokenArray:
-    """Token ids as a 1-D int64 CPU numpy array (torch tensors are moved to the CPU)."""
-    if hasattr(token_ids, "detach"):
-        token_ids = token_ids.detach().cpu().numpy()
-    arr = np.asarray(token_ids)
-    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-        raise ValueError(
-            f"token_ids must be a 1-D sequence of integers, got dtype {arr.dtype} shape {arr.shape}"
-        )
-    return np.ascontiguousarray(arr, dtype=np.int64)
-
-
 def _input_mask(token_mask: Any, n: int) -> BoolMask | None:
     """The caller's mask as a private bool copy; True entries must form one span."""
     if token_mask is None:
@@ -870,12 +830,6 @@ def _namespace(namespace: str | None) -> list[str] | None:
     if not isinstance(namespace, str):
         raise ValueError(f"namespace must be a string or None, got {namespace!r}")
     return [namespace]
-
-
-def _task_id(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise ValueError(f"task id {value!r} is not an integer")
-    return int(value)
 
 
 def _status_name(answer: Any) -> str:

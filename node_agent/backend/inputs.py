@@ -5,26 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from node_agent.backend.base import BoolMask, TokenArray
-
-
-def as_token_ids(value: object) -> TokenArray:
-    """Token ids as a 1-D int64 numpy array, or ``ValueError`` naming the bad value.
-
-    Accepts a numpy array, a CPU torch tensor or a sequence of ints.
-    """
-    if isinstance(value, torch.Tensor):
-        if value.device.type != "cpu":
-            raise ValueError(
-                f"token_ids are on {value.device}; pass them on the CPU (token ids are host data)"
-            )
-        value = value.numpy()
-    arr = np.asarray(value)
-    if arr.ndim != 1:
-        raise ValueError(f"token_ids have shape {arr.shape}; they must be 1-D")
-    if arr.size and (arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer)):
-        raise ValueError(f"token_ids have dtype {arr.dtype}; they must be integers (int64)")
-    return np.ascontiguousarray(arr, dtype=np.int64)
+from node_agent.backend.base import BoolMask
 
 
 def mask_span(token_mask: object, num_tokens: int, tokens_per_block: int) -> tuple[int, int]:

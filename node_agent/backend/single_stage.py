@@ -30,6 +30,7 @@ from node_agent.backend.base import (
     BoolMask,
     KVBackend,
     KVResponse,
+    MatchOp,
     SlotArray,
     TaskNotFoundError,
     TokenArray,
@@ -96,43 +97,21 @@ class SingleStageBackend(ReplicatedBackend):
     def stats(self) -> BackendStats:
         return self.inner.stats()
 
-    def get_match(
-        self,
-        token_ids: TokenArray,
-        token_mask: BoolMask | None = None,
-        namespace: str | None = None,
-    ) -> tuple[int, BoolMask]:
-        task_id, mask = self.inner.get_match(token_ids, token_mask,
-                                             namespace or self.namespace)
-        self._remember(task_id, Direction.LOAD)
+    def _match(self, op: MatchOp, tokens: TokenArray, token_mask: BoolMask | None,
+               namespace: str | None) -> tuple[int, BoolMask]:
+        """The inner backend's match under the stage's namespace (when the call
+        names none); the task's direction is remembered for ``launch``."""
+        match = self.inner.get_match if op == "get" else self.inner.put_match
+        task_id, mask = match(tokens, token_mask, namespace or self.namespace)
+        self._remember(task_id, Direction.LOAD if op == "get" else Direction.STORE)
         return task_id, mask
 
-    def put_match(
-        self,
-        token_ids: TokenArray,
-        token_mask: BoolMask | None = None,
-        namespace: str | None = None,
-    ) -> tuple[int, BoolMask]:
-        task_id, mask = self.inner.put_match(token_ids, token_mask,
-                                             namespace or self.namespace)
-        self._remember(task_id, Direction.STORE)
-        return task_id, mask
+    def _launch(self, ids: list[int], slot_mappings: Sequence[SlotArray],
+                as_batch: bool) -> list[int]:
+        return self.inner.launch(ids, slot_mappings, as_batch)
 
-    def launch(
-        self,
-        task_ids: Sequence[int],
-        slot_mappings: Sequence[SlotArray],
-        as_batch: bool = False,
-    ) -> list[int]:
-        return self.inner.launch(task_ids, slot_mappings, as_batch)
-
-    def wait(
-        self,
-        task_ids: Sequence[int],
-        timeout: float = 20.0,
-        completely: bool = False,
-    ) -> dict[int, KVResponse]:
-        answers = self.inner.wait(task_ids, timeout, completely)
+    def _wait(self, ids: list[int], timeout: float, completely: bool) -> dict[int, KVResponse]:
+        answers = self.inner.wait(ids, timeout, completely)
         self._forget_terminal(answers)
         return answers
 

@@ -30,6 +30,7 @@ import xxhash
 
 from node_agent.backend.inputs import mask_span
 from node_agent.backend.slots import check_whole_pages, validate_slot_mapping
+from node_agent.vocab.tokens import holds_bool, int64_array
 
 IntArray = npt.NDArray[np.int64]
 P = ParamSpec("P")
@@ -53,13 +54,6 @@ def _value_errors(what: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
     return wrap
 
 
-def _holds_bool(seq: object) -> bool:
-    """True when a Python sequence holds a bool (``np.asarray`` would make it 1)."""
-    if isinstance(seq, list | tuple):
-        return any(isinstance(v, bool | np.bool_) or _holds_bool(v) for v in seq)
-    return False
-
-
 def _as_array(value: object, what: str) -> npt.NDArray[np.generic]:
     """``value`` (sequence, numpy array, CPU or device tensor) as a numpy array, with
     every conversion failure as ``ValueError`` naming ``what``."""
@@ -73,7 +67,7 @@ def _as_array(value: object, what: str) -> npt.NDArray[np.generic]:
         except (TypeError, RuntimeError) as exc:
             raise ValueError(f"{what} has dtype {value.dtype} that cannot be read ({exc}); "
                              "pass a torch.long tensor") from None
-    if _holds_bool(value):
+    if holds_bool(value):
         raise ValueError(f"{what} holds a bool; pass integers, not True/False")
     try:
         arr = np.asarray(value)
@@ -83,27 +77,6 @@ def _as_array(value: object, what: str) -> npt.NDArray[np.generic]:
     return arr
 
 
-def token_array(token_ids: Sequence[int] | npt.NDArray[np.integer] | torch.Tensor,
-                what: str = "token_ids") -> IntArray:
-    """Token ids as a 1-D int64 CPU array (refuses floats, bools, 2-D input,
-    values outside int64 and anything unreadable, with ``ValueError``)."""
-    arr = _as_array(token_ids, what)
-    if arr.ndim != 1:
-        raise ValueError(f"{what} has shape {arr.shape}; it must be 1-D (one id per token)")
-    if arr.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(
-            f"{what} must be a 1-D sequence of integers, got shape {arr.shape} "
-            f"dtype {arr.dtype}"
-        )
-    if arr.dtype.kind == "u" and arr.dtype.itemsize >= 8 and int(arr.max()) > _INT64_MAX:
-        raise ValueError(f"{what} holds {int(arr.max())}, outside int64; token ids must fit "
-                         "in int64")
-    return arr.astype(np.int64, copy=False)
-
-
-_INT64_MAX = int(np.iinfo(np.int64).max)
 _DIGEST_MASK = (1 << 63) - 1
 
 
@@ -155,7 +128,7 @@ def prepare_lookup(
     """Validate a ``lookup`` call: 1-D integer tokens; an optional bool
     ``token_mask`` of one flag per token, True over one contiguous span that
     starts at a block boundary. Raises ``ValueError`` naming ``token_mask``."""
-    tokens = token_array(token_ids, "lookup: token_ids")
+    tokens = int64_array("lookup: token_ids", token_ids)
     mask: npt.NDArray[np.bool_] | None = None
     if token_mask is None:
         span = (0, len(tokens))
@@ -208,7 +181,7 @@ def prepare_store(
     ``num_slots`` is known, unique, and whole, aligned pages of ``whole_pages``
     slots when set), so a bad call raises before any decision.
     """
-    tokens = token_array(token_ids, "store_kv: token_ids")
+    tokens = int64_array("store_kv: token_ids", token_ids)
     n, m = len(tokens), _length(kv_indices)
     if n != m:
         raise ValueError(f"store_kv: token_ids has {n} entries but kv_indices has {m} entries")

@@ -215,6 +215,41 @@ class LeaderRole:
         self.counters.degraded_refusals += 1
         return f"group degraded: followers {missing} are not synced with the leader"
 
+    def _match_in_epoch(
+        self, kind: Kind, rid: str, n: int, length: int, digest: int, epoch: int,
+        match: Callable[[], tuple[int, npt.NDArray[np.bool_]]],
+    ) -> tuple[int, npt.NDArray[np.bool_], TransferPlan | None] | None:
+        """The backend's ``match`` for call ``n`` under cache epoch ``epoch`` (call
+        under the decision lock): ``(task_id, mask, plan)``, its tier moves sent to
+        the followers. ``None`` when the call is refused instead (the group cannot
+        decide, the match failed, or the cache epoch switched meanwhile): the
+        refusal is fanned out and a matched task cancelled."""
+        refusal = self._refusal(kind, epoch)
+        if refusal is not None:
+            self._refuse(kind, rid, n, length, digest, refusal)
+            return None
+        op = "put_match" if kind is Kind.PUT else "get_match"
+        task_id = -1
+        try:
+            task_id, mask = match()
+            plan = self.backend.plan_of(task_id) if task_id >= 0 else None
+            moves = self.backend.drain_moves()
+        except Exception as exc:
+            self.counters.manager_errors += 1
+            log.exception("Leader %s failed", op, extra={"group": self.cfg.group, "rid": rid})
+            if task_id >= 0:
+                self.backend.cancel([task_id])
+            self._refuse(kind, rid, n, length, digest, f"leader {op} failed: {exc}")
+            return None
+        switched = self._switched(kind, epoch)
+        self._send_moves(moves, NO_CACHE_EPOCH if switched else epoch)
+        if switched is not None:
+            if task_id >= 0:
+                self.backend.cancel([task_id])
+            self._refuse(kind, rid, n, length, digest, switched)
+            return None
+        return task_id, mask, plan
+
     # -- store -----------------------------------------------------------------------------
 
     def store_kv(self, rid: str, inp: StoreInput) -> int:
@@ -225,31 +260,11 @@ class LeaderRole:
         n = self._calls.next()
         with self._decide:
             epoch = self._cache_epoch()
-            refusal = self._refusal(Kind.PUT, epoch)
-            if refusal is not None:
-                self._refuse(Kind.PUT, rid, n, inp.aligned, inp.digest, refusal)
+            matched = self._match_in_epoch(Kind.PUT, rid, n, inp.aligned, inp.digest, epoch,
+                                           lambda: self.backend.put_match(inp.tokens))
+            if matched is None:
                 return -1
-            task_id = -1
-            try:
-                task_id, mask = self.backend.put_match(inp.tokens)
-                plan = self.backend.plan_of(task_id) if task_id >= 0 else None
-                moves = self.backend.drain_moves()
-            except Exception as exc:
-                self.counters.manager_errors += 1
-                log.exception("Leader put_match failed",
-                              extra={"group": self.cfg.group, "rid": rid})
-                if task_id >= 0:
-                    self.backend.cancel([task_id])
-                self._refuse(Kind.PUT, rid, n, inp.aligned, inp.digest,
-                             f"leader put_match failed: {exc}")
-                return -1
-            switched = self._switched(Kind.PUT, epoch)
-            self._send_moves(moves, NO_CACHE_EPOCH if switched else epoch)
-            if switched is not None:
-                if task_id >= 0:
-                    self.backend.cancel([task_id])
-                self._refuse(Kind.PUT, rid, n, inp.aligned, inp.digest, switched)
-                return -1
+            task_id, mask, plan = matched
             if task_id < 0:
                 self.stream.broadcast(Op.PUT, lambda: self._decision(Kind.PUT, rid, n, -1, mask,
                                                                      None, inp.digest,
@@ -398,34 +413,12 @@ class LeaderRole:
             self._prefetch(rid, inp)
         with self._decide:
             epoch = self._cache_epoch()
-            refusal = self._refusal(Kind.GET, epoch)
-            if refusal is not None:
-                self._refuse(Kind.GET, rid, n, len(tokens), inp.digest, refusal)
+            matched = self._match_in_epoch(Kind.GET, rid, n, len(tokens), inp.digest, epoch,
+                                           lambda: self.backend.get_match(tokens, token_mask))
+            if matched is None:
                 self._remember_miss(rid, n)
                 return 0
-            task_id = -1
-            try:
-                task_id, mask = self.backend.get_match(tokens, token_mask)
-                plan = self.backend.plan_of(task_id) if task_id >= 0 else None
-                moves = self.backend.drain_moves()
-            except Exception as exc:
-                self.counters.manager_errors += 1
-                log.exception("Leader get_match failed",
-                              extra={"group": self.cfg.group, "rid": rid})
-                if task_id >= 0:
-                    self.backend.cancel([task_id])
-                self._refuse(Kind.GET, rid, n, len(tokens), inp.digest,
-                             f"leader get_match failed: {exc}")
-                self._remember_miss(rid, n)
-                return 0
-            switched = self._switched(Kind.GET, epoch)
-            self._send_moves(moves, NO_CACHE_EPOCH if switched else epoch)
-            if switched is not None:
-                if task_id >= 0:
-                    self.backend.cancel([task_id])
-                self._refuse(Kind.GET, rid, n, len(tokens), inp.digest, switched)
-                self._remember_miss(rid, n)
-                return 0
+            task_id, mask, plan = matched
             hit = int(np.count_nonzero(mask)) if task_id >= 0 else 0
             with self._state:
                 self._gets[rid] = _Get(n, task_id, hit, AckCollector(self._expected()))

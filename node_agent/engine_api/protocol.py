@@ -34,6 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from node_agent.vocab.layout import KVLayout
+from node_agent.vocab.tokens import int64_array
 
 VERSION: Final = 1
 MAX_HEADER_BYTES: Final = 256 * 1024
@@ -127,16 +128,6 @@ def _check_arg(op: str, name: str, kind: str, value: object) -> None:
         )
 
 
-_INT64: Final = np.iinfo(np.int64)
-
-
-def _holds_bool(values: object) -> bool:
-    """True when a Python list or tuple holds a bool (numpy would read it as 1)."""
-    if isinstance(values, list | tuple):
-        return any(isinstance(v, bool | np.bool_) or _holds_bool(v) for v in values)
-    return False
-
-
 def array_length(where: str, values: object) -> int:
     """Entries along the first axis of ``values`` (what ``store_kv``'s length check
     compares, docs/pp.md "Engine API"), without converting it; ``ValueError``
@@ -168,54 +159,6 @@ def bool_array(where: str, values: object) -> npt.NDArray[np.bool_]:
     if arr.ndim != 1:
         raise ValueError(f"{where} has shape {arr.shape}; it must be 1-D (one flag per token)")
     return np.ascontiguousarray(arr)
-
-
-def int64_array(where: str, values: object) -> npt.NDArray[np.int64]:
-    """``values`` (a sequence, numpy array or tensor) as a flat int64 array, refusing
-    anything that is not already integer-valued by type.
-
-    Token ids and KV slot indices are parallel arrays: a float (``[0.5, 1.7]``),
-    bool or out-of-range value would otherwise be truncated or wrapped into a
-    different slot silently. Raises ``ValueError`` naming ``where`` (e.g.
-    ``"store_kv: kv_indices"``), the dtype and the fix.
-    """
-    if hasattr(values, "detach") and hasattr(values, "cpu"):  # a torch tensor
-        try:
-            values = values.detach().cpu().numpy()
-        except (TypeError, RuntimeError) as exc:  # bfloat16 and other types numpy lacks
-            raise ValueError(f"{where} has dtype {getattr(values, 'dtype', '?')} ({exc}); "
-                             "pass integers (an int64 numpy array or a torch.long tensor)"
-                             ) from None
-    if _holds_bool(values):
-        raise ValueError(f"{where} has dtype bool (a bool among the values); pass integers, "
-                         "not True/False")
-    try:
-        arr = np.asarray(values)
-    except (OverflowError, ValueError, TypeError) as exc:
-        raise ValueError(f"{where}: cannot be read as an integer array ({exc}); pass a flat "
-                         "sequence of ints or an int64 array") from None
-    if arr.ndim != 1:
-        raise ValueError(f"{where} has shape {arr.shape}; it must be 1-D (one entry per "
-                         "token), never flattened")
-    if arr.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    fix = "pass integers (an int64 numpy array or a torch.long tensor), not rounded values"
-    if arr.dtype.kind == "O":
-        if not all(isinstance(v, int | np.integer) and not isinstance(v, bool | np.bool_)
-                   for v in arr):
-            kinds = sorted({type(v).__name__ for v in arr})
-            raise ValueError(f"{where} holds values of type {', '.join(kinds)}; {fix}")
-        if any(int(v) < _INT64.min or int(v) > _INT64.max for v in arr):
-            raise ValueError(f"{where} holds a value outside int64; token ids and slot "
-                             "indices must fit in int64")
-        return arr.astype(np.int64)
-    if arr.dtype.kind not in "iu":
-        raise ValueError(f"{where} has dtype {arr.dtype} (not an integer type); {fix}")
-    if arr.dtype.kind == "u" and arr.dtype.itemsize >= 8 and int(arr.max()) > _INT64.max:
-        raise ValueError(f"{where} has dtype {arr.dtype} with value {int(arr.max())} outside "
-                         "int64; token ids and slot indices must fit in int64")
-    return np.ascontiguousarray(arr, dtype=np.int64) if arr.dtype.kind == "i" else \
-        np.ascontiguousarray(arr.astype(np.int64))
 
 
 _JSON: Final = json.JSONEncoder(separators=(",", ":"))

@@ -13,6 +13,7 @@ import torch
 
 from node_agent.client import AgentUnavailableError, EngineClient, RankInfo
 from node_agent.engine_api import protocol
+from node_agent.vocab.tokens import int64_array
 
 BAD: list[tuple[Any, str]] = [
     ([0.5, 1.7, 2.2], "float64"),
@@ -65,14 +66,14 @@ def test_lookup_refuses_non_integer_token_ids(tmp_path: Path, bad: Any, fragment
     torch.tensor([0, 1, 2]), torch.tensor([0, 1, 2], dtype=torch.int32), [np.int64(0), 1, 2],
 ])
 def test_integer_inputs_pass_the_checks_unchanged(tmp_path: Path, good: Any) -> None:
-    assert protocol.int64_array("x", good).tolist() == [0, 1, 2]
+    assert int64_array("x", good).tolist() == [0, 1, 2]
     # They get as far as the transport (no agent here).
     with pytest.raises(AgentUnavailableError):
         _client(tmp_path).store_kv("r1", [7, 8, 9], good)
 
 
 def test_empty_arrays_are_int64() -> None:
-    arr = protocol.int64_array("x", [])
+    arr = int64_array("x", [])
     assert arr.dtype == np.int64 and arr.shape == (0,)
 
 

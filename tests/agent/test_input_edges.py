@@ -158,7 +158,7 @@ def test_connector_names_a_huge_unsigned_slot_with_its_true_value(value: Any) ->
 
 
 def test_connector_inputs_refuse_bools_in_int_lists_and_2d_arrays() -> None:
-    with pytest.raises(ValueError, match="token_ids holds a bool"):
+    with pytest.raises(ValueError, match="store_kv: token_ids has dtype bool"):
         prepare_store([0, True, 2, 3], np.arange(4), 4, NUM_SLOTS)
     with pytest.raises(ValueError, match=r"^store_kv: token_ids has 8 entries but kv_indices "
                                          r"has 4 entries$"):

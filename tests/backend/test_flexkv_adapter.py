@@ -30,6 +30,7 @@ from node_agent.backend.flexkv_adapter import (
 from node_agent.metrics import AgentMetrics
 from node_agent.vocab.layout import KVDtype, KVLayout, LayoutName
 from tests.fake_flexkv import load_fake_flexkv
+from tests.support.clock import ManualClock
 
 TPB = 4
 
@@ -41,14 +42,6 @@ def fake_flexkv(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
         yield fake
 
 
-class Clock:
-    """A settable clock for match expiry."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def make_layout(**kw: Any) -> KVLayout:
@@ -69,12 +62,12 @@ def make_buffers(layout: KVLayout, num_slots: int = 64) -> list[list[torch.Tenso
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
+def clock() -> ManualClock:
+    return ManualClock()
 
 
 @pytest.fixture
-def backend(fake_flexkv: ModuleType, clock: Clock) -> Iterator[FlexKVBackend]:
+def backend(fake_flexkv: ModuleType, clock: ManualClock) -> Iterator[FlexKVBackend]:
     b = FlexKVBackend(make_layout(), FlexKVSettings(cpu_bytes=1 << 20, unlaunched_match_seconds=5),
                       clock=clock)
     yield b
@@ -353,6 +346,8 @@ def test_conversions_of_token_ids_and_namespace(ready: tuple[FlexKVBackend, Any,
     ("call", "match"),
     [(lambda b: b.get_match(np.array([1.5, 2.0])), "1-D sequence of integers"),
      (lambda b: b.get_match(np.zeros((2, 4), dtype=np.int64)), "1-D sequence of integers"),
+     (lambda b: b.put_match([1, True, 3, 4]), r"token_ids has dtype bool \(a bool among"),
+     (lambda b: b.put_match(np.array([1, 2, 3, 2**63], dtype=np.uint64)), "outside int64"),
      (lambda b: b.get_match(tokens(8), token_mask=np.ones(8, dtype=np.int64)), "bool array"),
      (lambda b: b.get_match(tokens(8), token_mask=np.ones(7, dtype=bool)), r"shape \(8,\)"),
      (lambda b: b.get_match(tokens(8), token_mask=np.array([1, 0, 1, 1, 1, 1, 1, 1], bool)),
@@ -499,7 +494,7 @@ def test_cancel_rolls_back_unlaunched_only(ready: tuple[FlexKVBackend, Any, Any]
 
 
 def test_unlaunched_match_expires_and_unlocks(
-        ready: tuple[FlexKVBackend, Any, Any], clock: Clock) -> None:
+        ready: tuple[FlexKVBackend, Any, Any], clock: ManualClock) -> None:
     b, _, manager = ready
     store(b, tokens(8, seed=3), (0, 1))
     gid, _ = b.get_match(tokens(8, seed=3))

@@ -101,6 +101,25 @@ def test_bad_match_inputs_name_the_value(token_ids: np.ndarray, mask: np.ndarray
         b.shutdown()
 
 
+@pytest.mark.parametrize(("token_ids", "needle"), [
+    ([1, True, 3, 4], r"^token_ids has dtype bool \(a bool among the values\)"),
+    (np.array([1, 2, 3, 2**63], dtype=np.uint64), rf"^token_ids .* {2**63} outside int64"),
+    (torch.arange(4, dtype=torch.bfloat16), r"^token_ids has dtype torch.bfloat16"),
+    (None, r"^token_ids is None"),
+])
+def test_the_backend_reads_token_ids_by_the_one_rule_set(token_ids: object, needle: str) -> None:
+    """A bool among ints or a uint64 beyond int64 is refused, never taken as 1 or
+    wrapped into another token (node_agent/vocab/tokens.py)."""
+    b, _ = started(config(small_layout(), cpu_blocks=4))
+    try:
+        for call in (b.get_match, b.put_match):
+            with pytest.raises(ValueError, match=needle):
+                call(token_ids)  # type: ignore[arg-type]
+        assert b.stats().tiers["cpu"].used_blocks == 0
+    finally:
+        b.shutdown()
+
+
 def test_tokens_as_list_or_cpu_tensor_are_accepted() -> None:
     b, _ = started(config(small_layout(), cpu_blocks=4))
     try:
@@ -131,3 +150,17 @@ def test_config_errors_name_key_value_and_fix(kw: dict[str, object], needle: str
     base: dict[str, object] = {"layout": small_layout(), "cpu_bytes": 1 << 20}
     with pytest.raises(ValueError, match=needle):
         EmbeddedBackendConfig(**{**base, **kw})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [True, 1.0, "1"])
+def test_wait_refuses_a_task_id_that_is_not_an_integer(bad: object) -> None:
+    """Every backend reads task ids alike: a bool, float or string is never taken
+    as the task of another id."""
+    b, _ = started(config(small_layout(), cpu_blocks=4))
+    try:
+        tid, _ = b.put_match(tokens(TPB))
+        with pytest.raises(ValueError, match=rf"^task id {bad!r} is not an integer$"):
+            b.wait([bad], timeout=0)  # type: ignore[list-item]
+        b.cancel([tid])
+    finally:
+        b.shutdown()

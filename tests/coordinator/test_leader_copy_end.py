@@ -169,3 +169,33 @@ def test_retrieve_after_a_missed_lookup_is_a_miss_once(single: Single) -> None:
     assert single.conn.retrieve("m", torch.zeros(0, dtype=torch.int64)) == 0
     with pytest.raises(UnknownRequestError):
         single.conn.retrieve("m", torch.zeros(0, dtype=torch.int64))
+
+
+def test_a_failed_match_is_refused_counted_and_its_task_cancelled(
+        single: Single, caplog: pytest.LogCaptureFixture) -> None:
+    """The backend matched but the leader could not take the plan: the call is
+    refused (a store answers -1, a lookup 0), counted as a manager error, logged,
+    and the matched task cancelled so its blocks are not left locked."""
+    tokens = np.arange(2 * TPB)
+    assert single.store("cached", tokens, np.arange(2 * TPB)) >= 0
+    single.poll_until("cached")
+    backend: Any = single.leader.backend
+    cancelled: list[int] = []
+    cancel = backend.cancel
+
+    def broken_plan(task_id: int) -> Any:
+        raise RuntimeError(f"no plan for task {task_id}")
+
+    def logged_cancel(task_ids: Any) -> None:
+        cancelled.extend(task_ids)
+        cancel(task_ids)
+
+    backend.plan_of = broken_plan
+    backend.cancel = logged_cancel
+    assert single.store("new", np.arange(100, 100 + 2 * TPB), np.arange(2 * TPB)) == -1
+    assert single.conn.lookup("hit", tokens) == 0
+    assert single.leader.counters.manager_errors == 2
+    assert len(cancelled) == 2
+    assert backend.stats().tasks["matched"] == 0
+    assert sorted(r.getMessage() for r in caplog.records if r.getMessage().startswith(
+        "Leader ")) == ["Leader get_match failed", "Leader put_match failed"]

@@ -26,16 +26,11 @@ from tests.agent.harness import (
     wait_healthy,
 )
 from tests.sglang.stage import Handle
+from tests.support.clock import ManualClock
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture()
@@ -60,7 +55,7 @@ def test_agent_absent_then_present_then_gone_then_back(work: Path) -> None:
     path.write_text(yaml.safe_dump(data))
     url = f"http://127.0.0.1:{data['ports']['http']}"
     bufs = SharedKVBuffers.for_layout(LAYOUT, 128)
-    clock = _Clock()
+    clock = ManualClock()
     client = EngineClient(str(data["engineSocket"]), RankInfo(replica="solo-0"), timeout=10)
     conn = AgentKVConnector(client, LAYOUT, bufs.handles, page_size=LAYOUT.tokens_per_block,
                             retry_seconds=5, clock=clock)
@@ -123,7 +118,7 @@ def test_a_layout_the_agent_refuses_fails_start_up_then_only_logs(work: Path) ->
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_size=8, dtype=LAYOUT.dtype,
                       tokens_per_block=2 * LAYOUT.tokens_per_block)
     bufs = SharedKVBuffers.for_layout(layout, 64)
-    clock = _Clock()
+    clock = ManualClock()
     client = EngineClient(str(data["engineSocket"]), RankInfo(replica="solo-0"), timeout=10)
     conn = AgentKVConnector(client, layout, bufs.handles, page_size=layout.tokens_per_block,
                             retry_seconds=5, clock=clock)

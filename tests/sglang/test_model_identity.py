@@ -27,6 +27,7 @@ from tests.agent.harness import (
     wait_healthy,
 )
 from tests.sglang.stage import Handle
+from tests.support.clock import ManualClock
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -99,3 +100,34 @@ def test_the_model_salt_is_read_from_the_environment() -> None:
     args = server_args("/models/llama")
     assert (model_identity(args, "weights-2").digest()
             != model_identity(args, None).digest())
+
+
+
+
+def test_a_rank_whose_replica_another_model_took_waits_for_a_probe(agent: str) -> None:
+    """The agent answers the first model's rank ``NotReady`` once a rank of another
+    model took the replica: the client's resilience policy takes the agent as not
+    serving this rank, so no call is made until ``retry_seconds`` passed and a
+    probe was answered; every call meanwhile is a local miss."""
+    bufs = SharedKVBuffers.for_layout(LAYOUT, 64)
+    clock = ManualClock()
+    model = model_identity(server_args("/models/llama"), None).digest()
+    client = EngineClient(agent, RankInfo(replica="sglang", model=model), timeout=10)
+    first = AgentKVConnector(client, LAYOUT, bufs.handles, page_size=LAYOUT.tokens_per_block,
+                             retry_seconds=5, clock=clock)
+    other = None
+    try:
+        assert first.connect() is True
+        other = rank(agent, server_args("/models/llama-ft"), None, bufs)
+        assert first.lookup_kv(TOKENS, None, Handle("a", 0)) == (-1, 0)
+        assert first.connected is False and first.health.down
+        assert first.store_kv(Handle("a", 0), TOKENS.tolist(), torch.arange(16)) == -1
+        assert first.stores_in_flight() == 0
+        clock.now += 5  # the probe (a ping) is answered: calls resume, and are refused again
+        assert first.lookup_kv(TOKENS, None, Handle("b", 0)) == (-1, 0)
+        assert first.connected is False
+    finally:
+        first.shutdown()
+        if other is not None:
+            other.shutdown()
+        bufs.close()

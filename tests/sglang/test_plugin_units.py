@@ -16,6 +16,7 @@ from node_agent.integrations.sglang.kv_pool import layout_from_kv_pool
 from node_agent.integrations.sglang.settings import DEFAULT_SOCKET, PluginSettings
 from node_agent.vocab.layout import KVDtype, KVLayout
 from tests.sglang.stage import Handle
+from tests.support.clock import ManualClock
 
 
 def test_settings_defaults_and_errors_name_variable_value_and_fix() -> None:
@@ -61,12 +62,6 @@ def test_agent_rid_pairs_stages_by_request_and_attempt() -> None:
     assert agent_rid(SimpleNamespace(rid="abc", attempt_id=2)) == "abc:2"
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_without_an_agent_every_call_degrades_and_the_seed_check_still_raises(
@@ -76,7 +71,7 @@ def test_without_an_agent_every_call_degrades_and_the_seed_check_still_raises(
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_size=4, dtype=KVDtype.FLOAT32,
                       tokens_per_block=4)
     client = EngineClient(tmp_path / "none.sock", RankInfo(replica="r"), timeout=5)
-    clock = _Clock()
+    clock = ManualClock()
     conn = AgentKVConnector(client, layout, [[{"kind": "shm"}], [{"kind": "shm"}]],
                             page_size=4, retry_seconds=5, clock=clock)
     handle = Handle("q", 0)

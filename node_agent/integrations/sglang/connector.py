@@ -50,17 +50,14 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast
 
 import numpy as np
-import numpy.typing as npt
 
-from node_agent.client import AgentTimeoutError, AgentUnavailableError, EngineAPIError
-from node_agent.engine_api.protocol import int64_array
+from node_agent.client import AGENT_ERRORS, AgentHealth, AgentTimeoutError, AgentUnavailableError
 from node_agent.vocab.layout import KVLayout
+from node_agent.vocab.tokens import int64_array
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-#: Errors that mean "the agent did not serve this call"; each degrades to a miss.
-AGENT_ERRORS = (AgentUnavailableError, AgentTimeoutError, EngineAPIError, ConnectionError)
 #: Bound on the ``ping`` that probes a suspended agent before calls resume.
 PROBE_SECONDS = 1.0
 
@@ -103,10 +100,6 @@ def agent_rid(handle: Hashable) -> str:
     if rid is None or attempt is None:
         return str(handle)
     return f"{rid}:{attempt}"
-
-
-def _cpu_int64(where: str, values: object) -> npt.NDArray[np.int64]:
-    return int64_array(where, values)
 
 
 class AgentKVConnector:
@@ -157,19 +150,19 @@ class AgentKVConnector:
         self._clock = clock
         self._lock = threading.RLock()
         self._registered = False
-        self._suspended_until = 0.0
-        self._next_try = 0.0
+        self.health = AgentHealth(retry_seconds, clock=clock, log=log, name="Node agent",
+                                  fallback="SGLang continues on its own radix cache",
+                                  resumed="KV offload resumed")
         self._pending: dict[Hashable, _Pending] = {}
         self._stores: dict[str, deque[_Store]] = {}
         self._task_ids = itertools.count(1)
-        self._warned: str | None = None
 
     # -- registration and degradation --------------------------------------------------
 
     @property
     def connected(self) -> bool:
         """True while this rank's buffers are registered and the agent answers."""
-        return self._registered and self._suspended_until == 0.0
+        return self._registered and not self.health.down
 
     def connect(self) -> bool:
         """Register the buffers now if the agent is there; True when registered.
@@ -178,72 +171,56 @@ class AgentKVConnector:
         it is a configuration error, not an absent agent.
         """
         with self._lock:
-            self._next_try = 0.0
+            self.health.retry_now()
             return self._available(refusal_raises=True)
 
     def _available(self, refusal_raises: bool = False) -> bool:
-        """Whether to send this call to the agent at all.
+        """Whether to send this call to the agent at all (:attr:`health`, the
+        client's resilience policy, without a probe thread).
 
-        Not registered: register, at most once per ``retry_seconds``. Suspended after
-        a call that got no answer: answer locally (miss / not stored) until
-        ``retry_seconds`` passed, then probe with a short ``ping``. A dead agent
-        whose socket file is left behind would otherwise cost the client's whole
-        timeout on every call of every scheduler tick.
+        After a call the agent did not serve (no agent, no answer, not ready),
+        calls are answered locally (miss / not stored) until ``retry_seconds``
+        passed; then the next call first probes: it registers the buffers when
+        they are not registered (the agent was gone, or refused them), else
+        sends a short ``ping``. A dead agent whose socket file is left behind
+        would otherwise cost the client's whole timeout on every call of every
+        scheduler tick.
         """
-        now = self._clock()
+        if not self.health.should_call():
+            return False
         if not self._registered:
-            if now < self._next_try:
-                return False
-            self._next_try = now + self.retry_seconds
             try:
                 self.client.register_kv_buffers(self.layout, self._buffers)
             except AGENT_ERRORS as exc:
                 self._degraded("register", exc)
                 return False
             except ValueError as exc:
+                # The agent refused this rank's layout: not served until it is
+                # accepted; register again only after retry_seconds.
+                self.health.failed("register", exc, down=True)
                 if refusal_raises:
                     raise
-                # A (restarted) agent refused this rank's layout: keep serving from
-                # the radix cache and try again later; the log names the mismatch.
                 self._refused("register", exc)
                 return False
             self._registered = True
-            self._suspended_until = 0.0
-            self._recovered()
+            self.health.succeeded()
             return True
-        if self._suspended_until == 0.0:
+        if not self.health.down:
             return True
-        if now < self._suspended_until:
-            return False
         try:
             self.client.ping(timeout=min(self.client.timeout, PROBE_SECONDS))
         except AGENT_ERRORS as exc:
             self._degraded("ping", exc)
             return False
-        self._suspended_until = 0.0
-        self._recovered()
+        self.health.succeeded()
         return True
 
-    def _recovered(self) -> None:
-        if self._warned is not None:
-            log.info("Node agent serving again; KV offload resumed")
-            self._warned = None
-
     def _degraded(self, op: str, exc: BaseException) -> None:
-        """The agent did not serve ``op``: stop calling it for ``retry_seconds``.
-
-        Logged once per kind of failure, not once per call."""
-        kind = type(exc).__name__
-        if self._warned != kind:
-            self._warned = kind
-            log.warning("Node agent not serving; SGLang continues on its own radix cache",
-                        extra={"op": op, "error": str(exc),
-                               "retrySeconds": self.retry_seconds})
-        if isinstance(exc, AgentUnavailableError):
-            self._registered = False  # gone or restarting: register again later
-            self._next_try = self._clock() + self.retry_seconds
-        elif isinstance(exc, AgentTimeoutError | ConnectionError):
-            self._suspended_until = self._clock() + self.retry_seconds
+        """The agent did not serve ``op``: the policy stops calls for
+        ``retry_seconds`` when ``exc`` means it is down; an absent agent's
+        successor needs this rank's buffers registered again."""
+        if self.health.failed(op, exc) and isinstance(exc, AgentUnavailableError):
+            self._registered = False
 
     def _agent_gone(self) -> bool:
         """True when the agent's socket file is missing: no agent process can be
@@ -309,7 +286,7 @@ class AgentKVConnector:
             return -1, 0
         rid = agent_rid(handle)
         try:
-            tokens = _cpu_int64("lookup_kv: token_ids", token_ids)
+            tokens = int64_array("lookup_kv: token_ids", token_ids)
             mask = None
             if token_mask is not None:
                 if hasattr(token_mask, "detach"):
@@ -352,7 +329,7 @@ class AgentKVConnector:
             return 0
         rid = agent_rid(handle)
         try:
-            slots = _cpu_int64("retrieve_kv: slot_mapping", slot_mapping)
+            slots = int64_array("retrieve_kv: slot_mapping", slot_mapping)
         except ValueError as exc:
             self._refused("retrieve", exc)
             self._release(rid)
@@ -439,8 +416,8 @@ class AgentKVConnector:
                aligned: int) -> tuple[int, bool]:
         if not self._available():
             return -1, False
-        ids = _cpu_int64("store_kv: token_ids", token_ids)[:aligned]
-        idx = _cpu_int64("store_kv: kv_indices", kv_indices)[:aligned]
+        ids = int64_array("store_kv: token_ids", token_ids)[:aligned]
+        idx = int64_array("store_kv: kv_indices", kv_indices)[:aligned]
         try:
             task_id = int(self.client.store_kv(agent_rid(handle), ids, idx))
         except AgentTimeoutError as exc:

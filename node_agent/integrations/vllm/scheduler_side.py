@@ -27,7 +27,8 @@ Nothing here ever blocks vLLM for longer than one bounded call, and every agent
 failure ends in a miss (recompute), never an error: the agent is a cache. Once
 a call failed because the agent is down, nothing calls it (lookups answer 0,
 stores are given up and their blocks freed at once) until a probe from its own
-thread every ``retrySeconds`` is answered (:class:`AgentHealth`): a ``release`` of
+thread every ``retrySeconds`` is answered (the client's resilience policy,
+:class:`node_agent.client.AgentHealth`, with a probe thread): a ``release`` of
 a rid no request has, which the agent answers only once it serves this engine's
 stage again (registered, same model).
 """
@@ -38,34 +39,22 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from node_agent.client import (
-    AgentTimeoutError,
-    AgentUnavailableError,
-    EngineAPIError,
+    AGENT_ERRORS,
+    AgentHealth,
     EngineClient,
     RankInfo,
+    agent_down,
 )
 from node_agent.integrations.vllm.config import AgentConnectorConfig
 
 log = logging.getLogger(__name__)
 
-#: Errors that may mean "the agent cannot serve right now" (stopped, restarted, busy);
-#: see :func:`agent_down`.
-AGENT_ERRORS = (AgentUnavailableError, AgentTimeoutError, EngineAPIError, ConnectionError,
-                OSError)
-
-
-def agent_down(exc: BaseException) -> bool:
-    """True when ``exc`` says the agent is gone, restarting or overloaded (then it is
-    skipped for ``retrySeconds``); False for an answer about this one call."""
-    if isinstance(exc, EngineAPIError):
-        return exc.error_type in ("NotReady", "InternalError")
-    return isinstance(exc, AGENT_ERRORS)
 #: A store whose completion the agent never reports is given up after this long.
 STORE_GIVE_UP_SECONDS = 120.0
 #: Longest wait of an empty engine step for a load to end (see ``idle_wait``).
@@ -116,73 +105,6 @@ def block_slots(block_ids: Sequence[int], block_size: int) -> np.ndarray:
     return (base[:, None] * block_size + np.arange(block_size, dtype=np.int64)).reshape(-1)
 
 
-class AgentHealth:
-    """Whether to call the agent now; logs each outage once and its end.
-
-    After a call failed because the agent is down (:func:`agent_down`), no call is
-    made to it (:meth:`usable` is False, so nothing in vLLM waits on it) until a
-    probe, a call from its own thread every ``retry_seconds``, gets an answer.
-    """
-
-    def __init__(self, retry_seconds: float, on_error: Callable[[], None],
-                 probe: Callable[[], object] | None = None) -> None:
-        self._retry = retry_seconds
-        self._on_error = on_error
-        self._probe = probe
-        self._down = False
-        self._closed = threading.Event()
-        self._probing = False
-        self._lock = threading.Lock()
-
-    def usable(self) -> bool:
-        return not self._down
-
-    def failed(self, what: str, exc: BaseException) -> None:
-        if not agent_down(exc):
-            log.warning("FlexKV %s refused, treating as a miss: %s", what, exc)
-            return
-        self._on_error()
-        with self._lock:
-            first = not self._down
-            self._down = True
-            start = not self._probing and not self._closed.is_set()
-            self._probing = self._probing or start
-        if first:
-            log.warning("FlexKV agent unavailable, serving without the cache (recompute) "
-                        "and calling it again only once it answers a probe (every %ss): "
-                        "%s failed: %s", self._retry, what, exc)
-        if start:
-            threading.Thread(target=self._probe_loop, name="flexkv-probe", daemon=True).start()
-
-    def _probe_loop(self) -> None:
-        while not self._closed.wait(self._retry):
-            try:
-                if self._probe is not None:
-                    self._probe()
-            except AGENT_ERRORS as exc:
-                log.debug("FlexKV agent still unavailable: %s", exc)
-                continue
-            except Exception as exc:
-                log.debug("FlexKV agent probe failed: %s", exc)
-                continue
-            break
-        with self._lock:
-            self._probing = False
-        if not self._closed.is_set():
-            self.ok()
-
-    def ok(self) -> None:
-        if self._down:
-            with self._lock:
-                was, self._down = self._down, False
-            if was:
-                log.warning("FlexKV agent reachable again, cache hits resume")
-
-    def close(self) -> None:
-        """Stop probing (the probe thread ends within one ``retry_seconds``)."""
-        self._closed.set()
-
-
 @dataclass(frozen=True)
 class _Lookup:
     tokens: int
@@ -219,8 +141,9 @@ class SchedulerSide:
         self.counters = Counters()
         self._probe_client = EngineClient(cfg.engine_socket, rank,
                                           timeout=cfg.lookup_timeout_seconds)
-        self.health = AgentHealth(cfg.retry_seconds, lambda: self._count(agent_errors=1),
-                                  probe=lambda: self._probe_client.release(PROBE_RID))
+        self.health = AgentHealth(cfg.retry_seconds,
+                                  probe=lambda: self._probe_client.release(PROBE_RID),
+                                  on_failure=lambda: self._count(agent_errors=1), log=log)
         self._lookup_client = EngineClient(cfg.engine_socket, rank,
                                            timeout=cfg.lookup_timeout_seconds)
         self._load_client = EngineClient(cfg.engine_socket, rank, timeout=cfg.call_timeout_seconds)
@@ -258,7 +181,7 @@ class SchedulerSide:
         limit = ((len(tokens) - 1) // bs) * bs
         if limit <= local or rid in self._no_lookup:
             return 0
-        if not self.health.usable():
+        if not self.health.should_call():
             with self._lock:
                 self._lookups.pop(rid, None)  # a restarted agent has lost its match
             return 0
@@ -279,7 +202,7 @@ class SchedulerSide:
         except ValueError as exc:
             log.warning("FlexKV lookup refused, treating as a miss: %s", exc)
         else:
-            self.health.ok()
+            self.health.succeeded()
             self._count(lookups=1)
         hit = max(0, min(int(hit), limit - local))
         hit -= hit % bs
@@ -363,7 +286,7 @@ class SchedulerSide:
             self._stores.put(rid)  # release (cancels the load if it has not started)
             return False  # its blocks are held by the load until it is reported
         n_blocks = min(computed, len(tokens), len(block_ids) * self.block_size) // self.block_size
-        if n_blocks == 0 or not self.health.usable():
+        if n_blocks == 0 or not self.health.should_call():
             self._stores.put(rid)  # release: the agent forgets the request
             return False
         n = n_blocks * self.block_size
@@ -384,7 +307,7 @@ class SchedulerSide:
             try:
                 loaded = self._load_client.retrieve(job.rid, job.slots)
                 ok = loaded == len(job.slots)
-                self.health.ok()
+                self.health.succeeded()
             except AGENT_ERRORS as exc:
                 self.health.failed("retrieve", exc)
             except Exception as exc:
@@ -419,7 +342,7 @@ class SchedulerSide:
                 self._poll(inflight)
 
     def _start_store(self, job: _Store, inflight: dict[str, _Store]) -> None:
-        if not self.health.usable():
+        if not self.health.should_call():
             # Known down (a call failed): give the store up now, freeing its blocks,
             # rather than wait out another call timeout per queued store.
             self._count(stores_skipped=1)
@@ -428,7 +351,7 @@ class SchedulerSide:
         task = -1
         try:
             task = self._store_client.store_kv(job.rid, job.tokens, job.slots)
-            self.health.ok()
+            self.health.succeeded()
         except AGENT_ERRORS as exc:
             self.health.failed("store_kv", exc)
         except Exception as exc:
@@ -464,7 +387,7 @@ class SchedulerSide:
         self._release(rid)
 
     def _release(self, rid: str, client: EngineClient | None = None) -> None:
-        if not self.health.usable():
+        if not self.health.should_call():
             return
         try:
             (client or self._store_client).release(rid)

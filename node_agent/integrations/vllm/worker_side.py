@@ -28,10 +28,9 @@ from typing import Any
 
 import torch
 
-from node_agent.client import AgentUnavailableError, EngineClient, RankInfo
+from node_agent.client import AGENT_ERRORS, AgentUnavailableError, EngineClient, RankInfo
 from node_agent.engine_api.buffers import cuda_handle, dtype_name
 from node_agent.integrations.vllm.config import AgentConnectorConfig, ConnectorConfigError
-from node_agent.integrations.vllm.scheduler_side import AGENT_ERRORS
 from node_agent.vocab.layout import KVDtype, KVLayout, LayoutName
 
 log = logging.getLogger(__name__)
