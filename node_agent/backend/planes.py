@@ -103,17 +103,7 @@ def register_buffers(
         num_slots = _check_tensors(layout, rank, raw, expected_tail, slot_dim=0)
         planes = tuple(t.view(num_slots, layout.row_elems) for _, t in raw)
     else:
-        if len(groups) != 1:
-            raise ValueError(
-                f"rank {rank}: got {len(groups)} buffer lists, expected 1 (one tensor per "
-                "layer) for layout layer_kv_slot_head"
-            )
-        tensors = list(groups[0])
-        if len(tensors) != layout.num_layers:
-            raise ValueError(
-                f"rank {rank}: got {len(tensors)} layer tensors, expected "
-                f"num_layers={layout.num_layers}"
-            )
+        tensors = _layer_tensors(layout, rank, groups)
         raw = [(f"buffers[0][{i}]", t) for i, t in enumerate(tensors)]
         expected_tail = (layout.heads_per_rank, layout.head_size)
         num_slots = _check_tensors(layout, rank, raw, expected_tail, slot_dim=1)
@@ -124,19 +114,27 @@ def register_buffers(
                              device=planes[0].device)
 
 
-def _register_paged(layout: KVLayout, rank: int,
-                    groups: list[Sequence[torch.Tensor]]) -> RegisteredBuffers:
-    """``layer_block_head_token_kv``: one ``(num_blocks, heads, tpb, kv_dim * head_size)``
-    tensor per layer, each page dense; planes are ``(num_blocks, page_elems)`` views."""
+def _layer_tensors(layout: KVLayout, rank: int,
+                   groups: list[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+    """The one list of per-layer tensors of a layout with one tensor per layer
+    (``ValueError`` naming the rank, the count found and the count expected)."""
     if len(groups) != 1:
         raise ValueError(
             f"rank {rank}: got {len(groups)} buffer lists, expected 1 (one tensor per layer) "
-            "for layout layer_block_head_token_kv"
+            f"for layout {layout.name.value}"
         )
     tensors = list(groups[0])
     if len(tensors) != layout.num_layers:
         raise ValueError(f"rank {rank}: got {len(tensors)} layer tensors, expected "
                          f"num_layers={layout.num_layers}")
+    return tensors
+
+
+def _register_paged(layout: KVLayout, rank: int,
+                    groups: list[Sequence[torch.Tensor]]) -> RegisteredBuffers:
+    """``layer_block_head_token_kv``: one ``(num_blocks, heads, tpb, kv_dim * head_size)``
+    tensor per layer, each page dense; planes are ``(num_blocks, page_elems)`` views."""
+    tensors = _layer_tensors(layout, rank, groups)
     tpb = layout.tokens_per_block
     tail = (layout.heads_per_rank, tpb, layout.kv_dim * layout.head_size)
     page = tail[0] * tail[1] * tail[2]

@@ -19,22 +19,11 @@ from __future__ import annotations
 import re
 from decimal import Decimal, InvalidOperation
 
-DECIMAL_SUFFIXES: dict[str, Decimal] = {
-    "m": Decimal("0.001"),
-    "k": Decimal(10**3),
-    "M": Decimal(10**6),
-    "G": Decimal(10**9),
-    "T": Decimal(10**12),
-    "P": Decimal(10**15),
-    "E": Decimal(10**18),
+DECIMAL_SUFFIXES: dict[str, Decimal] = {"m": Decimal("0.001")} | {
+    suffix: Decimal(10 ** (3 * power)) for power, suffix in enumerate("kMGTPE", start=1)
 }
 BINARY_SUFFIXES: dict[str, Decimal] = {
-    "Ki": Decimal(2**10),
-    "Mi": Decimal(2**20),
-    "Gi": Decimal(2**30),
-    "Ti": Decimal(2**40),
-    "Pi": Decimal(2**50),
-    "Ei": Decimal(2**60),
+    f"{prefix}i": Decimal(2 ** (10 * power)) for power, prefix in enumerate("KMGTPE", start=1)
 }
 SUFFIXES: dict[str, Decimal] = {"": Decimal(1), **DECIMAL_SUFFIXES, **BINARY_SUFFIXES}
 #: The largest quantity the API server keeps exactly, and the largest byte count.
