@@ -22,8 +22,11 @@ from node_agent.contract.kube import LOOKUP_WINDOW_SECONDS
 class LookupWindow:
     """Running lookup totals in, the last window's counts out (``flexkv.io/lookups``).
 
-    Totals must not decrease; a decrease (counters reset) starts the window again
-    from that sample. Not thread-safe: the heartbeat alone calls :meth:`sample`.
+    The totals count from zero when the window is made (the agent's start): what
+    was counted before the first sample is in the window. Totals must not
+    decrease; a decrease (a stage's counters started again) starts the window
+    again with the new totals counted from zero. Not thread-safe: the heartbeat
+    alone calls :meth:`sample`.
     """
 
     def __init__(self, window_seconds: float = LOOKUP_WINDOW_SECONDS,
@@ -32,14 +35,15 @@ class LookupWindow:
             raise ValueError(f"window_seconds={window_seconds} must be positive")
         self._window = window_seconds
         self._clock = clock
-        self._samples: collections.deque[tuple[float, int, int]] = collections.deque()
+        self._samples: collections.deque[tuple[float, int, int]] = collections.deque(
+            [(clock(), 0, 0)])
 
     def sample(self, lookup_tokens: int, hit_tokens: int) -> dict[str, int]:
         """Record the totals now; answer the annotation's value for the window."""
         now = self._clock()
-        if self._samples and (lookup_tokens < self._samples[-1][1]
-                              or hit_tokens < self._samples[-1][2]):
+        if lookup_tokens < self._samples[-1][1] or hit_tokens < self._samples[-1][2]:
             self._samples.clear()
+            self._samples.append((now, 0, 0))
         self._samples.append((now, lookup_tokens, hit_tokens))
         # Keep one sample at or beyond the window's start as the baseline.
         while len(self._samples) > 1 and now - self._samples[1][0] >= self._window:

@@ -141,9 +141,9 @@ async def test_kvcachegroup_status_drives_roles_and_failover(kube: Any, kube_api
 
 async def test_lease_reports_the_lookups_and_hits_of_the_stages_it_leads(
         kube: Any, kube_api: Any, work: Path) -> None:
-    cfg = cfg_of(agent_mapping(work, "solo"))
+    cfg = cfg_of(agent_mapping(work, "counting"))
     bufs = SharedKVBuffers.for_layout(LAYOUT, NUM_SLOTS)
-    client = EngineClient(cfg.engine_socket, RankInfo("solo-0"), timeout=5)
+    client = EngineClient(cfg.engine_socket, RankInfo("counting-0"), timeout=5)
     try:
         async with running_agent(cfg, kube_api=kube_api):
             await asyncio.to_thread(client.register_kv_buffers, LAYOUT, bufs.handles)
@@ -159,7 +159,7 @@ async def test_lease_reports_the_lookups_and_hits_of_the_stages_it_leads(
             await asyncio.to_thread(client.release, "miss")
 
             def counted() -> dict[str, int] | None:
-                text = _annotations(kube, "solo").get("flexkv.io/lookups")
+                text = _annotations(kube, "counting").get("flexkv.io/lookups")
                 value: dict[str, int] | None = json.loads(text) if text else None
                 return value if value and value["lookupTokens"] >= 48 else None
 

@@ -46,12 +46,21 @@ def test_a_cache_that_stopped_hitting_shows_it_after_one_window() -> None:
     assert last["hitTokens"] == 0 and last["lookupTokens"] > 0
 
 
-def test_totals_that_go_down_start_the_window_again() -> None:
+def test_totals_that_go_down_start_the_window_again_from_zero() -> None:
     clock = Clock()
     window = LookupWindow(300, clock)
     window.sample(5000, 4000)
     clock.now += 10
-    assert window.sample(10, 5) == {"windowSeconds": 0, "lookupTokens": 0, "hitTokens": 0}
+    assert window.sample(10, 5) == {"windowSeconds": 0, "lookupTokens": 10, "hitTokens": 5}
+    clock.now += 10
+    assert window.sample(30, 5) == {"windowSeconds": 10, "lookupTokens": 30, "hitTokens": 5}
+
+
+def test_what_was_counted_before_the_first_sample_is_in_the_window() -> None:
+    clock = Clock()
+    window = LookupWindow(300, clock)
+    clock.now += 2  # a stage appeared and served lookups before the first heartbeat
+    assert window.sample(48, 32) == {"windowSeconds": 2, "lookupTokens": 48, "hitTokens": 32}
 
 
 def test_a_window_that_is_not_positive_is_refused_naming_the_value() -> None:
