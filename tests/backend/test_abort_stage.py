@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from backend_helpers import TPB, PauseAt, config, make_buffers, planes, small_layout
 
 from node_agent.backend.replication import (
     BlockLocation,
@@ -23,6 +22,7 @@ from node_agent.backend.replication import (
     TransferPlan,
 )
 from node_agent.backend.stage_store import TierStore
+from tests.backend.backend_helpers import TPB, PauseAt, config, make_buffers, planes, small_layout
 
 
 def no_stage_copy_thread() -> bool:

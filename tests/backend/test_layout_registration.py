@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from backend_helpers import make_buffers, small_layout
 
 from node_agent.backend.layout import KVDtype, KVLayout, LayoutName, register_buffers
+from tests.backend.backend_helpers import make_buffers, small_layout
 
 
 def test_llama3_8b_stage_bytes_per_block() -> None:

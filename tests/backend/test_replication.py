@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from backend_helpers import TPB, config, make_buffers, small_layout, started, store, tokens
 
 from node_agent.backend.base import KVBackendError, KVResponseStatus, TaskNotFoundError
 from node_agent.backend.embedded import EmbeddedBackend
@@ -20,6 +19,15 @@ from node_agent.backend.replication import (
     TransferPlan,
 )
 from node_agent.backend.stage_store import TierStore
+from tests.backend.backend_helpers import (
+    TPB,
+    config,
+    make_buffers,
+    small_layout,
+    started,
+    store,
+    tokens,
+)
 
 S = KVResponseStatus
 

@@ -26,9 +26,9 @@ from node_agent.backend.stage_store import TierStore
 from node_agent.coordinator import Coordinator, CoordinatorConfig
 from node_agent.coordinator.inputs import prepare_slots, prepare_store
 from node_agent.pp.group import GroupView, GroupViewSource
-
-from .harness import group_status, wait_for
-from .pairs import StageThread
+from tests.coordinator.harness import group_status
+from tests.coordinator.pairs import StageThread
+from tests.support.waiting import wait_for
 
 TPB = 4
 LAYERS, HEADS, HEAD = 2, 2, 4

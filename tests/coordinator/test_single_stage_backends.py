@@ -18,9 +18,7 @@ from node_agent.backend.replication import Direction
 from node_agent.backend.single_stage import SingleStageBackend
 from node_agent.coordinator import Coordinator, CoordinatorConfig
 from node_agent.pp.group import GroupView, GroupViewSource, Member
-from tests.fake_flexkv import load_fake_flexkv
-
-from .harness import (
+from tests.coordinator.harness import (
     GROUP,
     LAYOUT,
     backend_config,
@@ -30,6 +28,7 @@ from .harness import (
     wait_completed,
     write_slots,
 )
+from tests.fake_flexkv import load_fake_flexkv
 
 TPB = LAYOUT.tokens_per_block
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from node_agent.pp.group import (
     StaleViewError,
     load_view_file,
 )
+from tests.support.waiting import wait_for
 
 
 def status(epoch: int, leader: int, size: int = 3) -> dict[str, Any]:
@@ -79,15 +79,12 @@ def test_file_view_reloads_on_change(tmp_path: Path) -> None:
     seen: list[int] = []
     fv.source.subscribe(lambda v: seen.append(v.epoch))
     try:
-        time.sleep(0.05)
         path.write_text(yaml.safe_dump({"group": "g", "status": status(2, 1)}))
-        deadline = time.monotonic() + 5
-        while not seen and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for(lambda: seen, "the rewritten view", 5)
         assert seen == [2] and fv.source.view.leader.pp_rank == 1  # type: ignore[union-attr]
         path.write_text("{not yaml: [")  # a broken write keeps the last good view
-        time.sleep(0.1)
-        assert fv.source.view.epoch == 2
+        wait_for(lambda: fv._stamp == fv._stat(), "the poller reading the broken write", 5)
+        assert fv.source.view.epoch == 2 and seen == [2]
     finally:
         fv.stop()
 

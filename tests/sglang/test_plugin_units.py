@@ -69,7 +69,7 @@ class _Clock:
         return self.now
 
 
-def test_without_an_agent_every_call_degrades_and_the_seed_check_still_raises(
+def test_without_an_agent_every_call_degrades_and_the_length_check_still_raises(
         tmp_path: Path) -> None:
     """SGLang keeps serving from its radix cache: misses, -1, 0, no waits (the
     client finds no socket file); the contract's length check still applies."""
