@@ -182,16 +182,16 @@ async def test_kube_group_source_lists_then_follows_watch_events(kube: Any,
     try:
         assert src.known and list(seen[-1]) == ["llama-0"] and src.lists == 1
         assert seen[-1]["llama-0"].epoch == 1
+        n = len(seen)
         await wait_for_async(lambda: src.events >= 1,
                              "the watch replaying the current objects", 5)
-        n = len(seen)
         # The operator elects another leader: a status write through the API.
         new = _group("p1-llama-0", "p1", 2, leader_rank=1)
         await asyncio.to_thread(api.patch_namespaced_custom_object, "flexkv.io", "v1alpha1",
                                 "ns1", "kvcachegroups", "p1-llama-0", {"status": new["status"]})
         await wait_for_async(lambda: seen[-1]["llama-0"].epoch == 2, "llama-0 at epoch 2", 5)
-        # The change is the one delivery since the replay: the replayed (unchanged)
-        # views were not delivered again before it.
+        # The change is the one delivery since the list: the watch's replay of the
+        # unchanged objects (handled before it, on the same stream) delivered nothing.
         assert len(seen) == n + 1, "unchanged views must not be delivered again"
         leader = seen[-1]["llama-0"].leader
         assert leader is not None and leader.pp_rank == 1
