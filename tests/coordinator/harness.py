@@ -276,11 +276,14 @@ class Stage:
             return s
         if op == "ready":
             return c.ready()
-        if op == "copied":
-            # Stores in flight on the leader whose own (local) copy has ended.
+        if op == "copies_ended":
+            # The leader's stores whose own (local) copy has ended: those still in
+            # flight (waiting for the followers) and those already published or
+            # discarded.
             lead: Any = c._role
             with lead._state:
-                return sum(p.local is not None for p in lead._puts.values())
+                waiting = sum(p.local is not None for p in lead._puts.values())
+            return waiting + lead.counters.stores_published + lead.counters.stores_discarded
         if op == "faults":
             role = c._role
             stream = getattr(role, "stream", None)

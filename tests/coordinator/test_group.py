@@ -48,8 +48,8 @@ def test_blocks_invisible_until_every_stage_stored(group: Group) -> None:
     # Only the leader reached store_kv: its copy finishes, but nothing is visible.
     lead = store(group, "p", tokens, rng, ranks=(0,))
     assert lead[0] >= 0
-    wait_for(lambda: group.stages[0].call("copied") == 1, "the leader's own copy of p ended",
-             interval=0.05)
+    wait_for(lambda: group.stages[0].call("copies_ended") == 1,
+             "the leader's own copy of p ended", interval=0.05)
     assert group.stages[0].call("lookup", rid="probe", tokens=tokens) == 0
     # The followers store the same decision with their own slots: now visible.
     rest = store(group, "p", tokens, rng, ranks=(1, 2))
