@@ -7,11 +7,10 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,19 +20,16 @@ import yaml
 
 from node_agent.agent import Agent
 from node_agent.assembly import default_stage_builder
+from node_agent.client import EngineClient
 from node_agent.config import AgentConfig, config_from_mapping
 from node_agent.vocab.layout import KVDtype, KVLayout
+from tests.support.ports import free_port
+from tests.support.waiting import wait_for_async
 
 TPB = 4
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=8, dtype=KVDtype.FLOAT16,
                   tokens_per_block=TPB)
 NUM_SLOTS = 256
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def short_dir(tag: str) -> Path:
@@ -95,7 +91,7 @@ async def running_agent(cfg: AgentConfig, kube_api: Any = None,
     server.capture_signals = contextlib.nullcontext  # the test process keeps its handlers
     task = asyncio.create_task(server.serve())
     try:
-        await wait_for(lambda: server.started or task.done(), 20)
+        await wait_for_async(lambda: server.started or task.done(), "uvicorn started", 20)
         if task.done():
             task.result()
             raise RuntimeError("uvicorn stopped during start-up")
@@ -106,13 +102,16 @@ async def running_agent(cfg: AgentConfig, kube_api: Any = None,
             await asyncio.wait_for(task, 20)
 
 
-async def wait_for(cond: Callable[[], Any], timeout: float, what: str = "condition") -> None:
-    """Poll ``cond`` (sync) until true, failing after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not met within {timeout}s")
-        await asyncio.sleep(0.05)
+async def wait_stored(client: EngineClient, rid: str, timeout: float = 10.0) -> None:
+    """Poll ``client.poll_completed`` (from a worker thread) until it reported
+    ``rid``'s store."""
+    done: list[str] = []
+
+    async def reported() -> bool:
+        done.extend(await asyncio.to_thread(client.poll_completed))
+        return rid in done
+
+    await wait_for_async(reported, f"the store of {rid!r} completed", timeout, interval=0.01)
 
 
 async def wait_http(ra: RunningAgent, path: str, status: int, timeout: float) -> httpx.Response:
@@ -163,3 +162,36 @@ def wait_healthy(url: str, proc: subprocess.Popen[Any], timeout: float = 40.0) -
 
 def cfg_of(data: dict[str, Any]) -> AgentConfig:
     return config_from_mapping(data)
+
+
+@dataclass
+class AgentProcess:
+    """A running ``python -m node_agent run`` and what a test talks to it by."""
+
+    proc: subprocess.Popen[bytes]
+    data: dict[str, Any]
+    """Its agent.yaml, as written."""
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.data['ports']['http']}"
+
+    @property
+    def socket(self) -> str:
+        return str(self.data["engineSocket"])
+
+
+@contextlib.contextmanager
+def agent_process(work: Path, node: str = "solo", **extra: Any) -> Iterator[AgentProcess]:
+    """An agent process of :func:`agent_mapping` (``extra`` overrides its keys), its
+    config in ``work/agent.yaml`` and its output in ``work/agent.log``, healthy;
+    stopped on exit (``work`` is the caller's to remove)."""
+    data = agent_mapping(work, node, **extra)
+    path = work / "agent.yaml"
+    path.write_text(yaml.safe_dump(data))
+    agent = AgentProcess(start_agent_process(path, work / "agent.log"), data)
+    try:
+        wait_healthy(agent.url, agent.proc)
+        yield agent
+    finally:
+        stop_process(agent.proc)

@@ -4,7 +4,6 @@ checking fake here), a multi-stage group is refused with an error that says why.
 from __future__ import annotations
 
 import shutil
-import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -15,6 +14,7 @@ from node_agent.agent import Agent
 from node_agent.assembly import default_stage_builder
 from node_agent.engine_api.service import RankRef
 from tests.agent.harness import LAYOUT, NUM_SLOTS, TPB, agent_mapping, cfg_of, short_dir
+from tests.coordinator.harness import wait_completed
 from tests.fake_flexkv import load_fake_flexkv
 
 
@@ -47,12 +47,7 @@ def test_one_stage_group_round_trips_through_flexkv(flexkv_agent: Agent) -> None
         tokens = np.arange(4 * TPB, dtype=np.int64) + 100
         src = np.arange(4 * TPB, dtype=np.int64)            # pages 0..3
         assert conn.store_kv("a", tokens, torch.as_tensor(src)) >= 0
-        deadline = time.monotonic() + 5
-        done: list[str] = []
-        while "a" not in done:
-            assert time.monotonic() < deadline, "store never completed"
-            done += conn.poll_completed()
-            time.sleep(0.005)
+        wait_completed(conn, "a", 5)
         assert conn.lookup("b", tokens) == 4 * TPB
         dst = np.arange(8 * TPB, 12 * TPB, dtype=np.int64)  # pages 8..11
         assert conn.retrieve("b", dst) == 4 * TPB

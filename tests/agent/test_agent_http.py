@@ -28,9 +28,11 @@ from tests.agent.harness import (
     running_agent,
     short_dir,
     wait_http,
+    wait_stored,
     write_group_file,
 )
 from tests.observability.prometheus import require_binary
+from tests.support.waiting import wait_for_async
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -90,7 +92,7 @@ async def test_single_stage_agent_http_surface(work: Path) -> None:
             _fill(bufs, src, seed=1)
             want = _read(bufs, src)
             assert await asyncio.to_thread(client.store_kv, "a", tokens, src) >= 0
-            await stored(client, "a")
+            await wait_stored(client, "a")
             assert await asyncio.to_thread(client.lookup, "b", tokens) == 32
             dst = np.arange(100, 132, dtype=np.int64)
             assert await asyncio.to_thread(client.retrieve, "b", dst) == 32
@@ -124,17 +126,6 @@ async def test_single_stage_agent_http_surface(work: Path) -> None:
         finally:
             client.close()
             bufs.close()
-
-
-async def stored(client: EngineClient, rid: str, timeout: float = 10.0) -> None:
-    """Poll (from a worker thread) until ``rid``'s store completed."""
-    done: list[str] = []
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while rid not in done:
-        assert loop.time() < deadline, f"store of {rid!r} not completed in {timeout}s"
-        done.extend(await asyncio.to_thread(client.poll_completed))
-        await asyncio.sleep(0.01)
 
 
 def _promtool(text: str, work: Path) -> None:
@@ -210,7 +201,7 @@ async def test_cache_epoch_bump_in_config_file_flushes_the_cache(work: Path) -> 
         async with running_agent(cfg, config_path=path) as ra:
             await asyncio.to_thread(client.register_kv_buffers, LAYOUT, bufs.handles)
             assert await asyncio.to_thread(client.store_kv, "a", tokens, np.arange(16)) >= 0
-            await stored(client, "a")
+            await wait_stored(client, "a")
             assert await asyncio.to_thread(client.lookup, "b", tokens) == 16
             await asyncio.to_thread(client.release, "b")
             # While the reset holds the stage's locks, its calls take worker
@@ -224,10 +215,10 @@ async def test_cache_epoch_bump_in_config_file_flushes_the_cache(work: Path) -> 
 
             stage.connector.reset = watched_reset  # type: ignore[method-assign]
             path.write_text(yaml.safe_dump({**data, "cacheEpoch": 1}))
-            deadline = asyncio.get_running_loop().time() + 10
-            while (await ra.get("/status")).json()["cacheEpoch"] != 1:
-                assert asyncio.get_running_loop().time() < deadline, "epoch not applied"
-                await asyncio.sleep(0.05)
+            async def epoch_applied() -> bool:
+                return bool((await ra.get("/status")).json()["cacheEpoch"] == 1)
+
+            await wait_for_async(epoch_applied, "cacheEpoch 1 applied", 10)
             assert seen == [frozenset()] and stage.inline_ops == INLINE_CANDIDATES
             assert await asyncio.to_thread(client.lookup, "c", tokens) == 0
     finally:
@@ -284,7 +275,7 @@ async def test_tensor_parallel_ranks_register_and_rank0_moves_all(work: Path) ->
             with pytest.raises(ValueError, match="only TP rank 0 calls"):
                 await asyncio.to_thread(clients[1].store_kv, "a", tokens, src)
             assert await asyncio.to_thread(clients[0].store_kv, "a", tokens, src) >= 0
-            await stored(clients[0], "a")
+            await wait_stored(clients[0], "a")
             assert await asyncio.to_thread(clients[0].lookup, "b", tokens) == 16
             dst = np.arange(64, 80, dtype=np.int64)
             assert await asyncio.to_thread(clients[0].retrieve, "b", dst) == 16

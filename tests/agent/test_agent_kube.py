@@ -25,9 +25,9 @@ from tests.agent.harness import (
     cfg_of,
     running_agent,
     short_dir,
-    wait_for,
     wait_http,
 )
+from tests.support.waiting import wait_for_async
 
 pytestmark = pytest.mark.timeout(90)
 LEASES = kmock.resource("coordination.k8s.io", "v1", "leases")
@@ -63,8 +63,9 @@ async def test_lease_reports_memberships_and_readiness(kube: Any, kube_api: Any,
                                                        work: Path) -> None:
     cfg = cfg_of(agent_mapping(work, "solo", podName="agent-pod-1"))
     async with running_agent(cfg, kube_api=kube_api) as ra:
-        await wait_for(lambda: _annotations(kube, "solo").get("flexkv.io/ready") == "false",
-                       10, "Lease created, not ready")
+        await wait_for_async(
+            lambda: _annotations(kube, "solo").get("flexkv.io/ready") == "false",
+            "Lease created, not ready", 10)
         ann = _annotations(kube, "solo")
         assert json.loads(ann["flexkv.io/memberships"]) == []
         assert json.loads(ann["flexkv.io/tiers"])["cpu"]["capacityBytes"] == 2**20
@@ -77,8 +78,9 @@ async def test_lease_reports_memberships_and_readiness(kube: Any, kube_api: Any,
         client = EngineClient(cfg.engine_socket, RankInfo("solo-0"), timeout=5)
         try:
             await asyncio.to_thread(client.register_kv_buffers, LAYOUT, bufs.handles)
-            await wait_for(lambda: _annotations(kube, "solo").get("flexkv.io/ready") == "true",
-                           10, "Lease says ready")
+            await wait_for_async(
+                lambda: _annotations(kube, "solo").get("flexkv.io/ready") == "true",
+                "Lease says ready", 10)
             ann = _annotations(kube, "solo")
             assert json.loads(ann["flexkv.io/memberships"]) == [
                 {"replica": "solo-0", "ppRank": 0, "ppSize": 1}]
@@ -119,10 +121,10 @@ async def test_kvcachegroup_status_drives_roles_and_failover(kube: Any, kube_api
                 k8s.CustomObjectsApi(kube_api).patch_namespaced_custom_object_status, "flexkv.io",
                 "v1alpha1", "ns1", "kvcachegroups", "tp-rep",
                 {"status": _group(fanout, leader=1, epoch=2)["status"]})
-            deadline = asyncio.get_running_loop().time() + 20
-            while (await role(a0), await role(a1)) != ("follower", "leader"):
-                assert asyncio.get_running_loop().time() < deadline, "roles did not swap"
-                await asyncio.sleep(0.1)
+            async def swapped() -> bool:
+                return (await role(a0), await role(a1)) == ("follower", "leader")
+
+            await wait_for_async(swapped, "the roles swapped", 20, interval=0.1)
             await wait_http(a1, "/readyz", 200, 20)
             status = (await a1.get("/status")).json()
             assert status["groups"]["rep"]["epoch"] == 2
@@ -150,7 +152,7 @@ async def test_lease_reports_the_lookups_and_hits_of_the_stages_it_leads(
             stored_tokens = np.arange(1000, 1032, dtype=np.int64)
             assert await asyncio.to_thread(
                 client.store_kv, "a", stored_tokens, np.arange(32)) >= 0
-            await wait_for(lambda: "a" in client.poll_completed(), 10, "store of a completed")
+            await wait_for_async(lambda: "a" in client.poll_completed(), "store of a completed", 10)
             # 32 stored tokens found, then 16 tokens nothing holds.
             assert await asyncio.to_thread(client.lookup, "hit", stored_tokens) == 32
             await asyncio.to_thread(client.release, "hit")
@@ -163,7 +165,7 @@ async def test_lease_reports_the_lookups_and_hits_of_the_stages_it_leads(
                 value: dict[str, int] | None = json.loads(text) if text else None
                 return value if value and value["lookupTokens"] >= 48 else None
 
-            await wait_for(counted, 20, "the Lease counting both lookups")
+            await wait_for_async(counted, "the Lease counting both lookups", 20)
             lookups = counted()
             assert lookups is not None
             assert (lookups["lookupTokens"], lookups["hitTokens"]) == (48, 32)

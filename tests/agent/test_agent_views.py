@@ -19,7 +19,8 @@ from node_agent.assembly import default_stage_builder
 from node_agent.engine_api.service import RankRef, Stage
 from node_agent.pp.auth import CurveKeys
 from node_agent.vocab.group_view import GroupMember, GroupView
-from tests.agent.harness import LAYOUT, agent_mapping, cfg_of, short_dir, wait_for
+from tests.agent.harness import LAYOUT, agent_mapping, cfg_of, short_dir
+from tests.support.waiting import wait_for_async
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -124,7 +125,7 @@ async def test_epoch_watcher_survives_a_failing_flush_and_reports_liveness(
     await watcher.start()
     try:
         path.write_text(yaml.safe_dump({**mapping, "cacheEpoch": 3}))
-        await wait_for(lambda: agent.cache_epoch == 3, 10, "flush after a failed one")
+        await wait_for_async(lambda: agent.cache_epoch == 3, "flush after a failed one", 10)
         assert len(calls) >= 2
         assert any("backend reset failed" in e["message"] for e in agent.errors.snapshot())
         assert agent.liveness()["cache_epoch"] is True

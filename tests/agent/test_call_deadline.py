@@ -30,6 +30,7 @@ from tests.agent.harness import (
     running_agent,
     short_dir,
     wait_http,
+    wait_stored,
     write_group_file,
 )
 
@@ -52,13 +53,7 @@ async def _store_everywhere(clients: list[EngineClient], rid: str, tokens: np.nd
                             slots: np.ndarray) -> None:
     results = await _both(*[(c.store_kv, rid, tokens, slots) for c in clients])
     assert all(isinstance(r, int) and r >= 0 for r in results), results
-    done: list[str] = []
-    for _ in range(200):
-        done.extend(await asyncio.to_thread(clients[0].poll_completed))
-        if rid in done:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"store {rid!r} did not complete on the group")
+    await wait_stored(clients[0], rid)
 
 
 async def test_answer_comes_after_the_connector_gave_up_and_nothing_writes_later(
@@ -101,6 +96,8 @@ async def test_answer_comes_after_the_connector_gave_up_and_nothing_writes_later
             assert await asyncio.to_thread(clients[0].retrieve, "g", dst) == 0
             # Now the stalled follower wakes up and loads; the leader must not.
             assert await asyncio.to_thread(clients[1].retrieve, "g", dst) == 0
+            # No event marks "a late copy would have landed by now": the wait gives
+            # any copy of the leader's abandoned load its whole transfer budget twice.
             await asyncio.sleep(budget.transfer_seconds * 2)
             for group in bufs[0].tensors:
                 for t in group:

@@ -21,7 +21,7 @@ from node_agent.client import EngineClient, RankInfo
 from node_agent.engine_api import protocol
 from node_agent.engine_api.server import EngineServer
 from node_agent.metrics import AgentMetrics
-from tests.agent.harness import wait_for
+from tests.support.waiting import wait_for_async
 
 pytestmark = pytest.mark.timeout(60)
 RANK = RankInfo(replica="r0")
@@ -76,7 +76,7 @@ async def test_inline_ping_answers_while_workers_are_busy_and_big_arrays_arrive(
     other = EngineClient(sock_path, RANK, timeout=15)
     try:
         held = asyncio.create_task(asyncio.to_thread(blocked.release, "r"))
-        await wait_for(lambda: server.inflight == 1, 5, "the blocking call in flight")
+        await wait_for_async(lambda: server.inflight == 1, "the blocking call in flight", 5)
         pong = await asyncio.to_thread(other.ping)
         assert pong["thread"] == "engine-api-io"
         assert server.inflight == 1 and not held.done()
@@ -120,12 +120,12 @@ async def test_calls_the_service_picks_inline_are_answered_by_the_io_thread(
     slow_client = EngineClient(sock_path, RANK, timeout=15)
     try:
         held = asyncio.create_task(asyncio.to_thread(blocked.release, "r"))
-        await wait_for(lambda: server.inflight == 1, 5, "the blocking call in flight")
+        await wait_for_async(lambda: server.inflight == 1, "the blocking call in flight", 5)
         ids = np.arange(64, dtype=np.int64)
         assert await asyncio.to_thread(other.lookup, "fast-1", ids) == 64
         assert threads["fast-1"] == "engine-api-io"
         slow = asyncio.create_task(asyncio.to_thread(slow_client.lookup, "slow-1", ids))
-        await wait_for(lambda: server.inflight == 2, 5, "the unpicked lookup queued")
+        await wait_for_async(lambda: server.inflight == 2, "the unpicked lookup queued", 5)
         assert "slow-1" not in threads and not held.done()
         gate.set()
         await held

@@ -38,7 +38,7 @@ from node_agent.engine_api.buffers import HandleError, cuda_handle_fields, open_
 from node_agent.engine_api.server import EngineServer, NotReadyError
 from node_agent.metrics import AgentMetrics
 from node_agent.vocab.recent_errors import RecentErrors
-from tests.agent.harness import wait_for
+from tests.support.waiting import wait_for_async
 
 pytestmark = pytest.mark.timeout(60)
 RANK = RankInfo(replica="r0", pp_rank=0, pp_size=1)
@@ -166,7 +166,7 @@ async def test_stop_finishes_inflight_calls_within_grace(sock_path: Path) -> Non
     client = EngineClient(sock_path, RANK, timeout=5)
     call = asyncio.create_task(asyncio.to_thread(client._call, "release",
                                                  {"rid": "slow", "rank": RANK.to_wire()}))
-    await wait_for(lambda: server.inflight == 1, 5, "the slow call in flight")
+    await wait_for_async(lambda: server.inflight == 1, "the slow call in flight", 5)
     await server.stop(grace=5.0)
     assert await call == "finished"
     client.close()
@@ -176,7 +176,7 @@ async def test_stop_answers_calls_cut_short_by_the_grace(sock_path: Path) -> Non
     server, _, _ = await _serve(sock_path)
     client = EngineClient(sock_path, RANK, timeout=5)
     call = asyncio.create_task(asyncio.to_thread(client.release, "sleep"))
-    await wait_for(lambda: server.inflight == 1, 5, "the sleeping call in flight")
+    await wait_for_async(lambda: server.inflight == 1, "the sleeping call in flight", 5)
     await server.stop(grace=0.1)
     with pytest.raises(EngineAPIError, match="agent is shutting down"):
         await call
@@ -435,7 +435,7 @@ async def test_calls_beyond_the_inflight_limit_are_refused_at_once(sock_path: Pa
     try:
         for i in (1, 2):  # one runs, one waits for the single worker
             raw.send_multipart(protocol.encode_request(i, "release", {"rid": "r", "rank": {}}))
-        await wait_for(lambda: server.inflight == 2, 5, "two calls in flight")
+        await wait_for_async(lambda: server.inflight == 2, "two calls in flight", 5)
         raw.send_multipart(protocol.encode_request(3, "release", {"rid": "r", "rank": {}}))
         assert await asyncio.to_thread(raw.poll, 5000), "the busy call got no answer"
         busy = protocol.decode_reply(raw.recv_multipart())

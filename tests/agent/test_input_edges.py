@@ -30,6 +30,7 @@ from tests.agent.harness import (
     running_agent,
     short_dir,
     wait_http,
+    wait_stored,
 )
 
 pytestmark = pytest.mark.timeout(90)
@@ -126,13 +127,7 @@ async def test_every_input_edge_is_refused_with_the_promised_error(work: Path) -
             _fill(bufs, src, seed=3)
             want = _read(bufs, src)
             assert await asyncio.to_thread(client.store_kv, "b", tokens, src) >= 0
-            done: list[str] = []
-            for _ in range(500):
-                done += await asyncio.to_thread(client.poll_completed)
-                if "b" in done:
-                    break
-                await asyncio.sleep(0.01)
-            assert "b" in done
+            await wait_stored(client, "b")
             mask = np.zeros(32, bool)
             mask[TPB:] = True
             assert await asyncio.to_thread(client.lookup, "c", tokens, mask) == 32 - TPB

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ from node_agent.kube.groups import FileGroupSource, parse_group
 from node_agent.kube.heartbeat import LeaseHeartbeat, lease_name
 from node_agent.vocab.group_view import GroupView, GroupViewError
 from node_agent.vocab.recent_errors import RecentErrors
+from tests.support.waiting import wait_for_async
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -44,13 +44,6 @@ def _info() -> dict[str, Any]:
     return {"memberships": [{"replica": "llama-0", "ppRank": 0, "ppSize": 2}],
             "tiers": {"cpu": {"capacityBytes": 100, "usedBytes": 10}},
             "ready": True, "cacheEpoch": 4}
-
-
-async def _wait_for(cond: Any, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 async def test_emulator_refuses_stale_resource_version(kube: Any, kube_api: Any) -> None:
@@ -90,7 +83,7 @@ async def test_heartbeat_creates_and_renews_lease_per_contract(kube: Any, kube_a
         assert spec["holderIdentity"] == "agent-xyz"
         assert spec["leaseDurationSeconds"] == 3
         first = spec["renewTime"]
-        await _wait_for(lambda: hb.renewals >= 3)
+        await wait_for_async(lambda: hb.renewals >= 3, "three Lease renewals", 5)
         assert kube.objects[key]["spec"]["renewTime"] != first
         assert hb.healthy and hb.alive
     finally:
@@ -140,7 +133,7 @@ async def test_heartbeat_reports_unreachable_api_and_is_unhealthy() -> None:
     hb = LeaseHeartbeat(k8s.CoordinationV1Api(k8s.ApiClient(conf)), _cfg(), _info, errors=errors)
     await hb.start()
     try:
-        await _wait_for(lambda: len(errors.snapshot()) >= 1)
+        await wait_for_async(lambda: len(errors.snapshot()) >= 1, "an error recorded", 5)
         assert not hb.healthy
         assert "Lease ns1/flexkv-agent-node-a renewal failed" in errors.snapshot()[0]["message"]
     finally:
@@ -185,16 +178,18 @@ async def test_kube_group_source_lists_then_follows_watch_events(kube: Any,
     try:
         assert src.known and list(seen[-1]) == ["llama-0"] and src.lists == 1
         assert seen[-1]["llama-0"].epoch == 1
-        await _wait_for(lambda: src.events >= 1)  # the watch replayed the current objects
         n = len(seen)
-        await asyncio.sleep(0.2)
-        assert len(seen) == n, "unchanged views must not be delivered again"
+        await wait_for_async(lambda: src.events >= 1,
+                             "the watch replaying the current objects", 5)
         # The operator elects another leader: a status write through the API.
         new = _group("p1-llama-0", "p1", 2, leader_rank=1)
         await asyncio.to_thread(api.patch_namespaced_custom_object_status, "flexkv.io",
                                 "v1alpha1", "ns1", "kvcachegroups", "p1-llama-0",
                                 {"status": new["status"]})
-        await _wait_for(lambda: seen[-1]["llama-0"].epoch == 2)
+        await wait_for_async(lambda: seen[-1]["llama-0"].epoch == 2, "llama-0 at epoch 2", 5)
+        # The change is the one delivery since the list: the watch's replay of the
+        # unchanged objects (handled before it, on the same stream) delivered nothing.
+        assert len(seen) == n + 1, "unchanged views must not be delivered again"
         leader = seen[-1]["llama-0"].leader
         assert leader is not None and leader.pp_rank == 1
         # A new group, as the operator publishes one: the object, then its status.
@@ -204,10 +199,11 @@ async def test_kube_group_source_lists_then_follows_watch_events(kube: Any,
         await asyncio.to_thread(api.patch_namespaced_custom_object_status, "flexkv.io",
                                 "v1alpha1", "ns1", "kvcachegroups", "p1-llama-1",
                                 {"status": created["status"]})
-        await _wait_for(lambda: sorted(seen[-1]) == ["llama-0", "llama-1"])
+        await wait_for_async(lambda: sorted(seen[-1]) == ["llama-0", "llama-1"],
+                             "both groups seen", 5)
         await asyncio.to_thread(api.delete_namespaced_custom_object, "flexkv.io", "v1alpha1",
                                 "ns1", "kvcachegroups", "p1-llama-0")
-        await _wait_for(lambda: sorted(seen[-1]) == ["llama-1"])
+        await wait_for_async(lambda: sorted(seen[-1]) == ["llama-1"], "llama-0 gone", 5)
         assert src.lists == 1, "a healthy watch needs no new list"
     finally:
         await src.stop()
@@ -221,11 +217,12 @@ async def test_kube_group_source_reports_errors_and_recovers(kube: Any, kube_api
                           period=0.05, errors=errors)
     await src.start()
     try:
-        await _wait_for(lambda: len(errors.snapshot()) >= 1)
+        await wait_for_async(lambda: len(errors.snapshot()) >= 1, "an error recorded", 5)
         assert not src.known
         failing.remaining = 0  # lists succeed again
         kube.objects[GROUPS, "ns1", "p1-llama-0"] = _group("p1-llama-0", "p1", 3)
-        await _wait_for(lambda: bool(seen) and seen[-1]["llama-0"].epoch == 3)
+        await wait_for_async(lambda: bool(seen) and seen[-1]["llama-0"].epoch == 3,
+                             "llama-0 at epoch 3", 5)
         assert src.known and src.alive
     finally:
         await src.stop()
@@ -238,12 +235,12 @@ async def test_file_group_source_reads_file_and_reports_missing(tmp_path: Path) 
     src = FileGroupSource(path, "p1", seen.append, period=0.05, errors=errors)
     await src.start()
     try:
-        await _wait_for(lambda: len(errors.snapshot()) >= 1)
+        await wait_for_async(lambda: len(errors.snapshot()) >= 1, "an error recorded", 5)
         assert "does not exist" in errors.snapshot()[0]["message"] and not src.known
         tmp = tmp_path / "tmp.yaml"
         tmp.write_text(yaml.safe_dump({"items": [_group("p1-llama-0", "p1", 5)]}))
         tmp.replace(path)
-        await _wait_for(lambda: bool(seen))
+        await wait_for_async(lambda: bool(seen), "a view", 5)
         assert seen[-1]["llama-0"].epoch == 5 and src.known
     finally:
         await src.stop()

@@ -15,18 +15,14 @@ from collections.abc import Iterator
 import httpx
 import numpy as np
 import pytest
-import yaml
 
 from node_agent.client import EngineAPIError, EngineClient, RankInfo, SharedKVBuffers
 from node_agent.engine_api.identity import ModelIdentity
 from tests.agent.harness import (
     LAYOUT,
     NUM_SLOTS,
-    agent_mapping,
+    agent_process,
     short_dir,
-    start_agent_process,
-    stop_process,
-    wait_healthy,
 )
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
@@ -41,19 +37,13 @@ PROMPTS = [np.arange(1000, 1064, dtype=np.int64), np.arange(5000, 5064, dtype=np
 @pytest.fixture()
 def agent() -> Iterator[tuple[str, str]]:
     work = short_dir("model")
-    data = agent_mapping(work, "solo")
     block = LAYOUT.bytes_per_block
-    data["tiers"] = {"cpu": {"size": block * 16, "pinned": False},  # one prompt
-                     "ssd": {"size": block * 64, "paths": [str(work / "ssd")]}}
-    path = work / "agent.yaml"
-    path.write_text(yaml.safe_dump(data))
-    url = f"http://127.0.0.1:{data['ports']['http']}"
-    proc = start_agent_process(path, work / "agent.log")
+    tiers = {"cpu": {"size": block * 16, "pinned": False},  # one prompt
+             "ssd": {"size": block * 64, "paths": [str(work / "ssd")]}}
     try:
-        wait_healthy(url, proc)
-        yield str(data["engineSocket"]), url
+        with agent_process(work, tiers=tiers) as running:
+            yield running.socket, running.url
     finally:
-        stop_process(proc)
         shutil.rmtree(work, ignore_errors=True)
 
 

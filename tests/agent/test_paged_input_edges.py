@@ -9,7 +9,6 @@ agent keeps serving a whole-page round trip, compared byte for byte.
 from __future__ import annotations
 
 import shutil
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,18 +16,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import yaml
 
 from node_agent.client import EngineClient, RankInfo, SharedKVBuffers
 from node_agent.vocab.layout import KVDtype, KVLayout, LayoutName
 from tests.agent.harness import (
     TPB,
-    agent_mapping,
+    agent_process,
     short_dir,
-    start_agent_process,
-    stop_process,
-    wait_healthy,
 )
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 LAYERS, HEADS, HEAD = 2, 2, 8
@@ -66,68 +62,60 @@ def connector(client: EngineClient) -> dict[str, Any]:
 
 def test_slots_that_are_not_whole_pages_are_refused_and_nothing_is_stored_or_loaded(
         work: Path) -> None:
-    data = agent_mapping(work, "solo")
-    config = work / "agent.yaml"
-    config.write_text(yaml.safe_dump(data))
-    url = f"http://127.0.0.1:{data['ports']['http']}"
-    agent = start_agent_process(config, work / "agent.log")
     shape = (NUM_BLOCKS, HEADS, TPB, 2 * HEAD)
     bufs = SharedKVBuffers([[shape] * LAYERS], torch.float16)
-    client = EngineClient(str(data["engineSocket"]), RankInfo(replica="paged-0"), timeout=10)
-    try:
-        wait_healthy(url, agent)
-        client.register_kv_buffers(LAYOUT, bufs.handles)
-        gen = torch.Generator().manual_seed(5)
-        for layer in bufs.tensors[0]:
-            layer.copy_(torch.randn(shape, generator=gen).to(torch.float16))
-        src = pages([1, 2, 3])
+    with agent_process(work) as agent:
+        client = EngineClient(agent.socket, RankInfo(replica="paged-0"), timeout=10)
+        try:
+            client.register_kv_buffers(LAYOUT, bufs.handles)
+            gen = torch.Generator().manual_seed(5)
+            for layer in bufs.tensors[0]:
+                layer.copy_(torch.randn(shape, generator=gen).to(torch.float16))
+            src = pages([1, 2, 3])
 
-        # store_kv: refused before any decision.
-        shifted = src + 1
-        swapped = src.copy()
-        swapped[[5, 6]] = swapped[[6, 5]]
-        with pytest.raises(ValueError, match=r"^store_kv: kv_indices does not form whole, "
-                           r"aligned pages of page size 4: position 0 starts a page with "
-                           r"slot 5, not a multiple of the page size 4"):
-            client.store_kv("bad", TOKENS, shifted)
-        with pytest.raises(ValueError, match=r"store_kv: kv_indices does not form whole, "
-                           r"aligned pages of page size 4: position 5 holds slot 10 but "
-                           r"page 2 continues with slot 9"):
-            client.store_kv("bad", TOKENS, swapped)
-        state = connector(client)
-        assert state["counters"]["stores"] == 0  # no call reached the group
-        assert state["inflightStores"] == 0
-        assert client.lookup("probe", TOKENS) == 0  # nothing was stored
-        client.release("probe")
+            # store_kv: refused before any decision.
+            shifted = src + 1
+            swapped = src.copy()
+            swapped[[5, 6]] = swapped[[6, 5]]
+            with pytest.raises(ValueError, match=r"^store_kv: kv_indices does not form whole, "
+                               r"aligned pages of page size 4: position 0 starts a page with "
+                               r"slot 5, not a multiple of the page size 4"):
+                client.store_kv("bad", TOKENS, shifted)
+            with pytest.raises(ValueError, match=r"store_kv: kv_indices does not form whole, "
+                               r"aligned pages of page size 4: position 5 holds slot 10 but "
+                               r"page 2 continues with slot 9"):
+                client.store_kv("bad", TOKENS, swapped)
+            state = connector(client)
+            assert state["counters"]["stores"] == 0  # no call reached the group
+            assert state["inflightStores"] == 0
+            assert client.lookup("probe", TOKENS) == 0  # nothing was stored
+            client.release("probe")
 
-        # A whole-page store is taken, then retrieve refuses slots that are not pages.
-        assert client.store_kv("good", TOKENS, src) >= 0
-        deadline = time.monotonic() + 30
-        while "good" not in client.wait_completed(1.0):
-            assert time.monotonic() < deadline, "the store did not complete"
-        client.release("good")
-        dst = pages([20, 21, 22])
-        bad_dst = dst.copy()
-        bad_dst[[9, 10]] = bad_dst[[10, 9]]
-        for layer in bufs.tensors[0]:
-            layer[torch.as_tensor([20, 21, 22])] = SENTINEL
-        assert client.lookup("load", TOKENS) == len(TOKENS)
-        with pytest.raises(ValueError, match=r"^retrieve: slot_mapping does not form whole, "
-                           r"aligned pages of page size 4: position 9 holds slot 90 but "
-                           r"page 22 continues with slot 89"):
-            client.retrieve("load", bad_dst)
-        assert all(bool((b == SENTINEL).all()) for b in page_bytes(bufs, dst))  # untouched
-        state = connector(client)
-        assert state["counters"]["retrieves"] == 1
-        assert state["openLookups"] == 0  # the refused load ended: its match was cancelled
+            # A whole-page store is taken, then retrieve refuses slots that are not pages.
+            assert client.store_kv("good", TOKENS, src) >= 0
+            wait_for(lambda: "good" in client.wait_completed(1.0), "the store completed", 30)
+            client.release("good")
+            dst = pages([20, 21, 22])
+            bad_dst = dst.copy()
+            bad_dst[[9, 10]] = bad_dst[[10, 9]]
+            for layer in bufs.tensors[0]:
+                layer[torch.as_tensor([20, 21, 22])] = SENTINEL
+            assert client.lookup("load", TOKENS) == len(TOKENS)
+            with pytest.raises(ValueError, match=r"^retrieve: slot_mapping does not form whole, "
+                               r"aligned pages of page size 4: position 9 holds slot 90 but "
+                               r"page 22 continues with slot 89"):
+                client.retrieve("load", bad_dst)
+            assert all(bool((b == SENTINEL).all()) for b in page_bytes(bufs, dst))  # untouched
+            state = connector(client)
+            assert state["counters"]["retrieves"] == 1
+            assert state["openLookups"] == 0  # the refused load ended: its match was cancelled
 
-        # The agent keeps serving: a whole-page load, byte for byte.
-        assert client.lookup("load", TOKENS) == len(TOKENS)
-        assert client.retrieve("load", dst) == len(TOKENS)
-        assert all(a.equal(b) for a, b in zip(page_bytes(bufs, src), page_bytes(bufs, dst),
-                                              strict=True))
-        client.release("load")
-    finally:
-        client.close()
-        stop_process(agent)
-        bufs.close()
+            # The agent keeps serving: a whole-page load, byte for byte.
+            assert client.lookup("load", TOKENS) == len(TOKENS)
+            assert client.retrieve("load", dst) == len(TOKENS)
+            assert all(a.equal(b) for a, b in zip(page_bytes(bufs, src), page_bytes(bufs, dst),
+                                                  strict=True))
+            client.release("load")
+        finally:
+            client.close()
+            bufs.close()

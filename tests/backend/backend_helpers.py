@@ -64,6 +64,13 @@ def token_rows(layout: KVLayout, buffers: Sequence[Sequence[torch.Tensor]],
     return out
 
 
+def same_rows(layout: KVLayout, buffers: Sequence[Sequence[torch.Tensor]],
+              src: Sequence[int] | np.ndarray, dst: Sequence[int] | np.ndarray) -> bool:
+    """True when the slots ``dst`` hold, in every plane, the bytes of ``src``."""
+    return all(x.equal(y) for x, y in zip(token_rows(layout, buffers, src),
+                                          token_rows(layout, buffers, dst), strict=True))
+
+
 def config(layout: KVLayout, cpu_blocks: int, ssd_blocks: int = 0, ssd_dir: Path | None = None,
            **kw: object) -> EmbeddedBackendConfig:
     """A config with tier sizes given in blocks."""
@@ -92,28 +99,27 @@ def tokens(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 50_000, n, dtype=np.int64)
 
 
-def store(b: EmbeddedBackend, toks: np.ndarray, slots: np.ndarray,
-          namespace: str | None = None) -> np.ndarray:
-    """put_match + launch + wait; returns the put mask (asserts SUCCESS when anything stored)."""
-    tid, mask = b.put_match(toks, namespace=namespace)
+def _transfer(b: EmbeddedBackend, tid: int, mask: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    """Launch the matched task ``tid`` on the masked ``slots`` and wait for it
+    (asserting SUCCESS); returns ``mask``. Nothing to do when nothing matched."""
     if tid < 0:
         return mask
     [wid] = b.launch([tid], [slots[: len(mask)][mask]])
     res = b.wait([wid], timeout=10)[wid]
     assert res.status.value == "success", res
     return mask
+
+
+def store(b: EmbeddedBackend, toks: np.ndarray, slots: np.ndarray,
+          namespace: str | None = None) -> np.ndarray:
+    """put_match + launch + wait; returns the put mask (asserts SUCCESS when anything stored)."""
+    return _transfer(b, *b.put_match(toks, namespace=namespace), slots)
 
 
 def load(b: EmbeddedBackend, toks: np.ndarray, slots: np.ndarray,
          namespace: str | None = None) -> np.ndarray:
     """get_match + launch + wait; returns the get mask."""
-    tid, mask = b.get_match(toks, namespace=namespace)
-    if tid < 0:
-        return mask
-    [wid] = b.launch([tid], [slots[: len(mask)][mask]])
-    res = b.wait([wid], timeout=10)[wid]
-    assert res.status.value == "success", res
-    return mask
+    return _transfer(b, *b.get_match(toks, namespace=namespace), slots)
 
 
 class PauseAt:

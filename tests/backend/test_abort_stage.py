@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from backend_helpers import TPB, PauseAt, config, make_buffers, planes, small_layout
 
 from node_agent.backend.stage_store import TierStore
 from node_agent.vocab.placement import BlockLocation, Direction, Tier, TierMove, TransferPlan
+from tests.backend.backend_helpers import TPB, PauseAt, config, make_buffers, planes, small_layout
 
 
 def no_stage_copy_thread() -> bool:

@@ -11,7 +11,11 @@ import threading
 
 import numpy as np
 import torch
-from backend_helpers import (
+
+from node_agent.backend.base import KVResponseStatus
+from node_agent.backend.embedded import EmbeddedBackend
+from node_agent.vocab.placement import Tier
+from tests.backend.backend_helpers import (
     TPB,
     PauseAt,
     config,
@@ -21,10 +25,6 @@ from backend_helpers import (
     store,
     tokens,
 )
-
-from node_agent.backend.base import KVResponseStatus
-from node_agent.backend.embedded import EmbeddedBackend
-from node_agent.vocab.placement import Tier
 
 S = KVResponseStatus
 

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from backend_helpers import TPB, config, small_layout
 
 from node_agent.backend.base import KVResponseStatus
 from node_agent.backend.embedded import EmbeddedBackend
 from node_agent.backend.hashing import BlockHasher
 from node_agent.backend.planes import register_buffers
 from node_agent.vocab.placement import Tier
+from tests.backend.backend_helpers import TPB, config, small_layout
 
 THREADS = 4
 ROUNDS = 12

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from backend_helpers import make_buffers, small_layout
 
 from node_agent.backend.planes import register_buffers
 from node_agent.vocab.layout import KVDtype, KVLayout, LayoutName
+from tests.backend.backend_helpers import make_buffers, small_layout
 
 
 def test_llama3_8b_stage_bytes_per_block() -> None:

@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from backend_helpers import config, tokens
 
 from node_agent.backend.embedded import EmbeddedBackend
 from node_agent.backend.planes import register_buffers
 from node_agent.engine_api.buffers import open_buffer
 from node_agent.integrations.vllm.shm_pool import SharedKVAllocation
 from node_agent.vocab.layout import KVDtype, KVLayout, LayoutName
+from tests.backend.backend_helpers import config, tokens
 
 TPB = 4
 LAYERS, HEADS, HEAD = 3, 2, 8

@@ -8,12 +8,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from backend_helpers import TPB, config, make_buffers, small_layout, started, store, tokens
 
 from node_agent.backend.base import KVBackendError, KVResponseStatus, TaskNotFoundError
 from node_agent.backend.embedded import EmbeddedBackend
 from node_agent.backend.stage_store import TierStore
 from node_agent.vocab.placement import BlockLocation, Direction, Tier, TierMove, TransferPlan
+from tests.backend.backend_helpers import (
+    TPB,
+    config,
+    make_buffers,
+    small_layout,
+    started,
+    store,
+    tokens,
+)
 
 S = KVResponseStatus
 

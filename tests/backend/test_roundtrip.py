@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from backend_helpers import (
+
+from node_agent.vocab.layout import KVDtype, LayoutName
+from tests.backend.backend_helpers import (
     TPB,
     config,
     load,
@@ -15,8 +17,6 @@ from backend_helpers import (
     token_rows,
     tokens,
 )
-
-from node_agent.vocab.layout import KVDtype, LayoutName
 
 
 @pytest.mark.parametrize("dtype", list(KVDtype))

@@ -10,7 +10,6 @@ import threading
 import numpy as np
 import pytest
 import torch
-from backend_helpers import config, small_layout, started, store, tokens
 
 from node_agent.backend import transfer
 from node_agent.backend.config import EmbeddedBackendConfig
@@ -24,6 +23,7 @@ from node_agent.backend.transfer import (
     run_starts,
 )
 from node_agent.vocab.placement import BlockLocation, Direction, Tier, TransferPlan
+from tests.backend.backend_helpers import config, small_layout, started, store, tokens
 
 
 def _apply(dst_rows: np.ndarray, src_rows: np.ndarray, n_dst: int, n_src: int,

@@ -11,17 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from backend_helpers import (
-    TPB,
-    config,
-    load,
-    make_buffers,
-    small_layout,
-    started,
-    store,
-    token_rows,
-    tokens,
-)
 
 from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.embedded import EmbeddedBackend
@@ -43,6 +32,17 @@ from node_agent.backend.ssd_recovery import recover
 from node_agent.backend.ssd_tier import FILE_NAME, SsdTier
 from node_agent.metrics import AgentMetrics
 from node_agent.vocab.placement import BlockLocation, Tier
+from tests.backend.backend_helpers import (
+    TPB,
+    config,
+    load,
+    make_buffers,
+    small_layout,
+    started,
+    store,
+    token_rows,
+    tokens,
+)
 from tests.support.waiting import wait_for
 
 BLOCKS = 4  # blocks per prompt

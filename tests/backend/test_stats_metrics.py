@@ -5,10 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from backend_helpers import TPB, config, load, make_buffers, small_layout, store, tokens
 
 from node_agent.backend.embedded import EmbeddedBackend
 from node_agent.metrics import AgentMetrics
+from tests.backend.backend_helpers import (
+    TPB,
+    config,
+    load,
+    make_buffers,
+    small_layout,
+    store,
+    tokens,
+)
 
 
 def _value(m: AgentMetrics, name: str, **labels: str) -> float:

@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
-from backend_helpers import TPB, config, load, small_layout, started, store, token_rows, tokens
 
 from node_agent.backend.base import KVBackendError, KVResponseStatus, TaskNotFoundError
 from node_agent.backend.embedded import EmbeddedBackend
+from tests.backend.backend_helpers import (
+    TPB,
+    config,
+    load,
+    make_buffers,
+    same_rows,
+    small_layout,
+    started,
+    store,
+    tokens,
+)
+from tests.support.waiting import wait_for
 
 S = KVResponseStatus
 
@@ -135,7 +145,6 @@ def test_unlaunched_match_expires_and_unlocks() -> None:
     b = EmbeddedBackend(config(layout, cpu_blocks=4, unlaunched_match_seconds=5.0),
                         clock=lambda: now[0])
     b.start()
-    from backend_helpers import make_buffers
     b.register_kv_buffers(0, make_buffers(layout, 64, 0))
     try:
         toks = tokens(4 * TPB)
@@ -182,9 +191,7 @@ def test_concurrent_threads_round_trip_their_own_prompts() -> None:
                 dst = src + 32
                 got = load(b, toks, dst)
                 assert got.all()
-                for x, y in zip(token_rows(layout, bufs, src), token_rows(layout, bufs, dst),
-                                strict=True):
-                    assert x.equal(y)
+                assert same_rows(layout, bufs, src, dst)
         except BaseException as e:
             errors.append(e)
 
@@ -227,18 +234,14 @@ def test_finished_tasks_nobody_waits_for_are_purged() -> None:
     b = EmbeddedBackend(config(layout, cpu_blocks=8, unlaunched_match_seconds=2.0),
                         clock=lambda: now[0])
     b.start()
-    from backend_helpers import make_buffers
     b.register_kv_buffers(0, make_buffers(layout, 64, 0))
     try:
         tid, _ = b.put_match(tokens(TPB))
         [w] = b.launch([tid], [np.arange(TPB, dtype=np.int64)])
-        deadline = time.monotonic() + 10
-        while b.stats().tasks["done"] != 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for(lambda: b.stats().tasks["done"] == 1, "the copy finished")
         now[0] = 3.0  # finished longer ago than the expiry: the caller is gone
-        while b.stats().tasks["done"] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert b.stats().tasks["done"] == 0
+        wait_for(lambda: b.stats().tasks["done"] == 0, "the expired task forgotten",
+                 interval=0.05)
         assert b.wait([w], timeout=0.01)[w].status is S.NOTFOUND
     finally:
         b.shutdown()

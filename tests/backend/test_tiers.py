@@ -5,22 +5,22 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from backend_helpers import (
-    TPB,
-    config,
-    load,
-    make_buffers,
-    small_layout,
-    started,
-    store,
-    token_rows,
-    tokens,
-)
 
 from node_agent.backend.embedded import EmbeddedBackend
 from node_agent.backend.ssd_tier import FILE_NAME
 from node_agent.metrics import AgentMetrics
 from node_agent.vocab.placement import BlockLocation, Tier
+from tests.backend.backend_helpers import (
+    TPB,
+    config,
+    load,
+    make_buffers,
+    same_rows,
+    small_layout,
+    started,
+    store,
+    tokens,
+)
 
 
 def _no_orphans(b: EmbeddedBackend) -> None:
@@ -44,9 +44,7 @@ def test_evicted_blocks_spill_to_ssd_and_load_back_bit_exact(tmp_path: Path) -> 
         dst = np.arange(64, 64 + 4 * TPB, dtype=np.int64)[::-1].copy()
         assert load(b, a, dst).all()
         assert b.stats().tiers["ssd"].hit_blocks == 4
-        for x, y in zip(token_rows(layout, bufs, src_a), token_rows(layout, bufs, dst),
-                        strict=True):
-            assert x.equal(y)
+        assert same_rows(layout, bufs, src_a, dst)
         _no_orphans(b)
     finally:
         b.shutdown()
@@ -65,8 +63,7 @@ def test_full_ssd_drops_leaf_first_and_keeps_chains_reachable(tmp_path: Path) ->
         dst = np.arange(48, 48 + 2 * TPB, dtype=np.int64)
         assert load(b, c, dst).all()  # from SSD
         src = np.arange(2 * TPB, 4 * TPB, dtype=np.int64)
-        for x, y in zip(token_rows(layout, bufs, src), token_rows(layout, bufs, dst), strict=True):
-            assert x.equal(y)
+        assert same_rows(layout, bufs, src, dst)
         _no_orphans(b)
     finally:
         b.shutdown()
@@ -142,8 +139,7 @@ def test_locked_blocks_are_never_evicted() -> None:
         dst = src + 100
         [w] = b.launch([gid], [dst])
         assert b.wait([w])[w].status.value == "success"
-        for x, y in zip(token_rows(layout, bufs, src), token_rows(layout, bufs, dst), strict=True):
-            assert x.equal(y)
+        assert same_rows(layout, bufs, src, dst)
     finally:
         b.shutdown()
 
@@ -200,8 +196,7 @@ def test_failed_spill_drops_instead_and_never_serves_unwritten_bytes(tmp_path: P
         dst = np.arange(32, 32 + 2 * TPB, dtype=np.int64)
         assert load(b, c, dst).all()
         src = np.arange(2 * TPB, 4 * TPB, dtype=np.int64)
-        for x, y in zip(token_rows(layout, bufs, src), token_rows(layout, bufs, dst), strict=True):
-            assert x.equal(y)
+        assert same_rows(layout, bufs, src, dst)
         _no_orphans(b)
     finally:
         b.shutdown()

@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from backend_helpers import config, small_layout
 
 from node_agent.backend.stage_store import TierStore
 from node_agent.backend.transfer import MAX_SEGMENTS, page_index
 from node_agent.vocab.layout import KVDtype, KVLayout
 from node_agent.vocab.placement import BlockLocation, Direction, Tier, TierMove, TransferPlan
+from tests.backend.backend_helpers import config, small_layout
 
 
 def _random_bytes_buffers(layout: KVLayout, slots: int, seed: int) -> list[list[torch.Tensor]]:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from backend_helpers import TPB, config, small_layout, started, store, tokens
 
 from node_agent.backend.base import KVResponseStatus
 from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.embedded import EmbeddedBackend
+from tests.backend.backend_helpers import TPB, config, small_layout, started, store, tokens
 
 
 def _snapshot(b: EmbeddedBackend, bufs: list[list[torch.Tensor]]) -> list[torch.Tensor]:

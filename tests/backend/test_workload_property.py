@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from backend_helpers import TPB, config, small_layout
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -18,6 +17,7 @@ from node_agent.backend.embedded import EmbeddedBackend
 from node_agent.backend.hashing import BlockHasher
 from node_agent.backend.planes import register_buffers
 from node_agent.vocab.placement import Tier
+from tests.backend.backend_helpers import TPB, config, small_layout
 
 LAYOUT = small_layout()
 PROMPTS = 6

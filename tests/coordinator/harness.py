@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -26,32 +26,29 @@ from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.embedded import EmbeddedBackend
 from node_agent.backend.stage_store import TierStore
 from node_agent.coordinator import Coordinator, CoordinatorConfig
+from node_agent.coordinator.follower import FollowerRole
 from node_agent.metrics import AgentMetrics
 from node_agent.pp.auth import CurveKeys
 from node_agent.pp.channel import FanoutServer, FaultPlan
 from node_agent.pp.group import GroupViewSource
-from node_agent.pp.messages import decode, is_batch, unpack_batch
+from node_agent.pp.messages import Envelope, Message, Op, decode, is_batch, unpack_batch
+from node_agent.pp.stream import StreamMetrics
 from node_agent.vocab.group_view import GroupView
 from node_agent.vocab.layout import KVDtype, KVLayout
-from tests.support.group_views import update_status
+from tests.support.group_views import update_status, view_of
+from tests.support.waiting import wait_for
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=4, kv_dim=2,
                   dtype=KVDtype.FLOAT32, tokens_per_block=4)
 NUM_SLOTS = 512
 GROUP = "pool-replica-0"
 _MOD = 65521
+Buffers = tuple[list[torch.Tensor], list[torch.Tensor]]
 
 
-def wait_for(cond: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
-    """Poll ``cond`` until it holds; fail naming ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"{what} not within {timeout}s"
-        time.sleep(0.005)
-
-
-def wait_completed(conn: Coordinator, rid: str, timeout: float = 5.0) -> None:
-    """Poll ``conn.poll_completed()`` until it reports ``rid``."""
+def wait_completed(conn: Coordinator, rid: str, timeout: float = 10.0) -> list[str]:
+    """Poll ``conn.poll_completed()`` until it reports ``rid``; returns every rid
+    it reported meanwhile, in order."""
     done: list[str] = []
 
     def reported() -> bool:
@@ -59,6 +56,7 @@ def wait_completed(conn: Coordinator, rid: str, timeout: float = 5.0) -> None:
         return rid in done
 
     wait_for(reported, f"store {rid} completed", timeout)
+    return done
 
 
 def prefix_hashes(tokens: npt.ArrayLike) -> npt.NDArray[np.int64]:
@@ -81,7 +79,7 @@ def kv_content(stage: int, tokens: npt.ArrayLike) -> npt.NDArray[np.float32]:
     return vals.astype(np.float32)
 
 
-def make_buffers() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def make_buffers() -> Buffers:
     """SGLang-style (k_buffer, v_buffer): per layer (num_slots, heads, head_size)."""
     shape = (NUM_SLOTS, LAYOUT.num_kv_heads, LAYOUT.head_size)
     k = [torch.full(shape, -1.0) for _ in range(LAYOUT.num_layers)]
@@ -89,7 +87,7 @@ def make_buffers() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return k, v
 
 
-def _planes(bufs: tuple[list[torch.Tensor], list[torch.Tensor]]) -> list[torch.Tensor]:
+def _planes(bufs: Buffers) -> list[torch.Tensor]:
     k, v = bufs
     out: list[torch.Tensor] = []
     for layer in range(LAYOUT.num_layers):
@@ -97,7 +95,7 @@ def _planes(bufs: tuple[list[torch.Tensor], list[torch.Tensor]]) -> list[torch.T
     return out
 
 
-def write_slots(bufs: tuple[list[torch.Tensor], list[torch.Tensor]], slots: npt.ArrayLike,
+def write_slots(bufs: Buffers, slots: npt.ArrayLike,
                 values: npt.NDArray[np.float32]) -> None:
     """Write ``values`` (tokens, planes, elems) into ``slots`` (the engine's forward)."""
     idx = torch.as_tensor(np.asarray(slots, dtype=np.int64))
@@ -105,7 +103,7 @@ def write_slots(bufs: tuple[list[torch.Tensor], list[torch.Tensor]], slots: npt.
         plane[idx] = torch.from_numpy(np.ascontiguousarray(values[:, p, :]))
 
 
-def read_slots(bufs: tuple[list[torch.Tensor], list[torch.Tensor]],
+def read_slots(bufs: Buffers,
                slots: npt.ArrayLike) -> npt.NDArray[np.float32]:
     """The buffers' content at ``slots``: (tokens, planes, elems)."""
     idx = torch.as_tensor(np.asarray(slots, dtype=np.int64))
@@ -164,6 +162,60 @@ def make_connector(
     )
 
 
+def solo_view() -> GroupViewSource:
+    """The view of a one-stage group: rank 0 leads epoch 1, no followers."""
+    return GroupViewSource(view_of(
+        GROUP, group_status(1, 0, {0: "tcp://127.0.0.1:1"})))
+
+
+def started(conn: Coordinator) -> tuple[Coordinator, Buffers]:
+    """Start ``conn`` and register fresh engine buffers (:func:`make_buffers`) as
+    its rank 0's; returns both."""
+    conn.start()
+    bufs = make_buffers()
+    conn.register_kv_buffers(0, bufs)
+    return conn, bufs
+
+
+@contextmanager
+def single_stage(**kwargs: Any) -> Iterator[tuple[Coordinator, Buffers]]:
+    """A started leader of a one-stage group (no fan-out endpoint) and its engine
+    buffers; ``kwargs`` go to :func:`make_connector`. Closed on exit."""
+    conn, bufs = started(make_connector(0, solo_view(), keys=None, endpoint=None, **kwargs))
+    try:
+        yield conn, bufs
+    finally:
+        conn.close()
+
+
+class HandFedFollower:
+    """A follower role (rank 1 of :data:`GROUP`, epoch 1) over a TierStore of 8 CPU
+    blocks, handed its messages one by one with :meth:`deliver`. A context
+    manager: started on enter; closed, with its store, on exit."""
+
+    def __init__(self) -> None:
+        cfg = CoordinatorConfig(group=GROUP, pp_rank=1, layout=LAYOUT, engine_call_seconds=2.0,
+                                fanout_wait_seconds=0.5, transfer_seconds=0.4)
+        self.store = TierStore(backend_config(8, True))
+        self.store.register_kv_buffers(0, make_buffers())
+        self.stats = StreamMetrics(GROUP, None)
+        self.role = FollowerRole(cfg, 1, None, self.store, None, self.stats, NUM_SLOTS)
+
+    def __enter__(self) -> HandFedFollower:
+        self.role.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.role.close()
+        self.store.close()
+
+    def deliver(self, op: Op, seq: int, body: object, incarnation: int = 0) -> None:
+        """The follower handles ``body`` as message ``seq`` of the epoch-1 stream of
+        the leader process ``incarnation``."""
+        self.role.handle(Message(Envelope(op, GROUP, 1, seq, incarnation=incarnation),
+                                 body))  # type: ignore[arg-type]
+
+
 # -- the stage process -------------------------------------------------------------------
 
 
@@ -175,11 +227,9 @@ class Stage:
         self.rank = rank
         self.metrics = AgentMetrics()
         self.view = GroupViewSource(GroupView(GROUP, 0, None, ()))
-        self.conn = make_connector(rank, self.view, keys, cpu_blocks, metrics=self.metrics,
-                                   endpoint=endpoint or "tcp://127.0.0.1:0")
-        self.conn.start()
-        self.bufs = make_buffers()
-        self.conn.register_kv_buffers(0, self.bufs)
+        self.conn, self.bufs = started(make_connector(
+            rank, self.view, keys, cpu_blocks, metrics=self.metrics,
+            endpoint=endpoint or "tcp://127.0.0.1:0"))
 
     def call(self, op: str, args: dict[str, Any]) -> Any:
         c = self.conn
@@ -228,6 +278,14 @@ class Stage:
             return s
         if op == "ready":
             return c.ready()
+        if op == "copies_ended":
+            # The leader's stores whose own (local) copy has ended: those still in
+            # flight (waiting for the followers) and those already published or
+            # discarded.
+            lead: Any = c._role
+            with lead._state:
+                waiting = sum(p.local is not None for p in lead._puts.values())
+            return waiting + lead.counters.stores_published + lead.counters.stores_discarded
         if op == "faults":
             role = c._role
             stream = getattr(role, "stream", None)

@@ -26,22 +26,21 @@ from node_agent.pp.channel import FaultPlan
 from node_agent.pp.group import GroupViewSource
 from node_agent.pp.messages import Op, decode, is_batch, unpack_batch
 from node_agent.vocab.group_view import GroupView
-from tests.support.group_views import update_status
-
-from .harness import (
+from tests.coordinator.harness import (
     GROUP,
     LAYOUT,
+    Buffers,
     group_status,
     kv_content,
-    make_buffers,
     make_connector,
     read_slots,
-    wait_for,
+    started,
     write_slots,
 )
+from tests.support.group_views import update_status
+from tests.support.waiting import wait_for
 
 TPB = LAYOUT.tokens_per_block
-Buffers = tuple[list[torch.Tensor], list[torch.Tensor]]
 
 
 class StageThread:
@@ -100,7 +99,8 @@ class DropOps(FaultPlan):
 class InProcessGroup:
     """``size`` connectors of one group; rank 0 leads epoch 1. ``cache_epochs[r]``
     is stage ``r``'s ``cacheEpoch`` (its agent's key epoch), 0 at first: a test
-    moves it as an agent applying a bump would (key switch, then reset)."""
+    moves it as an agent applying a bump would (key switch, then reset). A
+    context manager: closed on exit."""
 
     def __init__(self, size: int, cpu_blocks: int = 64, max_pending: int = 4096,
                  **timeouts: float) -> None:
@@ -113,12 +113,10 @@ class InProcessGroup:
         self.cache_epochs = [0] * size
         try:
             for r in range(size):
-                c = make_connector(r, self.views[r], keys=None, cpu_blocks=cpu_blocks,
-                                   metrics=self.metrics[r], max_pending=max_pending,
-                                   cache_epoch=lambda r=r: self.cache_epochs[r], **timeouts)
-                c.start()
-                b = make_buffers()
-                c.register_kv_buffers(0, b)
+                c, b = started(make_connector(
+                    r, self.views[r], keys=None, cpu_blocks=cpu_blocks,
+                    metrics=self.metrics[r], max_pending=max_pending,
+                    cache_epoch=lambda r=r: self.cache_epochs[r], **timeouts))
                 self.conns.append(c)
                 self.bufs.append(b)
                 self.threads.append(StageThread(r))
@@ -140,6 +138,12 @@ class InProcessGroup:
     def wait_ready(self, timeout: float = 15.0) -> None:
         wait_for(lambda: all(c.ready() for c in self.conns), "every stage ready", timeout)
 
+    def __enter__(self) -> InProcessGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         for t in self.threads:
             t.stop()
@@ -159,6 +163,20 @@ class InProcessGroup:
             return conn.store_kv(rid, toks, torch.as_tensor(sl))
 
         return self.threads[rank].submit(call)
+
+    def store_everywhere(self, rid: str, tokens: npt.ArrayLike, base: int = 0,
+                         stride: int = 16) -> int:
+        r""":meth:`store` on every stage at once, stage ``r`` from the slots at
+        ``base + stride * r``; asserts every stage got the same answer, waits until
+        the leader :meth:`settle`\ s and returns that answer (the task id)."""
+        n = len(np.asarray(tokens))
+        futures = [self.store(r, rid, tokens, np.arange(base + stride * r,
+                                                        base + stride * r + n))
+                   for r in range(len(self.conns))]
+        tasks = {f.result(30) for f in futures}
+        assert len(tasks) == 1, f"stages got different answers: {tasks}"
+        self.settle()
+        return int(tasks.pop())
 
     def call(self, rank: int, fn: Callable[[Coordinator], Any]) -> Future[Any]:
         conn = self.conns[rank]

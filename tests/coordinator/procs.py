@@ -5,16 +5,19 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import random
 import signal
-import time
 from collections.abc import Iterable
 from typing import Any
 
-from node_agent.pp.auth import CurveKeys
+import numpy as np
 
-from .harness import group_status, stage_main
+from node_agent.pp.auth import CurveKeys
+from tests.coordinator.harness import LAYOUT, NUM_SLOTS, group_status, kv_content, stage_main
+from tests.support.waiting import wait_for
 
 CALL_TIMEOUT = 20.0
+TPB = LAYOUT.tokens_per_block
 
 
 def _context() -> mp.context.BaseContext:
@@ -96,14 +99,8 @@ class Group:
             self.stages[r].call("view", status=status)
 
     def wait_ready(self, timeout: float = 15.0) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            states = {r: s.call("ready") for r, s in self.stages.items()}
-            if all(states.values()):
-                return
-            if time.monotonic() > deadline:
-                raise AssertionError(f"stages not ready: {states}")
-            time.sleep(0.05)
+        wait_for(lambda: all(s.call("ready") for s in self.stages.values()),
+                 "every stage ready", timeout, interval=0.05)
 
     def all(self, op: str, ranks: Iterable[int] | None = None, timeout: float = CALL_TIMEOUT,
             **args: Any) -> dict[int, Any]:
@@ -129,3 +126,58 @@ class Group:
     def close(self) -> None:
         for s in self.stages.values():
             s.stop()
+
+
+# -- engine calls on every stage at once --------------------------------------------
+
+
+def random_slots(rng: random.Random, n: int) -> list[int]:
+    return rng.sample(range(NUM_SLOTS), n)
+
+
+def store(g: Group, rid: str, tokens: list[int], rng: random.Random,
+          ranks: tuple[int, ...] | None = None) -> dict[int, int]:
+    """store_kv on ``ranks`` (every stage by default) at once, each stage with its
+    own random slots; the task ids by rank."""
+    ranks = tuple(g.stages) if ranks is None else ranks
+    for r in ranks:
+        g.stages[r].send("store", rid=rid, tokens=tokens, slots=random_slots(rng, len(tokens)))
+    return {r: g.stages[r].recv() for r in ranks}
+
+
+def wait_completed(g: Group, rid: str, ranks: tuple[int, ...] | None = None,
+                   timeout: float = 10.0) -> None:
+    """Wait until every stage of ``ranks`` (all by default) reported ``rid`` completed."""
+    pending = set(g.stages if ranks is None else ranks)
+
+    def reported() -> bool:
+        for r in list(pending):
+            if rid in g.stages[r].call("poll"):
+                pending.discard(r)
+        return not pending
+
+    wait_for(reported, f"{rid} completed on stages {sorted(pending)}", timeout)
+
+
+def load_and_check(g: Group, rid: str, tokens: list[int], rng: random.Random,
+                   ranks: tuple[int, ...] | None = None) -> int:
+    """lookup + retrieve on ``ranks`` (every stage by default); asserts equal hits
+    and bit-exact content; returns the tokens loaded."""
+    ranks = tuple(g.stages) if ranks is None else ranks
+    hits = g.all("lookup", ranks, rid=rid, tokens=tokens)
+    assert len(set(hits.values())) == 1, f"stages disagree on the hit: {hits}"
+    hit = hits[ranks[0]]
+    assert hit % TPB == 0 and hit <= len(tokens)
+    if hit == 0:
+        return 0
+    dst = {r: random_slots(rng, hit) for r in ranks}
+    for r in ranks:
+        g.stages[r].send("retrieve", rid=rid, slots=dst[r])
+    loaded = {r: g.stages[r].recv() for r in ranks}
+    assert len(set(loaded.values())) == 1, f"stages disagree on the load: {loaded}"
+    if loaded[ranks[0]]:
+        for r in ranks:
+            got = g.stages[r].call("read", slots=dst[r])
+            np.testing.assert_array_equal(got, kv_content(r, tokens)[:hit],
+                                          err_msg=f"stage {r} loaded wrong bytes for {rid}")
+    return int(loaded[ranks[0]])

@@ -11,13 +11,11 @@ key epoch.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 
-from .harness import LAYOUT
-from .pairs import InProcessGroup
+from tests.coordinator.harness import LAYOUT
+from tests.coordinator.pairs import InProcessGroup
 
 TPB = LAYOUT.tokens_per_block
 A = np.arange(100, 100 + 2 * TPB)
@@ -25,13 +23,7 @@ B = np.arange(900, 900 + 2 * TPB)
 REFUSED = "flexkv_agent_cache_epoch_refused_total"
 
 
-@pytest.fixture
-def pair() -> Iterator[InProcessGroup]:
-    g = InProcessGroup(2, fanout_wait_seconds=1.0)
-    try:
-        yield g
-    finally:
-        g.close()
+pytestmark = pytest.mark.pair_options(fanout_wait_seconds=1.0)
 
 
 def _slots(base: int) -> np.ndarray:

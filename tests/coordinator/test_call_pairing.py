@@ -5,47 +5,19 @@ pair with the leader decisions made for their tokens."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 import torch
 
 from node_agent.coordinator import Coordinator
-from node_agent.pp.group import GroupViewSource
-from node_agent.vocab.group_view import GroupView
-from tests.support.group_views import update_status
-
-from .harness import (
-    GROUP,
+from tests.coordinator.harness import (
     LAYOUT,
-    group_status,
     kv_content,
-    make_buffers,
-    make_connector,
-    wait_for,
     write_slots,
 )
+from tests.coordinator.pairs import InProcessGroup
 
 TPB = LAYOUT.tokens_per_block
-
-
-@pytest.fixture
-def pair() -> Iterator[tuple[Coordinator, Coordinator]]:
-    views = [GroupViewSource(GroupView(GROUP, 0, None, ())) for _ in range(2)]
-    conns = [make_connector(r, views[r], keys=None) for r in range(2)]
-    try:
-        for c in conns:
-            c.start()
-            c.register_kv_buffers(0, make_buffers())
-        eps = {r: c.fanout_endpoint or "" for r, c in enumerate(conns)}
-        for v in views:
-            update_status(v, group_status(1, 0, eps))
-        wait_for(lambda: all(c.ready() for c in conns), "both stages ready")
-        yield conns[0], conns[1]
-    finally:
-        for c in reversed(conns):
-            c.close()
 
 
 def _valid(conn: Coordinator, rid: str, blocks: int, base: int) -> int:
@@ -57,8 +29,8 @@ def _valid(conn: Coordinator, rid: str, blocks: int, base: int) -> int:
 
 
 def test_leader_only_rejection_keeps_follower_calls_paired(
-        pair: tuple[Coordinator, Coordinator]) -> None:
-    leader, follower = pair
+        pair: InProcessGroup) -> None:
+    leader, follower = pair.conns
     with pytest.raises(ValueError, match="kv_indices has"):
         leader.store_kv("r", np.arange(2 * TPB), torch.arange(2 * TPB - 1))
     # The leader decided nothing for its rejected call: the follower's call ends
@@ -70,8 +42,8 @@ def test_leader_only_rejection_keeps_follower_calls_paired(
 
 
 def test_follower_only_rejection_keeps_its_calls_paired(
-        pair: tuple[Coordinator, Coordinator]) -> None:
-    leader, follower = pair
+        pair: InProcessGroup) -> None:
+    leader, follower = pair.conns
     first = _valid(leader, "r", 1, 0)
     assert first >= 0
     with pytest.raises(ValueError, match="kv_indices has"):

@@ -11,13 +11,12 @@ Two connectors in one process, real fan-out sockets on loopback.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 
-from .harness import LAYOUT, wait_for
-from .pairs import InProcessGroup
+from tests.coordinator.harness import LAYOUT
+from tests.coordinator.pairs import InProcessGroup
+from tests.support.waiting import wait_for
 
 TPB = LAYOUT.tokens_per_block
 A = np.arange(100, 100 + 2 * TPB)
@@ -25,15 +24,9 @@ B = np.arange(300, 300 + 2 * TPB)
 C = np.arange(500, 500 + 2 * TPB)
 
 
-@pytest.fixture
-def pair() -> Iterator[InProcessGroup]:
-    # Four CPU blocks: two hold A; B's discarded blocks are the only free ones,
-    # so C's store takes them.
-    g = InProcessGroup(2, cpu_blocks=4)
-    try:
-        yield g
-    finally:
-        g.close()
+# Four CPU blocks: two hold A; B's discarded blocks are the only free ones, so
+# C's store takes them.
+pytestmark = pytest.mark.pair_options(cpu_blocks=4)
 
 
 def _slots(base: int) -> np.ndarray:
@@ -42,9 +35,7 @@ def _slots(base: int) -> np.ndarray:
 
 def test_a_lagging_store_never_copies_into_blocks_of_a_store_the_leader_discarded(
         pair: InProcessGroup) -> None:
-    tasks = [pair.store(r, "r", A, _slots(16 * r)) for r in (0, 1)]
-    assert len({t.result(30) for t in tasks}) == 1
-    pair.settle()
+    pair.store_everywhere("r", A)
     # The leader's engine runs ahead: it releases the rid and stores B in the
     # rid's next life. Stage 1 has not reached that life: the decision waits
     # for it, unacked, until the leader discards the store.
@@ -54,9 +45,7 @@ def test_a_lagging_store_never_copies_into_blocks_of_a_store_the_leader_discarde
              "the leader discarded the unacked store", 30)
     pair.caught_up(1)
     # C takes the blocks B's discarded store had.
-    tasks = [pair.store(r, "c", C, _slots(64 + 16 * r)) for r in (0, 1)]
-    assert len({t.result(30) for t in tasks}) == 1
-    pair.settle()
+    pair.store_everywhere("c", C, 64)
     # Stage 1 reaches the rid's next life: the decision for its B was ended.
     pair.call(1, lambda c: c.release("r")).result(30)
     assert pair.store(1, "r", B, _slots(96)).result(30) == -1
@@ -67,9 +56,7 @@ def test_a_lagging_store_never_copies_into_blocks_of_a_store_the_leader_discarde
 
 def test_a_lagging_lookup_whose_load_the_leader_cancelled_answers_a_miss_at_once(
         pair: InProcessGroup) -> None:
-    tasks = [pair.store(r, "s", A, _slots(16 * r)) for r in (0, 1)]
-    assert len({t.result(30) for t in tasks}) == 1
-    pair.settle()
+    pair.store_everywhere("s", A)
     # The leader's engine looks A up and releases the rid without loading it:
     # the leader cancels the load before stage 1 made its lookup.
     assert pair.call(0, lambda c: c.lookup("r", A)).result(30) == len(A)

@@ -5,36 +5,18 @@ the rid being queued rather than polling for it."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 
 import numpy as np
-import pytest
 import torch
 
 from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.embedded import EmbeddedBackend
-from node_agent.coordinator import Coordinator
 from node_agent.coordinator.tracking import CompletedRids
-from node_agent.metrics import AgentMetrics
-from node_agent.pp.group import GroupViewSource
 from node_agent.vocab.layout import KVDtype, KVLayout
-from tests.support.group_views import view_of
-
-from .harness import GROUP, group_status, kv_content, make_buffers, make_connector, write_slots
-
-
-@pytest.fixture
-def single() -> Iterator[tuple[Coordinator, tuple[list[torch.Tensor], list[torch.Tensor]]]]:
-    view = GroupViewSource(view_of(GROUP, group_status(1, 0,
-                                                                     {0: "tcp://127.0.0.1:1"})))
-    conn = make_connector(0, view, keys=None, endpoint=None, metrics=AgentMetrics())
-    conn.start()
-    bufs = make_buffers()
-    conn.register_kv_buffers(0, bufs)
-    try:
-        yield conn, bufs
-    finally:
-        conn.close()
+from tests.coordinator.harness import (
+    kv_content,
+    write_slots,
+)
 
 
 def test_a_waiter_is_woken_by_the_store_it_waits_for(single) -> None:  # type: ignore[no-untyped-def]

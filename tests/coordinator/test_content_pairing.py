@@ -13,7 +13,7 @@ inconsistently before content-addressed pairing.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -22,29 +22,21 @@ import torch
 
 from node_agent.coordinator import Coordinator
 from node_agent.coordinator.follower import FollowerRole
-
-from .harness import LAYOUT, wait_completed, wait_for
-from .pairs import InProcessGroup
+from tests.coordinator.harness import LAYOUT, wait_completed
+from tests.coordinator.pairs import InProcessGroup
+from tests.support.waiting import wait_for
 
 TPB = LAYOUT.tokens_per_block
 A = np.arange(100, 100 + 2 * TPB)
 B = np.arange(900, 900 + 2 * TPB)  # same length as A: only the content differs
 
 
-@pytest.fixture
-def pair() -> Iterator[InProcessGroup]:
-    g = InProcessGroup(2)
-    try:
-        yield g
-    finally:
-        g.close()
-
 
 def _slots(base: int) -> np.ndarray:
     return np.arange(base, base + 2 * TPB)
 
 
-def test_item1_lagging_follower_pairs_each_store_of_a_reused_rid_with_its_own_decision(
+def test_lagging_follower_pairs_each_store_of_a_reused_rid_with_its_own_decision(
         pair: InProcessGroup) -> None:
     task_a = pair.store(0, "r", A, _slots(0)).result(30)
     pair.call(0, lambda c: c.release("r")).result(30)
@@ -60,11 +52,9 @@ def test_item1_lagging_follower_pairs_each_store_of_a_reused_rid_with_its_own_de
     assert pair.load_everywhere("qa", A, base_slot=300) == [len(A), len(A)]
 
 
-def test_item1_lagging_follower_lookup_of_a_reused_rid_never_takes_the_next_lookups_hit(
+def test_lagging_follower_lookup_of_a_reused_rid_never_takes_the_next_lookups_hit(
         pair: InProcessGroup) -> None:
-    tasks = [pair.store(r, "s", B, _slots(16 * r)) for r in (0, 1)]
-    assert len({t.result(30) for t in tasks}) == 1
-    pair.settle()
+    pair.store_everywhere("s", B)
     # The leader's engine runs ahead: a miss for A, release, a hit for B.
     assert pair.call(0, lambda c: c.lookup("r", A)).result(30) == 0
     assert pair.retrieve(0, "r", []).result(30) == 0
@@ -92,7 +82,7 @@ BAD_FOLLOWER_INPUTS: list[tuple[str, Callable[[Coordinator], Any]]] = [
 
 
 @pytest.mark.parametrize("what, bad", BAD_FOLLOWER_INPUTS, ids=[b[0] for b in BAD_FOLLOWER_INPUTS])
-def test_item2_any_rejection_leaves_the_stream_as_if_the_call_was_not_made(
+def test_any_rejection_leaves_the_stream_as_if_the_call_was_not_made(
         pair: InProcessGroup, what: str, bad: Callable[[Coordinator], Any]) -> None:
     task_a = pair.store(0, "r", A, _slots(0)).result(30)
     with pytest.raises(ValueError):
@@ -109,7 +99,7 @@ def test_item2_any_rejection_leaves_the_stream_as_if_the_call_was_not_made(
     assert counters["decisions_unpaired"] == 1 and counters["mismatches"] == 0
 
 
-def test_item3_follower_store_ended_by_the_leader_mid_copy_is_still_reported() -> None:
+def test_follower_store_ended_by_the_leader_mid_copy_is_still_reported() -> None:
     g = InProcessGroup(2, engine_call_seconds=3.0, fanout_wait_seconds=1.2,
                        transfer_seconds=0.5)
     try:
@@ -145,7 +135,7 @@ def test_item3_follower_store_ended_by_the_leader_mid_copy_is_still_reported() -
         g.close()
 
 
-def test_item5_leader_release_overtaking_the_follower_store_loses_nothing(
+def test_leader_release_overtaking_the_follower_store_loses_nothing(
         pair: InProcessGroup) -> None:
     task = pair.store(0, "r", A, _slots(0)).result(30)
     pair.call(0, lambda c: c.release("r")).result(30)
@@ -158,11 +148,9 @@ def test_item5_leader_release_overtaking_the_follower_store_loses_nothing(
     assert pair.conns[1].status()["counters"]["decision_timeouts"] == 0
 
 
-def test_item6_release_ends_given_up_and_cancelled_marks_a_reused_rid_starts_clean(
+def test_release_ends_given_up_and_cancelled_marks_a_reused_rid_starts_clean(
         pair: InProcessGroup) -> None:
-    tasks = [pair.store(r, "s", B, _slots(16 * r)) for r in (0, 1)]
-    assert len({t.result(30) for t in tasks}) == 1
-    pair.settle()
+    pair.store_everywhere("s", B)
     # A follower lookup the leader never makes: it gives up (a mark), then release.
     assert pair.call(1, lambda c: c.lookup("r", A)).result(30) == 0
     for r in (0, 1):
@@ -179,10 +167,8 @@ def test_item6_release_ends_given_up_and_cancelled_marks_a_reused_rid_starts_cle
     assert pair.load_everywhere("r", B) == [len(B), len(B)]
 
 
-def test_item7_retrieve_after_a_view_change_answers_a_miss(pair: InProcessGroup) -> None:
-    tasks = [pair.store(r, "s", B, _slots(16 * r)) for r in (0, 1)]
-    assert len({t.result(30) for t in tasks}) == 1
-    pair.settle()
+def test_retrieve_after_a_view_change_answers_a_miss(pair: InProcessGroup) -> None:
+    pair.store_everywhere("s", B)
     hits = [f.result(30) for f in [pair.call(r, lambda c: c.lookup("r", B)) for r in (0, 1)]]
     assert hits == [len(B), len(B)]
     pair.publish(2)  # a new epoch between lookup and retrieve
@@ -190,7 +176,7 @@ def test_item7_retrieve_after_a_view_change_answers_a_miss(pair: InProcessGroup)
     assert [f.result(30) for f in [pair.retrieve(r, "r", dst) for r in (0, 1)]] == [0, 0]
 
 
-def test_item8_reregistration_takes_the_new_buffers_size() -> None:
+def test_reregistration_takes_the_new_buffers_size() -> None:
     g = InProcessGroup(1)
     try:
         conn = g.conns[0]
@@ -230,9 +216,7 @@ def test_a_rid_evicted_by_the_bound_keeps_its_lives_so_a_lagging_lookup_never_ta
     # Three pending decisions at most: the follower's book evicts the oldest rid.
     g = InProcessGroup(2, max_pending=3, fanout_wait_seconds=1.0)
     try:
-        tasks = [g.store(r, "s", B, _slots(16 * r)) for r in (0, 1)]
-        assert len({t.result(30) for t in tasks}) == 1
-        g.settle()
+        g.store_everywhere("s", B)
         others = [np.arange(5000 + 100 * i, 5000 + 100 * i + TPB) for i in range(3)]
 
         def leader_calls() -> list[Callable[[Coordinator], Any]]:

@@ -11,48 +11,41 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from node_agent.backend.stage_store import TierStore
-from node_agent.coordinator import CoordinatorConfig, UnknownRequestError
-from node_agent.coordinator.follower import FollowerRole
+from node_agent.coordinator import UnknownRequestError
 from node_agent.coordinator.inputs import prepare_lookup, prepare_store, token_digest
 from node_agent.pp.messages import (
     Decision,
-    Envelope,
     Kind,
-    Message,
     Moves,
     Op,
     Release,
     Reset,
     Sync,
 )
-from node_agent.pp.stream import StreamMetrics
 from node_agent.vocab.placement import BlockLocation, Direction, Tier, TierMove, TransferPlan
-
-from .harness import GROUP, LAYOUT, NUM_SLOTS, backend_config, make_buffers, wait_for
+from tests.coordinator.harness import (
+    LAYOUT,
+    NUM_SLOTS,
+    HandFedFollower,
+)
+from tests.support.waiting import wait_for
 
 TPB = LAYOUT.tokens_per_block
-EPOCH = 1
 
 
-class Driven:
-    """A follower role fed by hand: ``send`` delivers the next in-order message."""
+class Driven(HandFedFollower):
+    """A synced hand-fed follower: ``send`` delivers the next in-order message."""
 
-    def __init__(self) -> None:
-        cfg = CoordinatorConfig(group=GROUP, pp_rank=1, layout=LAYOUT, engine_call_seconds=2.0,
-                              fanout_wait_seconds=0.5, transfer_seconds=0.4)
-        self.store = TierStore(backend_config(8, True))
-        self.store.register_kv_buffers(0, make_buffers())
-        self.role = FollowerRole(cfg, EPOCH, None, self.store, None,
-                                 StreamMetrics(GROUP, None), NUM_SLOTS)
-        self.role.start()
+    def __enter__(self) -> Driven:
+        super().__enter__()
         self.seq = 10
-        self.role.handle(Message(Envelope(Op.SYNC, GROUP, EPOCH, self.seq), Sync(1, 1)))
+        self.deliver(Op.SYNC, self.seq, Sync(1, 1))
         assert self.role.stream.synced, "the follower must sync on the SYNC answer"
+        return self
 
     def send(self, op: Op, body: object) -> None:
         self.seq += 1
-        self.role.handle(Message(Envelope(op, GROUP, EPOCH, self.seq), body))  # type: ignore[arg-type]
+        self.deliver(op, self.seq, body)
 
     def put_decision(self, rid: str, n: int, task_id: int, blocks: int, base: int = 0,
                      life: int = 0) -> None:
@@ -68,12 +61,8 @@ class Driven:
 
 @pytest.fixture
 def driven() -> Iterator[Driven]:
-    d = Driven()
-    try:
+    with Driven() as d:
         yield d
-    finally:
-        d.role.close()
-        d.store.close()
 
 
 def _input(blocks: int, base: int = 0) -> object:

@@ -18,79 +18,19 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from node_agent.pp.auth import CurveKeys
 from node_agent.pp.messages import Op
-
-from .harness import LAYOUT, NUM_SLOTS, kv_content
-from .procs import Group
+from tests.coordinator.harness import LAYOUT
+from tests.coordinator.procs import Group, load_and_check, random_slots, store, wait_completed
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 TPB = LAYOUT.tokens_per_block
 RANKS = (0, 1, 2)
-
-
-@pytest.fixture
-def group() -> Iterator[Group]:
-    g = Group(3, CurveKeys.generate(), cpu_blocks=32)
-    try:
-        g.publish_view(1, 0)
-        g.wait_ready()
-        yield g
-    finally:
-        g.close()
-
-
-def _slots(rng: random.Random, n: int) -> list[int]:
-    return rng.sample(range(NUM_SLOTS), n)
-
-
-def store(g: Group, rid: str, tokens: list[int], rng: random.Random,
-          ranks: tuple[int, ...] = RANKS) -> dict[int, int]:
-    """store_kv on every stage at once, each stage with its own random slots."""
-    for r in ranks:
-        g.stages[r].send("store", rid=rid, tokens=tokens, slots=_slots(rng, len(tokens)))
-    return {r: g.stages[r].recv() for r in ranks}
-
-
-def wait_completed(g: Group, rid: str, ranks: tuple[int, ...] = RANKS,
-                   timeout: float = 10.0) -> None:
-    pending = set(ranks)
-    deadline = time.monotonic() + timeout
-    while pending:
-        for r in list(pending):
-            if rid in g.stages[r].call("poll"):
-                pending.discard(r)
-        assert time.monotonic() < deadline, f"{rid} not completed on stages {pending}"
-        time.sleep(0.01)
-
-
-def load_and_check(g: Group, rid: str, tokens: list[int], rng: random.Random,
-                   ranks: tuple[int, ...] = RANKS) -> int:
-    """lookup + retrieve on every stage; assert equal hits and bit-exact content."""
-    hits = g.all("lookup", ranks, rid=rid, tokens=tokens)
-    assert len(set(hits.values())) == 1, f"stages disagree on the hit: {hits}"
-    hit = hits[ranks[0]]
-    assert hit % TPB == 0 and hit <= len(tokens)
-    if hit == 0:
-        return 0
-    dst = {r: _slots(rng, hit) for r in ranks}
-    for r in ranks:
-        g.stages[r].send("retrieve", rid=rid, slots=dst[r])
-    loaded = {r: g.stages[r].recv() for r in ranks}
-    assert len(set(loaded.values())) == 1, f"stages disagree on the load: {loaded}"
-    if loaded[ranks[0]]:
-        for r in ranks:
-            got = g.stages[r].call("read", slots=dst[r])
-            np.testing.assert_array_equal(got, kv_content(r, tokens)[:hit],
-                                          err_msg=f"stage {r} loaded wrong bytes for {rid}")
-    return int(loaded[ranks[0]])
 
 
 def test_mismatch_raises_on_every_stage_and_nothing_is_written(group: Group) -> None:
@@ -108,7 +48,8 @@ def test_blocks_invisible_until_every_stage_stored(group: Group) -> None:
     # Only the leader reached store_kv: its copy finishes, but nothing is visible.
     lead = store(group, "p", tokens, rng, ranks=(0,))
     assert lead[0] >= 0
-    time.sleep(0.2)
+    wait_for(lambda: group.stages[0].call("copies_ended") == 1,
+             "the leader's own copy of p ended", interval=0.05)
     assert group.stages[0].call("lookup", rid="probe", tokens=tokens) == 0
     # The followers store the same decision with their own slots: now visible.
     rest = store(group, "p", tokens, rng, ranks=(1, 2))
@@ -198,27 +139,20 @@ def test_leader_replaced_under_new_epoch(group: Group) -> None:
     group.publish_view(2, 1, ranks=(1, 2))
     zombie_tokens = list(range(7000, 7000 + 2 * TPB))
     z = group.stages[0].call("store", rid="z", tokens=zombie_tokens,
-                             slots=_slots(rng, len(zombie_tokens)))
+                             slots=random_slots(rng, len(zombie_tokens)))
     # Rank 0 steps down once rank 1's epoch-2 stream reaches it; the store raced
     # that: either refused at once (-1) or decided and then discarded.
-    deadline = time.monotonic() + 10
-    while True:
-        drops = {r: group.stages[r].call("status")["dropped_metric"]["stale_epoch"]
-                 for r in (1, 2)}
-        if all(v > 0 for v in drops.values()):
-            break
-        assert time.monotonic() < deadline, drops
-        time.sleep(0.05)
+    wait_for(lambda: all(group.stages[r].call("status")["dropped_metric"]["stale_epoch"] > 0
+                         for r in (1, 2)),
+             "both followers dropping the epoch-1 leader's messages", interval=0.05)
     if z >= 0:
         wait_completed(group, "z", ranks=(0,), timeout=15)  # discarded: no follower acked
-    deadline = time.monotonic() + 10
-    while group.stages[0].call("status").get("steppedDownFor") != 2:
-        assert time.monotonic() < deadline, "the epoch-1 leader did not step down"
-        time.sleep(0.05)
+    wait_for(lambda: group.stages[0].call("status").get("steppedDownFor") == 2,
+             "the epoch-1 leader stepping down", interval=0.05)
     zst = group.stages[0].call("status")
     assert zst["counters"]["stores_published"] == 1 and not zst["ready"]  # only "a"
     assert group.stages[0].call("store", rid="z2", tokens=zombie_tokens,
-                                slots=_slots(rng, len(zombie_tokens))) == -1
+                                slots=random_slots(rng, len(zombie_tokens))) == -1
     # Rank 0 learns the new view and follows rank 1.
     group.publish_view(2, 1, ranks=(0,))
     group.wait_ready()
@@ -308,10 +242,8 @@ def test_unauthenticated_sender_cannot_inject_a_decision(group: Group) -> None:
 def test_dead_leader_makes_followers_answer_at_once_never_hang(group: Group) -> None:
     rng = random.Random(13)
     group.stages[0].kill()
-    deadline = time.monotonic() + 10
-    while any(group.stages[r].call("ready") for r in (1, 2)):
-        assert time.monotonic() < deadline, "followers never noticed the silent leader"
-        time.sleep(0.05)
+    wait_for(lambda: not any(group.stages[r].call("ready") for r in (1, 2)),
+             "the followers noticing the silent leader", interval=0.05)
     tokens = list(range(8000, 8000 + 2 * TPB))
     waited = {r: group.stages[r].call("status")["counters"]["decision_timeouts"] for r in (1, 2)}
     assert store(group, "x", tokens, rng, ranks=(1, 2)) == {1: -1, 2: -1}

@@ -6,7 +6,6 @@ consume the call number; retrieve after a missed lookup is a miss."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,18 +15,19 @@ import torch
 
 from node_agent.coordinator import UnknownRequestError
 from node_agent.coordinator.leader import LeaderRole
-from node_agent.pp.group import GroupViewSource
-from tests.support.group_views import view_of
-
-from .harness import (
+from tests.coordinator.harness import (
     GROUP,
     LAYOUT,
     group_status,
     kv_content,
-    make_buffers,
     make_connector,
+    solo_view,
+    started,
+    wait_completed,
     write_slots,
 )
+from tests.support.group_views import view_of
+from tests.support.waiting import wait_for
 
 TPB = LAYOUT.tokens_per_block
 Bufs = tuple[list[torch.Tensor], list[torch.Tensor]]
@@ -35,12 +35,9 @@ Bufs = tuple[list[torch.Tensor], list[torch.Tensor]]
 
 class Single:
     def __init__(self, **timeouts: float) -> None:
-        self.view = GroupViewSource(view_of(
-            GROUP, group_status(1, 0, {0: "tcp://127.0.0.1:1"})))
-        self.conn = make_connector(0, self.view, keys=None, endpoint=None, **timeouts)
-        self.conn.start()
-        self.bufs: Bufs = make_buffers()
-        self.conn.register_kv_buffers(0, self.bufs)
+        self.view = solo_view()
+        self.conn, self.bufs = started(
+            make_connector(0, self.view, keys=None, endpoint=None, **timeouts))
         self.events: list[str] = []
 
     @property
@@ -52,15 +49,6 @@ class Single:
     def store(self, rid: str, tokens: np.ndarray, slots: np.ndarray) -> int:
         write_slots(self.bufs, slots, kv_content(0, tokens))
         return self.conn.store_kv(rid, tokens, torch.as_tensor(slots))
-
-    def poll_until(self, rid: str, timeout: float = 10.0) -> list[str]:
-        deadline = time.monotonic() + timeout
-        done: list[str] = []
-        while rid not in done:
-            assert time.monotonic() < deadline, f"{rid} never completed"
-            done += self.conn.poll_completed()
-            time.sleep(0.005)
-        return done
 
     def gate_copies(self) -> threading.Event:
         """Hold the backend's copies until the leader cancels; log both events."""
@@ -109,7 +97,7 @@ def single() -> Iterator[Single]:
 def test_timed_out_load_is_ended_before_retrieve_answers(fast: Single) -> None:
     tokens = np.arange(2 * TPB)
     assert fast.store("src", tokens, np.arange(2 * TPB)) >= 0
-    fast.poll_until("src")
+    wait_completed(fast.conn, "src")
     assert fast.conn.lookup("dst", tokens) == 2 * TPB
     fast.gate_copies()
     got = fast.conn.retrieve("dst", torch.arange(100, 100 + 2 * TPB))
@@ -123,7 +111,7 @@ def test_timed_out_load_is_ended_before_retrieve_answers(fast: Single) -> None:
 def test_timed_out_store_is_reported_only_after_its_copy_ended(fast: Single) -> None:
     fast.gate_copies()
     assert fast.store("slow", np.arange(2 * TPB), np.arange(2 * TPB)) >= 0
-    fast.poll_until("slow")
+    wait_completed(fast.conn, "slow")
     fast.events.append("reported")
     assert fast.events == ["cancel", "copy-ended", "reported"]
     assert fast.conn.lookup("again", np.arange(2 * TPB)) == 0  # nothing was published
@@ -131,11 +119,8 @@ def test_timed_out_store_is_reported_only_after_its_copy_ended(fast: Single) -> 
 
 def test_role_change_reports_unpolled_completions(single: Single) -> None:
     assert single.store("r1", np.arange(2 * TPB), np.arange(2 * TPB)) >= 0
-    for _ in range(1000):  # terminal, not yet polled
-        if single.leader.status()["completedQueued"] == 1:
-            break
-        time.sleep(0.005)
-    assert single.leader.status()["completedQueued"] == 1
+    wait_for(lambda: single.leader.status()["completedQueued"] == 1,
+             "r1 terminal, not yet polled")
     single.view.update(view_of(GROUP, group_status(2, 0, {0: "tcp://127.0.0.1:1"})))
     assert single.conn.poll_completed() == ["r1"]
 

@@ -11,36 +11,17 @@ place. The last test drives one follower role message by message.
 from __future__ import annotations
 
 import random
-import time
-from collections.abc import Iterator
 
 import pytest
 
-from node_agent.backend.stage_store import TierStore
-from node_agent.coordinator import CoordinatorConfig
-from node_agent.coordinator.follower import FollowerRole
-from node_agent.pp.auth import CurveKeys
-from node_agent.pp.messages import Envelope, Heartbeat, Message, Op, Release, Sync
-from node_agent.pp.stream import StreamMetrics
-
-from .harness import GROUP, LAYOUT, NUM_SLOTS, backend_config, make_buffers
-from .procs import Group
-from .test_group import load_and_check, store, wait_completed
+from node_agent.pp.messages import Heartbeat, Op, Release, Sync
+from tests.coordinator.harness import LAYOUT, HandFedFollower
+from tests.coordinator.procs import Group, load_and_check, store, wait_completed
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 TPB = LAYOUT.tokens_per_block
 FOLLOWERS = (1, 2)
-
-
-@pytest.fixture
-def group() -> Iterator[Group]:
-    g = Group(3, CurveKeys.generate(), cpu_blocks=32)
-    try:
-        g.publish_view(1, 0)
-        g.wait_ready()
-        yield g
-    finally:
-        g.close()
 
 
 def _incarnations(g: Group) -> set[object]:
@@ -64,10 +45,8 @@ def test_leader_restarted_at_a_new_address_under_the_same_epoch_is_followed(
     # leader by node and rank); its heartbeats reach the followers, which still
     # hold the old address: they must report degraded, never ready.
     group.publish_view(1, 0, ranks=[0])
-    deadline = time.monotonic() + 15
-    while any(group.stages[r].call("ready") for r in FOLLOWERS):
-        assert time.monotonic() < deadline, "followers kept reporting ready"
-        time.sleep(0.05)
+    wait_for(lambda: not any(group.stages[r].call("ready") for r in FOLLOWERS),
+             "the followers to stop reporting ready", 15, interval=0.05)
     assert all(group.stages[r].call("status")["gauges"]["degraded"] == 1.0 for r in FOLLOWERS)
     group.publish_view(1, 0, ranks=FOLLOWERS)  # the new leader endpoint
     group.wait_ready(timeout=20)
@@ -100,35 +79,22 @@ def test_leader_restarted_at_the_same_address_is_followed_at_once(group: Group) 
 
 
 def test_a_new_incarnation_makes_the_follower_degraded_until_its_sync() -> None:
-    cfg = CoordinatorConfig(group=GROUP, pp_rank=1, layout=LAYOUT, engine_call_seconds=2.0,
-                          fanout_wait_seconds=0.5, transfer_seconds=0.4)
-    store_ = TierStore(backend_config(8, True))
-    store_.register_kv_buffers(0, make_buffers())
-    stats = StreamMetrics(GROUP, None)
-    role = FollowerRole(cfg, 1, None, store_, None, stats, NUM_SLOTS)
-    try:
-        role.start()
-
-        def deliver(op: Op, seq: int, inc: int, body: object) -> None:
-            role.handle(Message(Envelope(op, GROUP, 1, seq, incarnation=inc), body))  # type: ignore[arg-type]
-
-        deliver(Op.SYNC, 50, 111, Sync(1, 1))
+    with HandFedFollower() as f:
+        role, stats = f.role, f.stats
+        f.deliver(Op.SYNC, 50, Sync(1, 1), 111)
         assert role.stream.synced and not role.degraded()
-        deliver(Op.RELEASE, 51, 111, Release("a"))
+        f.deliver(Op.RELEASE, 51, Release("a"), 111)
         # A restarted leader: same epoch, its own seqs from 0, a new incarnation.
-        deliver(Op.HEARTBEAT, 3, 222, Heartbeat())
+        f.deliver(Op.HEARTBEAT, 3, Heartbeat(), 222)
         assert role.degraded() and not role.stream.synced
         assert stats.dropped.get("new_incarnation") == 1
-        deliver(Op.RELEASE, 4, 222, Release("b"))  # before its SYNC: never applied
+        f.deliver(Op.RELEASE, 4, Release("b"), 222)  # before its SYNC: never applied
         assert role.stream.last_seq == 51
-        deliver(Op.SYNC, 4, 222, Sync(1, 2))
+        f.deliver(Op.SYNC, 4, Sync(1, 2), 222)
         assert role.stream.synced and role.stream.incarnation == 222
         assert role.stream.last_seq == 4 and not role.degraded()
         assert role.counters.resets == 1  # local state flushed for the new process
-        deliver(Op.HEARTBEAT, 60, 111, Heartbeat())  # the old process: left for good
+        f.deliver(Op.HEARTBEAT, 60, Heartbeat(), 111)  # the old process: left for good
         assert role.stream.synced and stats.dropped.get("stale_incarnation") == 1
-        deliver(Op.RELEASE, 5, 222, Release("c"))
+        f.deliver(Op.RELEASE, 5, Release("c"), 222)
         assert role.stream.last_seq == 5
-    finally:
-        role.close()
-        store_.close()

@@ -27,10 +27,10 @@ from node_agent.coordinator.inputs import prepare_slots, prepare_store
 from node_agent.pp.group import GroupViewSource
 from node_agent.vocab.group_view import GroupView
 from node_agent.vocab.layout import KVDtype, KVLayout, LayoutName
+from tests.coordinator.harness import group_status
+from tests.coordinator.pairs import StageThread
 from tests.support.group_views import update_status
-
-from .harness import group_status, wait_for
-from .pairs import StageThread
+from tests.support.waiting import wait_for
 
 TPB = 4
 LAYERS, HEADS, HEAD = 2, 2, 4

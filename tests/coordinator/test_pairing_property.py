@@ -42,9 +42,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from node_agent.pp.messages import Op as StreamOp
-
-from .harness import LAYOUT, kv_content, wait_for, write_slots
-from .pairs import DropOps, InProcessGroup
+from tests.coordinator.harness import LAYOUT, kv_content, write_slots
+from tests.coordinator.pairs import DropOps, InProcessGroup
+from tests.support.waiting import wait_for
 
 TPB = LAYOUT.tokens_per_block
 PROMPTS = [

@@ -9,27 +9,19 @@ sockets on loopback; the gap is a real lost frame on the leader's sender.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 
 from node_agent.pp.messages import Op
-
-from .harness import LAYOUT, wait_for
-from .pairs import InProcessGroup
+from tests.coordinator.harness import LAYOUT
+from tests.coordinator.pairs import InProcessGroup
+from tests.support.waiting import wait_for
 
 TPB = LAYOUT.tokens_per_block
 A = np.arange(100, 100 + 2 * TPB)
 
 
-@pytest.fixture
-def pair() -> Iterator[InProcessGroup]:
-    g = InProcessGroup(2, fanout_wait_seconds=1.0)
-    try:
-        yield g
-    finally:
-        g.close()
+pytestmark = pytest.mark.pair_options(fanout_wait_seconds=1.0)
 
 
 def _slots(base: int) -> np.ndarray:
@@ -72,9 +64,7 @@ def test_a_store_of_a_lagging_follower_never_takes_the_next_lifes_decision_after
 
 def test_a_lookup_of_a_lagging_follower_never_takes_the_next_lifes_hit_after_a_lost_release(
         pair: InProcessGroup) -> None:
-    tasks = [pair.store(r, "s", A, _slots(16 * r)) for r in (0, 1)]
-    assert len({t.result(30) for t in tasks}) == 1
-    pair.settle()
+    pair.store_everywhere("s", A)
     # The leader's engine: a lookup of A in the rid's first life, never
     # retrieved; release (lost on its way to stage 1); A again in the second
     # life, a hit.
@@ -82,9 +72,7 @@ def test_a_lookup_of_a_lagging_follower_never_takes_the_next_lifes_hit_after_a_l
     pair.caught_up(1)
     _lose_the_release(pair, "r")
     # The resync flushed the group: store A again on both, under another rid.
-    tasks = [pair.store(r, "t", A, _slots(32 + 16 * r)) for r in (0, 1)]
-    assert len({t.result(30) for t in tasks}) == 1
-    pair.settle()
+    pair.store_everywhere("t", A, 32)
     assert pair.call(0, lambda c: c.lookup("r", A)).result(30) == len(A)
     pair.caught_up(1)
     # The follower's first-life lookup of the same tokens: its decision died

@@ -3,42 +3,39 @@ server (one port), and each group's stream reaches only its own connector."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-import torch
 
 from node_agent.coordinator import Coordinator
 from node_agent.pp.auth import CurveKeys
 from node_agent.pp.channel import FanoutServer
 from node_agent.pp.group import GroupViewSource
 from node_agent.vocab.group_view import GroupView
-from tests.support.group_views import update_status
-
-from .harness import (
+from tests.coordinator.harness import (
     LAYOUT,
+    Buffers,
     group_status,
     kv_content,
-    make_buffers,
     make_connector,
     read_slots,
+    started,
+    wait_completed,
     write_slots,
 )
+from tests.support.group_views import update_status
+from tests.support.waiting import wait_for
 
 TPB = LAYOUT.tokens_per_block
-Stage = tuple[Coordinator, tuple[list[torch.Tensor], list[torch.Tensor]]]
+Stage = tuple[Coordinator, Buffers]
 
 
 def _stage(rank: int, group: str, keys: CurveKeys, server: FanoutServer | None) -> Stage:
     view = GroupViewSource(GroupView(group, 0, None, ()))
-    conn = make_connector(rank, view, keys, endpoint="tcp://127.0.0.1:0", server=server)
-    conn.start()
-    bufs = make_buffers()
-    conn.register_kv_buffers(0, bufs)
-    return conn, bufs
+    return started(make_connector(rank, view, keys, endpoint="tcp://127.0.0.1:0",
+                                  server=server))
 
 
 @pytest.fixture
@@ -54,10 +51,8 @@ def two_groups() -> Iterator[dict[str, list[Stage]]]:
             eps = {0: str(leader[0].fanout_endpoint), 1: shared.endpoint}
             for conn, _ in groups[g]:
                 update_status(conn._view, group_status(1, 0, eps))
-        deadline = time.monotonic() + 10
-        while not all(c.ready() for st in groups.values() for c, _ in st):
-            assert time.monotonic() < deadline, "stages never became ready"
-            time.sleep(0.02)
+        wait_for(lambda: all(c.ready() for st in groups.values() for c, _ in st),
+                 "every stage of both groups ready")
         yield groups
     finally:
         for st in groups.values():
@@ -78,13 +73,8 @@ def test_groups_share_one_fanout_port_without_crosstalk(
                 jobs.append(pool.submit(conn.store_kv, "r", tokens, src))
             tasks = [j.result(timeout=10) for j in jobs]
             assert tasks[0] >= 0 and tasks[0] == tasks[1], (g, tasks)
-            deadline = time.monotonic() + 10
             for conn, _ in stages:
-                done: list[str] = []
-                while "r" not in done:
-                    assert time.monotonic() < deadline
-                    done += conn.poll_completed()
-                    time.sleep(0.005)
+                wait_completed(conn, "r", 10)
             hits = [pool.submit(c.lookup, "q", tokens) for c, _ in stages]
             assert [h.result(timeout=10) for h in hits] == [3 * TPB, 3 * TPB]
             dst = np.arange(400, 400 + 3 * TPB)

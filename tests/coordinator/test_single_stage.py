@@ -4,44 +4,26 @@ completion, lookup replacement."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 import torch
 
 from node_agent.coordinator import Coordinator, UnknownRequestError
 from node_agent.metrics import AgentMetrics
-from node_agent.pp.group import GroupViewSource
-from tests.support.group_views import view_of
-
-from .harness import (
+from tests.coordinator.harness import (
     GROUP,
     LAYOUT,
-    group_status,
     kv_content,
-    make_buffers,
     make_connector,
     read_slots,
+    single_stage,
+    solo_view,
     wait_completed,
     write_slots,
 )
+from tests.support.waiting import wait_for
 
 TPB = LAYOUT.tokens_per_block
-
-
-@pytest.fixture
-def single() -> Iterator[tuple[Coordinator, tuple[list[torch.Tensor], list[torch.Tensor]]]]:
-    view = GroupViewSource(view_of(GROUP, group_status(1, 0, {0: "tcp://127.0.0.1:1"})))
-    conn = make_connector(0, view, keys=None, endpoint=None, metrics=AgentMetrics())
-    conn.start()
-    bufs = make_buffers()
-    conn.register_kv_buffers(0, bufs)
-    try:
-        yield conn, bufs
-    finally:
-        conn.close()
 
 
 def _store(conn: Coordinator, bufs: object, rid: str, tokens: np.ndarray, slots: np.ndarray) -> int:
@@ -49,7 +31,7 @@ def _store(conn: Coordinator, bufs: object, rid: str, tokens: np.ndarray, slots:
     return conn.store_kv(rid, tokens, torch.as_tensor(slots))
 
 
-def test_seed_mismatch_raises_naming_both_counts_and_writes_nothing(single) -> None:  # type: ignore[no-untyped-def]
+def test_a_length_mismatch_raises_naming_both_counts_and_writes_nothing(single) -> None:  # type: ignore[no-untyped-def]
     conn, bufs = single
     tokens = np.arange(16)
     before = read_slots(bufs, np.arange(16))
@@ -141,34 +123,23 @@ def test_completed_rids_are_bounded_and_overflow_is_counted() -> None:
     """An engine that never polls cannot grow the completed list without end: the
     oldest rids are dropped beyond ``max_completed`` and counted (status, metric)."""
     metrics = AgentMetrics()
-    view = GroupViewSource(view_of(GROUP, group_status(1, 0, {0: "tcp://127.0.0.1:1"})))
-    conn = make_connector(0, view, keys=None, endpoint=None, metrics=metrics, max_completed=3)
-    conn.start()
-    bufs = make_buffers()
-    conn.register_kv_buffers(0, bufs)
-    try:
+    with single_stage(metrics=metrics, max_completed=3) as (conn, bufs):
         rids = [f"r{i}" for i in range(5)]
         for i, rid in enumerate(rids):  # distinct prompts, so each one is stored
             tokens = np.arange(1000 * i, 1000 * i + 2 * TPB)
             assert _store(conn, bufs, rid, tokens, np.arange(2 * TPB) + 10 * i) >= 0
-        deadline = time.monotonic() + 5.0
-        while conn.status()["inflightStores"]:
-            assert time.monotonic() < deadline, "stores never became terminal"
-            time.sleep(0.005)
+        wait_for(lambda: not conn.status()["inflightStores"], "every store terminal")
         s = conn.status()
         assert (s["completedQueued"], s["completedDropped"]) == (3, 2)
         assert metrics.registry.get_sample_value(
             "flexkv_agent_completed_dropped_total", {"group": GROUP}) == 2.0
         assert conn.poll_completed() == rids[2:]  # the newest, in completion order
         assert conn.poll_completed() == []
-    finally:
-        conn.close()
 
 
 def test_max_completed_must_be_positive() -> None:
-    view = GroupViewSource(view_of(GROUP, group_status(1, 0, {0: "tcp://127.0.0.1:1"})))
     with pytest.raises(ValueError, match="max_completed=0 must be an int >= 1"):
-        make_connector(0, view, keys=None, endpoint=None, max_completed=0)
+        make_connector(0, solo_view(), keys=None, endpoint=None, max_completed=0)
 
 
 def test_a_rank_registering_again_with_more_slots_can_use_them(single) -> None:  # type: ignore[no-untyped-def]

@@ -19,9 +19,7 @@ from node_agent.coordinator import Coordinator, CoordinatorConfig
 from node_agent.pp.group import GroupViewSource
 from node_agent.vocab.group_view import GroupMember, GroupView
 from node_agent.vocab.placement import Direction
-from tests.fake_flexkv import load_fake_flexkv
-
-from .harness import (
+from tests.coordinator.harness import (
     GROUP,
     LAYOUT,
     backend_config,
@@ -31,6 +29,7 @@ from .harness import (
     wait_completed,
     write_slots,
 )
+from tests.fake_flexkv import load_fake_flexkv
 
 TPB = LAYOUT.tokens_per_block
 

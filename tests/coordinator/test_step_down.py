@@ -26,18 +26,17 @@ from node_agent.pp.group import GroupViewSource
 from node_agent.pp.messages import Envelope, Heartbeat, Hello, Message, Op, Result, encode
 from node_agent.pp.stream import FollowerStream, StreamMetrics
 from node_agent.vocab.group_view import GroupView
-from tests.support.group_views import update_status
-
-from .harness import (
+from tests.coordinator.harness import (
     GROUP,
     LAYOUT,
     group_status,
     kv_content,
-    make_buffers,
     make_connector,
-    wait_for,
+    started,
     write_slots,
 )
+from tests.support.group_views import update_status
+from tests.support.waiting import wait_for
 
 TPB = LAYOUT.tokens_per_block
 
@@ -62,10 +61,8 @@ def stale() -> Iterator[StaleLeader]:
     f_server = FanoutServer("tcp://127.0.0.1:0", keys).start()
     view = GroupViewSource(GroupView(GROUP, 0, None, ()))
     # A long engine-call deadline: an in-flight store ending early proves the step-down.
-    conn = make_connector(0, view, keys, metrics=metrics, engine_call_seconds=60.0)
-    conn.start()
-    bufs = make_buffers()
-    conn.register_kv_buffers(0, bufs)
+    conn, bufs = started(make_connector(0, view, keys, metrics=metrics,
+                                        engine_call_seconds=60.0))
     applied: list[Message] = []
     follower = FollowerStream(GROUP, 1, keys, StreamMetrics(GROUP, None), apply=applied.append,
                               on_unsynced=lambda r: None, on_dropped=lambda m: None,

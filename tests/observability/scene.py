@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import subprocess
 import sys
@@ -39,26 +38,15 @@ from tests.agent.harness import (
     wait_healthy,
     write_group_file,
 )
-from tests.remote.conftest import Master, free_port, store_port
+from tests.remote.master import Master, store_port
+from tests.support.ports import free_port
+from tests.support.waiting import wait_for
 
 POOL = "tp"
 NAMESPACE = "ns1"
 REPLICA = "rep"
 GROUP = f"{POOL}-{REPLICA}"
 ENGINE_TIMEOUT_S = 120.0
-
-
-def wait_until(cond: Any, timeout: float, what: str) -> Any:
-    """Poll ``cond()`` until truthy (bounded); returns its value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        with contextlib.suppress(httpx.HTTPError):
-            value = cond()
-            if value:
-                return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not met within {timeout}s")
-        time.sleep(0.1)
 
 
 class AgentGroup:
@@ -103,8 +91,9 @@ class AgentGroup:
         for url, proc in zip(self.urls, self.procs, strict=True):
             wait_healthy(url, proc, timeout=90)
         for url in self.urls:
-            wait_until(lambda url=url: self.status(url)["remoteTier"]["up"] is True, 90,
-                       f"{url} joined the remote tier")
+            wait_for(lambda url=url: self.status(url)["remoteTier"]["up"] is True,
+                     f"{url} joined the remote tier", 90, interval=0.1,
+                     ignoring=(httpx.HTTPError,))
 
     def status(self, url: str) -> dict[str, Any]:
         body: dict[str, Any] = httpx.get(url + "/status", timeout=5).json()
@@ -162,8 +151,9 @@ def _drive(engines: list[subprocess.Popen[str]], urls: list[str],
     if before_go is not None:
         before_go()
     for url in urls:
-        wait_until(lambda url=url: httpx.get(url + "/readyz", timeout=5).status_code == 200,
-                   60, f"{url} ready")
+        wait_for(lambda url=url: httpx.get(url + "/readyz", timeout=5).status_code == 200,
+                 f"{url} ready", 60, interval=0.1,
+                 ignoring=(httpx.HTTPError,))
     for e in engines:
         assert e.stdin is not None
         e.stdin.write("go\n")
@@ -273,4 +263,4 @@ class OperatorScene:
                 await asyncio.to_thread(self._stop.wait, 600)
 
 
-__all__ = ["AgentGroup", "Master", "OperatorScene", "free_port", "run_engines", "wait_until"]
+__all__ = ["AgentGroup", "Master", "OperatorScene", "free_port", "run_engines"]

@@ -25,6 +25,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
@@ -45,9 +46,9 @@ from tests.observability.scene import (
     OperatorScene,
     free_port,
     run_engines,
-    wait_until,
 )
-from tests.remote.conftest import start_master
+from tests.remote.master import start_master
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -154,11 +155,13 @@ def scene() -> Iterator[Scene]:
 
         def move_leadership() -> None:
             """The operator moves the group's leadership: stage 1 leads at epoch 2."""
-            wait_until(lambda: group.roles() == [("leader", 1), ("follower", 1)], 60,
-                       "stage 0 leading at epoch 1")
+            wait_for(lambda: group.roles() == [("leader", 1), ("follower", 1)],
+                     "stage 0 leading at epoch 1", 60, interval=0.1,
+                     ignoring=(httpx.HTTPError,))
             group.publish(leader=1, epoch=2)
-            wait_until(lambda: group.roles() == [("follower", 2), ("leader", 2)], 60,
-                       "stage 1 leading at epoch 2")
+            wait_for(lambda: group.roles() == [("follower", 2), ("leader", 2)],
+                     "stage 1 leading at epoch 2", 60, interval=0.1,
+                     ignoring=(httpx.HTTPError,))
 
         run_engines(work, group, WorkloadSpec(**WORKLOAD, seed=1), "first",  # type: ignore[arg-type]
                     before_go=move_leadership)
@@ -255,7 +258,8 @@ def test_the_alert_rules_evaluate_cleanly_on_the_scraped_series(scene: Scene) ->
         found = rules()
         return bool(found) and all(_instant(r["lastEvaluation"]) > scene.at for r in found)
 
-    wait_until(evaluated_after_the_scene, PANEL_TIMEOUT_S, "every rule evaluated")
+    wait_for(evaluated_after_the_scene, "every rule evaluated", PANEL_TIMEOUT_S, interval=0.1,
+             ignoring=(httpx.HTTPError,))
     found = {r["name"]: r for r in rules()}
     assert len(found) >= 10
     bad = {name: r.get("lastError") for name, r in found.items() if r["health"] != "ok"}

@@ -26,16 +26,18 @@ from node_agent.pp.messages import (
     unpack_batch,
 )
 from node_agent.pp.stream import FollowerStream, LeaderStream, StreamMetrics
+from tests.support.waiting import wait_for
 
 GROUP = "g0"
 
 
-def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
-        time.sleep(0.005)
+def outside_coalescing_window(p: Pair) -> None:
+    """Wait until the leader's next broadcast starts a burst of its own: nothing
+    is queued and a whole coalescing window passed since its last broadcast."""
+    lead = p.leader
+    wait_for(lambda: not lead._outbox
+             and time.monotonic() - lead._last_broadcast >= lead._window,
+             "the leader's coalescing window to pass")
 
 
 @dataclass
@@ -97,7 +99,8 @@ def _pair(coalesce_seconds: float) -> Iterator[Pair]:
     fol_srv.register(GROUP, follower.handle)
     leader.set_followers({1: fol_srv.endpoint})
     follower.follow(5, lead_srv.endpoint)
-    wait_for(lambda: leader.all_synced() and follower.synced)
+    wait_for(lambda: leader.all_synced() and follower.synced,
+             "leader.all_synced() and follower.synced")
     try:
         yield p
     finally:
@@ -136,10 +139,10 @@ def _faults(p: Pair) -> FaultPlan:
 
 def test_messages_apply_in_order_and_acks_flow_back(pair: Pair) -> None:
     sent = _send(pair, 50)
-    wait_for(lambda: len(pair.applied) == 50)
+    wait_for(lambda: len(pair.applied) == 50, "len(pair.applied) == 50")
     assert _seqs(pair) == sent == list(range(1, 51))
     assert pair.follower.send_ack(Ack(1, "r0", Kind.PUT, 0, 3, True), pair.leader.incarnation)
-    wait_for(lambda: len(pair.acks) == 1)
+    wait_for(lambda: len(pair.acks) == 1, "len(pair.acks) == 1")
     assert pair.acks[0] == Ack(1, "r0", Kind.PUT, 0, 3, True)
 
 
@@ -152,52 +155,56 @@ def test_an_ack_for_another_leader_incarnation_is_dropped(pair: Pair) -> None:
         stale = Ack(1, "r0", Kind.PUT, 0, 3, True)
         rogue.send(encode(Envelope(Op.ACK, GROUP, 5, 0,
                                    incarnation=pair.leader.incarnation + 1), stale))
-        wait_for(lambda: pair.leader._stats.dropped.get("stale_incarnation") == 1)
+        wait_for(lambda: pair.leader._stats.dropped.get("stale_incarnation") == 1,
+                 "pair.leader._stats.dropped.get('stale_incarnation') == 1")
     finally:
         rogue.close()
     assert pair.acks == []
     assert pair.follower.send_ack(Ack(1, "r1", Kind.PUT, 1, 4, True),
                                   pair.leader.incarnation)  # its own stamp
-    wait_for(lambda: len(pair.acks) == 1)
+    wait_for(lambda: len(pair.acks) == 1, "len(pair.acks) == 1")
     assert pair.acks[0].rid == "r1"
 
 
 def test_duplicates_are_dropped_and_counted(pair: Pair) -> None:
     _faults(pair).duplicate(3)
     _send(pair, 5)
-    wait_for(lambda: len(pair.applied) == 5 and pair.dropped("duplicate") == 3)
+    wait_for(lambda: len(pair.applied) == 5 and pair.dropped("duplicate") == 3,
+             "len(pair.applied) == 5 and pair.dropped('duplicate') == 3")
     assert _seqs(pair) == [1, 2, 3, 4, 5]
     assert pair.follower.synced
 
 
 def test_dropped_message_makes_follower_resync_never_skip(pair: Pair) -> None:
     _send(pair, 2)
-    wait_for(lambda: len(pair.applied) == 2)
+    wait_for(lambda: len(pair.applied) == 2, "len(pair.applied) == 2")
     pair.leader.dirty = True  # the group holds blocks: a resync must flush it
     _faults(pair).drop(1)
     _send(pair, 3)  # seq 3 is lost; 4 and 5 arrive after a gap
-    wait_for(lambda: pair.flushes != [] and pair.follower.synced)
+    wait_for(lambda: pair.flushes != [] and pair.follower.synced,
+             "pair.flushes != [] and pair.follower.synced")
     applied = _seqs(pair)
     assert 3 not in applied and 4 not in applied and 5 not in applied
     assert applied == sorted(applied) and pair.dropped("gap") >= 1
     # After the resync the stream continues in order.
     more = _send(pair, 3)
-    wait_for(lambda: _seqs(pair)[-1] == more[-1])
+    wait_for(lambda: _seqs(pair)[-1] == more[-1], "_seqs(pair)[-1] == more[-1]")
     assert _seqs(pair)[-3:] == more
 
 
 def test_lost_tail_is_seen_through_heartbeats(pair: Pair) -> None:
     _faults(pair).drop(1)
     _send(pair, 1)  # the only message is lost; only a heartbeat reveals it
-    wait_for(lambda: pair.dropped("gap") >= 1)
+    wait_for(lambda: pair.dropped("gap") >= 1, "pair.dropped('gap') >= 1")
     assert 1 not in _seqs(pair)
-    wait_for(lambda: pair.follower.synced)
+    wait_for(lambda: pair.follower.synced, "pair.follower.synced")
 
 
 def test_reordered_messages_are_never_applied_out_of_order(pair: Pair) -> None:
     _faults(pair).reorder()
     _send(pair, 4)  # arrives as 2, 1, 3, 4
-    wait_for(lambda: pair.dropped("gap") >= 1 and pair.follower.synced)
+    wait_for(lambda: pair.dropped("gap") >= 1 and pair.follower.synced,
+             "pair.dropped('gap') >= 1 and pair.follower.synced")
     applied = _seqs(pair)
     assert applied == sorted(applied) and 2 not in applied
     assert len(applied) == len(set(applied))
@@ -210,7 +217,7 @@ def test_older_epoch_messages_are_dropped(pair: Pair) -> None:
     try:
         frames = encode(Envelope(Op.RELEASE, GROUP, 4, pair.follower.last_seq + 1), Release("x"))
         rogue_leader.send(frames)
-        wait_for(lambda: pair.dropped("stale_epoch") == 1)
+        wait_for(lambda: pair.dropped("stale_epoch") == 1, "pair.dropped('stale_epoch') == 1")
         assert pair.applied == []
     finally:
         rogue_leader.close()
@@ -218,12 +225,12 @@ def test_older_epoch_messages_are_dropped(pair: Pair) -> None:
 
 def test_new_epoch_resyncs_and_fences_the_old_leader(pair: Pair) -> None:
     _send(pair, 2)
-    wait_for(lambda: len(pair.applied) == 2)
+    wait_for(lambda: len(pair.applied) == 2, "len(pair.applied) == 2")
     # The follower moves to epoch 6 (a new leader); the old leader keeps sending.
     pair.follower.follow(6, pair.lead_ep)
     assert not pair.follower.synced and pair.unsynced
     _send(pair, 3)
-    wait_for(lambda: pair.dropped("stale_epoch") >= 3)
+    wait_for(lambda: pair.dropped("stale_epoch") >= 3, "pair.dropped('stale_epoch') >= 3")
     assert len(pair.applied) == 2
 
 
@@ -233,71 +240,73 @@ def test_new_epoch_resyncs_and_fences_the_old_leader(pair: Pair) -> None:
 def test_a_burst_travels_in_batches_and_applies_in_order(batched_pair: Pair) -> None:
     p = batched_pair
     sent = _send(p, 100)
-    wait_for(lambda: len(p.applied) == 100)
+    wait_for(lambda: len(p.applied) == 100, "len(p.applied) == 100")
     assert _seqs(p) == sent == list(range(1, 101))
     assert p.leader.batches >= 100 // 16 - 1  # full batches went out, not single frames
 
 
 def test_a_lone_message_is_not_held_back(batched_pair: Pair) -> None:
     p = batched_pair
-    time.sleep(0.1)  # outside the coalescing window of anything before
+    outside_coalescing_window(p)  # nothing before coalesces with the next broadcast
     before = p.leader.batches
     _send(p, 1)
-    wait_for(lambda: len(p.applied) == 1)
+    wait_for(lambda: len(p.applied) == 1, "len(p.applied) == 1")
     assert p.leader.batches == before
 
 
 def test_a_duplicated_batch_is_dropped_message_by_message(batched_pair: Pair) -> None:
     p = batched_pair
     _send(p, 1)  # sent alone; the next burst is queued behind it
-    wait_for(lambda: len(p.applied) == 1)
-    time.sleep(0.1)
+    wait_for(lambda: len(p.applied) == 1, "len(p.applied) == 1")
+    outside_coalescing_window(p)
     faults = _faults(p)
     faults.duplicate(2)
     _send(p, 6)  # seq 2 alone, then 3..7 as one batch; both frames arrive twice
-    wait_for(lambda: len(p.applied) == 7 and len(faults.log) == 2)
+    wait_for(lambda: len(p.applied) == 7 and len(faults.log) == 2,
+             "len(p.applied) == 7 and len(faults.log) == 2")
     # Every stream message in a duplicated frame is dropped once as a duplicate.
     dups = sum(len(seqs) for seqs in _hit(faults))
     assert dups >= 1
-    wait_for(lambda: p.dropped("duplicate") == dups)
+    wait_for(lambda: p.dropped("duplicate") == dups, "p.dropped('duplicate') == dups")
     assert _seqs(p) == list(range(1, 8)) and p.follower.synced
 
 
 def test_a_lost_batch_makes_the_follower_resync_never_skip(batched_pair: Pair) -> None:
     p = batched_pair
     _send(p, 2)
-    wait_for(lambda: len(p.applied) == 2)
+    wait_for(lambda: len(p.applied) == 2, "len(p.applied) == 2")
     p.leader.dirty = True
-    time.sleep(0.1)
+    outside_coalescing_window(p)
     faults = _faults(p)
     faults.drop(2)
     _send(p, 8)  # seq 3 alone and the batch 4..10 are lost
-    wait_for(lambda: len(faults.log) == 2)
+    wait_for(lambda: len(faults.log) == 2, "len(faults.log) == 2")
     lost = [s for seqs in _hit(faults) for s in seqs]
     assert lost  # (a heartbeat may take one of the two drops)
-    wait_for(lambda: p.flushes != [] and p.follower.synced)
+    wait_for(lambda: p.flushes != [] and p.follower.synced, "p.flushes != [] and p.follower.synced")
     applied = _seqs(p)
     # Applied up to the first lost message, never past it (the RESET of the
     # flush comes with a later seq).
     assert applied[:min(lost) - 1] == list(range(1, min(lost)))
     assert not set(lost) & set(applied) and p.dropped("gap") >= 1
     more = _send(p, 20)
-    wait_for(lambda: _seqs(p)[-1] == more[-1])
+    wait_for(lambda: _seqs(p)[-1] == more[-1], "_seqs(p)[-1] == more[-1]")
     assert _seqs(p)[-20:] == more
 
 
 def test_reordered_batches_are_never_applied_out_of_order(batched_pair: Pair) -> None:
     p = batched_pair
-    time.sleep(0.1)
+    outside_coalescing_window(p)
     faults = _faults(p)
     faults.reorder()
     _send(p, 40)  # seq 1 alone is held and arrives after the first batch
-    wait_for(lambda: len(faults.log) == 1)
+    wait_for(lambda: len(faults.log) == 1, "len(faults.log) == 1")
     [held] = _hit(faults)
     if held:  # a stream frame was held (not a heartbeat): the follower saw a gap
-        wait_for(lambda: p.dropped("gap") >= 1 and p.follower.synced)
+        wait_for(lambda: p.dropped("gap") >= 1 and p.follower.synced,
+                 "p.dropped('gap') >= 1 and p.follower.synced")
     else:
-        wait_for(lambda: len(p.applied) == 40)
+        wait_for(lambda: len(p.applied) == 40, "len(p.applied) == 40")
     applied = _seqs(p)
     assert applied == sorted(applied) and not set(held) & set(applied)
     assert len(applied) == len(set(applied))
@@ -314,9 +323,10 @@ def test_a_malformed_message_inside_a_batch_is_dropped_and_counted(pair: Pair) -
     rogue = Sender(target.endpoint, pair.keys)
     try:
         rogue.send([pack_batch([good[0], bad])])
-        wait_for(lambda: pair.dropped("malformed") == 1 and len(pair.applied) == 1)
+        wait_for(lambda: pair.dropped("malformed") == 1 and len(pair.applied) == 1,
+                 "pair.dropped('malformed') == 1 and len(pair.applied) == 1")
         rogue.send([pack_batch([good[1]])[:-1]])  # a truncated batch frame
-        wait_for(lambda: pair.dropped("malformed") == 2)
+        wait_for(lambda: pair.dropped("malformed") == 2, "pair.dropped('malformed') == 2")
     finally:
         rogue.close()
     assert _seqs(pair) == [seq + 1]
@@ -352,9 +362,10 @@ def test_broadcast_builds_the_body_only_for_synced_followers() -> None:
         assert [leader.broadcast(Op.RELEASE, body(f"early{i}")) for i in range(2)] == [1, 2]
         assert built == []
         follower.follow(5, lead_srv.endpoint)
-        wait_for(lambda: leader.all_synced() and follower.synced)
+        wait_for(lambda: leader.all_synced() and follower.synced,
+                 "leader.all_synced() and follower.synced")
         assert leader.broadcast(Op.RELEASE, body("late")) == 3
-        wait_for(lambda: bool(applied))
+        wait_for(lambda: bool(applied), "bool(applied)")
         assert built == ["late"] and applied == [(3, "RELEASE")]
     finally:
         follower.close()

@@ -18,7 +18,8 @@ from node_agent.backend.remote.tier import RemotePool, RemoteTier
 from node_agent.backend.stage_store import TierStore
 from node_agent.metrics import AgentMetrics
 from node_agent.vocab.layout import KVDtype, KVLayout
-from tests.remote.conftest import Master, free_port
+from tests.remote.master import Master
+from tests.support.ports import free_port
 
 TPB = 4
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=8, dtype=KVDtype.FLOAT16,
@@ -118,6 +119,16 @@ def store(b: EmbeddedBackend, tokens: np.ndarray, slots: np.ndarray) -> None:
     assert tid >= 0, "nothing to store"
     [tid] = b.launch([tid], [slots[mask]])
     assert b.wait([tid], timeout=20)[tid].status is KVResponseStatus.SUCCESS
+
+
+def write_through(b: EmbeddedBackend, bufs: tuple[list[torch.Tensor], ...], tokens: np.ndarray,
+                  slots: np.ndarray, seed: int) -> RemoteTier:
+    """:func:`fill` ``slots`` (pattern ``seed``), :func:`store` ``tokens`` from them and
+    wait until ``b``'s remote tier wrote every block it was offered; returns that tier."""
+    fill(bufs, slots, seed)
+    store(b, tokens, slots)
+    assert b.remote is not None and b.remote.drain(30)
+    return b.remote
 
 
 def load(b: EmbeddedBackend, tokens: np.ndarray, slots: np.ndarray) -> int:

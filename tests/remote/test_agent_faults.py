@@ -32,7 +32,7 @@ from tests.agent.harness import (
     stop_process,
     wait_healthy,
 )
-from tests.remote.conftest import Master, store_port
+from tests.remote.master import Master, store_port
 from tests.remote.test_two_agents import (
     DST,
     RANK,
@@ -40,9 +40,9 @@ from tests.remote.test_two_agents import (
     TOKENS,
     holds_prompt,
     remote_status,
-    wait_until,
     write_prompt,
 )
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 BLOCK = LAYOUT.bytes_per_block
@@ -91,7 +91,8 @@ class Agent:
 
     def joined(self) -> None:
         wait_healthy(self.url, self.proc)
-        wait_until(lambda: remote_status(self.url)["up"] is True, 90, f"{self.url} joined")
+        wait_for(lambda: remote_status(self.url)["up"] is True,
+                 f"{self.url} joined", 90, interval=0.1)
 
     def store(self, rid: str, tokens: np.ndarray) -> None:
         """Store ``tokens`` (written into SRC) and wait until the pool holds them."""
@@ -99,10 +100,11 @@ class Agent:
         before = int(remote_status(self.url)["bytesPut"])  # type: ignore[call-overload]
         write_prompt(self.bufs, tokens, SRC)
         assert client.store_kv(rid, tokens, SRC) >= 0
-        wait_until(lambda: rid in client.poll_completed(), 30, f"{rid} stored")
+        wait_for(lambda: rid in client.poll_completed(), f"{rid} stored", 30, interval=0.1)
         client.release(rid)
         want = before + len(tokens) // 4 * BLOCK
-        wait_until(lambda: remote_status(self.url)["bytesPut"] == want, 60, f"{rid} written")
+        wait_for(lambda: remote_status(self.url)["bytesPut"] == want,
+                 f"{rid} written", 60, interval=0.1)
 
     def load(self, rid: str, tokens: np.ndarray) -> int:
         """Look up and retrieve ``tokens`` into DST; the hit, whose bytes are checked."""
@@ -221,8 +223,8 @@ def test_a_master_that_never_answers_stops_neither_health_nor_engine_calls(
         # Mooncake's setup would hold the agent for.
         assert a.engine().lookup("q", TOKENS) == 0
         a.engine().release("q")
-        wait_until(lambda: "does not answer" in str(remote_status(a.url)["reason"]), 60,
-                   "the join reported the silent master")
+        wait_for(lambda: "does not answer" in str(remote_status(a.url)["reason"]),
+                 "the join reported the silent master", 60, interval=0.1)
         assert a.proc.poll() is None
     finally:
         a.close()
@@ -249,8 +251,8 @@ def test_a_frozen_peer_stops_neither_puts_nor_gets_between_live_agents(
         assert c.load("ca", mine) < len(mine)  # A's blocks cannot arrive, and no hang
         b.store("pb", theirs)
         loads = iter(range(1000))
-        wait_until(lambda: c.load(f"cb{next(loads)}", theirs) == len(theirs), 90,
-                   "C loads B's prompt")
+        wait_for(lambda: c.load(f"cb{next(loads)}", theirs) == len(theirs),
+                 "C loads B's prompt", 90, interval=0.1)
         assert stopped(a.proc.pid), "A was resumed before the check"
         assert remote_status(b.url)["up"] is True and remote_status(c.url)["up"] is True
     finally:

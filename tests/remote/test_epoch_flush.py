@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.remote.conftest import Master
-from tests.remote.stages import backend, fill, load, node, rows, store
+from tests.remote.master import Master
+from tests.remote.stages import backend, fill, load, node, rows, store, write_through
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
@@ -76,9 +76,7 @@ def test_a_reset_during_a_remote_fetch_never_lets_the_fetch_overwrite_reused_blo
     c = node(master)
     try:
         ba, bufs_a = backend(a)
-        fill(bufs_a, SRC, seed=21)
-        store(ba, TOKENS, SRC)
-        assert ba.remote is not None and ba.remote.drain(30)
+        write_through(ba, bufs_a, TOKENS, SRC, seed=21)
 
         bb, bufs_b = backend(b)
         other = TOKENS + 50_000
@@ -118,13 +116,9 @@ def test_a_key_epoch_switch_in_the_middle_of_a_fetch_never_mixes_epochs(
     a, b = node(master), node(master, staging_blocks=4)  # 2 blocks per chunk
     try:
         b0, bufs0 = backend(a, epoch=0)
-        fill(bufs0, SRC, seed=31)
-        store(b0, TOKENS, SRC)
-        assert b0.remote is not None and b0.remote.drain(30)
+        write_through(b0, bufs0, TOKENS, SRC, seed=31)
         b1, bufs1 = backend(a, epoch=1)
-        fill(bufs1, SRC, seed=32)
-        store(b1, TOKENS, SRC)
-        assert b1.remote is not None and b1.remote.drain(30)
+        write_through(b1, bufs1, TOKENS, SRC, seed=32)
         assert b0.remote.written_blocks == b1.remote.written_blocks == len(TOKENS) // 4
         want0 = rows(bufs0, SRC)
 

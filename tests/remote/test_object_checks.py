@@ -5,7 +5,6 @@ and a prefix is never assembled from two writers' bytes."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,8 +19,9 @@ from node_agent.backend.hashing import BlockHasher
 from node_agent.backend.remote.calls import PendingCall
 from node_agent.backend.remote.keys import block_digest
 from node_agent.vocab.placement import Tier
-from tests.remote.conftest import Master
-from tests.remote.stages import TPB, Node, backend, fill, load, node, rows, store
+from tests.remote.master import Master
+from tests.remote.stages import TPB, Node, backend, fill, load, node, rows, store, write_through
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
@@ -43,10 +43,7 @@ def replace_object(n: Node, key: str, value: bytes) -> None:
     client = n.pool.client()
     assert client is not None
     raw = client._store  # the real Mooncake store object, no checks of ours
-    deadline = time.monotonic() + 60
-    while (rc := raw.remove(key)) != 0:
-        assert time.monotonic() < deadline, f"remove answered {rc} for 60 s"
-        time.sleep(0.1)
+    wait_for(lambda: raw.remove(key) == 0, f"the removal of {key}", 60, interval=0.1)
     assert raw.put(key, value) == 0
 
 
@@ -82,9 +79,7 @@ def test_an_object_replaced_under_its_key_in_the_pool_is_never_loaded(
     a, b = node(master), node(master)
     try:
         ba, bufs_a = backend(a)
-        fill(bufs_a, SRC, seed=31)
-        store(ba, TOKENS, SRC)
-        assert ba.remote is not None and ba.remote.drain(30)
+        write_through(ba, bufs_a, TOKENS, SRC, seed=31)
         assert ba.remote.written_blocks == 8
         keys = object_keys(ba, TOKENS)
         objs = [raw_object(a, k) for k in keys]
@@ -122,9 +117,7 @@ def test_a_prefix_is_never_assembled_from_two_writers(master: Master) -> None:
         assert load(bb, TOKENS, DST) == 4 * TPB
 
         bc, bufs_c = backend(c)
-        fill(bufs_c, SRC, seed=42)
-        store(bc, TOKENS, SRC)
-        assert bc.remote is not None and bc.remote.drain(30)
+        write_through(bc, bufs_c, TOKENS, SRC, seed=42)
 
         bd, bufs_d = backend(d)  # fetches the whole prompt at once
         for reader, bufs, n in ((bb, bufs_b, b), (bd, bufs_d, d)):
@@ -150,9 +143,7 @@ def test_a_fetch_staging_one_object_at_a_time_copies_each_block_its_own_bytes(
     a, b = node(master), node(master, staging_blocks=1)
     try:
         ba, bufs_a = backend(a)
-        fill(bufs_a, SRC, seed=51)
-        store(ba, TOKENS, SRC)
-        assert ba.remote is not None and ba.remote.drain(30)
+        write_through(ba, bufs_a, TOKENS, SRC, seed=51)
 
         bb, bufs_b = backend(b)
         tier = bb.remote

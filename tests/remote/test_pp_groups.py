@@ -30,12 +30,12 @@ from tests.coordinator.harness import (
     make_buffers,
     read_slots,
     wait_completed,
-    wait_for,
     write_slots,
 )
-from tests.remote.conftest import Master
+from tests.remote.master import Master
 from tests.remote.stages import Node, node
 from tests.support.group_views import update_status
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 TOKENS = np.arange(300, 332, dtype=np.int64)  # 8 blocks of 4 tokens
@@ -100,9 +100,29 @@ class Group:
         assert not errors, errors
         return out
 
+    def store(self, rid: str = "p", tokens: np.ndarray = TOKENS, content: int = 0) -> list[int]:
+        """``store_kv`` of ``tokens`` from SRC on every stage at once (stage r's KV as
+        stage ``r + content``'s), then wait until every stage reported it; the
+        task ids."""
+        def one(r: int, c: Coordinator) -> int:
+            write_slots(self.bufs[r], SRC, kv_content(r + content, tokens))
+            return c.store_kv(rid, tokens, torch.as_tensor(SRC))
+
+        tasks = self.on_every_stage(one)
+        for c in self.conns:
+            wait_completed(c, rid, 20)
+        return tasks
+
     def close(self) -> None:
         for c in reversed(self.conns):
             c.close()
+
+
+def wait_written(nodes: list[Node], blocks: int, what: str) -> None:
+    """Wait until each of ``nodes`` put exactly ``blocks`` blocks into the pool."""
+    wait_for(lambda: all((n.metrics.registry.get_sample_value(
+        "flexkv_agent_remote_bytes_total", {"direction": "put"}) or 0)
+        == blocks * LAYOUT.bytes_per_block for n in nodes), what, 60)
 
 
 @pytest.fixture
@@ -130,18 +150,9 @@ def test_group_b_serves_group_a_prefix_each_stage_from_its_own_keys(
     """With and without a model namespace: the leader's fetch outside its decision
     lock hashes the prompt as its match does, so B's lookup finds what it fetched."""
     a, b, nodes = groups
-
-    def store(r: int, c: Coordinator) -> int:
-        write_slots(a.bufs[r], SRC, kv_content(r, TOKENS))
-        return c.store_kv("p", TOKENS, torch.as_tensor(SRC))
-
-    assert all(t >= 0 for t in a.on_every_stage(store))
-    for c in a.conns:
-        wait_completed(c, "p", 20)
+    assert all(t >= 0 for t in a.store())
     # Every stage of A writes its own blocks (the follower through CPU -> REMOTE moves).
-    wait_for(lambda: all((n.metrics.registry.get_sample_value(
-        "flexkv_agent_remote_bytes_total", {"direction": "put"}) or 0)
-        == 8 * LAYOUT.bytes_per_block for n in nodes[:2]), "A's stages wrote 8 blocks", 60)
+    wait_written(nodes[:2], 8, "A's stages wrote 8 blocks")
 
     hits = b.on_every_stage(lambda r, c: c.lookup("q", TOKENS))
     assert hits == [len(TOKENS), len(TOKENS)]
@@ -167,17 +178,8 @@ def test_a_stage_whose_own_blocks_are_missing_makes_the_group_miss(
     stage 0's are there: B's leader still finds its own, but B's follower cannot
     fetch its stage; the group answers a miss and no stage loads undefined bytes."""
     a, b, nodes = groups
-
-    def store(r: int, c: Coordinator) -> int:
-        write_slots(a.bufs[r], SRC, kv_content(r, TOKENS))
-        return c.store_kv("p", TOKENS, torch.as_tensor(SRC))
-
-    a.on_every_stage(store)
-    for c in a.conns:
-        wait_completed(c, "p", 20)
-    wait_for(lambda: all((n.metrics.registry.get_sample_value(
-        "flexkv_agent_remote_bytes_total", {"direction": "put"}) or 0)
-        == 8 * LAYOUT.bytes_per_block for n in nodes[:2]), "A's stages wrote 8 blocks", 60)
+    a.store()
+    wait_written(nodes[:2], 8, "A's stages wrote 8 blocks")
     ids = [block_digest(h) for h in BlockHasher(LAYOUT.tokens_per_block).hashes(TOKENS)]
     client = nodes[1].pool.client()
     assert client is not None
@@ -212,20 +214,9 @@ def test_a_follower_on_another_cache_epoch_never_fetches_that_epochs_objects(
         b = Group("ep-b", nodes[2:], epochs=[0, 1])
         made.append(b)
 
-        def store(g: Group, offset: int) -> Callable[[int, Coordinator], int]:
-            def run(r: int, c: Coordinator) -> int:
-                write_slots(g.bufs[r], SRC, kv_content(r + offset, TOKENS))
-                return c.store_kv("p", TOKENS, torch.as_tensor(SRC))
-            return run
-
         for g, offset in ((a, 0), (a1, 5)):
-            assert all(t >= 0 for t in g.on_every_stage(store(g, offset)))
-            for c in g.conns:
-                wait_completed(c, "p", 20)
-        wait_for(lambda: all((n.metrics.registry.get_sample_value(
-            "flexkv_agent_remote_bytes_total", {"direction": "put"}) or 0)
-            == 16 * LAYOUT.bytes_per_block for n in nodes[:2]),
-            "both epochs' objects written by every stage", 60)
+            assert all(t >= 0 for t in g.store(content=offset))
+        wait_written(nodes[:2], 16, "both epochs' objects written by every stage")
 
         assert b.on_every_stage(lambda r, c: c.lookup("q", TOKENS)) == [len(TOKENS), 0]
 
@@ -257,14 +248,7 @@ def test_a_retrieve_whose_lookup_straddles_a_group_flush_is_a_miss_on_every_stag
     resets the leader, which flushes the followers) before the retrieves: each
     stage answers 0 and loads nothing."""
     a, _, _ = groups
-
-    def store(r: int, c: Coordinator) -> int:
-        write_slots(a.bufs[r], SRC, kv_content(r, TOKENS))
-        return c.store_kv("p", TOKENS, torch.as_tensor(SRC))
-
-    assert all(t >= 0 for t in a.on_every_stage(store))
-    for c in a.conns:
-        wait_completed(c, "p", 20)
+    assert all(t >= 0 for t in a.store())
     assert a.on_every_stage(lambda r, c: c.lookup("q", TOKENS)) == [len(TOKENS)] * 2
     resets = a.conns[1].status()["counters"]["resets"]
     a.conns[0].reset()
@@ -290,13 +274,8 @@ def test_a_remote_fetch_never_holds_up_another_requests_lookup(
     a, b, nodes = groups
 
     def store(g: Group, rid: str, tokens: np.ndarray) -> None:
-        def one(r: int, c: Coordinator) -> int:
-            write_slots(g.bufs[r], SRC, kv_content(r, tokens))
-            return c.store_kv(rid, tokens, torch.as_tensor(SRC))
-
-        assert all(t >= 0 for t in g.on_every_stage(one))
+        assert all(t >= 0 for t in g.store(rid, tokens))
         for c in g.conns:
-            wait_completed(c, rid, 20)
             c.release(rid)
 
     store(a, "p", TOKENS)
@@ -347,17 +326,8 @@ def test_blocks_a_follower_could_not_fetch_are_fetched_again_once_its_objects_re
     could not fetch were fetched again, not left indexed on the leader as a hit
     that every later load misses."""
     a, b, nodes = groups
-
-    def store(r: int, c: Coordinator) -> int:
-        write_slots(a.bufs[r], SRC, kv_content(r, TOKENS))
-        return c.store_kv("p", TOKENS, torch.as_tensor(SRC))
-
-    a.on_every_stage(store)
-    for c in a.conns:
-        wait_completed(c, "p", 20)
-    wait_for(lambda: all((n.metrics.registry.get_sample_value(
-        "flexkv_agent_remote_bytes_total", {"direction": "put"}) or 0)
-        == 8 * LAYOUT.bytes_per_block for n in nodes[:2]), "A's stages wrote 8 blocks", 60)
+    a.store()
+    wait_written(nodes[:2], 8, "A's stages wrote 8 blocks")
     digests = [block_digest(h) for h in BlockHasher(LAYOUT.tokens_per_block).hashes(TOKENS)]
     keys = KeySpace(LAYOUT, 1, 2, "ns1", "tp", 0).keys(digests)
     client = nodes[1].pool.client()

@@ -15,8 +15,21 @@ from node_agent.backend.remote.tier import RemotePool
 from node_agent.pp import messages
 from node_agent.vocab.layout import KVDtype
 from node_agent.vocab.placement import Tier, TierMove
-from tests.remote.conftest import Master, free_port
-from tests.remote.stages import LAYOUT, TPB, backend, fill, follower, load, node, rows, store
+from tests.remote.master import Master
+from tests.remote.stages import (
+    LAYOUT,
+    TPB,
+    backend,
+    fill,
+    follower,
+    load,
+    node,
+    rows,
+    store,
+    write_through,
+)
+from tests.support.ports import free_port
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
@@ -25,22 +38,12 @@ SRC = np.arange(64, dtype=np.int64)
 DST = np.arange(100, 164, dtype=np.int64)
 
 
-def wait_until(cond, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not met within {timeout}s")
-        time.sleep(0.05)
-
-
 def test_a_prefix_stored_on_one_node_is_served_on_another_bit_exactly(master: Master) -> None:
     a, b = node(master), node(master)
     try:
         ba, bufs_a = backend(a)
         bb, bufs_b = backend(b)
-        fill(bufs_a, SRC, seed=1)
-        store(ba, TOKENS, SRC)
-        assert ba.remote is not None and ba.remote.drain(30)
+        write_through(ba, bufs_a, TOKENS, SRC, seed=1)
         assert ba.remote.written_blocks == 16
         assert load(bb, TOKENS, DST) == len(TOKENS)
         for want, got in zip(rows(bufs_a, SRC), rows(bufs_b, DST), strict=True):
@@ -65,9 +68,7 @@ def test_a_block_of_another_layout_namespace_pool_or_epoch_is_never_loaded(
     a, b = node(master), node(master)
     try:
         ba, bufs_a = backend(a)
-        fill(bufs_a, SRC, seed=2)
-        store(ba, TOKENS, SRC)
-        assert ba.remote is not None and ba.remote.drain(30)
+        write_through(ba, bufs_a, TOKENS, SRC, seed=2)
         # Same bytes per block, other dtype: the bytes would be misread.
         bf16 = dataclasses.replace(LAYOUT, dtype=KVDtype.BFLOAT16)
         assert bf16.bytes_per_block == LAYOUT.bytes_per_block
@@ -93,9 +94,7 @@ def test_master_killed_mid_fetch_is_a_shorter_hit_without_a_hole_then_hits_resum
     try:
         ba, bufs_a = backend(a)
         bb, bufs_b = backend(b)
-        fill(bufs_a, SRC, seed=3)
-        store(ba, TOKENS, SRC)
-        assert ba.remote is not None and ba.remote.drain(30)
+        write_through(ba, bufs_a, TOKENS, SRC, seed=3)
         calls: list[int] = []
 
         def kill_after_first_chunk(done: int) -> None:
@@ -141,7 +140,7 @@ def test_master_killed_mid_fetch_is_a_shorter_hit_without_a_hole_then_hits_resum
             ba.reset()
             return False
 
-        wait_until(stored_and_written, 90, "hits after the master restarted")
+        wait_for(stored_and_written, "hits after the master restarted", 90, interval=0.05)
         assert b.pool.health.up
     finally:
         a.close()
@@ -245,8 +244,8 @@ def test_a_node_whose_master_is_down_at_start_joins_when_it_comes_up(tmp_path) -
         assert pool.health.up is False
         assert pool.call("lookup", lambda c: c.batch_is_exist(["k"]), 2) is None  # a miss
         m.start()
-        wait_until(lambda: pool.call("lookup", lambda c: c.batch_is_exist(["k"]), 2) == [0],
-                   90, "joined once the master is up")
+        wait_for(lambda: pool.call("lookup", lambda c: c.batch_is_exist(["k"]), 2) == [0],
+                 "joined once the master is up", 90, interval=0.05)
         assert pool.health.up
     finally:
         pool.close()

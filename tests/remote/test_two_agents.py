@@ -4,7 +4,6 @@ stored through agent A is served by agent B from the remote tier, bit-exactly.""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +24,8 @@ from tests.agent.harness import (
     stop_process,
     wait_healthy,
 )
-from tests.remote.conftest import Master, store_port
+from tests.remote.master import Master, store_port
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 RANK = RankInfo(replica="eng-0")
@@ -57,14 +57,6 @@ def remote_status(url: str) -> dict[str, object]:
     return status
 
 
-def wait_until(cond, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not met within {timeout}s")
-        time.sleep(0.1)
-
-
 def write_prompt(bufs: SharedKVBuffers, tokens: np.ndarray, slots: np.ndarray) -> None:
     planes = [t for g in bufs.tensors for t in g]
     for p, t in enumerate(planes):
@@ -94,7 +86,8 @@ def test_agent_b_serves_agent_a_prefix_from_the_remote_tier(work: Path, master: 
         wait_healthy(url_a, agent_a)
         wait_healthy(url_b, agent_b)
         for url in (url_a, url_b):
-            wait_until(lambda url=url: remote_status(url)["up"] is True, 60, f"{url} joined")
+            wait_for(lambda url=url: remote_status(url)["up"] is True,
+                     f"{url} joined", 60, interval=0.1)
         ready = httpx.get(url_b + "/readyz", timeout=5).json()
         assert ready["components"]["remote"]["degraded"] is False
 
@@ -102,11 +95,12 @@ def test_agent_b_serves_agent_a_prefix_from_the_remote_tier(work: Path, master: 
         client_a.register_kv_buffers(LAYOUT, bufs_a.handles)
         write_prompt(bufs_a, TOKENS, SRC)
         assert client_a.store_kv("p", TOKENS, SRC) >= 0
-        wait_until(lambda: "p" in client_a.poll_completed(), 30, "store completed")
+        wait_for(lambda: "p" in client_a.poll_completed(), "store completed", 30, interval=0.1)
         client_a.release("p")
         block = LAYOUT.bytes_per_block
-        wait_until(lambda: remote_status(url_a)["bytesPut"] == 16 * block
-                   and remote_status(url_a)["queueDepth"] == 0, 60, "A wrote 16 blocks")
+        wait_for(lambda: remote_status(url_a)["bytesPut"] == 16 * block
+                 and remote_status(url_a)["queueDepth"] == 0,
+                 "A wrote 16 blocks", 60, interval=0.1)
 
         client_b = EngineClient(sock_b, RANK, timeout=10)
         client_b.register_kv_buffers(LAYOUT, bufs_b.handles)
@@ -129,7 +123,8 @@ def test_agent_b_serves_agent_a_prefix_from_the_remote_tier(work: Path, master: 
         client_b.release("r")
         assert client_b.lookup("s", TOKENS) == len(TOKENS)  # local tiers keep serving
         client_b.release("s")
-        wait_until(lambda: remote_status(url_b)["up"] is False, 30, "B saw the master down")
+        wait_for(lambda: remote_status(url_b)["up"] is False,
+                 "B saw the master down", 30, interval=0.1)
         r = httpx.get(url_b + "/readyz", timeout=5)
         assert r.status_code == 200
         assert r.json()["components"]["remote"]["degraded"] is True
@@ -157,13 +152,13 @@ def test_a_retrieve_whose_lookup_straddles_a_cache_epoch_flush_answers_a_miss(
         client.register_kv_buffers(LAYOUT, bufs.handles)
         write_prompt(bufs, TOKENS, SRC)
         assert client.store_kv("p", TOKENS, SRC) >= 0
-        wait_until(lambda: "p" in client.poll_completed(), 30, "store completed")
+        wait_for(lambda: "p" in client.poll_completed(), "store completed", 30, interval=0.1)
         client.release("p")
         assert client.lookup("q", TOKENS) == len(TOKENS)
 
         path.write_text(yaml.safe_dump({**data, "cacheEpoch": 1}))
-        wait_until(lambda: httpx.get(url + "/status", timeout=5).json()["cacheEpoch"] == 1,
-                   60, "the epoch flush applied")
+        wait_for(lambda: httpx.get(url + "/status", timeout=5).json()["cacheEpoch"] == 1,
+                 "the epoch flush applied", 60, interval=0.1)
         assert client.retrieve("q", DST) == 0
         assert not holds_prompt(bufs, TOKENS, DST)
         client.release("q")

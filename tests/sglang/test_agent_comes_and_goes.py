@@ -6,7 +6,6 @@ agent goes away (its socket file is removed on a clean stop)."""
 from __future__ import annotations
 
 import shutil
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from node_agent.integrations.sglang.connector import AgentKVConnector
 from tests.agent.harness import (
     LAYOUT,
     agent_mapping,
+    agent_process,
     short_dir,
     start_agent_process,
     stop_process,
@@ -27,6 +27,7 @@ from tests.agent.harness import (
 )
 from tests.sglang.stage import Handle
 from tests.support.clock import ManualClock
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -41,11 +42,14 @@ def work() -> Iterator[Path]:
 
 
 def _completed(conn: AgentKVConnector, within: float = 20.0) -> list[object]:
-    deadline = time.monotonic() + within
+    """The stores reported until none is in flight."""
     done: list[object] = []
-    while conn.stores_in_flight() and time.monotonic() < deadline:
-        done += conn.check_completed_stores()
-        time.sleep(0.02)
+
+    def drained() -> bool:
+        done.extend(conn.check_completed_stores())
+        return conn.stores_in_flight() == 0
+
+    wait_for(drained, "every store reported", within, interval=0.02)
     return done
 
 
@@ -112,26 +116,21 @@ def test_a_layout_the_agent_refuses_fails_start_up_then_only_logs(work: Path) ->
     degrade to misses instead of failing the scheduler."""
     from node_agent.vocab.layout import KVLayout
 
-    data = agent_mapping(work, "solo")
-    path = work / "agent.yaml"
-    path.write_text(yaml.safe_dump(data))
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_size=8, dtype=LAYOUT.dtype,
                       tokens_per_block=2 * LAYOUT.tokens_per_block)
     bufs = SharedKVBuffers.for_layout(layout, 64)
     clock = ManualClock()
-    client = EngineClient(str(data["engineSocket"]), RankInfo(replica="solo-0"), timeout=10)
-    conn = AgentKVConnector(client, layout, bufs.handles, page_size=layout.tokens_per_block,
-                            retry_seconds=5, clock=clock)
-    agent = start_agent_process(path, work / "agent.log")
-    try:
-        wait_healthy(f"http://127.0.0.1:{data['ports']['http']}", agent)
-        with pytest.raises(ValueError, match="tokensPerBlock 8 differs from the pool's"):
-            conn.connect()
-        clock.now += 5
-        assert conn.lookup_kv(list(range(16)), None, Handle("x", 0)) == (-1, 0)
-        assert conn.store_kv(Handle("x", 0), list(range(16)), torch.arange(16)) == -1
-        assert conn.connected is False
-    finally:
-        conn.shutdown()
-        stop_process(agent)
-        bufs.close()
+    with agent_process(work) as agent:
+        client = EngineClient(agent.socket, RankInfo(replica="solo-0"), timeout=10)
+        conn = AgentKVConnector(client, layout, bufs.handles, page_size=layout.tokens_per_block,
+                                retry_seconds=5, clock=clock)
+        try:
+            with pytest.raises(ValueError, match="tokensPerBlock 8 differs from the pool's"):
+                conn.connect()
+            clock.now += 5
+            assert conn.lookup_kv(list(range(16)), None, Handle("x", 0)) == (-1, 0)
+            assert conn.store_kv(Handle("x", 0), list(range(16)), torch.arange(16)) == -1
+            assert conn.connected is False
+        finally:
+            conn.shutdown()
+            bufs.close()

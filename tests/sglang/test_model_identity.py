@@ -6,28 +6,24 @@ agent process through the plugin's connector and client."""
 from __future__ import annotations
 
 import shutil
-import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-import yaml
 
 from node_agent.client import EngineClient, RankInfo, SharedKVBuffers
 from node_agent.integrations.sglang.connector import AgentKVConnector
 from node_agent.integrations.sglang.settings import PluginSettings, model_identity
 from tests.agent.harness import (
     LAYOUT,
-    agent_mapping,
+    agent_process,
     short_dir,
-    start_agent_process,
-    stop_process,
-    wait_healthy,
 )
 from tests.sglang.stage import Handle
 from tests.support.clock import ManualClock
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -42,15 +38,10 @@ def server_args(model_path: str) -> SimpleNamespace:
 @pytest.fixture()
 def agent() -> Iterator[str]:
     work = short_dir("sglm")
-    data = agent_mapping(work, "solo")
-    path = work / "agent.yaml"
-    path.write_text(yaml.safe_dump(data))
-    proc = start_agent_process(path, work / "agent.log")
     try:
-        wait_healthy(f"http://127.0.0.1:{data['ports']['http']}", proc)
-        yield str(data["engineSocket"])
+        with agent_process(work) as running:
+            yield running.socket
     finally:
-        stop_process(proc)
         shutil.rmtree(work, ignore_errors=True)
 
 
@@ -70,11 +61,12 @@ def test_ranks_of_other_weights_or_another_salt_never_hit_the_first_models_block
     try:
         first = rank(agent, server_args("/models/llama"), None, bufs)
         assert first.store_kv(Handle("s1", 0), TOKENS.tolist(), torch.arange(16)) >= 0
-        deadline = time.monotonic() + 20
-        while first.stores_in_flight():
-            assert time.monotonic() < deadline, "the store never completed"
+
+        def stored() -> bool:
             first.check_completed_stores()
-            time.sleep(0.02)
+            return not first.stores_in_flight()
+
+        wait_for(stored, "the store completed", 20, interval=0.02)
         task, hit = first.lookup_kv(TOKENS, None, Handle("s2", 0))
         assert task >= 0 and hit == len(TOKENS)
         first.release_pending(Handle("s2", 0))

@@ -64,7 +64,7 @@ def test_agent_rid_pairs_stages_by_request_and_attempt() -> None:
 
 
 
-def test_without_an_agent_every_call_degrades_and_the_seed_check_still_raises(
+def test_without_an_agent_every_call_degrades_and_the_length_check_still_raises(
         tmp_path: Path) -> None:
     """SGLang keeps serving from its radix cache: misses, -1, 0, no waits (the
     client finds no socket file); the contract's length check still applies."""

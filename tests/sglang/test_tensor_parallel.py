@@ -11,16 +11,12 @@ import shutil
 import socket
 
 import pytest
-import yaml
 
 from node_agent.engine_api.protocol import layout_to_wire
 from node_agent.vocab.layout import KVDtype, KVLayout
 from tests.agent.harness import (
-    agent_mapping,
+    agent_process,
     short_dir,
-    start_agent_process,
-    stop_process,
-    wait_healthy,
 )
 from tests.sglang.tp_rank import tp_main
 
@@ -37,48 +33,43 @@ def _port() -> int:
 
 def test_tp_rank0_calls_the_agent_and_every_rank_gets_its_answers() -> None:
     work = short_dir("sgltp")
-    agent = None
     procs = []
     try:
-        data = agent_mapping(work, "solo", expectedRanks=2)
-        path = work / "agent.yaml"
-        path.write_text(yaml.safe_dump(data))
-        agent = start_agent_process(path, work / "agent.log")
-        wait_healthy(f"http://127.0.0.1:{data['ports']['http']}", agent)
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["tests.sglang.tp_rank"])
-        port = _port()
-        pipes = []
-        for r in range(2):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=tp_main, daemon=True,
-                            args=(str(data["engineSocket"]), json.dumps(layout_to_wire(LAYOUT)),
-                                  r, 2, port, child))
-            p.start()
-            child.close()
-            procs.append(p)
-            pipes.append(parent)
-        reports = []
-        for r, pipe in enumerate(pipes):
-            assert pipe.poll(120), f"TP rank {r} did not finish (a hang)"
-            kind, value = pipe.recv()
-            assert kind == "ok", value
-            reports.append(value)
-        r0, r1 = reports
-        assert r0["connected"] and r1["connected"]
-        assert r0["task"] >= 0 and r0["task"] == r1["task"]
-        assert r0["completed"] == r1["completed"] == ["tp-store"]
-        assert r0["lookup"] == r1["lookup"] and r0["lookup"][1] == 32
-        assert r0["loaded"] == r1["loaded"] == 32
-        assert r0["exact"] is True and r1["exact"] is True  # each rank's own heads
-        want = "store_kv: token_ids has 3 entries but kv_indices has 2 entries"
-        assert r0["seed_error"] == r1["seed_error"] == want
-        assert r0["miss"] == r1["miss"] == [-1, 0]
+        with agent_process(work, expectedRanks=2) as agent:
+            try:
+                ctx = mp.get_context("forkserver")
+                ctx.set_forkserver_preload(["tests.sglang.tp_rank"])
+                port = _port()
+                pipes = []
+                for r in range(2):
+                    parent, child = ctx.Pipe()
+                    p = ctx.Process(target=tp_main, daemon=True,
+                                    args=(agent.socket, json.dumps(layout_to_wire(LAYOUT)),
+                                          r, 2, port, child))
+                    p.start()
+                    child.close()
+                    procs.append(p)
+                    pipes.append(parent)
+                reports = []
+                for r, pipe in enumerate(pipes):
+                    assert pipe.poll(120), f"TP rank {r} did not finish (a hang)"
+                    kind, value = pipe.recv()
+                    assert kind == "ok", value
+                    reports.append(value)
+                r0, r1 = reports
+                assert r0["connected"] and r1["connected"]
+                assert r0["task"] >= 0 and r0["task"] == r1["task"]
+                assert r0["completed"] == r1["completed"] == ["tp-store"]
+                assert r0["lookup"] == r1["lookup"] and r0["lookup"][1] == 32
+                assert r0["loaded"] == r1["loaded"] == 32
+                assert r0["exact"] is True and r1["exact"] is True  # each rank's own heads
+                want = "store_kv: token_ids has 3 entries but kv_indices has 2 entries"
+                assert r0["length_error"] == r1["length_error"] == want
+                assert r0["miss"] == r1["miss"] == [-1, 0]
+            finally:
+                for p in procs:
+                    p.join(10)
+                    if p.is_alive():
+                        p.kill()
     finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-        if agent is not None:
-            stop_process(agent)
         shutil.rmtree(work, ignore_errors=True)

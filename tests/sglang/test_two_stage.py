@@ -71,7 +71,7 @@ def test_store_is_cut_to_whole_pages_and_short_stores_write_nothing(replica: Rep
     assert all(s["inflight"] == 0 for s in replica.both("status"))
 
 
-def test_seed_store_kv_contract_on_every_rank(replica: Replica) -> None:
+def test_the_connector_store_kv_contract_holds_on_every_rank(replica: Replica) -> None:
     for r in replica.both("store_bad", tokens=[1, 2, 3, 4, 5], indices=[0, 1, 2, 3]):
         assert r["error"] == "store_kv: token_ids has 5 entries but kv_indices has 4 entries"
     # Nothing was sent or written: the group keeps pairing calls as before.

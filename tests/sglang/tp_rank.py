@@ -69,7 +69,7 @@ def tp_main(socket: str, layout_wire: str, tp_rank: int, tp_size: int, port: int
         try:
             conn.store_kv(Handle("tp-bad", 0), [1, 2, 3], torch.arange(2))
         except ValueError as exc:
-            report["seed_error"] = str(exc)
+            report["length_error"] = str(exc)
         report["miss"] = list(conn.lookup_kv(np.arange(9000, 9016), None, Handle("tp-m", 0)))
         conn.shutdown()
         bufs.close()

@@ -9,11 +9,18 @@ from __future__ import annotations
 import json
 import os
 import queue
+import signal
 import subprocess
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from tests.agent.harness import free_port, start_agent_process, wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
@@ -134,3 +141,57 @@ def wait_metric(engine: EngineProcess, name: str, minimum: float, timeout: float
             return value
         time.sleep(0.5)
     raise AssertionError(f"vLLM metric {name} stayed at {value} < {minimum} for {timeout}s")
+
+
+def require_vllm() -> None:
+    """Skip the calling test module without .venv-vllm, or fail it when
+    FLEXKV_REQUIRE_VLLM=1 (scripts/test.sh sets it). Call at module level."""
+    if not VLLM_PYTHON.exists():
+        if os.environ.get("FLEXKV_REQUIRE_VLLM") == "1":
+            raise RuntimeError(f"{VLLM_PYTHON} is missing; run bash scripts/bootstrap_vllm.sh")
+        pytest.skip("no .venv-vllm (bash scripts/bootstrap_vllm.sh creates it)",
+                    allow_module_level=True)
+
+
+class Agent:
+    """An agent process (embedded backend, 512 MiB CPU tier, Kubernetes off) in ``work``;
+    can be killed and started again on the same socket."""
+
+    def __init__(self, work: Path) -> None:
+        self.work = work
+        self.socket = work / "engine.sock"
+        self.http = free_port()
+        cfg = {"pool": "vllm-test", "tokensPerBlock": BLOCK,
+               "tiers": {"cpu": {"size": "512Mi", "pinned": False}},
+               "ports": {"http": self.http, "fanout": free_port()},
+               "engineSocket": str(self.socket), "curveKeyDir": str(work / "curve"),
+               "kubernetes": "off", "bindAddress": "127.0.0.1",
+               "advertiseAddress": "127.0.0.1", "nodeName": "vllm-node"}
+        self.config = work / "agent.yaml"
+        self.config.write_text(yaml.safe_dump(cfg))
+        self.proc = self.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http}"
+
+    def start(self) -> Any:
+        proc = start_agent_process(self.config, self.work / "agent.log")
+        wait_healthy(self.url, proc)
+        self.proc = proc
+        return proc
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def lookups(self) -> float:
+        """Engine lookups the agent answered (its Prometheus counter)."""
+        return self.metric('flexkv_agent_engine_requests_total{op="lookup",outcome="ok"}')
+
+    def metric(self, name: str) -> float:
+        total = 0.0
+        for line in httpx.get(self.url + "/metrics", timeout=5).text.splitlines():
+            if line.startswith(name) and not line.startswith("#"):
+                total += float(line.rsplit(" ", 1)[1])
+        return total

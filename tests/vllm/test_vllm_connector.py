@@ -26,45 +26,38 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 import torch
-import yaml
 
 from node_agent.client import EngineClient, RankInfo, SharedKVBuffers
 from node_agent.integrations.vllm.tiny_model import prompt_ids
 from node_agent.vocab.layout import KVDtype, KVLayout, LayoutName
 from tests.agent.harness import (
-    free_port,
     short_dir,
-    start_agent_process,
     stop_process,
-    wait_healthy,
 )
+from tests.support.waiting import wait_for
 from tests.vllm.harness import (
     BLOCK,
     VLLM_PYTHON,
+    Agent,
     EngineProcess,
     connector_config,
     engine_env,
+    require_vllm,
     wait_metric,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-if not VLLM_PYTHON.exists():
-    if os.environ.get("FLEXKV_REQUIRE_VLLM") == "1":
-        raise RuntimeError(f"{VLLM_PYTHON} is missing; run bash scripts/bootstrap_vllm.sh")
-    pytest.skip("no .venv-vllm (bash scripts/bootstrap_vllm.sh creates it)",
-                allow_module_level=True)
+require_vllm()
 
 PROMPT = 2048
 LAYERS, KV_HEADS, HEAD = 4, 2, 64  # the generated test model (hidden 256, 4 heads)
@@ -73,45 +66,6 @@ FULL_HIT = PROMPT - BLOCK  # vLLM always computes the last block
 
 def ids(seed: int, n: int = PROMPT) -> list[int]:
     return prompt_ids(n, seed)
-
-
-class Agent:
-    """The agent process; can be killed and started again on the same socket."""
-
-    def __init__(self, work: Path) -> None:
-        self.work = work
-        self.socket = work / "engine.sock"
-        self.http = free_port()
-        cfg = {"pool": "vllm-test", "tokensPerBlock": BLOCK,
-               "tiers": {"cpu": {"size": "512Mi", "pinned": False}},
-               "ports": {"http": self.http, "fanout": free_port()},
-               "engineSocket": str(self.socket), "curveKeyDir": str(work / "curve"),
-               "kubernetes": "off", "bindAddress": "127.0.0.1",
-               "advertiseAddress": "127.0.0.1", "nodeName": "vllm-node"}
-        self.config = work / "agent.yaml"
-        self.config.write_text(yaml.safe_dump(cfg))
-        self.proc = self.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.http}"
-
-    def start(self) -> Any:
-        proc = start_agent_process(self.config, self.work / "agent.log")
-        wait_healthy(self.url, proc)
-        self.proc = proc
-        return proc
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=30)
-
-    def metric(self, name: str) -> float:
-        total = 0.0
-        for line in httpx.get(self.url + "/metrics", timeout=5).text.splitlines():
-            if line.startswith(name) and not line.startswith("#"):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
 
 
 class World:
@@ -204,10 +158,8 @@ def test_second_engine_hits_what_the_first_stored_and_depends_on_the_bytes(
         client.register_kv_buffers(layout, bufs.handles)
         slots = np.arange(BLOCK, (blocks) * BLOCK, dtype=np.int64)[:PROMPT]
         assert client.store_kv("scribble", ids(3), slots) >= 0
-        deadline = time.monotonic() + 30
-        while "scribble" not in client.poll_completed():
-            assert time.monotonic() < deadline, "scribbled store never completed"
-            time.sleep(0.02)
+        wait_for(lambda: "scribble" in client.poll_completed(), "the scribbled store completed",
+                 30, interval=0.02)
     # vLLM's one-process executor: empty steps carry connector output only because
     # the workers return worker metadata while transfers are pending.
     c = world.engine("c", connector_config(world.agent.socket, retrySeconds=0.5),
@@ -229,9 +181,13 @@ def test_agent_killed_mid_workload_then_restarted(world: World) -> None:
     def run() -> None:
         result.update(c.generate(batch, max_tokens=8, timeout=300))
 
+    lookups = 'flexkv_agent_engine_requests_total{op="lookup"'
+    before = world.agent.metric(lookups)
     t = threading.Thread(target=run)
     t.start()
-    time.sleep(1.0)
+    # Killed once the batch's calls reach the agent: mid-workload.
+    wait_for(lambda: world.agent.metric(lookups) > before, "the batch's lookups at the agent",
+             60, interval=0.05)
     world.agent.kill()
     t.join(timeout=320)
     assert not t.is_alive(), "requests did not finish after the agent was killed"

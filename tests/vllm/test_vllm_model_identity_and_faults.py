@@ -36,23 +36,21 @@ import pytest
 
 from node_agent.integrations.vllm.tiny_model import prompt_ids
 from tests.agent.harness import short_dir, stop_process
+from tests.support.waiting import wait_for
 from tests.vllm.harness import (
     BLOCK,
     VLLM_PYTHON,
+    Agent,
     EngineProcess,
     connector_config,
     engine_env,
+    require_vllm,
     wait_metric,
 )
-from tests.vllm.test_vllm_connector import Agent
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-if not VLLM_PYTHON.exists():
-    if os.environ.get("FLEXKV_REQUIRE_VLLM") == "1":
-        raise RuntimeError(f"{VLLM_PYTHON} is missing; run bash scripts/bootstrap_vllm.sh")
-    pytest.skip("no .venv-vllm (bash scripts/bootstrap_vllm.sh creates it)",
-                allow_module_level=True)
+require_vllm()
 
 PROMPT = 2048
 LOADABLE = PROMPT - BLOCK  # vLLM always computes the last block
@@ -113,10 +111,6 @@ def counters(engine: EngineProcess) -> dict[str, float]:
     return {k: m.get(f"vllm:flexkv_agent_{n}", 0.0) for k, n in names.items()}
 
 
-def agent_lookups(world: World) -> float:
-    return world.agent.metric('flexkv_agent_engine_requests_total{op="lookup",outcome="ok"}')
-
-
 def test_a_request_waiting_for_admission_is_looked_up_once_and_hits_count_what_loaded(
         world: World) -> None:
     a = world.engine("a", "a")
@@ -124,7 +118,7 @@ def test_a_request_waiting_for_admission_is_looked_up_once_and_hits_count_what_l
     cold = a.generate(prompts, max_tokens=16, timeout=600)
     assert cold["cached"] == [0] * len(prompts)
     assert a.call({"op": "reset", "timeout": 120})["reset"] is True  # stores complete
-    before, agent_before = counters(a), agent_lookups(world)
+    before, agent_before = counters(a), world.agent.lookups()
     agent_hits_before = world.agent.metric("flexkv_agent_hit_tokens_total")
 
     warm = a.generate(prompts, max_tokens=16, timeout=600)
@@ -134,7 +128,7 @@ def test_a_request_waiting_for_admission_is_looked_up_once_and_hits_count_what_l
                 timeout=120)
     after = counters(a)
     assert after["loaded_tokens"] - before["loaded_tokens"] == loaded
-    assert agent_lookups(world) - agent_before == len(prompts)
+    assert world.agent.lookups() - agent_before == len(prompts)
     assert world.agent.metric("flexkv_agent_hit_tokens_total") - agent_hits_before == loaded
     assert after["lookups"] - before["lookups"] == len(prompts), (before, after)
     assert after["hit_tokens"] - before["hit_tokens"] == loaded, (before, after)
@@ -159,7 +153,7 @@ def test_an_engine_of_another_model_of_the_same_shape_never_gets_the_first_model
 def test_stores_to_a_killed_agent_are_given_up_after_the_first_failure(world: World) -> None:
     a2 = world.engines["a2"]
     before = counters(a2)
-    looked = agent_lookups(world)
+    looked = world.agent.lookups()
     batch = [ids(s, PROMPT // 2) for s in (200, 201, 202)]  # all three fit in 40 blocks
     result: dict[str, Any] = {}
 
@@ -170,11 +164,11 @@ def test_stores_to_a_killed_agent_are_given_up_after_the_first_failure(world: Wo
     t.start()
     # Kill the agent once the three requests were looked up (admitted while it was
     # up), before they finish: their stores go to an agent not yet known down.
-    deadline = time.monotonic() + 300
-    while agent_lookups(world) < looked + len(batch):
-        assert time.monotonic() < deadline, "the requests were never looked up"
+    def looked_up() -> bool:
         assert t.is_alive() or result, "generate ended before any lookup"
-        time.sleep(0.02)
+        return world.agent.lookups() >= looked + len(batch)
+
+    wait_for(looked_up, "the three requests looked up", 300, interval=0.02)
     world.agent.kill()
     assert world.agent.socket.exists()  # a killed agent leaves its socket file
     t.join(timeout=620)
