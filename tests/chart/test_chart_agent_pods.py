@@ -10,44 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 import kubernetes_validate
-import pytest
-from conftest import CURRENT_KUBE, OLDEST_KUBE, Render, doc_examples
 
-children = pytest.importorskip("flexkv_operator.children", reason="operator not importable")
-names = pytest.importorskip("flexkv_operator.names", reason="operator not importable")
-spec_module = pytest.importorskip("flexkv_operator.spec", reason="operator not importable")
+from tests.chart.operator_children import agent_children, operator_env
+from tests.chart.render import CURRENT_KUBE, OLDEST_KUBE, Render, doc_examples
 
 ENGINE_SOCKET_DIR = "/var/run/flexkv"
 SHM_HOST_DIR = "/dev/shm/flexkv"
-
-
-def _without_nulls(value: Any) -> Any:
-    """Drop null fields, as the API server does with a JSON null in a create."""
-    if isinstance(value, dict):
-        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [_without_nulls(v) for v in value]
-    return value
-
-
-def _operator_env(render: Render) -> dict[str, str]:
-    deployment = render.one("Deployment")
-    env = deployment["spec"]["template"]["spec"]["containers"][0]["env"]
-    return {e["name"]: e["value"] for e in env if "value" in e}
-
-
-def _agent_children(render: Render, pool: dict[str, Any]) -> list[dict[str, Any]]:
-    """What the operator creates for ``pool`` under the chart's settings."""
-    env = _operator_env(render)
-    body = {**pool, "metadata": {**pool["metadata"], "uid": "00000000-0000-0000-0000-000000000001"}}
-    identity = children.PoolIdentity(
-        name=pool["metadata"]["name"],
-        namespace=pool["metadata"]["namespace"],
-        owner=names.owner_reference(body),
-    )
-    config = spec_module.parse_pool_spec(pool["spec"], default_image=env["FLEXKV_AGENT_IMAGE"])
-    rendered = children.render_all(identity, config, env["FLEXKV_AGENT_SERVICE_ACCOUNT"])
-    return [_without_nulls(obj) for obj in rendered]
 
 
 def _pools(renders: dict[str, Render]) -> list[tuple[Render, dict[str, Any]]]:
@@ -68,7 +36,7 @@ def test_operator_renders_valid_kubernetes_for_the_example_pools(
 ) -> None:
     errors = []
     for render, pool in _pools(renders):
-        for obj in _agent_children(render, pool):
+        for obj in agent_children(render, pool):
             for kube in (OLDEST_KUBE, CURRENT_KUBE):
                 try:
                     kubernetes_validate.validate(obj, kube, strict=True)
@@ -82,7 +50,7 @@ def test_agent_pods_use_the_charts_account_image_labels_and_port(
 ) -> None:
     for render, pool in _pools(renders):
         namespace = pool["metadata"]["namespace"]
-        (daemon_set,) = [o for o in _agent_children(render, pool) if o["kind"] == "DaemonSet"]
+        (daemon_set,) = [o for o in agent_children(render, pool) if o["kind"] == "DaemonSet"]
         template = daemon_set["spec"]["template"]
         pod = template["spec"]
         account = pod["serviceAccountName"]
@@ -101,7 +69,7 @@ def test_agent_pods_use_the_charts_account_image_labels_and_port(
                 "verbs": ["create", "get", "patch"]} in role["rules"]
         (container,) = pod["containers"]
         wanted_image = pool["spec"].get("agent", {}).get("image") or (
-            _operator_env(render)["FLEXKV_AGENT_IMAGE"]
+            operator_env(render)["FLEXKV_AGENT_IMAGE"]
         )
         assert container["image"] == wanted_image
         assert container["command"] == ["flexkv-agent"]
@@ -115,7 +83,7 @@ def test_agent_pods_use_the_charts_account_image_labels_and_port(
 
 def test_agent_host_access_is_exactly_what_the_docs_explain(renders: dict[str, Render]) -> None:
     for render, pool in _pools(renders):
-        (daemon_set,) = [o for o in _agent_children(render, pool) if o["kind"] == "DaemonSet"]
+        (daemon_set,) = [o for o in agent_children(render, pool) if o["kind"] == "DaemonSet"]
         pod = daemon_set["spec"]["template"]["spec"]
         assert pod["hostIPC"] is True
         assert not pod.get("hostNetwork") and not pod.get("hostPID")

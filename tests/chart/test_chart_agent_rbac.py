@@ -12,7 +12,8 @@ import ast
 import re
 
 import pytest
-from conftest import NAMESPACE, RELEASE, REPO, Render
+
+from tests.chart.render import NAMESPACE, RELEASE, REPO, Render
 
 FULLNAME = f"{RELEASE}-flexkv-operator"
 AGENT_SOURCE = REPO / "node_agent"

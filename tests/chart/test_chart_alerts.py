@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import NAMESPACE, REPO, Render
 
+from tests.chart.render import NAMESPACE, REPO, Render
 from tests.observability.prometheus import require_binary
 
 RULE_TESTS = Path(__file__).with_name("prometheus_rules_test.yaml")

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import CHART, NAMESPACE, RELEASE, VALUES_CASES, Render, run_helm
+
+from tests.chart.render import CHART, NAMESPACE, RELEASE, VALUES_CASES, Render, run_helm
 
 FULLNAME = f"{RELEASE}-flexkv-operator"
 OPERATOR_SA = f"{FULLNAME}-operator"

@@ -18,7 +18,8 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
-from conftest import CHART, HELM_DOC, REPO, Render, doc_examples
+
+from tests.chart.render import CHART, HELM_DOC, REPO, Render, doc_examples
 
 SOURCE = REPO / "operator" / "flexkv_operator" / "crds"
 

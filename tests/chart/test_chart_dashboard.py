@@ -9,7 +9,8 @@ import re
 from typing import Any
 
 import pytest
-from conftest import CHART, REPO, Render
+
+from tests.chart.render import CHART, REPO, Render
 
 DASHBOARD_PATH = CHART / "dashboards" / "flexkv-agent.json"
 DASHBOARD: dict[str, Any] = json.loads(DASHBOARD_PATH.read_text())

@@ -13,7 +13,8 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+
+from tests.chart.render import REPO
 
 DOCKERFILE = REPO / "Dockerfile"
 TEXT = DOCKERFILE.read_text()

@@ -16,7 +16,9 @@ from typing import Any
 import celpy
 import kubernetes_validate
 import pytest
-from conftest import (
+
+from tests.chart.operator_children import agent_children
+from tests.chart.render import (
     CHART,
     CURRENT_KUBE,
     OLDEST_KUBE,
@@ -25,8 +27,6 @@ from conftest import (
     run_helm,
     template,
 )
-
-test_chart_agent_pods = pytest.importorskip("test_chart_agent_pods")
 
 NS = "llm-serving"
 SSD = "/mnt/nvme0/flexkv"
@@ -49,7 +49,7 @@ def agent_pod(hardened: Render) -> dict[str, Any]:
     pool = next(e for e in doc_examples() if e["kind"] == "KVCachePool")
     pool = {**pool, "metadata": {**pool["metadata"], "namespace": NS}}
     assert SSD in pool["spec"]["tiers"]["ssd"]["paths"], "docs example pool changed its SSD path"
-    daemonset = next(o for o in test_chart_agent_pods._agent_children(hardened, pool)
+    daemonset = next(o for o in agent_children(hardened, pool)
                      if o["kind"] == "DaemonSet")
     pod: dict[str, Any] = {"apiVersion": "v1", "kind": "Pod",
                            "metadata": {**daemonset["spec"]["template"]["metadata"],
@@ -214,7 +214,7 @@ def _port_names(pod: dict[str, Any]) -> dict[str, int]:
 
 
 def test_mooncake_ports_are_open_to_the_agents_only(hardened: Render) -> None:
-    children = test_chart_agent_pods._agent_children(hardened, _remote_pool())
+    children = agent_children(hardened, _remote_pool())
     agent = _pod(next(o for o in children if o["kind"] == "DaemonSet"))
     master = _pod(next(o for o in children if o["kind"] == "Deployment"))
     policies = {p["metadata"]["name"]: p for p in hardened.of_kind("NetworkPolicy")}

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from conftest import NAMESPACE, RELEASE, Render
+
+from tests.chart.render import NAMESPACE, RELEASE, Render
 
 FULLNAME = f"{RELEASE}-flexkv-operator"
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import re
 
 import yaml
-from conftest import CHART, run_helm
 from test_chart_crds import validate_custom_resource
+
+from tests.chart.render import CHART, run_helm
 
 
 def test_helm_show_readme_prints_the_chart_readme(helm: str) -> None:

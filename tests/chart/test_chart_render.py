@@ -12,7 +12,8 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
-from conftest import (
+
+from tests.chart.render import (
     CHART,
     CURRENT_KUBE,
     OLDEST_KUBE,

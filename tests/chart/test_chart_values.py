@@ -10,7 +10,8 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
-from conftest import CHART, run_helm
+
+from tests.chart.render import CHART, run_helm
 
 VALUES_TEXT = (CHART / "values.yaml").read_text()
 VALUES: dict[str, Any] = yaml.safe_load(VALUES_TEXT)
