@@ -29,7 +29,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from node_agent import __version__
-from node_agent.assembly import StageBuilder, StageDeps
+from node_agent.assembly import SharedFanout, StageBuilder, StageDeps
 from node_agent.backend.remote.join import StorePortInUse, store_ports_problem
 from node_agent.backend.remote.mooncake_client import MooncakeUnavailable, check_available
 from node_agent.backend.remote.settings import RemoteSettings
@@ -85,18 +85,21 @@ def build_remote_pool(cfg: AgentConfig, metrics: AgentMetrics) -> RemotePool | N
 
 
 class _Stages:
-    """Closes every stage last on shutdown (first in start order)."""
+    """Closes every stage last on shutdown (first in start order), then the fan-out
+    server the stages of multi-stage groups shared."""
 
     name = "stages"
 
-    def __init__(self, service: EngineService) -> None:
+    def __init__(self, service: EngineService, fanout: SharedFanout) -> None:
         self._service = service
+        self._fanout = fanout
 
     async def start(self) -> None:
         return None
 
     async def stop(self) -> None:
         await asyncio.to_thread(self._service.close)
+        await asyncio.to_thread(self._fanout.close)
 
 
 class _EpochWatcher:
@@ -169,6 +172,7 @@ class Agent:
         self._views_lock = threading.RLock()
         self._builder = stage_builder
         self.service = EngineService(self._build_stage, cfg.tokens_per_block, status=self.status,
+                                     max_stages=cfg.max_stages,
                                      stale_after=cfg.heartbeat.lease_duration_seconds,
                                      on_stage=self.attach_stage)
         # The connector's waits end inside engineCallSeconds (vocab/budget.py);
@@ -195,8 +199,10 @@ class Agent:
         self._epoch_watcher = _EpochWatcher(
             self, Path(config_path) if config_path else None, period)
         self.remote_pool = build_remote_pool(cfg, self.metrics)
+        self.fanout = SharedFanout(cfg, self.metrics)
+        """The one fan-out server of every multi-stage group this agent serves."""
         self.stage_deps = StageDeps(cfg=cfg, metrics=self.metrics, remote_pool=self.remote_pool,
-                                    key_epoch=lambda: self.key_epoch)
+                                    key_epoch=lambda: self.key_epoch, fanout=self.fanout)
         """What the stage builder gets: never the agent itself."""
 
     # -- wiring ----------------------------------------------------------------
@@ -280,7 +286,7 @@ class Agent:
 
     def services(self) -> list[Service]:
         """Background services in start order."""
-        out: list[Service] = [_Stages(self.service)]
+        out: list[Service] = [_Stages(self.service, self.fanout)]
         if self.groups is not None:
             out.append(self.groups)
         out.append(self.engine)
@@ -394,12 +400,19 @@ class Agent:
             except Exception as exc:
                 conn = {"error": str(exc)}
             view = self.group_views.get(s.key.replica)
+            try:
+                tiers = s.connector.tier_bytes()
+            except Exception:  # reported by the stage's own status
+                tiers = None
             stages.append({
                 "replica": s.key.replica, "ppRank": s.key.pp_rank, "ppSize": s.pp_size,
                 "group": s.group, "role": conn.get("role"), "epoch": conn.get("epoch"),
                 "seq": conn.get("lastSeq"),
                 "registeredRanks": sorted(s.buffers), "registrations": s.registrations,
                 "connector": conn, "view": view.to_json() if view else None,
+                "tiers": None if tiers is None else {
+                    name: {"capacityBytes": int(cap), "usedBytes": int(used)}
+                    for name, (cap, used) in tiers.items()},
             })
         return {
             "version": __version__, "pool": self.cfg.pool, "node": self.cfg.node_name,

@@ -333,9 +333,11 @@ class EngineService:
         if len(self.stages) >= self._max_stages:
             raise ValueError(
                 f"this agent already serves {len(self.stages)} stage(s) "
-                f"({', '.join(f'{k.replica}/pp{k.pp_rank}' for k in self.stages)}); one agent "
-                "serves one PP stage per node: run the other replica's ranks on another node "
-                f"(a stage idle for {self._stale_after:g}s is replaced)"
+                f"({', '.join(f'{k.replica}/pp{k.pp_rank}' for k in self.stages)}), as many "
+                f"as its maxStages ({self._max_stages}): raise maxStages in the agent's "
+                "config (the tier sizes are split among that many stages), or run the other "
+                f"replica's ranks on another node (a stage idle for {self._stale_after:g}s "
+                "is replaced)"
             )
         stage = self._factory(rank, layout)
         self.stages[rank.stage] = stage

@@ -445,6 +445,24 @@ def test_plan_groups_by_replica() -> None:
     ]
 
 
+def test_agents_with_several_memberships_each_join_every_group_they_report() -> None:
+    tracker = LeaseTracker(clock=FakeClock())
+    tracker.observe(lease("a", "t", memberships=[
+        {"replica": "ga", "ppRank": 0, "ppSize": 2}, {"replica": "gb", "ppRank": 1, "ppSize": 2},
+        {"replica": "solo-0", "ppRank": 0, "ppSize": 1}]))
+    tracker.observe(lease("b", "t", memberships=[
+        {"replica": "ga", "ppRank": 1, "ppSize": 2}, {"replica": "gb", "ppRank": 0, "ppSize": 2},
+        {"replica": "solo-1", "ppRank": 0, "ppSize": 1}]))
+    plans = plan_groups(tracker.agents("ns", "p", 15))
+    assert [(p.replica, p.pp_size, [(m.candidate.node, m.candidate.pp_rank) for m in p.members])
+            for p in plans] == [
+        ("ga", 2, [("a", 0), ("b", 1)]),
+        ("gb", 2, [("b", 0), ("a", 1)]),
+        ("solo-0", 1, [("a", 0)]),
+        ("solo-1", 1, [("b", 0)]),
+    ]
+
+
 def test_group_status_and_write_throttling() -> None:
     t0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
     plan = GroupPlan(
