@@ -48,6 +48,7 @@ def test_rendered_agent_yaml_is_accepted_by_the_agent(example: str) -> None:
     assert agent.tiers.cpu.size == config.cpu_bytes
     assert (agent.tiers.ssd.size if agent.tiers.ssd else 0) == config.ssd_bytes
     assert agent.ports.http == config.http_port and agent.ports.fanout == config.fanout_port
+    assert agent.max_stages == config.max_stages == spec.get("maxStages", 1)
     assert agent.heartbeat.lease_duration_seconds == config.timings.lease_duration
     assert agent.curve_key_dir == names.CURVE_MOUNT
     assert agent.expected_ranks == config.expected_ranks

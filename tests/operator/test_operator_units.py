@@ -154,6 +154,8 @@ def test_spec_defaults_from_the_crd() -> None:
             "tiers.ssd.paths",
         ),
         ({"tiers": {"cpu": {"size": 1, "pinned": False}}, "backend": "flexkv"}, "tiers.cpu.pinned"),
+        ({"tiers": {"cpu": {"size": 1}}, "maxStages": 0}, "maxStages"),
+        ({"tiers": {"cpu": {"size": 1}}, "maxStages": True}, "maxStages"),
     ],
 )
 def test_invalid_specs_name_the_field_and_the_fix(spec: dict[str, Any], field: str) -> None:
