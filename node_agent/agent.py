@@ -22,6 +22,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -174,7 +175,7 @@ class Agent:
         self.service = EngineService(self._build_stage, cfg.tokens_per_block, status=self.status,
                                      max_stages=cfg.max_stages,
                                      stale_after=cfg.heartbeat.lease_duration_seconds,
-                                     on_stage=self.attach_stage)
+                                     on_stage=self.attach_stage, metrics=self.metrics)
         # The connector's waits end inside engineCallSeconds (vocab/budget.py);
         # the server's bound is only a last resort behind them.
         budget = call_budget(cfg.timeouts.engine_call_seconds, cfg.timeouts.fanout_wait_seconds)
@@ -204,6 +205,8 @@ class Agent:
         self.stage_deps = StageDeps(cfg=cfg, metrics=self.metrics, remote_pool=self.remote_pool,
                                     key_epoch=lambda: self.key_epoch, fanout=self.fanout)
         """What the stage builder gets: never the agent itself."""
+        if cfg.max_stages > 1:
+            self._export_tier_totals()
 
     # -- wiring ----------------------------------------------------------------
 
@@ -241,6 +244,21 @@ class Agent:
                 view = views.get(stage.key.replica)
                 if view is not None:
                     self._push_view(stage, view)
+
+    def _export_tier_totals(self) -> None:
+        """With several stages, each stage's backend holds a share of the tiers and
+        would set the tier gauges to its own share: export the agent's totals
+        instead (what ``/status`` and the Lease show), read at scrape time."""
+        def value(tier: str, key: str) -> Callable[[], float]:
+            return lambda: float(self._tiers().get(tier, {}).get(key, 0))
+
+        for tier in ("cpu", "ssd"):
+            if tier == "ssd" and self.cfg.tiers.ssd is None:
+                continue
+            self.metrics.tier_capacity_bytes.labels(tier=tier).set_function(
+                value(tier, "capacityBytes"))
+            self.metrics.tier_used_bytes.labels(tier=tier).set_function(
+                value(tier, "usedBytes"))
 
     def flush(self, epoch: int) -> None:
         """Apply a new ``cacheEpoch``: reset every stage's connector (drops all tiers).
@@ -413,6 +431,7 @@ class Agent:
                 "tiers": None if tiers is None else {
                     name: {"capacityBytes": int(cap), "usedBytes": int(used)}
                     for name, (cap, used) in tiers.items()},
+                "traffic": s.traffic.to_json() if s.traffic is not None else None,
             })
         return {
             "version": __version__, "pool": self.cfg.pool, "node": self.cfg.node_name,

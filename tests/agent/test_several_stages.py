@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from node_agent.client import EngineClient, RankInfo, SharedKVBuffers
 from node_agent.engine_api.identity import ModelIdentity
@@ -179,6 +180,29 @@ def test_replicas_of_one_agent_load_only_their_own_blocks_from_their_tier_share(
     with pytest.raises(ValueError, match=r"as many as its maxStages \(3\)"):
         d.register()
     assert a.client.lookup("again", PROMPT) == 16
+    # Each replica's traffic, in /status and in the per-replica metrics; the tier
+    # gauges show the agent's totals, not one stage's share.
+    stages = {s["replica"]: s for s in agent.status()["stages"]}
+    assert {r: (s["traffic"]["lookupTokens"], s["traffic"]["hitTokens"])
+            for r, s in stages.items()} == {"rep-a": (32, 32), "rep-b": (16, 16),
+                                            "other": (16, 16)}
+    assert stages["rep-a"]["traffic"]["calls"]["lookup"] == 2
+    text = httpx.get(agent.url + "/metrics", timeout=5).text
+    assert metric(text, "flexkv_agent_replica_lookup_tokens_total", replica="rep-a") == 32
+    assert metric(text, "flexkv_agent_replica_hit_tokens_total", replica="rep-b") == 16
+    assert metric(text, "flexkv_agent_replica_requests_total", replica="other",
+                  op="store_kv") == 1
+    assert metric(text, "flexkv_agent_tier_capacity_bytes", tier="cpu") == BLOCK * 48
+    assert metric(text, "flexkv_agent_tier_used_bytes", tier="cpu") == BLOCK * 12
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of one sample of ``name`` with exactly ``labels`` in /metrics ``text``."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return float(sample.value)
+    raise AssertionError(f"no sample {name}{labels} in /metrics")
 
 
 ENGINE_SCRIPT = """
