@@ -152,10 +152,13 @@ def engines() -> Iterator[Callable[[str, RankInfo], Engine]]:
 
 
 def test_replicas_of_one_agent_load_only_their_own_blocks_from_their_tier_share(
-        agents: Callable[..., AgentProc], engines: Callable[[str, RankInfo], Engine]) -> None:
-    # Three stages' worth of CPU tier: each stage's share holds 16 blocks.
+        agents: Callable[..., AgentProc], engines: Callable[[str, RankInfo], Engine],
+        work: Path) -> None:
+    # Three stages' worth of CPU and SSD tier: each stage's shares hold 16 blocks each
+    # (the SSD tiers of the three stages share one directory).
     agent = agents("solo", maxStages=3,
-                   tiers={"cpu": {"size": BLOCK * 48, "pinned": False}})
+                   tiers={"cpu": {"size": BLOCK * 48, "pinned": False},
+                          "ssd": {"size": BLOCK * 48, "paths": [str(work / "ssd")]}})
     a = engines(agent.socket, RankInfo("rep-a", model=MODEL_X))
     b = engines(agent.socket, RankInfo("rep-b", model=MODEL_X))
     c = engines(agent.socket, RankInfo("other", model=MODEL_Y))
@@ -169,12 +172,20 @@ def test_replicas_of_one_agent_load_only_their_own_blocks_from_their_tier_share(
         assert e.client.lookup("get", PROMPT) == 16
         assert e.client.retrieve("get", DST) == 16
         assert same(read(e.bufs, DST), read(e.bufs, SRC)), e.client
+    # A prompt only replica A stored: no other stage, of its model or another, hits it.
+    store_and_wait(a.client, "only-a", PROMPT + 500, SRC)
+    assert [e.client.lookup("peek", PROMPT + 500) for e in (a, b, c)] == [16, 0, 0]
+    for e in (a, b, c):
+        e.client.release("peek")
     status = agent.status()
     stages = {s["replica"]: s for s in status["stages"]}
     assert sorted(stages) == ["other", "rep-a", "rep-b"]
-    for s in stages.values():
-        assert s["tiers"]["cpu"] == {"capacityBytes": BLOCK * 16, "usedBytes": BLOCK * 4}
-    assert status["tiers"]["cpu"] == {"capacityBytes": BLOCK * 48, "usedBytes": BLOCK * 12}
+    used = {"rep-a": BLOCK * 8, "rep-b": BLOCK * 4, "other": BLOCK * 4}
+    for r, s in stages.items():
+        assert s["tiers"]["cpu"] == {"capacityBytes": BLOCK * 16, "usedBytes": used[r]}
+        assert s["tiers"]["ssd"]["capacityBytes"] == BLOCK * 16
+    assert status["tiers"]["cpu"] == {"capacityBytes": BLOCK * 48, "usedBytes": BLOCK * 16}
+    assert status["tiers"]["ssd"]["capacityBytes"] == BLOCK * 48
     # A fourth stage does not fit while the three are in use.
     d = engines(agent.socket, RankInfo("rep-d", model=MODEL_X))
     with pytest.raises(ValueError, match=r"as many as its maxStages \(3\)"):
@@ -184,16 +195,16 @@ def test_replicas_of_one_agent_load_only_their_own_blocks_from_their_tier_share(
     # gauges show the agent's totals, not one stage's share.
     stages = {s["replica"]: s for s in agent.status()["stages"]}
     assert {r: (s["traffic"]["lookupTokens"], s["traffic"]["hitTokens"])
-            for r, s in stages.items()} == {"rep-a": (32, 32), "rep-b": (16, 16),
-                                            "other": (16, 16)}
-    assert stages["rep-a"]["traffic"]["calls"]["lookup"] == 2
+            for r, s in stages.items()} == {"rep-a": (48, 48), "rep-b": (32, 16),
+                                            "other": (32, 16)}
+    assert stages["rep-a"]["traffic"]["calls"]["lookup"] == 3
     text = httpx.get(agent.url + "/metrics", timeout=5).text
-    assert metric(text, "flexkv_agent_replica_lookup_tokens_total", replica="rep-a") == 32
+    assert metric(text, "flexkv_agent_replica_lookup_tokens_total", replica="rep-a") == 48
     assert metric(text, "flexkv_agent_replica_hit_tokens_total", replica="rep-b") == 16
     assert metric(text, "flexkv_agent_replica_requests_total", replica="other",
                   op="store_kv") == 1
     assert metric(text, "flexkv_agent_tier_capacity_bytes", tier="cpu") == BLOCK * 48
-    assert metric(text, "flexkv_agent_tier_used_bytes", tier="cpu") == BLOCK * 12
+    assert metric(text, "flexkv_agent_tier_used_bytes", tier="cpu") == BLOCK * 16
 
 
 def metric(text: str, name: str, **labels: str) -> float:
