@@ -332,7 +332,9 @@ class Agent:
     def _tiers(self) -> dict[str, dict[str, int]]:
         """Capacity and use of each configured tier, from the own stats of the
         backends of the stages this agent leads (summed over them); a tier no leading
-        backend reports shows its configured size, nothing used."""
+        backend reports shows its configured size, nothing used. With ``maxStages``
+        > 1 the capacity is the configured size (the node's budget, whatever number
+        of stages holds a share of it now)."""
         own: dict[str, tuple[int, int]] = {}
         for stage in list(self.service.stages.values()):
             try:
@@ -348,6 +350,8 @@ class Agent:
             if conf is None:
                 continue  # not configured
             cap, used = own.get(tier, (conf.size, 0))
+            if self.cfg.max_stages > 1:
+                cap = conf.size
             out[tier] = {"capacityBytes": int(cap), "usedBytes": int(used)}
         return out
 

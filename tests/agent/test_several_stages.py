@@ -162,6 +162,9 @@ def test_replicas_of_one_agent_load_only_their_own_blocks_from_their_tier_share(
     a = engines(agent.socket, RankInfo("rep-a", model=MODEL_X))
     b = engines(agent.socket, RankInfo("rep-b", model=MODEL_X))
     c = engines(agent.socket, RankInfo("other", model=MODEL_Y))
+    a.register()
+    # The agent reports the node's budget, also while one stage holds a share of it.
+    assert agent.status()["tiers"]["cpu"]["capacityBytes"] == BLOCK * 48
     for seed, e in enumerate((a, b, c)):
         e.register()
         fill(e.bufs, SRC, seed)
