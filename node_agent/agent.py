@@ -26,6 +26,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from node_agent import __version__
-from node_agent.assembly import StageBuilder, StageDeps
+from node_agent.assembly import SharedFanout, StageBuilder, StageDeps
 from node_agent.backend.remote.join import StorePortInUse, store_ports_problem
 from node_agent.backend.remote.mooncake_client import MooncakeUnavailable, check_available
 from node_agent.backend.remote.settings import RemoteSettings
@@ -101,12 +102,15 @@ def claim_ssd_paths(cfg: AgentConfig) -> DirectoryOwner | None:
 
 
 class _Stages:
-    """Closes every stage last on shutdown (first in start order)."""
+    """Closes every stage last on shutdown (first in start order), then the fan-out
+    server the stages of multi-stage groups shared."""
 
     name = "stages"
 
-    def __init__(self, service: EngineService, owner: DirectoryOwner | None = None) -> None:
+    def __init__(self, service: EngineService, fanout: SharedFanout,
+                 owner: DirectoryOwner | None = None) -> None:
         self._service = service
+        self._fanout = fanout
         self._owner = owner
 
     async def start(self) -> None:
@@ -114,6 +118,7 @@ class _Stages:
 
     async def stop(self) -> None:
         await asyncio.to_thread(self._service.close)
+        await asyncio.to_thread(self._fanout.close)
         if self._owner is not None:  # after every tier closed: the paths are free
             self._owner.close()
 
@@ -188,8 +193,9 @@ class Agent:
         self._views_lock = threading.RLock()
         self._builder = stage_builder
         self.service = EngineService(self._build_stage, cfg.tokens_per_block, status=self.status,
+                                     max_stages=cfg.max_stages,
                                      stale_after=cfg.heartbeat.lease_duration_seconds,
-                                     on_stage=self.attach_stage)
+                                     on_stage=self.attach_stage, metrics=self.metrics)
         # The connector's waits end inside engineCallSeconds (vocab/budget.py);
         # the server's bound is only a last resort behind them.
         budget = call_budget(cfg.timeouts.engine_call_seconds, cfg.timeouts.fanout_wait_seconds)
@@ -215,9 +221,13 @@ class Agent:
             self, Path(config_path) if config_path else None, period)
         self.ssd_owner = claim_ssd_paths(cfg)
         self.remote_pool = build_remote_pool(cfg, self.metrics)
+        self.fanout = SharedFanout(cfg, self.metrics)
+        """The one fan-out server of every multi-stage group this agent serves."""
         self.stage_deps = StageDeps(cfg=cfg, metrics=self.metrics, remote_pool=self.remote_pool,
-                                    key_epoch=lambda: self.key_epoch)
+                                    key_epoch=lambda: self.key_epoch, fanout=self.fanout)
         """What the stage builder gets: never the agent itself."""
+        if cfg.max_stages > 1:
+            self._export_tier_totals()
 
     # -- wiring ----------------------------------------------------------------
 
@@ -255,6 +265,21 @@ class Agent:
                 view = views.get(stage.key.replica)
                 if view is not None:
                     self._push_view(stage, view)
+
+    def _export_tier_totals(self) -> None:
+        """With several stages, each stage's backend holds a share of the tiers and
+        would set the tier gauges to its own share: export the agent's totals
+        instead (what ``/status`` and the Lease show), read at scrape time."""
+        def value(tier: str, key: str) -> Callable[[], float]:
+            return lambda: float(self._tiers().get(tier, {}).get(key, 0))
+
+        for tier in ("cpu", "ssd"):
+            if tier == "ssd" and self.cfg.tiers.ssd is None:
+                continue
+            self.metrics.tier_capacity_bytes.labels(tier=tier).set_function(
+                value(tier, "capacityBytes"))
+            self.metrics.tier_used_bytes.labels(tier=tier).set_function(
+                value(tier, "usedBytes"))
 
     def flush(self, epoch: int) -> None:
         """Apply a new ``cacheEpoch``: reset every stage's connector (drops all tiers).
@@ -300,7 +325,7 @@ class Agent:
 
     def services(self) -> list[Service]:
         """Background services in start order."""
-        out: list[Service] = [_Stages(self.service, self.ssd_owner)]
+        out: list[Service] = [_Stages(self.service, self.fanout, self.ssd_owner)]
         if self.groups is not None:
             out.append(self.groups)
         out.append(self.engine)
@@ -328,7 +353,9 @@ class Agent:
     def _tiers(self) -> dict[str, dict[str, int]]:
         """Capacity and use of each configured tier, from the own stats of the
         backends of the stages this agent leads (summed over them); a tier no leading
-        backend reports shows its configured size, nothing used."""
+        backend reports shows its configured size, nothing used. With ``maxStages``
+        > 1 the capacity is the configured size (the node's budget, whatever number
+        of stages holds a share of it now)."""
         own: dict[str, tuple[int, int]] = {}
         for stage in list(self.service.stages.values()):
             try:
@@ -344,6 +371,8 @@ class Agent:
             if conf is None:
                 continue  # not configured
             cap, used = own.get(tier, (conf.size, 0))
+            if self.cfg.max_stages > 1:
+                cap = conf.size
             out[tier] = {"capacityBytes": int(cap), "usedBytes": int(used)}
         recovered = self._recovered_blocks()
         ssd = self.cfg.tiers.ssd
@@ -428,12 +457,20 @@ class Agent:
             except Exception as exc:
                 conn = {"error": str(exc)}
             view = self.group_views.get(s.key.replica)
+            try:
+                tiers = s.connector.tier_bytes()
+            except Exception:  # reported by the stage's own status
+                tiers = None
             stages.append({
                 "replica": s.key.replica, "ppRank": s.key.pp_rank, "ppSize": s.pp_size,
                 "group": s.group, "role": conn.get("role"), "epoch": conn.get("epoch"),
                 "seq": conn.get("lastSeq"),
                 "registeredRanks": sorted(s.buffers), "registrations": s.registrations,
                 "connector": conn, "view": view.to_json() if view else None,
+                "tiers": None if tiers is None else {
+                    name: {"capacityBytes": int(cap), "usedBytes": int(used)}
+                    for name, (cap, used) in tiers.items()},
+                "traffic": s.traffic.to_json() if s.traffic is not None else None,
             })
         return {
             "version": __version__, "pool": self.cfg.pool, "node": self.cfg.node_name,

@@ -24,6 +24,13 @@ A single-stage group on the embedded backend lets the engine socket's I/O
 thread answer its ``lookup``, ``release`` and ``poll_completed`` itself
 (``Stage.inline_ops``): they wait on no follower, copy or timer.
 
+Several stages on one agent (``maxStages``): each stage keeps its own
+coordinator, group view and backend; the configured tier sizes are the node's
+budget, and each stage's tiers get an even share of them (:func:`stage_share`),
+so a busy replica can never evict what another stored. The stages of
+multi-stage groups share the agent's one fan-out server (:class:`SharedFanout`,
+one port), which routes every message by its group.
+
 ``backend: flexkv`` serves one-stage groups: FlexKV's ``KVManager`` (through
 :class:`FlexKVBackend`) behind :class:`SingleStageBackend`. A group of several
 stages is refused with an error that says why: its followers must replay the
@@ -32,8 +39,10 @@ leader's physical decisions, which only the embedded backend produces.
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.embedded import EmbeddedBackend
@@ -51,10 +60,46 @@ from node_agent.engine_api.identity import stage_namespace
 from node_agent.engine_api.service import INLINE_CANDIDATES, RankRef, Stage
 from node_agent.metrics import AgentMetrics
 from node_agent.pp.auth import CurveKeys
+from node_agent.pp.channel import FanoutServer
 from node_agent.pp.group import GroupViewSource
 from node_agent.vocab.budget import call_budget
 from node_agent.vocab.group_view import GroupMember, GroupView
 from node_agent.vocab.layout import KVLayout
+
+
+class SharedFanout:
+    """The agent's one fan-out server, bound on first use at
+    ``bindAddress:ports.fanout`` with the pool's Curve keys (from ``curveKeyDir``)
+    and shared by the coordinators of every multi-stage group the agent takes part
+    in (they register their group on it and never close it); :meth:`close` at
+    shutdown, after every stage closed. Thread-safe."""
+
+    def __init__(self, cfg: AgentConfig, metrics: AgentMetrics | None = None) -> None:
+        self._endpoint = f"tcp://{cfg.bind_address}:{cfg.ports.fanout}"
+        self._key_dir = cfg.curve_key_dir
+        self._metrics = metrics
+        self._lock = threading.Lock()
+        self._server: FanoutServer | None = None
+
+    def get(self) -> FanoutServer:
+        """The started server (binds it the first time; raises the bind error, or
+        ``ValueError`` when the pool's Curve keys are missing)."""
+        with self._lock:
+            if self._server is None:
+                self._server = FanoutServer(self._endpoint, CurveKeys.load(self._key_dir),
+                                            on_drop=self._dropped).start()
+            return self._server
+
+    def _dropped(self, group: str, reason: str) -> None:
+        if self._metrics is not None:
+            self._metrics.fanout_dropped.labels(group=group, reason=reason).inc()
+
+    def close(self) -> None:
+        """Stop the server (when it was started). Idempotent."""
+        with self._lock:
+            server, self._server = self._server, None
+        if server is not None:
+            server.close()
 
 
 @dataclass(frozen=True)
@@ -69,11 +114,28 @@ class StageDeps:
     metrics: AgentMetrics
     remote_pool: RemotePool | None
     key_epoch: Callable[[], int]
+    fanout: SharedFanout | None = field(default=None)
+    """The agent's shared fan-out server; None: each multi-stage coordinator binds
+    its own at ``ports.fanout`` (one such stage per agent)."""
 
 
 StageBuilder = Callable[[StageDeps, RankRef, KVLayout], Stage]
 """Builds and starts the coordinator of a newly registered stage (raises
 ``ValueError`` naming what is missing)."""
+
+
+def stage_share(cfg: AgentConfig) -> AgentConfig:
+    """``cfg`` with the CPU and SSD tier sizes of one stage: the configured sizes
+    divided evenly by ``maxStages`` (the sizes are the node's budget; with
+    ``maxStages`` 1 the one stage gets all of it)."""
+    n = cfg.max_stages
+    if n == 1:
+        return cfg
+    tiers = cfg.tiers
+    cpu = dataclasses.replace(tiers.cpu, size=tiers.cpu.size // n)
+    ssd = None if tiers.ssd is None else dataclasses.replace(tiers.ssd,
+                                                             size=tiers.ssd.size // n)
+    return dataclasses.replace(cfg, tiers=dataclasses.replace(tiers, cpu=cpu, ssd=ssd))
 
 
 def backend_config(cfg: AgentConfig, layout: KVLayout, model: str = "", pp_size: int = 1,
@@ -127,7 +189,7 @@ def connector_config(cfg: AgentConfig, rank: RankRef, layout: KVLayout, group: s
 
 def default_stage_builder(deps: StageDeps, rank: RankRef, layout: KVLayout) -> Stage:
     """Build and start the connector of ``rank``'s stage (see module docstring)."""
-    cfg = deps.cfg
+    cfg = stage_share(deps.cfg)
     if cfg.backend == "flexkv" and rank.pp_size > 1:
         raise ValueError(
             f"backend 'flexkv' serves one-stage groups only, but replica {rank.replica!r} has "
@@ -136,8 +198,14 @@ def default_stage_builder(deps: StageDeps, rank: RankRef, layout: KVLayout) -> S
             "the pool for pipeline-parallel engines that span nodes"
         )
     group = group_name(cfg.pool, rank.replica)
-    bcfg = backend_config(cfg, layout, rank.model, rank.pp_size,
-                          deps.key_epoch())  # validates sizes against the layout
+    try:  # validates sizes against the layout
+        bcfg = backend_config(cfg, layout, rank.model, rank.pp_size, deps.key_epoch())
+    except ValueError as exc:
+        if cfg.max_stages == 1:
+            raise
+        raise ValueError(f"{exc} (each of the agent's maxStages {cfg.max_stages} stages gets "
+                         "1/maxStages of tiers.cpu.size and tiers.ssd.size; raise the sizes "
+                         "or lower maxStages)") from exc
     remote = cfg.tiers.remote
     object_bytes = layout.bytes_per_block + HEADER_BYTES
     if remote is not None and remote.mooncake.local_buffer_size < 2 * object_bytes:
@@ -155,6 +223,7 @@ def default_stage_builder(deps: StageDeps, rank: RankRef, layout: KVLayout) -> S
         views = GroupViewSource(GroupView(group, 0, None, (), rank.replica, rank.pp_size))
         endpoint = f"tcp://{cfg.bind_address}:{cfg.ports.fanout}"
         keys = CurveKeys.load(cfg.curve_key_dir)
+    server = deps.fanout.get() if deps.fanout is not None and endpoint is not None else None
     ccfg = connector_config(cfg, rank, layout, group, endpoint)
     metrics = deps.metrics
 
@@ -169,7 +238,7 @@ def default_stage_builder(deps: StageDeps, rank: RankRef, layout: KVLayout) -> S
         ccfg, views,
         backend_factory=leader_backend,
         store_factory=lambda: TierStore(bcfg, remote_tier(deps, rank, layout)),
-        keys=keys, metrics=metrics, cache_epoch=deps.key_epoch,
+        keys=keys, metrics=metrics, server=server, cache_epoch=deps.key_epoch,
     ).start()
     # A single-stage group's leader never waits on a follower, and the embedded
     # backend matches in memory: its lookups and releases take only short locks,

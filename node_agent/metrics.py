@@ -174,6 +174,22 @@ class AgentMetrics:
             ["reason"], registry=r,
         )
 
+        self.replica_requests = Counter(
+            "flexkv_agent_replica_requests",
+            "Engine calls of one replica's stages on this agent, by operation",
+            ["replica", "op"], registry=r,
+        )
+        self.replica_lookup_tokens = Counter(
+            "flexkv_agent_replica_lookup_tokens",
+            "Tokens looked up by the engines of one replica on this agent", ["replica"],
+            registry=r,
+        )
+        self.replica_hit_tokens = Counter(
+            "flexkv_agent_replica_hit_tokens",
+            "Looked-up tokens of one replica that its stage's cache holds", ["replica"],
+            registry=r,
+        )
+
     def init_group(self, group: str) -> None:
         """Export ``group``'s fan-out drop and mismatch counters at 0 for every
         reason and kind (an alert on their increase then sees the first one)."""

@@ -47,6 +47,7 @@ from node_agent.engine_api.buffers import OpenedBuffer, open_buffer
 from node_agent.engine_api.identity import check_digest
 from node_agent.engine_api.protocol import layout_to_wire, parse_layout
 from node_agent.engine_api.server import NotReadyError
+from node_agent.metrics import AgentMetrics
 from node_agent.vocab.layout import KVLayout
 
 log = logging.getLogger(__name__)
@@ -135,6 +136,50 @@ class RankRef:
         return StageKey(self.replica, self.pp_rank)
 
 
+class StageTraffic:
+    """The engine traffic of one stage: calls by operation, tokens looked up and
+    hit (``/status``), mirrored into the per-replica metrics when given. Thread-safe."""
+
+    def __init__(self, replica: str, metrics: AgentMetrics | None = None) -> None:
+        self._lock = threading.Lock()
+        self._replica = replica
+        self._metrics = metrics
+        self.calls: dict[str, int] = {}
+        self.lookup_tokens = 0
+        self.hit_tokens = 0
+        self._looked = None if metrics is None else metrics.replica_lookup_tokens.labels(
+            replica=replica)
+        self._hit = None if metrics is None else metrics.replica_hit_tokens.labels(
+            replica=replica)
+        self._op_counters: dict[str, Any] = {}
+
+    def call(self, op: str) -> None:
+        """Count one call of ``op``."""
+        with self._lock:
+            self.calls[op] = self.calls.get(op, 0) + 1
+            counter = self._op_counters.get(op)
+            if counter is None and self._metrics is not None:
+                counter = self._metrics.replica_requests.labels(replica=self._replica, op=op)
+                self._op_counters[op] = counter
+        if counter is not None:
+            counter.inc()
+
+    def lookup(self, looked: int, hit: int) -> None:
+        """Count a lookup of ``looked`` tokens of which ``hit`` were found."""
+        with self._lock:
+            self.lookup_tokens += looked
+            self.hit_tokens += hit
+        if self._looked is not None and self._hit is not None:
+            self._looked.inc(looked)
+            self._hit.inc(hit)
+
+    def to_json(self) -> dict[str, Any]:
+        """``/status``'s ``traffic`` of the stage."""
+        with self._lock:
+            return {"calls": dict(sorted(self.calls.items())),
+                    "lookupTokens": self.lookup_tokens, "hitTokens": self.hit_tokens}
+
+
 @dataclass
 class Stage:
     """One PP stage's connector, its group-view handle and the engine buffers it maps."""
@@ -160,6 +205,8 @@ class Stage:
     (a single-stage group's ``lookup``, ``release``, ``poll_completed`` on the
     embedded backend): the engine socket's I/O thread answers them itself,
     without the two thread hops of a worker call (see :meth:`EngineService.inline`)."""
+    traffic: StageTraffic | None = None
+    """The stage's engine traffic (set by :class:`EngineService` when it adds the stage)."""
 
     def close(self) -> None:
         """Close the connector (and with it the backend), then unmap the buffers."""
@@ -185,8 +232,13 @@ class EngineService:
     def __init__(self, factory: StageFactory, tokens_per_block: int,
                  status: Callable[[], dict[str, Any]] | None = None,
                  max_stages: int = 1, stale_after: float = 15.0,
-                 on_stage: Callable[[Stage], None] | None = None) -> None:
+                 on_stage: Callable[[Stage], None] | None = None,
+                 metrics: AgentMetrics | None = None) -> None:
+        """``max_stages``: stages served at once (a further one is refused unless one
+        was idle for ``stale_after`` seconds); ``metrics``: where each replica's
+        traffic is counted (``flexkv_agent_replica_*``)."""
         self._factory = factory
+        self._metrics = metrics
         self._on_stage = on_stage
         self._tpb = tokens_per_block
         self._status = status
@@ -203,7 +255,8 @@ class EngineService:
         rank = RankRef.parse(req.args["rank"])
         if req.op == "register":
             return self.register(rank, req.args["layout"], req.args["buffers"])
-        conn = self._connector(rank)
+        stage = self._stage_of(rank)
+        conn = stage.connector
         if rank.tp_rank != 0:
             raise ValueError(
                 f"{req.op} from TP rank {rank.tp_rank}: with tensor parallelism only TP rank 0 "
@@ -211,8 +264,14 @@ class EngineService:
                 "TP rank's KV in one operation); other ranks only register their buffers"
             )
         a = req.arrays
+        traffic = stage.traffic
+        if traffic is not None:
+            traffic.call(req.op)
         if req.op == "lookup":
-            return int(conn.lookup(req.args["rid"], a["token_ids"], a.get("token_mask")))
+            hit = int(conn.lookup(req.args["rid"], a["token_ids"], a.get("token_mask")))
+            if traffic is not None:
+                traffic.lookup(len(a["token_ids"]), hit)
+            return hit
         if req.op == "retrieve":
             return int(conn.retrieve(req.args["rid"], a["slot_mapping"]))
         if req.op == "store_kv":
@@ -242,7 +301,7 @@ class EngineService:
         stage = self.stages.get(StageKey(replica, pp_rank))
         return stage is not None and req.op in stage.inline_ops
 
-    def _connector(self, rank: RankRef) -> Coordinator:
+    def _stage_of(self, rank: RankRef) -> Stage:
         stage = self.stages.get(rank.stage)
         if stage is None or rank.tp_rank not in stage.buffers:
             raise NotReadyError(
@@ -257,7 +316,7 @@ class EngineService:
                 "or restart this engine so that it registers again"
             )
         stage.last_call = time.monotonic()
-        return stage.connector
+        return stage
 
     def register(self, rank: RankRef, layout_raw: Mapping[str, Any],
                  handles: Sequence[Any]) -> dict[str, Any]:
@@ -336,11 +395,14 @@ class EngineService:
         if len(self.stages) >= self._max_stages:
             raise ValueError(
                 f"this agent already serves {len(self.stages)} stage(s) "
-                f"({', '.join(f'{k.replica}/pp{k.pp_rank}' for k in self.stages)}); one agent "
-                "serves one PP stage per node: run the other replica's ranks on another node "
-                f"(a stage idle for {self._stale_after:g}s is replaced)"
+                f"({', '.join(f'{k.replica}/pp{k.pp_rank}' for k in self.stages)}), as many "
+                f"as its maxStages ({self._max_stages}): raise maxStages in the agent's "
+                "config (the tier sizes are split among that many stages), or run the other "
+                f"replica's ranks on another node (a stage idle for {self._stale_after:g}s "
+                "is replaced)"
             )
         stage = self._factory(rank, layout)
+        stage.traffic = StageTraffic(rank.replica, self._metrics)
         self.stages[rank.stage] = stage
         if self._on_stage is not None:
             # After insertion: a group-view update racing with this registration

@@ -72,6 +72,8 @@ def agent_config(pool: PoolIdentity, config: PoolConfig) -> dict[str, Any]:
         },
         "curveKeyDir": names.CURVE_MOUNT,
         "expectedRanks": config.expected_ranks,
+        # Absent for one stage: the agent.yaml (and config hash) of such pools is unchanged.
+        **({"maxStages": config.max_stages} if config.max_stages != 1 else {}),
     }
 
 

@@ -92,6 +92,8 @@ class PoolConfig:
     model_salt: str
     """``spec.modelSalt``: folded into every stage's model identity by the agents."""
     expected_ranks: int
+    max_stages: int
+    """``spec.maxStages``: stages one agent serves at once (its tiers split among them)."""
     image: str
     agent_user: int
     agent_group: int
@@ -124,6 +126,7 @@ def parse_pool_spec(
     timings = _leader_election(raw, problems)
     engine_call_seconds = _timeouts(raw, problems)
     cache_epoch, model_salt, expected_ranks = _cache_identity(raw, problems)
+    max_stages = _max_stages(raw, problems)
     _check_max_unavailable(raw, problems)
     image = _agent_image(raw, default_image, problems)
     ids = _agent_ids(raw, problems)
@@ -143,6 +146,7 @@ def parse_pool_spec(
         cache_epoch=cache_epoch,
         model_salt=model_salt,
         expected_ranks=expected_ranks,
+        max_stages=max_stages,
         image=image,
         agent_user=ids["runAsUser"],
         agent_group=ids["runAsGroup"],
@@ -312,6 +316,18 @@ def _cache_identity(raw: dict[str, Any], problems: Problems) -> tuple[int, str, 
         problems.append(ConfigProblem("expectedRanks", f"{ranks!r} must be an integer in 0..64"))
         ranks = 1
     return int(epoch), salt, int(ranks)
+
+
+def _max_stages(raw: dict[str, Any], problems: Problems) -> int:
+    """``spec.maxStages`` (1..64): the engine stages (replica, PP rank) one agent
+    serves at once; the tier sizes are each node's budget, split among them."""
+    stages = raw.get("maxStages", 1)
+    if not isinstance(stages, int) or isinstance(stages, bool) or not 1 <= stages <= 64:
+        problems.append(ConfigProblem(
+            "maxStages", f"{stages!r} must be an integer in 1..64 (the engine replicas and PP "
+            "stages one node runs, e.g. 8 for eight single-GPU replicas)"))
+        stages = 1
+    return int(stages)
 
 
 def _check_max_unavailable(raw: dict[str, Any], problems: Problems) -> None:

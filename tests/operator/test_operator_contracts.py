@@ -51,6 +51,7 @@ def test_rendered_agent_yaml_is_accepted_by_the_agent(example: str) -> None:
         ssd_spec = spec["tiers"]["ssd"]
         assert agent.tiers.ssd.persist is ssd_spec.get("persist", True)
     assert agent.ports.http == config.http_port and agent.ports.fanout == config.fanout_port
+    assert agent.max_stages == config.max_stages == spec.get("maxStages", 1)
     assert agent.heartbeat.lease_duration_seconds == config.timings.lease_duration
     assert agent.curve_key_dir == names.CURVE_MOUNT
     assert agent.expected_ranks == config.expected_ranks

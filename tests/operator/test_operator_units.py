@@ -154,6 +154,8 @@ def test_spec_defaults_from_the_crd() -> None:
             "tiers.ssd.paths",
         ),
         ({"tiers": {"cpu": {"size": 1, "pinned": False}}, "backend": "flexkv"}, "tiers.cpu.pinned"),
+        ({"tiers": {"cpu": {"size": 1}}, "maxStages": 0}, "maxStages"),
+        ({"tiers": {"cpu": {"size": 1}}, "maxStages": True}, "maxStages"),
     ],
 )
 def test_invalid_specs_name_the_field_and_the_fix(spec: dict[str, Any], field: str) -> None:
@@ -442,6 +444,24 @@ def test_plan_groups_by_replica() -> None:
     assert [(p.replica, p.pp_size, [m.candidate.node for m in p.members]) for p in plans] == [
         ("r1", 2, ["a", "b"]),
         ("r2", 1, ["c"]),
+    ]
+
+
+def test_agents_with_several_memberships_each_join_every_group_they_report() -> None:
+    tracker = LeaseTracker(clock=FakeClock())
+    tracker.observe(lease("a", "t", memberships=[
+        {"replica": "ga", "ppRank": 0, "ppSize": 2}, {"replica": "gb", "ppRank": 1, "ppSize": 2},
+        {"replica": "solo-0", "ppRank": 0, "ppSize": 1}]))
+    tracker.observe(lease("b", "t", memberships=[
+        {"replica": "ga", "ppRank": 1, "ppSize": 2}, {"replica": "gb", "ppRank": 0, "ppSize": 2},
+        {"replica": "solo-1", "ppRank": 0, "ppSize": 1}]))
+    plans = plan_groups(tracker.agents("ns", "p", 15))
+    assert [(p.replica, p.pp_size, [(m.candidate.node, m.candidate.pp_rank) for m in p.members])
+            for p in plans] == [
+        ("ga", 2, [("a", 0), ("b", 1)]),
+        ("gb", 2, [("b", 0), ("a", 1)]),
+        ("solo-0", 1, [("a", 0)]),
+        ("solo-1", 1, [("b", 0)]),
     ]
 
 
