@@ -163,7 +163,7 @@ def test_a_failed_match_is_refused_counted_and_its_task_cancelled(
     and the matched task cancelled so its blocks are not left locked."""
     tokens = np.arange(2 * TPB)
     assert single.store("cached", tokens, np.arange(2 * TPB)) >= 0
-    single.poll_until("cached")
+    wait_completed(single.conn, "cached")
     backend: Any = single.leader.backend
     cancelled: list[int] = []
     cancel = backend.cancel
