@@ -293,7 +293,7 @@ class Agent:
             # calls go to worker threads, never block the engine socket's I/O thread.
             inline, stage.inline_ops = stage.inline_ops, frozenset()
             try:
-                stage.connector.reset()
+                stage.coordinator.reset()
             finally:
                 stage.inline_ops = inline
         self.cache_epoch = epoch
@@ -314,7 +314,7 @@ class Agent:
         counted = []
         for stage in list(self.service.stages.values()):
             try:
-                totals = stage.connector.lookup_totals()
+                totals = stage.coordinator.lookup_totals()
             except Exception:  # reported by the stage's own status
                 continue
             if totals is not None:
@@ -359,7 +359,7 @@ class Agent:
         own: dict[str, tuple[int, int]] = {}
         for stage in list(self.service.stages.values()):
             try:
-                tiers = stage.connector.tier_bytes()
+                tiers = stage.coordinator.tier_bytes()
             except Exception:  # reported by the stage's own status; /status must answer
                 continue
             for name, (cap, used) in (tiers or {}).items():
@@ -385,7 +385,7 @@ class Agent:
         total = 0
         for stage in list(self.service.stages.values()):
             try:
-                total += stage.connector.recovered_blocks() or 0
+                total += stage.coordinator.recovered_blocks() or 0
             except Exception:  # reported by the stage's own status; /status must answer
                 continue
         return total
@@ -408,7 +408,7 @@ class Agent:
         for st in stages:
             name = f"{st.key.replica}/pp{st.key.pp_rank}"
             try:
-                statuses[name] = (st, st.connector.status())
+                statuses[name] = (st, st.coordinator.status())
             except Exception as exc:
                 statuses[name] = (st, {"role": None, "degraded": True, "error": str(exc)})
                 self.errors.record("connector", f"{name}: status() failed: {exc}")
@@ -436,7 +436,7 @@ class Agent:
         }
         fanout: dict[str, Any] = {}
         for n, (st, s) in statuses.items():
-            fanout[n] = {"ready": bool(st.connector.ready()) and not s.get("degraded", True),
+            fanout[n] = {"ready": bool(st.coordinator.ready()) and not s.get("degraded", True),
                          "peersConnected": s.get("peersConnected", 0),
                          "peersExpected": s.get("peersExpected", 0), "role": s.get("role")}
         comps["fanout"] = {"ready": all(f["ready"] for f in fanout.values()), "stages": fanout}
@@ -453,12 +453,12 @@ class Agent:
         stages = []
         for s in list(self.service.stages.values()):
             try:
-                conn = s.connector.status()
+                conn = s.coordinator.status()
             except Exception as exc:
                 conn = {"error": str(exc)}
             view = self.group_views.get(s.key.replica)
             try:
-                tiers = s.connector.tier_bytes()
+                tiers = s.coordinator.tier_bytes()
             except Exception:  # reported by the stage's own status
                 tiers = None
             stages.append({

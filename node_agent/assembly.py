@@ -172,7 +172,7 @@ def remote_tier(deps: StageDeps, rank: RankRef, layout: KVLayout) -> RemoteTier 
     return RemoteTier(pool, keyspace, epoch=deps.key_epoch)
 
 
-def connector_config(cfg: AgentConfig, rank: RankRef, layout: KVLayout, group: str,
+def coordinator_config(cfg: AgentConfig, rank: RankRef, layout: KVLayout, group: str,
                      endpoint: str | None) -> CoordinatorConfig:
     """The stage's connector config, its waits split from ``engineCallSeconds`` by
     :func:`node_agent.vocab.budget.call_budget` so that every engine call ends inside it."""
@@ -224,7 +224,7 @@ def default_stage_builder(deps: StageDeps, rank: RankRef, layout: KVLayout) -> S
         endpoint = f"tcp://{cfg.bind_address}:{cfg.ports.fanout}"
         keys = CurveKeys.load(cfg.curve_key_dir)
     server = deps.fanout.get() if deps.fanout is not None and endpoint is not None else None
-    ccfg = connector_config(cfg, rank, layout, group, endpoint)
+    ccfg = coordinator_config(cfg, rank, layout, group, endpoint)
     metrics = deps.metrics
 
     def leader_backend() -> ReplicatedBackend:
@@ -234,7 +234,7 @@ def default_stage_builder(deps: StageDeps, rank: RankRef, layout: KVLayout) -> S
         return EmbeddedBackend(bcfg, metrics=metrics, remote=remote_tier(deps, rank, layout),
                                cache_epoch=deps.key_epoch)
 
-    connector = Coordinator(
+    coordinator = Coordinator(
         ccfg, views,
         backend_factory=leader_backend,
         store_factory=lambda: TierStore(bcfg, remote_tier(deps, rank, layout)),
@@ -246,4 +246,4 @@ def default_stage_builder(deps: StageDeps, rank: RankRef, layout: KVLayout) -> S
     # FlexKV's manager may wait on its own server: its calls keep the workers.
     inline = INLINE_CANDIDATES if rank.pp_size == 1 and cfg.backend != "flexkv" else frozenset()
     return Stage(key=rank.stage, pp_size=rank.pp_size, group=group, layout=layout,
-                 connector=connector, views=views, inline_ops=inline, model=rank.model)
+                 coordinator=coordinator, views=views, inline_ops=inline, model=rank.model)

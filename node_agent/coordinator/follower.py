@@ -1,4 +1,4 @@
-"""A follower stage's side of the connector: it never matches, allocates or evicts.
+"""A follower stage's side of the coordinator: it never matches, allocates or evicts.
 
 Each engine call waits (bounded) for the leader's decision made for the same
 content: the same rid, kind and token digest, in the same life of the rid

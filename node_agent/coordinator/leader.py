@@ -1,4 +1,4 @@
-"""The group leader's side of the connector: it alone owns the index and decides.
+"""The group leader's side of the coordinator: it alone owns the index and decides.
 
 Every decision is taken under one *decision lock* that also covers its
 broadcast, so the stream order is the decision order (a move that frees a

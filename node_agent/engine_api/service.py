@@ -188,7 +188,7 @@ class Stage:
     pp_size: int
     group: str
     layout: KVLayout
-    connector: Coordinator
+    coordinator: Coordinator
     views: Any = None
     """The stage's group-view source (``node_agent.pp.group.GroupViewSource``)."""
     buffers: dict[int, list[OpenedBuffer]] = field(default_factory=dict)
@@ -211,7 +211,7 @@ class Stage:
     def close(self) -> None:
         """Close the connector (and with it the backend), then unmap the buffers."""
         try:
-            self.connector.close()
+            self.coordinator.close()
         finally:
             for opened in self.buffers.values():
                 for b in opened:
@@ -256,7 +256,7 @@ class EngineService:
         if req.op == "register":
             return self.register(rank, req.args["layout"], req.args["buffers"])
         stage = self._stage_of(rank)
-        conn = stage.connector
+        conn = stage.coordinator
         if rank.tp_rank != 0:
             raise ValueError(
                 f"{req.op} from TP rank {rank.tp_rank}: with tensor parallelism only TP rank 0 "
@@ -346,7 +346,7 @@ class EngineService:
                 nested.append(row)
             with self._lock:
                 stage = self._stage_for(rank, layout)
-                stage.connector.register_kv_buffers(rank.tp_rank, nested)
+                stage.coordinator.register_kv_buffers(rank.tp_rank, nested)
                 old = stage.buffers.get(rank.tp_rank, [])
                 stage.buffers[rank.tp_rank] = opened
                 stage.registrations += 1

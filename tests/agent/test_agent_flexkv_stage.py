@@ -40,7 +40,7 @@ def test_one_stage_group_round_trips_through_flexkv(flexkv_agent: Agent) -> None
     import flexkv._fake as fake  # the fake on sys.path; records every manager
 
     stage = default_stage_builder(flexkv_agent.stage_deps, RankRef("rep", 0, 1, 0, 1), LAYOUT)
-    conn = stage.connector
+    conn = stage.coordinator
     try:
         bufs = _buffers()
         conn.register_kv_buffers(0, bufs)
@@ -74,7 +74,7 @@ def test_a_stage_of_a_model_hands_flexkv_its_model_namespace(flexkv_agent: Agent
     model = ModelIdentity(model="/models/llama").digest()
     rank = RankRef("rep", 0, 1, 0, 1, model)
     stage = default_stage_builder(flexkv_agent.stage_deps, rank, LAYOUT)
-    conn = stage.connector
+    conn = stage.coordinator
     try:
         conn.register_kv_buffers(0, _buffers())
         tokens = np.arange(4 * TPB, dtype=np.int64) + 100

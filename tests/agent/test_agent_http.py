@@ -207,13 +207,13 @@ async def test_cache_epoch_bump_in_config_file_flushes_the_cache(work: Path) -> 
             # While the reset holds the stage's locks, its calls take worker
             # threads instead of the engine socket's I/O thread.
             [stage] = ra.agent.service.stages.values()
-            real_reset, seen = stage.connector.reset, []
+            real_reset, seen = stage.coordinator.reset, []
 
             def watched_reset() -> None:
                 seen.append(stage.inline_ops)
                 real_reset()
 
-            stage.connector.reset = watched_reset  # type: ignore[method-assign]
+            stage.coordinator.reset = watched_reset  # type: ignore[method-assign]
             path.write_text(yaml.safe_dump({**data, "cacheEpoch": 1}))
             async def epoch_applied() -> bool:
                 return bool((await ra.get("/status")).json()["cacheEpoch"] == 1)

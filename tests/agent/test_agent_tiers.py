@@ -36,16 +36,16 @@ def _store(agent: Agent, blocks: int) -> dict[str, int]:
     shape = (NUM_SLOTS, LAYOUT.num_kv_heads, LAYOUT.head_size)
     k = [torch.ones(shape, dtype=torch.float16) for _ in range(LAYOUT.num_layers)]
     v = [torch.ones(shape, dtype=torch.float16) for _ in range(LAYOUT.num_layers)]
-    stage.connector.register_kv_buffers(0, (k, v))
+    stage.coordinator.register_kv_buffers(0, (k, v))
     tokens = np.arange(blocks * LAYOUT.tokens_per_block, dtype=np.int64)
-    assert stage.connector.store_kv("r1", tokens, np.arange(tokens.size, dtype=np.int64)) >= 0
+    assert stage.coordinator.store_kv("r1", tokens, np.arange(tokens.size, dtype=np.int64)) >= 0
     done: list[str] = []
     for _ in range(100):  # bounded: each wait ends after 0.1 s
-        done += stage.connector.wait_completed(0.1)
+        done += stage.coordinator.wait_completed(0.1)
         if "r1" in done:
             break
     assert "r1" in done
-    cpu = stage.connector.status()["tiers"]["cpu"]
+    cpu = stage.coordinator.status()["tiers"]["cpu"]
     return {"capacityBytes": cpu["capacity_bytes"], "usedBytes": cpu["used_bytes"]}
 
 

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from node_agent.agent import Agent
-from node_agent.assembly import connector_config, default_stage_builder
+from node_agent.assembly import coordinator_config, default_stage_builder
 from node_agent.engine_api.service import RankRef
 from node_agent.vocab.budget import call_budget
 from tests.agent.harness import LAYOUT, agent_mapping, cfg_of, short_dir
@@ -45,7 +45,7 @@ def test_stage_and_server_use_the_split() -> None:
         mapping = agent_mapping(work, "node-0",
                                 timeouts={"engineCallSeconds": 2, "fanoutWaitSeconds": 0.6})
         agent = Agent(cfg_of(mapping), default_stage_builder)
-        ccfg = connector_config(agent.cfg, RankRef("rep", 0, 1, 0, 1), LAYOUT, "tp-rep", None)
+        ccfg = coordinator_config(agent.cfg, RankRef("rep", 0, 1, 0, 1), LAYOUT, "tp-rep", None)
         assert ccfg.fanout_wait_seconds == pytest.approx(0.6)
         assert ccfg.transfer_seconds == pytest.approx((1.8 - 0.6) / 3)
         assert ccfg.engine_call_seconds == 2

@@ -128,7 +128,7 @@ def group_status(epoch: int, leader: int | None, endpoints: dict[int, str]) -> d
     return status
 
 
-def make_connector(
+def make_coordinator(
     rank: int,
     view: GroupViewSource,
     keys: CurveKeys | None,
@@ -180,8 +180,8 @@ def started(conn: Coordinator) -> tuple[Coordinator, Buffers]:
 @contextmanager
 def single_stage(**kwargs: Any) -> Iterator[tuple[Coordinator, Buffers]]:
     """A started leader of a one-stage group (no fan-out endpoint) and its engine
-    buffers; ``kwargs`` go to :func:`make_connector`. Closed on exit."""
-    conn, bufs = started(make_connector(0, solo_view(), keys=None, endpoint=None, **kwargs))
+    buffers; ``kwargs`` go to :func:`make_coordinator`. Closed on exit."""
+    conn, bufs = started(make_coordinator(0, solo_view(), keys=None, endpoint=None, **kwargs))
     try:
         yield conn, bufs
     finally:
@@ -227,7 +227,7 @@ class Stage:
         self.rank = rank
         self.metrics = AgentMetrics()
         self.view = GroupViewSource(GroupView(GROUP, 0, None, ()))
-        self.conn, self.bufs = started(make_connector(
+        self.conn, self.bufs = started(make_coordinator(
             rank, self.view, keys, cpu_blocks, metrics=self.metrics,
             endpoint=endpoint or "tcp://127.0.0.1:0"))
 

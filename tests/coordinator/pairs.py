@@ -32,7 +32,7 @@ from tests.coordinator.harness import (
     Buffers,
     group_status,
     kv_content,
-    make_connector,
+    make_coordinator,
     read_slots,
     started,
     write_slots,
@@ -113,7 +113,7 @@ class InProcessGroup:
         self.cache_epochs = [0] * size
         try:
             for r in range(size):
-                c, b = started(make_connector(
+                c, b = started(make_coordinator(
                     r, self.views[r], keys=None, cpu_blocks=cpu_blocks,
                     metrics=self.metrics[r], max_pending=max_pending,
                     cache_epoch=lambda r=r: self.cache_epochs[r], **timeouts))

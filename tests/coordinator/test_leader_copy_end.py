@@ -20,7 +20,7 @@ from tests.coordinator.harness import (
     LAYOUT,
     group_status,
     kv_content,
-    make_connector,
+    make_coordinator,
     solo_view,
     started,
     wait_completed,
@@ -37,7 +37,7 @@ class Single:
     def __init__(self, **timeouts: float) -> None:
         self.view = solo_view()
         self.conn, self.bufs = started(
-            make_connector(0, self.view, keys=None, endpoint=None, **timeouts))
+            make_coordinator(0, self.view, keys=None, endpoint=None, **timeouts))
         self.events: list[str] = []
 
     @property

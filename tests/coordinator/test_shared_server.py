@@ -19,7 +19,7 @@ from tests.coordinator.harness import (
     Buffers,
     group_status,
     kv_content,
-    make_connector,
+    make_coordinator,
     read_slots,
     started,
     wait_completed,
@@ -34,7 +34,7 @@ Stage = tuple[Coordinator, Buffers]
 
 def _stage(rank: int, group: str, keys: CurveKeys, server: FanoutServer | None) -> Stage:
     view = GroupViewSource(GroupView(group, 0, None, ()))
-    return started(make_connector(rank, view, keys, endpoint="tcp://127.0.0.1:0",
+    return started(make_coordinator(rank, view, keys, endpoint="tcp://127.0.0.1:0",
                                   server=server))
 
 

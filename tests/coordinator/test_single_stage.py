@@ -14,7 +14,7 @@ from tests.coordinator.harness import (
     GROUP,
     LAYOUT,
     kv_content,
-    make_connector,
+    make_coordinator,
     read_slots,
     single_stage,
     solo_view,
@@ -139,7 +139,7 @@ def test_completed_rids_are_bounded_and_overflow_is_counted() -> None:
 
 def test_max_completed_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_completed=0 must be an int >= 1"):
-        make_connector(0, solo_view(), keys=None, endpoint=None, max_completed=0)
+        make_coordinator(0, solo_view(), keys=None, endpoint=None, max_completed=0)
 
 
 def test_a_rank_registering_again_with_more_slots_can_use_them(single) -> None:  # type: ignore[no-untyped-def]

@@ -31,7 +31,7 @@ from tests.coordinator.harness import (
     LAYOUT,
     group_status,
     kv_content,
-    make_connector,
+    make_coordinator,
     started,
     write_slots,
 )
@@ -61,7 +61,7 @@ def stale() -> Iterator[StaleLeader]:
     f_server = FanoutServer("tcp://127.0.0.1:0", keys).start()
     view = GroupViewSource(GroupView(GROUP, 0, None, ()))
     # A long engine-call deadline: an in-flight store ending early proves the step-down.
-    conn, bufs = started(make_connector(0, view, keys, metrics=metrics,
+    conn, bufs = started(make_coordinator(0, view, keys, metrics=metrics,
                                         engine_call_seconds=60.0))
     applied: list[Message] = []
     follower = FollowerStream(GROUP, 1, keys, StreamMetrics(GROUP, None), apply=applied.append,
