@@ -235,13 +235,24 @@ class Agent:
         return self._builder(self.stage_deps, rank, layout)
 
     def attach_stage(self, stage: Stage) -> None:
-        """Feed a new multi-stage group the view already known for its replica.
+        """Apply a flush the new stage missed, and feed a new multi-stage group the
+        view already known for its replica.
 
-        Called after the stage joined ``service.stages``. The read of
-        ``group_views`` and the push happen under ``_views_lock``, as do
+        Called after the stage joined ``service.stages``. A flush that switched the
+        key epoch while the stage was being built did not reach it (it walked the
+        stages before this one joined): the stage is reset here, so no block of the
+        old epoch (a recovered SSD block, say) is ever served. A flush that starts
+        after this check finds the stage in ``service.stages``.
+
+        The read of ``group_views`` and the push happen under ``_views_lock``, as do
         ``_on_views``' store and walk, so no update is missed (it either finds the
         stage or is the one read here) and an older view is never pushed after a
         newer one (``GroupViewSource.update`` accepts same-epoch views)."""
+        if stage.cache_epoch != self.key_epoch:
+            log.info("Stage built during a flush, reset for the new epoch", extra={
+                "replica": stage.key.replica, "pp_rank": stage.key.pp_rank,
+                "built": stage.cache_epoch, "epoch": self.key_epoch})
+            self._reset_stage(stage)
         with self._views_lock:
             view = self.group_views.get(stage.key.replica)
             if view is not None:
@@ -288,16 +299,20 @@ class Agent:
         applied, only once every stage is reset."""
         old, self.key_epoch = self.cache_epoch, epoch
         for stage in list(self.service.stages.values()):
-            # The reset holds the stage's decision lock while copies stop (up to
-            # the backend's STOP_SECONDS on a hung device): meanwhile the stage's
-            # calls go to worker threads, never block the engine socket's I/O thread.
-            inline, stage.inline_ops = stage.inline_ops, frozenset()
-            try:
-                stage.coordinator.reset()
-            finally:
-                stage.inline_ops = inline
+            self._reset_stage(stage)
         self.cache_epoch = epoch
         log.info("Cache flushed for new epoch", extra={"old": old, "new": epoch})
+
+    @staticmethod
+    def _reset_stage(stage: Stage) -> None:
+        # The reset holds the stage's decision lock while copies stop (up to the
+        # backend's STOP_SECONDS on a hung device): meanwhile the stage's calls go
+        # to worker threads, never block the engine socket's I/O thread.
+        inline, stage.inline_ops = stage.inline_ops, frozenset()
+        try:
+            stage.coordinator.reset()
+        finally:
+            stage.inline_ops = inline
 
     def _heartbeat_info(self) -> dict[str, Any]:
         info = {"memberships": self.service.memberships(), "tiers": self._tiers(),

@@ -198,8 +198,9 @@ def default_stage_builder(deps: StageDeps, rank: RankRef, layout: KVLayout) -> S
             "the pool for pipeline-parallel engines that span nodes"
         )
     group = group_name(cfg.pool, rank.replica)
+    epoch = deps.key_epoch()  # what the stage is built under (Stage.cache_epoch)
     try:  # validates sizes against the layout
-        bcfg = backend_config(cfg, layout, rank.model, rank.pp_size, deps.key_epoch())
+        bcfg = backend_config(cfg, layout, rank.model, rank.pp_size, epoch)
     except ValueError as exc:
         if cfg.max_stages == 1:
             raise
@@ -246,4 +247,5 @@ def default_stage_builder(deps: StageDeps, rank: RankRef, layout: KVLayout) -> S
     # FlexKV's manager may wait on its own server: its calls keep the workers.
     inline = INLINE_CANDIDATES if rank.pp_size == 1 and cfg.backend != "flexkv" else frozenset()
     return Stage(key=rank.stage, pp_size=rank.pp_size, group=group, layout=layout,
-                 coordinator=coordinator, views=views, inline_ops=inline, model=rank.model)
+                 coordinator=coordinator, views=views, inline_ops=inline, model=rank.model,
+                 cache_epoch=epoch)

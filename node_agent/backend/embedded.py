@@ -194,6 +194,8 @@ class EmbeddedBackend(ReplicatedBackend):
             self._metrics.recovered_blocks.inc(0)
             for reason in DROP_REASONS:
                 self._metrics.recovered_dropped_blocks.labels(reason=reason)
+        if self._epoch_moved(ssd):  # a flush ran while this stage was being built
+            ssd.reset_records(self._cache_epoch())
         if not ssd.recorded:
             self.recovery_done.set()
             return
@@ -203,6 +205,11 @@ class EmbeddedBackend(ReplicatedBackend):
         self._recovery = threading.Thread(target=self._recover, args=(ssd, reserved, epoch),
                                           name="flexkv-ssd-recovery", daemon=True)
         self._recovery.start()
+
+    def _epoch_moved(self, ssd: SsdTier) -> bool:
+        """Whether the live cache epoch differs from the one the SSD tier's files
+        were opened under (their blocks then belong to a flushed cache)."""
+        return ssd.identity is not None and ssd.identity.cache_epoch != self._cache_epoch()
 
     def _recover(self, ssd: SsdTier, reserved: list[int], epoch: int) -> None:
         """Recovery thread: verify the recorded blocks, then index the good ones."""
@@ -220,6 +227,12 @@ class EmbeddedBackend(ReplicatedBackend):
                 index = self._index
                 if self._closed or index is None or index.epoch != epoch:
                     return  # a flush cleared the index (its SSD ring is whole again)
+                if self._epoch_moved(ssd):
+                    # The cache epoch moved without this backend's reset (yet): nothing
+                    # written under the old one is adopted; the reset that follows
+                    # frees the reserved blocks.
+                    log.info("SSD recovery abandoned: the cache epoch moved")
+                    return
                 adopted = index.adopt([(r.hash, r.parent, r.block, r.seq)
                                        for r in found.blocks], reserved)
                 dropped = dict(found.dropped)

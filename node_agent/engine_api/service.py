@@ -207,6 +207,10 @@ class Stage:
     without the two thread hops of a worker call (see :meth:`EngineService.inline`)."""
     traffic: StageTraffic | None = None
     """The stage's engine traffic (set by :class:`EngineService` when it adds the stage)."""
+    cache_epoch: int = 0
+    """The cache epoch the stage was built under: a flush that lands while the stage
+    is built (before it is in ``EngineService.stages``) is applied to it when it is
+    added (``Agent.attach_stage``)."""
 
     def close(self) -> None:
         """Close the connector (and with it the backend), then unmap the buffers."""

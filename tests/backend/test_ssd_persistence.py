@@ -415,3 +415,22 @@ def test_a_shutdown_during_recovery_stops_it_and_keeps_the_files_for_the_next_st
             _loads_bit_exact(again, bufs, p, want)
     finally:
         again.shutdown()
+
+
+def test_files_of_the_epoch_a_stage_was_built_under_are_not_recovered_once_it_moved(
+        tmp_path: Path) -> None:
+    """A flush that lands while a stage is being built: the backend's config names
+    the old epoch, the live epoch is already the new one. Nothing written under the
+    old epoch is recovered or served."""
+    cfg = dataclasses.replace(_cfg(tmp_path), cache_epoch=1)
+    prompts, _ = _fill(tmp_path, cfg)
+    b = EmbeddedBackend(cfg, cache_epoch=lambda: 2)
+    b.start()
+    try:
+        assert b.recovery_done.wait(30)
+        b.register_kv_buffers(0, make_buffers(cfg.layout, 256, seed=99))
+        assert b.recovered_blocks == 0
+        mask = load(b, prompts[0], np.arange(200, 200 + len(prompts[0]), dtype=np.int64))
+        assert int(mask.sum()) == 0
+    finally:
+        b.shutdown()
