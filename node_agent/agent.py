@@ -26,7 +26,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
@@ -318,25 +318,25 @@ class Agent:
         info = {"memberships": self.service.memberships(), "tiers": self._tiers(),
                 "ready": self._ready_overall(), "cacheEpoch": self.cache_epoch}
         totals = self._lookup_totals()
-        if totals is not None:
-            info["lookups"] = self._lookup_window.sample(*totals)
+        # None removes the Lease annotation (a stage that stopped leading, say):
+        # a stale window must not keep counting in the pool's hit rate.
+        info["lookups"] = self._lookup_window.sample(totals) if totals else None
         return info
 
-    def _lookup_totals(self) -> tuple[int, int] | None:
-        """Tokens looked up and hit on the stages this agent leads, summed; None when
-        none of them counts lookups (no stage yet, followers only, or a backend
-        that does not count)."""
-        counted = []
+    def _lookup_totals(self) -> dict[Hashable, tuple[int, int]]:
+        """Tokens looked up and hit on each stage this agent leads, by source (the
+        stage and its backend instance); empty when none of them counts lookups
+        (no stage yet, followers only, or a backend that does not count)."""
+        out: dict[Hashable, tuple[int, int]] = {}
         for stage in list(self.service.stages.values()):
             try:
                 totals = stage.coordinator.lookup_totals()
             except Exception:  # reported by the stage's own status
                 continue
             if totals is not None:
-                counted.append(totals)
-        if not counted:
-            return None
-        return sum(t[0] for t in counted), sum(t[1] for t in counted)
+                source, looked_up, hit = totals
+                out[(stage.key, source)] = (looked_up, hit)
+        return out
 
     def services(self) -> list[Service]:
         """Background services in start order."""

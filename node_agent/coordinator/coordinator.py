@@ -409,10 +409,11 @@ class Coordinator:
         ssd = role.backend.stats().tiers.get("ssd")
         return ssd.recovered_blocks if ssd is not None else 0
 
-    def lookup_totals(self) -> tuple[int, int] | None:
-        """(tokens looked up, tokens hit) since the leader backend started, from its
-        own stats; None while this stage is not the leader or when its backend does
-        not count lookups."""
+    def lookup_totals(self) -> tuple[int, int, int] | None:
+        """(source, tokens looked up, tokens hit) since the leader backend started,
+        from its own stats; ``source`` names that backend instance (another backend,
+        after a role change, counts from zero). None while this stage is not the
+        leader or when its backend does not count lookups."""
         role = self._role
         if not isinstance(role, LeaderRole):
             return None
@@ -420,7 +421,7 @@ class Coordinator:
         if stats.lookup_tokens is None:
             return None
         hit_blocks = sum(t.hit_blocks for t in stats.tiers.values())
-        return stats.lookup_tokens, hit_blocks * self.cfg.tokens_per_block
+        return id(role.backend), stats.lookup_tokens, hit_blocks * self.cfg.tokens_per_block
 
     def ready(self) -> bool:
         """True when started, every expected engine rank registered, this stage

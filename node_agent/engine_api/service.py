@@ -72,9 +72,10 @@ class Coordinator(Protocol):
     def recovered_blocks(self) -> int | None:
         """SSD blocks the stage's backend recovered at its start, while the stage
         leads its group; None otherwise."""
-    def lookup_totals(self) -> tuple[int, int] | None:
-        """(tokens looked up, tokens hit) since the stage's backend started, while
-        the stage leads its group and its backend counts them; None otherwise."""
+    def lookup_totals(self) -> tuple[int, int, int] | None:
+        """(source, tokens looked up, tokens hit) since the stage's backend started
+        (``source`` names that backend instance), while the stage leads its group
+        and its backend counts them; None otherwise."""
 
 
 def wait_completed(conn: Coordinator, timeout_ms: int) -> list[str]:

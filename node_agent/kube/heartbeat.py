@@ -116,8 +116,9 @@ class LeaseHeartbeat:
                     kube.ANNOTATION_TIERS: json.dumps(info.get("tiers", {}), sort_keys=True),
                     kube.ANNOTATION_READY: "true" if ready else "false",
                     kube.ANNOTATION_CACHE_EPOCH: str(info.get("cacheEpoch", cfg.cache_epoch)),
-                    **({kube.ANNOTATION_LOOKUPS: json.dumps(info["lookups"], sort_keys=True)}
-                       if "lookups" in info else {}),
+                    # None (nothing to report) deletes the annotation in a patch.
+                    kube.ANNOTATION_LOOKUPS: (json.dumps(info["lookups"], sort_keys=True)
+                                              if info.get("lookups") is not None else None),
                 },
             },
             "spec": {
@@ -136,6 +137,9 @@ class LeaseHeartbeat:
 
     def _create(self) -> None:
         body = self._body()
+        annotations = body["metadata"]["annotations"]
+        body["metadata"]["annotations"] = {k: v for k, v in annotations.items()
+                                           if v is not None}
         body["spec"]["acquireTime"] = body["spec"]["renewTime"]
         lease = self._api.create_namespaced_lease(
             self._cfg.namespace, body, _request_timeout=self._timeout())  # type: ignore[arg-type]

@@ -173,3 +173,22 @@ async def test_lease_reports_the_lookups_and_hits_of_the_stages_it_leads(
     finally:
         client.close()
         bufs.close()
+
+
+async def test_a_lookups_window_with_nothing_to_report_is_removed_from_the_lease(
+        kube: Any, kube_api: Any, work: Path) -> None:
+    from node_agent.kube.heartbeat import LeaseHeartbeat
+
+    cfg = cfg_of(agent_mapping(work, "quiet"))
+    info: dict[str, Any] = {"memberships": [], "tiers": {}, "ready": True, "cacheEpoch": 0,
+                            "lookups": None}
+    beat = LeaseHeartbeat(k8s.CoordinationV1Api(kube_api), cfg, lambda: dict(info))
+    await asyncio.to_thread(beat.renew_once)  # created without the annotation
+    assert "flexkv.io/lookups" not in _annotations(kube, "quiet")
+    info["lookups"] = {"windowSeconds": 30, "lookupTokens": 64, "hitTokens": 16}
+    await asyncio.to_thread(beat.renew_once)
+    assert json.loads(_annotations(kube, "quiet")["flexkv.io/lookups"])["hitTokens"] == 16
+    info["lookups"] = None  # the stage that counted stopped leading
+    await asyncio.to_thread(beat.renew_once)
+    assert "flexkv.io/lookups" not in _annotations(kube, "quiet")
+    assert _annotations(kube, "quiet")["flexkv.io/ready"] == "true"
