@@ -38,6 +38,15 @@ class Membership:
     pp_size: int
 
 
+_INT64_MAX = 2**63 - 1
+
+
+def _count(value: Any) -> bool:
+    """A count an annotation may carry: a non-negative int (not a bool) that fits
+    the CRD's int64 ``integer``."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _INT64_MAX
+
+
 @dataclass(frozen=True)
 class Lookups:
     """The ``flexkv.io/lookups`` annotation: engine lookups over the agent's last
@@ -54,7 +63,7 @@ def _lookups(annotations: dict[str, str], problems: list[str]) -> Lookups | None
         return None
     fields = ("windowSeconds", "lookupTokens", "hitTokens")
     values = [raw.get(f) if isinstance(raw, dict) else None for f in fields]
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+    if not all(_count(v) for v in values):
         problems.append(
             f"annotation {names.ANNOTATION_LOOKUPS} needs non-negative integers "
             f"{', '.join(fields)}: {str(raw)[:80]!r}"
@@ -142,10 +151,16 @@ def parse_lease(body: dict[str, Any]) -> AgentRecord | None:
         for tier, values in tiers_raw.items():
             if isinstance(values, dict):
                 tiers[str(tier)] = {
-                    k: int(v)
-                    for k, v in values.items()
-                    if k in ("capacityBytes", "usedBytes") and isinstance(v, int | float)
+                    k: v for k, v in values.items()
+                    if k in ("capacityBytes", "usedBytes") and _count(v)
                 }
+                dropped = sorted(k for k in ("capacityBytes", "usedBytes")
+                                 if k in values and k not in tiers[str(tier)])
+                if dropped:
+                    problems.append(
+                        f"annotation {names.ANNOTATION_TIERS}: {tier}.{', '.join(dropped)} "
+                        "must be non-negative integers"
+                    )
     epoch_text = annotations.get(names.ANNOTATION_CACHE_EPOCH)
     try:
         cache_epoch = int(epoch_text) if epoch_text is not None else None

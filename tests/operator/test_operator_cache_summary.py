@@ -137,3 +137,21 @@ def test_every_printer_column_names_a_field_of_the_schema_with_its_type() -> Non
         field = _resolve(schema, column["jsonPath"])
         assert field is not None, f"column {column['name']}: {column['jsonPath']} not in schema"
         assert field["type"] == column["type"], column["name"]
+
+
+@pytest.mark.parametrize("bad", ["1e400", "NaN", "true", "-5", "1.5", str(2**63)])
+def test_a_tier_value_that_is_not_a_byte_count_is_named_and_left_out(bad: str) -> None:
+    body = _lease("a")
+    body["metadata"]["annotations"][names.ANNOTATION_TIERS] = (
+        '{"cpu": {"capacityBytes": ' + bad + ', "usedBytes": 10}}')
+    record = parse_lease(body)
+    assert record is not None
+    assert record.tiers == {"cpu": {"usedBytes": 10}}
+    assert any("cpu.capacityBytes must be non-negative integers" in p for p in record.problems)
+    assert cache_summary([_view(body)])["tiers"]["cpu"]["use"] == "-"
+
+
+def test_a_lookup_count_above_int64_is_refused() -> None:
+    record = parse_lease(_lease("a", lookups=_window(2**63, 0)))
+    assert record is not None and record.lookups is None
+    assert any("non-negative integers" in p for p in record.problems)
