@@ -138,6 +138,10 @@ def stage_share(cfg: AgentConfig) -> AgentConfig:
     return dataclasses.replace(cfg, tiers=dataclasses.replace(tiers, cpu=cpu, ssd=ssd))
 
 
+STOP_SPILL_SECONDS = 10.0
+"""How long a clean stop may spend spilling CPU tiers to SSD, over all stages."""
+
+
 def backend_config(cfg: AgentConfig, layout: KVLayout, model: str = "", pp_size: int = 1,
                    cache_epoch: int = 0) -> EmbeddedBackendConfig:
     """The embedded backend's config from agent.yaml ``tiers``/``eviction``/``timeouts``;
@@ -154,6 +158,9 @@ def backend_config(cfg: AgentConfig, layout: KVLayout, model: str = "", pp_size:
         deferred_visibility=True,
         namespace=stage_namespace(model, cfg.model_salt),
         ssd_persist=bool(ssd and ssd.persist and pp_size == 1), pool=cfg.pool,
+        # The stages close one after another at a stop: together they spill for at
+        # most STOP_SPILL_SECONDS, so the stop fits the pod's grace period.
+        stop_spill_seconds=STOP_SPILL_SECONDS / cfg.max_stages,
         cache_epoch=cache_epoch,
     )
 

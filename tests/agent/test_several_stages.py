@@ -356,3 +356,16 @@ def test_stages_of_two_pp_groups_on_one_pair_of_agents_lead_one_and_follow_the_o
     assert roles == {("ga", 0): "leader", ("gb", 1): "follower"}
     roles = {(s["replica"], s["ppRank"]): s["role"] for s in q.status()["stages"]}
     assert roles == {("ga", 1): "follower", ("gb", 0): "leader"}
+
+
+def test_the_stop_spill_budget_is_shared_by_the_stages_of_an_agent() -> None:
+    from node_agent.assembly import STOP_SPILL_SECONDS, backend_config, stage_share
+    from node_agent.config import config_from_mapping
+    from tests.agent.harness import LAYOUT
+
+    for max_stages in (1, 4):
+        data = {"pool": "p", "nodeName": "n", "tokensPerBlock": LAYOUT.tokens_per_block,
+                "maxStages": max_stages, "tiers": {"cpu": {"size": "64Mi"}}}
+        cfg = stage_share(config_from_mapping(data))
+        per_stage = backend_config(cfg, LAYOUT).stop_spill_seconds
+        assert per_stage * max_stages == pytest.approx(STOP_SPILL_SECONDS)
