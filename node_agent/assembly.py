@@ -146,9 +146,11 @@ def backend_config(cfg: AgentConfig, layout: KVLayout, model: str = "", pp_size:
                    cache_epoch: int = 0) -> EmbeddedBackendConfig:
     """The embedded backend's config from agent.yaml ``tiers``/``eviction``/``timeouts``;
     its hash namespace is the stage's ``model`` (a digest, ``""`` for none) with the
-    pool's ``modelSalt``. ``tiers.ssd.persist`` applies to single-stage groups only
-    (docs/pp.md: a PP group's stages cannot prove their surviving files agree);
+    pool's ``modelSalt``. ``tiers.ssd.persist`` applies to single-stage groups with a
+    model identity only (docs/pp.md: a PP group's stages cannot prove their surviving
+    files agree; without an identity another model's blocks could be recovered);
     ``cache_epoch`` is the epoch the SSD files are written under."""
+    namespace = stage_namespace(model, cfg.model_salt)
     ssd = cfg.tiers.ssd
     return EmbeddedBackendConfig(
         layout=layout, cpu_bytes=cfg.tiers.cpu.size, pinned=cfg.tiers.cpu.pinned,
@@ -156,8 +158,12 @@ def backend_config(cfg: AgentConfig, layout: KVLayout, model: str = "", pp_size:
         high_watermark=cfg.eviction.high_watermark, low_watermark=cfg.eviction.low_watermark,
         unlaunched_match_seconds=cfg.timeouts.unlaunched_match_seconds,
         deferred_visibility=True,
-        namespace=stage_namespace(model, cfg.model_salt),
-        ssd_persist=bool(ssd and ssd.persist and pp_size == 1), pool=cfg.pool,
+        namespace=namespace,
+        # Persisted only with a model identity (the engine's or the pool's
+        # modelSalt): without one, another model of the same layout after a restart
+        # could not be told apart from this one.
+        ssd_persist=bool(ssd and ssd.persist and pp_size == 1 and namespace is not None),
+        pool=cfg.pool,
         # The stages close one after another at a stop: together they spill for at
         # most STOP_SPILL_SECONDS, so the stop fits the pod's grace period.
         stop_spill_seconds=STOP_SPILL_SECONDS / cfg.max_stages,

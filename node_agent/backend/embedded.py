@@ -334,7 +334,6 @@ class EmbeddedBackend(ReplicatedBackend):
         self._unpublished.clear()
         self._members.clear()
         self._moves.clear()
-        assert self._store is not None
         self._store.reset()
         self._update_gauges()
         self._cond.notify_all()

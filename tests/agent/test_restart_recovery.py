@@ -29,6 +29,7 @@ from node_agent.backend.ssd_tier import FILE_NAME
 from node_agent.client import AgentUnavailableError, EngineClient, RankInfo, SharedKVBuffers
 from node_agent.config import config_from_mapping
 from node_agent.contract.kube import ANNOTATION_TIERS
+from node_agent.engine_api.identity import ModelIdentity, stage_namespace
 from node_agent.kube.heartbeat import LeaseHeartbeat
 from tests.agent.harness import (
     LAYOUT,
@@ -43,7 +44,7 @@ from tests.agent.harness import (
 from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
-RANK = RankInfo(replica="eng-0")
+RANK = RankInfo(replica="eng-0", model=ModelIdentity(model="llama-test").digest())
 BPB = LAYOUT.bytes_per_block
 BLOCKS = 4  # blocks per prompt
 PROMPT = BLOCKS * TPB  # tokens per prompt
@@ -144,7 +145,7 @@ def _records(work: Path) -> int:
 def _tear(work: Path, prompt: int, block: int) -> None:
     """Overwrite the middle of prompt ``prompt``'s block ``block`` on disk (the torn
     write a power loss can leave)."""
-    h = BlockHasher(TPB, "xxh3_64").hashes(_prompt(prompt), None)[block]
+    h = BlockHasher(TPB, "xxh3_64").hashes(_prompt(prompt), stage_namespace(RANK.model, ""))[block]
     raw = (work / "ssd" / RECORDS_NAME.format(slot=0)).read_bytes()
     digest = raw[8:24]
     recs, _ = decode_records(raw[HEADER_BYTES:], digest, 8)
@@ -301,13 +302,15 @@ def test_only_single_stage_groups_keep_their_ssd_tier(work: Path) -> None:
     _, data = _config(work)
     agent = Agent(config_from_mapping(data), default_stage_builder)
     try:
-        single = backend_config(agent.cfg, LAYOUT, "", pp_size=1)
+        model = ModelIdentity(model="llama-test").digest()
+        assert not backend_config(agent.cfg, LAYOUT, "", pp_size=1).ssd_persist  # no identity
+        single = backend_config(agent.cfg, LAYOUT, model, pp_size=1)
         assert single.ssd_persist and single.pool == "tp"
         for pp_size in (2, 4):
-            assert not backend_config(agent.cfg, LAYOUT, "", pp_size=pp_size).ssd_persist
+            assert not backend_config(agent.cfg, LAYOUT, model, pp_size=pp_size).ssd_persist
         data["tiers"]["ssd"]["persist"] = False
         off = Agent(config_from_mapping(data), default_stage_builder)
-        assert not backend_config(off.cfg, LAYOUT, "", pp_size=1).ssd_persist
+        assert not backend_config(off.cfg, LAYOUT, model, pp_size=1).ssd_persist
         if off.ssd_owner is not None:
             off.ssd_owner.close()
     finally:
