@@ -7,9 +7,11 @@ tier, a bumped ``cacheEpoch`` and a second pool on the same SSD path."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import signal
+import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -84,6 +86,7 @@ class Engine:
         self.client = EngineClient(sock, RANK, timeout=30)
         self.client.register_kv_buffers(LAYOUT, self.bufs.handles)
         self.stored: dict[int, list[torch.Tensor]] = {}
+        self.closed = False
 
     def store(self, i: int, wait: bool = True) -> None:
         """Write prompt ``i``'s KV (random bytes) into slots 0..PROMPT and store it."""
@@ -119,8 +122,11 @@ class Engine:
         return hit // TPB
 
     def close(self) -> None:
-        self.client.close()
-        self.bufs.close()
+        """Idempotent: a test may close the engine before the agent stops."""
+        if not self.closed:
+            self.closed = True
+            self.client.close()
+            self.bufs.close()
 
 
 def _status(url: str) -> dict[str, Any]:
@@ -155,15 +161,30 @@ def _tear(work: Path, prompt: int, block: int) -> None:
         f.write(b"\x5a" * 8)
 
 
-def test_a_prompt_stored_before_a_sigkill_mid_spill_is_a_bit_exact_hit_after_it(
-        work: Path) -> None:
-    path, data = _config(work)
+@contextlib.contextmanager
+def _running(work: Path, path: Path, data: dict[str, Any],
+             stored: dict[int, list[torch.Tensor]] | None = None,
+             ) -> Iterator[tuple[subprocess.Popen[bytes], Engine, str]]:
+    """An agent process from ``path`` and one engine registered with it (knowing
+    what was ``stored`` before, for the bit-exact checks); both stopped on exit."""
     url = f"http://127.0.0.1:{data['ports']['http']}"
     proc = start_agent_process(path, work / "agent.log")
     engine = None
     try:
         wait_healthy(url, proc)
         engine = Engine(data["engineSocket"])
+        engine.stored = dict(stored or {})
+        yield proc, engine, url
+    finally:
+        if engine is not None:
+            engine.close()
+        stop_process(proc)
+
+
+def test_a_prompt_stored_before_a_sigkill_mid_spill_is_a_bit_exact_hit_after_it(
+        work: Path) -> None:
+    path, data = _config(work)
+    with _running(work, path, data) as (proc, engine, _):
         for i in range(8):  # the CPU tier holds two prompts: the first six spill whole
             engine.store(i)
         assert _records(work) >= 6 * BLOCKS
@@ -193,15 +214,10 @@ def test_a_prompt_stored_before_a_sigkill_mid_spill_is_a_bit_exact_hit_after_it(
         stop.set()
         t.join(30)
         burst_client.close()
-        engine.close()
-        engine_stored = engine.stored
-        engine = None
-        _tear(work, prompt=1, block=2)  # and one torn block on disk
+        stored = engine.stored
+    _tear(work, prompt=1, block=2)  # and one torn block on disk
 
-        proc = start_agent_process(path, work / "agent.log")
-        wait_healthy(url, proc)
-        engine = Engine(data["engineSocket"])
-        engine.stored = engine_stored
+    with _running(work, path, data, stored) as (_, engine, url):
         wait_for(lambda: _status(url)["tiers"]["ssd"].get("recoveredBlocks", 0) > 0,
                  "the agent recovered its SSD blocks", 60, 0.1)
         hits = {i: engine.hit_blocks(i) for i in range(8)}  # bit-exact, checked inside
@@ -211,69 +227,40 @@ def test_a_prompt_stored_before_a_sigkill_mid_spill_is_a_bit_exact_hit_after_it(
         assert _metric(url, 'flexkv_agent_recovered_dropped_blocks_total{reason="checksum"}') \
             >= 1
         assert _metric(url, "flexkv_agent_recovered_blocks_total") >= 6 * BLOCKS - 2
-    finally:
-        if engine is not None:
-            engine.close()
-        stop_process(proc)
 
 
 def test_a_clean_stop_spills_the_cpu_tier_and_every_prompt_survives_it(work: Path) -> None:
     path, data = _config(work)
-    url = f"http://127.0.0.1:{data['ports']['http']}"
-    proc = start_agent_process(path, work / "agent.log")
-    engine = None
-    try:
-        wait_healthy(url, proc)
-        engine = Engine(data["engineSocket"])
+    with _running(work, path, data) as (proc, engine, _):
         for i in range(3):  # the last two prompts stay (mostly) on the CPU tier
             engine.store(i)
         assert _records(work) < 3 * BLOCKS
         stored = engine.stored
         engine.close()
-        engine = None
         assert stop_process(proc) == 0
-        assert _records(work) == 3 * BLOCKS  # spilled on stop
+    assert _records(work) == 3 * BLOCKS  # spilled on stop
 
-        proc = start_agent_process(path, work / "agent.log")
-        wait_healthy(url, proc)
-        engine = Engine(data["engineSocket"])
-        engine.stored = stored
+    with _running(work, path, data, stored) as (_, engine, url):
         wait_for(lambda: _status(url)["tiers"]["ssd"].get("recoveredBlocks", 0)
                  == 3 * BLOCKS, "the agent recovered every block", 60, 0.1)
         assert [engine.hit_blocks(i) for i in range(3)] == [BLOCKS] * 3
-    finally:
-        if engine is not None:
-            engine.close()
-        stop_process(proc)
 
 
 def test_a_bumped_cache_epoch_across_a_restart_serves_nothing_old(work: Path) -> None:
     path, data = _config(work)
-    url = f"http://127.0.0.1:{data['ports']['http']}"
-    proc = start_agent_process(path, work / "agent.log")
-    engine = None
-    try:
-        wait_healthy(url, proc)
-        engine = Engine(data["engineSocket"])
+    with _running(work, path, data) as (proc, engine, _):
         for i in range(3):
             engine.store(i)
         engine.close()
-        engine = None
         assert stop_process(proc) == 0
-        assert _records(work) == 3 * BLOCKS
+    assert _records(work) == 3 * BLOCKS
 
-        data["cacheEpoch"] = 1
-        path.write_text(yaml.safe_dump(data))
-        proc = start_agent_process(path, work / "agent.log")
-        wait_healthy(url, proc)
-        engine = Engine(data["engineSocket"])  # the stage (and its SSD tier) opens here
+    data["cacheEpoch"] = 1
+    path.write_text(yaml.safe_dump(data))
+    with _running(work, path, data) as (_, engine, url):  # the SSD tier opens here
         assert _records(work) == 0  # the old epoch's files were cleaned
         assert [engine.client.lookup(f"g{i}", _prompt(i)) for i in range(3)] == [0, 0, 0]
         assert _status(url)["tiers"]["ssd"]["recoveredBlocks"] == 0
-    finally:
-        if engine is not None:
-            engine.close()
-        stop_process(proc)
 
 
 def test_a_second_pool_on_the_same_ssd_path_is_refused_at_start(work: Path) -> None:
