@@ -9,7 +9,9 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,7 @@ from tests.agent.test_several_stages import (
     metric,
     read,
     same,
+    store_and_wait,
 )
 from tests.support.waiting import wait_for
 
@@ -166,6 +169,17 @@ def lookup_and_load(e: Engine, rid: str, tokens: np.ndarray, dst: np.ndarray) ->
     return read(e.bufs, dst)
 
 
+def wait_completed(e: Engine, rid: str) -> None:
+    """Wait until the agent reports ``rid``'s store done to ``e``."""
+    done: list[str] = []
+
+    def finished() -> bool:
+        done.extend(e.client.wait_completed(0.2))
+        return rid in done
+
+    wait_for(finished, f"store {rid} completed", timeout=30)
+
+
 def stages_of(agent: AgentProc) -> dict[str, dict[str, Any]]:
     return {s["replica"]: s for s in agent.status()["stages"]}
 
@@ -221,3 +235,134 @@ def test_a_prefix_one_replica_stored_is_a_hit_for_another_replica_of_its_model_a
     # The shared backend's tiers count once in the agent's totals.
     assert agent.status()["tiers"]["cpu"] == {"capacityBytes": BLOCK * 48,
                                               "usedBytes": BLOCK * BLOCKS}
+
+
+def test_a_busy_replica_evicts_the_least_recently_used_blocks_of_any_replica_of_its_model(
+        agent_of: Callable[..., AgentProc], engines: Callable[..., Engine]) -> None:
+    # Two stages' worth of CPU tier: the shared backend holds one share, 32 blocks.
+    agent = agent_of(maxStages=2, tiers={"cpu": {"size": BLOCK * 64, "pinned": False}})
+    a = engines(agent.socket, RankInfo("rep-a", model=MODEL_X))
+    b = engines(agent.socket, RankInfo("rep-b", model=MODEL_X))
+    fill(a.bufs, SRC, SEED_A)
+    fill(b.bufs, SRC, SEED_B)
+    hot, cold = PROMPT + 1000, PROMPT + 2000
+    store_and_wait(a.client, "hot", hot, SRC)
+    store_and_wait(a.client, "cold", cold, SRC)
+    busy = [PROMPT + 10000 + 100 * i for i in range(20)]  # 80 blocks, 2.5 shares
+    for i, prompt in enumerate(busy):
+        store_and_wait(b.client, f"busy{i}", prompt, SRC)
+        # A keeps using its hot prompt: it stays the most recently used.
+        assert a.client.lookup(f"touch{i}", hot) == 16
+        a.client.release(f"touch{i}")
+    # Plain LRU over both replicas' blocks: A's hot prompt stays, its cold one and
+    # B's oldest prompts went first, B's newest stays.
+    assert same(lookup_and_load(a, "hot", hot, np.arange(64, 80)), content(SEED_A, SRC))
+    assert same(lookup_and_load(b, "newest", busy[-1], np.arange(64, 80)),
+                content(SEED_B, SRC))
+    for e, rid, prompt in ((a, "cold", cold), (b, "oldest", busy[0])):
+        assert e.client.lookup(rid, prompt) == 0
+        e.client.release(rid)
+    cpu = agent.status()["tiers"]["cpu"]
+    assert 0 < cpu["usedBytes"] <= BLOCK * 32
+    assert cpu["capacityBytes"] == BLOCK * 64
+
+
+def test_replicas_storing_the_same_prefix_at_once_store_it_once(
+        agent_of: Callable[..., AgentProc], engines: Callable[..., Engine]) -> None:
+    agent = agent_of(maxStages=2, tiers={"cpu": {"size": BLOCK * 64, "pinned": False}})
+    a = engines(agent.socket, RankInfo("rep-a", model=MODEL_X))
+    b = engines(agent.socket, RankInfo("rep-b", model=MODEL_X))
+    fill(a.bufs, SRC, SEED_A)
+    fill(b.bufs, SRC, SEED_B)
+    seeds = {"rep-a": SEED_A, "rep-b": SEED_B}
+    for n in range(5):
+        prompt = PROMPT + 3000 + 100 * n
+
+        def put(e: Engine, rid: str = f"put{n}", tokens: np.ndarray = prompt) -> int:
+            return e.client.store_kv(rid, tokens, SRC)
+
+        with ThreadPoolExecutor(2) as ex:
+            tasks = list(ex.map(put, (a, b)))
+        # One put stores the blocks; the other finds them cached or being stored.
+        assert sorted(t >= 0 for t in tasks) == [False, True], tasks
+        winner = (a, b)[tasks.index(max(tasks))]
+        wait_completed(winner, f"put{n}")
+        expected = content(seeds[winner.client.rank.replica], SRC)
+        for e in (a, b):
+            assert same(lookup_and_load(e, f"get{n}", prompt, np.arange(64, 80)), expected)
+    stages = stages_of(agent)
+    stored = sum(s["sharedBackend"]["storedBlocks"] for s in stages.values())
+    assert stored == 5 * BLOCKS
+    assert agent.status()["tiers"]["cpu"]["usedBytes"] == BLOCK * 5 * BLOCKS
+
+
+def test_a_replica_killed_mid_store_or_sending_bad_input_never_disturbs_another_loading_its_blocks(
+        agent_of: Callable[..., AgentProc], engines: Callable[..., Engine],
+        engine_process: Callable[..., subprocess.Popen[bytes]]) -> None:
+    agent = agent_of(maxStages=3, tiers={"cpu": {"size": BLOCK * 600, "pinned": False}})
+    # A stored PROMPT, then keeps storing prompts that extend it by a new block run.
+    a = engine_process(agent.socket, "rep-a", MODEL_X, SEED_A, "loop")
+    b = engines(agent.socket, RankInfo("rep-b", model=MODEL_X))
+    bad = engines(agent.socket, RankInfo("rep-bad", model=MODEL_X))
+    expected = content(SEED_A, SRC)
+    errors: list[BaseException] = []
+    rounds = [0]
+    stop = threading.Event()
+
+    def load_shared_blocks() -> None:
+        try:
+            while not stop.is_set():
+                n = rounds[0]
+                dst = np.arange(64, 80) + 16 * (n % 4)
+                assert same(lookup_and_load(b, f"get{n}", PROMPT, dst), expected)
+                rounds[0] = n + 1
+        except BaseException as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=load_shared_blocks)
+    worker.start()
+    try:
+        # Bad input from a third replica of the model: refused, naming what failed.
+        with pytest.raises(ValueError, match="kv_indices"):
+            bad.client.store_kv("x", PROMPT + 7, np.arange(NUM_SLOTS, NUM_SLOTS + 16))
+        assert a.stdout is not None
+        line = a.stdout.readline()
+        assert b"storing" in line, line
+        a.kill()  # mid-store: its puts were sent without waiting for completion
+        a.wait(timeout=10)
+        seen = rounds[0]
+        wait_for(lambda: rounds[0] >= seen + 3 or bool(errors),
+                 "B kept loading A's blocks after A was killed", timeout=60)
+    finally:
+        stop.set()
+        worker.join(timeout=60)
+    assert not errors, errors
+    assert rounds[0] >= 3
+    # B still stores and loads prompts of its own.
+    fill(b.bufs, SRC, SEED_B)
+    store_and_wait(b.client, "own", PROMPT + 5000, SRC)
+    assert same(lookup_and_load(b, "own", PROMPT + 5000, np.arange(64, 80)),
+                content(SEED_B, SRC))
+
+
+def test_a_new_cache_epoch_flushes_the_blocks_every_replica_of_the_model_shares(
+        agent_of: Callable[..., AgentProc], engines: Callable[..., Engine],
+        work: Path) -> None:
+    agent = agent_of(maxStages=2, tiers={"cpu": {"size": BLOCK * 64, "pinned": False}})
+    a = engines(agent.socket, RankInfo("rep-a", model=MODEL_X))
+    b = engines(agent.socket, RankInfo("rep-b", model=MODEL_X))
+    fill(a.bufs, SRC, SEED_A)
+    store_and_wait(a.client, "put", PROMPT, SRC)
+    assert b.client.lookup("peek", PROMPT) == 16
+    b.client.release("peek")
+    path = work / "solo.yaml"
+    path.write_text(yaml.safe_dump({**agent.data, "cacheEpoch": 1}))
+    wait_for(lambda: agent.status()["cacheEpoch"] == 1, "the agent applied cacheEpoch 1",
+             timeout=60)
+    for e in (a, b):
+        assert e.client.lookup("after", PROMPT) == 0
+        e.client.release("after")
+    # The new epoch's blocks are shared again.
+    fill(b.bufs, SRC, SEED_B)
+    store_and_wait(b.client, "again", PROMPT, SRC)
+    assert same(lookup_and_load(a, "again", PROMPT, np.arange(64, 80)), content(SEED_B, SRC))
