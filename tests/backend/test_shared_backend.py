@@ -11,6 +11,7 @@ import pytest
 from node_agent.backend.base import KVBackendError, KVResponseStatus
 from node_agent.backend.embedded import EmbeddedBackend
 from node_agent.backend.shared import Fingerprint, SharedBackends, SharedStageBackend
+from node_agent.vocab.layout import KVDtype
 from tests.backend.backend_helpers import config, make_buffers, small_layout, token_rows
 
 LAYOUT = small_layout()
@@ -129,3 +130,37 @@ def test_the_shared_backend_lives_until_its_last_replica_leaves() -> None:
     c, _ = r.join("rep-c", 3)
     assert len(r.built) == 2
     assert c.get_match(TOKENS)[0] == -1
+
+
+def test_only_single_stage_replicas_of_one_model_identity_share_a_backend() -> None:
+    from node_agent.assembly import StageDeps, sharing_fingerprint
+    from node_agent.config import config_from_mapping
+    from node_agent.engine_api.identity import ModelIdentity, stage_namespace
+    from node_agent.engine_api.service import RankRef
+    from node_agent.metrics import AgentMetrics
+
+    x = ModelIdentity(served_name="m", model="/models/x", revision="v1").digest()
+    y = ModelIdentity(served_name="m", model="/models/y", revision="v1").digest()
+
+    def fingerprint(rank: RankRef, layout: object = LAYOUT, **cfg: object) -> object:
+        data = {"pool": "p", "nodeName": "n", "tokensPerBlock": LAYOUT.tokens_per_block,
+                "maxStages": 4, "tiers": {"cpu": {"size": "64Mi"}}, **cfg}
+        c = config_from_mapping(data)
+        deps = StageDeps(cfg=c, metrics=AgentMetrics(), remote_pool=None,
+                         key_epoch=lambda: 0, shared=SharedBackends(lambda: 0))
+        return sharing_fingerprint(deps, rank, layout,  # type: ignore[arg-type]
+                                   stage_namespace(rank.model, c.model_salt))
+
+    a, b = RankRef("a", 0, 1, 0, 1, x), RankRef("b", 0, 1, 0, 1, x)
+    assert fingerprint(a) == fingerprint(b) == Fingerprint(stage_namespace(x, "") or "",
+                                                           LAYOUT, 0, 1)
+    assert fingerprint(RankRef("c", 0, 1, 0, 1, y)) != fingerprint(a)
+    assert fingerprint(a, small_layout(dtype=KVDtype.FLOAT16)) != fingerprint(a)
+    # The pool's modelSalt alone is a model identity.
+    assert fingerprint(RankRef("s", 0, 1, 0, 1), modelSalt="llama-v1") is not None
+    # Never shared: no model identity, a stage of a PP group, backend flexkv, or an
+    # agent that serves one stage.
+    assert fingerprint(RankRef("n", 0, 1, 0, 1)) is None
+    assert fingerprint(RankRef("pp", 0, 2, 0, 1, x)) is None
+    assert fingerprint(a, backend="flexkv") is None
+    assert fingerprint(a, maxStages=1) is None
