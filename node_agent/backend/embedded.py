@@ -922,6 +922,9 @@ class EmbeddedBackend(ReplicatedBackend):
         finally:
             with self._lock:
                 self._listeners.pop(tenant, None)
+                for counts in (self._tenant_names, self._tenant_lookup, self._tenant_hits,
+                               self._tenant_cross):
+                    counts.pop(tenant, None)
                 if self._store is not None:
                     self._store.drop_tenant(tenant)
                 for key in [k for k in self._pending_buffers if k[0] == tenant]:
