@@ -74,7 +74,7 @@ i = 0
 while True:  # stores that extend the shared prefix by a new block each
     tokens = np.concatenate([PROMPT, np.arange(16, dtype=np.int64) + 100000 + 16 * i])
     client.store_kv(f"s{i}", tokens, np.concatenate([SRC, TAIL]))
-    if i == 3:
+    if i == 10:  # the shared backend's 20 blocks are full by now
         print("storing", flush=True)
     i += 1
 """
@@ -299,7 +299,9 @@ def test_replicas_storing_the_same_prefix_at_once_store_it_once(
 def test_a_replica_killed_mid_store_or_sending_bad_input_never_disturbs_another_loading_its_blocks(
         agent_of: Callable[..., AgentProc], engines: Callable[..., Engine],
         engine_process: Callable[..., subprocess.Popen[bytes]]) -> None:
-    agent = agent_of(maxStages=3, tiers={"cpu": {"size": BLOCK * 600, "pinned": False}})
+    # The shared backend holds 20 blocks: A's stores soon evict, while B loads
+    # (each load pins its blocks; A's puts and B's lookups keep PROMPT recent).
+    agent = agent_of(maxStages=3, tiers={"cpu": {"size": BLOCK * 60, "pinned": False}})
     # A stored PROMPT, then keeps storing prompts that extend it by a new block run.
     a = engine_process(agent.socket, "rep-a", MODEL_X, SEED_A, "loop")
     b = engines(agent.socket, RankInfo("rep-b", model=MODEL_X))
@@ -333,6 +335,8 @@ def test_a_replica_killed_mid_store_or_sending_bad_input_never_disturbs_another_
         seen = rounds[0]
         wait_for(lambda: rounds[0] >= seen + 3 or bool(errors),
                  "B kept loading A's blocks after A was killed", timeout=60)
+        text = httpx.get(agent.url + "/metrics", timeout=5).text
+        assert metric(text, "flexkv_agent_evictions_total", tier="cpu") > 0
     finally:
         stop.set()
         worker.join(timeout=60)
