@@ -286,7 +286,8 @@ class AgentConfig:
     curve_key_dir: str = _key("curveKeyDir", _str(), default=files.CURVE_MOUNT)
     expected_ranks: int = _key("expectedRanks", _int(0, 1024), default=1)
     # Stages (replica, PP rank) served at once; the tier sizes are the node's budget,
-    # split evenly among them (node_agent/assembly.py ``stage_share``).
+    # split into that many even shares, one per backend (node_agent/assembly.py
+    # ``stage_share``; replicas of one model share one backend).
     max_stages: int = _key("maxStages", _int(1, 64), default=1)
     # Agent-local keys (not rendered by the operator; usually set from the environment).
     node_name: str = _key("nodeName", _str(), default="local")

@@ -1,0 +1,166 @@
+"""One embedded backend shared by the stages of several replicas of one model
+(:mod:`node_agent.backend.shared`): each stage's tasks move its own buffers, a
+stage's reset ends only its own tasks unless the cache epoch moved, and the
+backend lives until its last stage leaves."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from node_agent.backend.base import KVBackendError, KVResponseStatus
+from node_agent.backend.embedded import EmbeddedBackend
+from node_agent.backend.shared import Fingerprint, SharedBackends, SharedStageBackend
+from node_agent.vocab.layout import KVDtype
+from tests.backend.backend_helpers import config, make_buffers, small_layout, token_rows
+
+LAYOUT = small_layout()
+TOKENS = np.arange(100, 108, dtype=np.int64)  # two blocks
+SLOTS = 64
+
+
+class Replicas:
+    """A shared-backend registry with a cache epoch the test moves."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.shared = SharedBackends(lambda: self.epoch)
+        self.fingerprint = Fingerprint("model-x", LAYOUT, 0, 1)
+        self.built: list[EmbeddedBackend] = []
+
+    def join(self, replica: str, seed: int) -> tuple[SharedStageBackend, list[list]]:
+        def build() -> EmbeddedBackend:
+            backend = EmbeddedBackend(config(LAYOUT, 16, deferred_visibility=True))
+            self.built.append(backend)
+            return backend
+
+        stage = self.shared.join(self.fingerprint, replica, build)
+        bufs = make_buffers(LAYOUT, SLOTS, seed)
+        stage.register_kv_buffers(0, bufs)
+        return stage, bufs
+
+
+def store(stage: SharedStageBackend, tokens: np.ndarray, slots: np.ndarray) -> None:
+    tid, mask = stage.put_match(tokens)
+    assert tid >= 0 and mask.all()
+    stage.launch([tid], [slots])
+    assert stage.wait([tid], timeout=30, completely=True)[tid].status is KVResponseStatus.SUCCESS
+    stage.publish(tid)
+
+
+def load(stage: SharedStageBackend, tid: int, slots: np.ndarray) -> KVResponseStatus:
+    stage.launch([tid], [slots])
+    return stage.wait([tid], timeout=30, completely=True)[tid].status
+
+
+def test_a_replica_loads_into_its_own_buffers_what_another_replica_stored() -> None:
+    r = Replicas()
+    a, bufs_a = r.join("rep-a", 1)
+    b, bufs_b = r.join("rep-b", 2)
+    assert len(r.built) == 1 and a.is_ready() and b.is_ready()
+    src, dst = np.arange(0, 8), np.arange(32, 40)
+    store(a, TOKENS, src)
+    tid, mask = b.get_match(TOKENS)
+    assert mask.all()
+    assert load(b, tid, dst) is KVResponseStatus.SUCCESS
+    assert all(x.equal(y) for x, y in zip(token_rows(LAYOUT, bufs_a, src),
+                                          token_rows(LAYOUT, bufs_b, dst), strict=True))
+    # A's own slots were never written by B's load.
+    assert not all(x.equal(y) for x, y in zip(token_rows(LAYOUT, bufs_a, dst),
+                                              token_rows(LAYOUT, bufs_b, dst), strict=True))
+    # A task is launched only by the replica that matched it.
+    tid, _ = b.get_match(TOKENS)
+    with pytest.raises(KVBackendError, match=f"task {tid} is not a live"):
+        a.launch([tid], [dst])
+    b.cancel([tid])
+    # Each replica counts its own lookups and hits.
+    assert (b.stats().lookup_tokens, a.stats().lookup_tokens) == (16, 0)
+    assert sum(t.hit_blocks for t in b.stats().tiers.values()) == 4
+    assert b.status() == {"replicas": ["rep-a", "rep-b"], "storedBlocks": 0,
+                          "crossHitBlocks": 4}
+    assert a.status()["storedBlocks"] == 2
+
+
+def test_a_stage_reset_ends_only_its_own_tasks_unless_the_cache_epoch_moved() -> None:
+    r = Replicas()
+    a, _ = r.join("rep-a", 1)
+    b, _ = r.join("rep-b", 2)
+    store(a, TOKENS, np.arange(0, 8))
+    open_b, _ = b.get_match(TOKENS)
+    open_a, _ = a.get_match(TOKENS)
+    a.reset()  # same cache epoch: only A's open match ends
+    assert a.wait([open_a], timeout=1)[open_a].status is KVResponseStatus.NOTFOUND
+    assert load(b, open_b, np.arange(32, 40)) is KVResponseStatus.SUCCESS
+    tid, mask = a.get_match(TOKENS)
+    assert mask.all()
+    a.cancel([tid])
+    # The cache epoch moves: until one stage's reset flushes the shared backend,
+    # no stage is served a block of the old epoch, nor stores one.
+    r.epoch = 1
+    for stage in (a, b):
+        assert stage.get_match(TOKENS)[0] == -1
+        assert stage.put_match(TOKENS + 1)[0] == -1
+    b.reset()
+    assert r.built[0].stats().tiers["cpu"].used_blocks == 0
+    store(b, TOKENS, np.arange(0, 8))
+    a.reset()  # the epoch's flush already ran: B's new blocks stay
+    tid, mask = a.get_match(TOKENS)
+    assert mask.all()
+    a.cancel([tid])
+
+
+def test_the_shared_backend_lives_until_its_last_replica_leaves() -> None:
+    r = Replicas()
+    a, _ = r.join("rep-a", 1)
+    b, _ = r.join("rep-b", 2)
+    store(a, TOKENS, np.arange(0, 8))
+    open_a, _ = a.get_match(TOKENS)
+    a.shutdown()
+    a.shutdown()  # idempotent
+    tid, mask = b.get_match(TOKENS)  # A's blocks stay; its open match ended
+    assert mask.all()
+    assert load(b, tid, np.arange(32, 40)) is KVResponseStatus.SUCCESS
+    assert r.built[0].stats().tasks["matched"] == 0
+    assert r.built[0].wait([open_a], timeout=1)[open_a].status is KVResponseStatus.NOTFOUND
+    assert b.status()["replicas"] == ["rep-b"]
+    b.shutdown()
+    with pytest.raises(KVBackendError, match="shut down"):
+        r.built[0].get_match(TOKENS)
+    # A replica joining later starts a new, empty backend.
+    c, _ = r.join("rep-c", 3)
+    assert len(r.built) == 2
+    assert c.get_match(TOKENS)[0] == -1
+
+
+def test_only_single_stage_replicas_of_one_model_identity_share_a_backend() -> None:
+    from node_agent.assembly import StageDeps, sharing_fingerprint
+    from node_agent.config import config_from_mapping
+    from node_agent.engine_api.identity import ModelIdentity, stage_namespace
+    from node_agent.engine_api.service import RankRef
+    from node_agent.metrics import AgentMetrics
+
+    x = ModelIdentity(served_name="m", model="/models/x", revision="v1").digest()
+    y = ModelIdentity(served_name="m", model="/models/y", revision="v1").digest()
+
+    def fingerprint(rank: RankRef, layout: object = LAYOUT, **cfg: object) -> object:
+        data = {"pool": "p", "nodeName": "n", "tokensPerBlock": LAYOUT.tokens_per_block,
+                "maxStages": 4, "tiers": {"cpu": {"size": "64Mi"}}, **cfg}
+        c = config_from_mapping(data)
+        deps = StageDeps(cfg=c, metrics=AgentMetrics(), remote_pool=None,
+                         key_epoch=lambda: 0, shared=SharedBackends(lambda: 0))
+        return sharing_fingerprint(deps, rank, layout,  # type: ignore[arg-type]
+                                   stage_namespace(rank.model, c.model_salt))
+
+    a, b = RankRef("a", 0, 1, 0, 1, x), RankRef("b", 0, 1, 0, 1, x)
+    assert fingerprint(a) == fingerprint(b) == Fingerprint(stage_namespace(x, "") or "",
+                                                           LAYOUT, 0, 1)
+    assert fingerprint(RankRef("c", 0, 1, 0, 1, y)) != fingerprint(a)
+    assert fingerprint(a, small_layout(dtype=KVDtype.FLOAT16)) != fingerprint(a)
+    # The pool's modelSalt alone is a model identity.
+    assert fingerprint(RankRef("s", 0, 1, 0, 1), modelSalt="llama-v1") is not None
+    # Never shared: no model identity, a stage of a PP group, backend flexkv, or an
+    # agent that serves one stage.
+    assert fingerprint(RankRef("n", 0, 1, 0, 1)) is None
+    assert fingerprint(RankRef("pp", 0, 2, 0, 1, x)) is None
+    assert fingerprint(a, backend="flexkv") is None
+    assert fingerprint(a, maxStages=1) is None
