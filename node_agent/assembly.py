@@ -58,6 +58,7 @@ from node_agent.contract.kube import group_name
 from node_agent.coordinator import Coordinator, CoordinatorConfig
 from node_agent.engine_api.identity import stage_namespace
 from node_agent.engine_api.service import INLINE_CANDIDATES, RankRef, Stage
+from node_agent.events import KvEventPublisher
 from node_agent.metrics import AgentMetrics
 from node_agent.pp.auth import CurveKeys
 from node_agent.pp.channel import FanoutServer
@@ -117,6 +118,8 @@ class StageDeps:
     fanout: SharedFanout | None = field(default=None)
     """The agent's shared fan-out server; None: each multi-stage coordinator binds
     its own at ``ports.fanout`` (one such stage per agent)."""
+    events: KvEventPublisher | None = field(default=None)
+    """The agent's KV-event publisher (``kvEvents``); None: events off."""
 
 
 StageBuilder = Callable[[StageDeps, RankRef, KVLayout], Stage]
@@ -245,8 +248,9 @@ def default_stage_builder(deps: StageDeps, rank: RankRef, layout: KVLayout) -> S
         if cfg.backend == "flexkv":
             return SingleStageBackend(start_flexkv_backend(cfg, layout, metrics),
                                       namespace=bcfg.namespace)
+        events = deps.events.stage(bcfg.tokens_per_block) if deps.events is not None else None
         return EmbeddedBackend(bcfg, metrics=metrics, remote=remote_tier(deps, rank, layout),
-                               cache_epoch=deps.key_epoch)
+                               cache_epoch=deps.key_epoch, events=events)
 
     coordinator = Coordinator(
         ccfg, views,

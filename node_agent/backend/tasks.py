@@ -7,7 +7,7 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from node_agent.backend.base import BoolMask, KVResponse, KVResponseStatus
+from node_agent.backend.base import BoolMask, KVResponse, KVResponseStatus, TokenArray
 from node_agent.backend.index import NodeIds
 from node_agent.vocab.placement import Direction, TransferPlan
 
@@ -49,6 +49,8 @@ class Task:
     flag is set when its copy ends finishes CANCELLED."""
     discarded: bool = False
     """A put discarded while copying: its pending blocks are freed when it ends."""
+    tokens: TokenArray | None = None
+    """A put's tokens of its ``nodes``, in order (kept only when KV events are on)."""
 
     @property
     def is_put(self) -> bool:
