@@ -284,7 +284,8 @@ class KvEvents:
     queue_size: int = _key("queueSize", _int(1, 1 << 22), default=10_000)
     block_hash: str = _key("blockHash", _choice("vllm-sha256", "agent"), default="vllm-sha256")
     hash_seed: str = _key("hashSeed", _str(nonempty=False), default="vllm-none-hash")
-    int_block_hashes: bool = _key("intBlockHashes", _bool, default=False)
+    # vLLM's default (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1): a hash's low 64 bits.
+    int_block_hashes: bool = _key("intBlockHashes", _bool, default=True)
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,9 @@ engine's ``PYTHONHASHSEED`` when set, else ``"vllm-none-hash"``. A request
 without LoRA, multimodal inputs, cache salt or prompt embeddings has
 ``extra_keys = None``; the agent hashes only such blocks the vLLM way (its
 namespace covers the rest, but their vLLM hash needs keys the agent never sees).
-An event carries the 32-byte hash, or with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``
-its low 64 bits as an int (big-endian), as ``maybe_convert_block_hash`` does.
+An event carries, as vLLM's ``maybe_convert_block_hash`` does, the hash's low 64
+bits as an int (big-endian; vLLM's default ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``)
+or, with that variable 0, the 32-byte hash itself.
 
 The hasher's blocks must be vLLM's hash blocks: the agent's ``tokensPerBlock``
 equal to the engine's block size (the vLLM connector requires it).
@@ -36,7 +37,7 @@ def _sha256(obj: object) -> bytes:
 class VllmHasher:
     """vLLM's ``sha256`` block hash chain for one seed."""
 
-    def __init__(self, seed: str = DEFAULT_SEED, int_hashes: bool = False) -> None:
+    def __init__(self, seed: str = DEFAULT_SEED, int_hashes: bool = True) -> None:
         self.seed = seed
         self.int_hashes = int_hashes
         self.none_hash = _sha256(seed)

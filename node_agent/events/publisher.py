@@ -168,7 +168,7 @@ class KvEventPublisher:
 
     def __init__(self, endpoint: str, *, topic: str = "", queue_size: int = 10_000,
                  block_hash: str = "vllm-sha256", seed: str = "vllm-none-hash",
-                 int_hashes: bool = False, metrics: AgentMetrics | None = None) -> None:
+                 int_hashes: bool = True, metrics: AgentMetrics | None = None) -> None:
         self.endpoint = endpoint
         self._topic = topic.encode()
         self._queue: queue.Queue[tuple[Any, ...] | None] = queue.Queue(maxsize=queue_size)

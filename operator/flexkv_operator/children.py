@@ -77,7 +77,8 @@ def agent_config(pool: PoolIdentity, config: PoolConfig) -> dict[str, Any]:
         # Absent unless set: the agent.yaml (and config hash) of other pools is unchanged.
         **({"kvEvents": {"endpoint": f"tcp://*:{config.kv_events.port}",
                          "blockHash": config.kv_events.block_hash,
-                         "hashSeed": config.kv_events.hash_seed}}
+                         "hashSeed": config.kv_events.hash_seed,
+                         "intBlockHashes": config.kv_events.int_block_hashes}}
            if config.kv_events is not None else {}),
     }
 

@@ -82,6 +82,7 @@ class KvEvents:
     port: int
     block_hash: str
     hash_seed: str
+    int_block_hashes: bool = True
 
 
 @dataclass(frozen=True)
@@ -378,8 +379,12 @@ def _kv_events(raw: dict[str, Any], agent_ports: tuple[Any, Any], remote: Remote
     if not isinstance(seed, str):
         problems.append(ConfigProblem("kvEvents.hashSeed", f"{seed!r} must be a string: the "
                                       "engines' PYTHONHASHSEED, or vllm-none-hash when unset"))
+    int_hashes = section.get("intBlockHashes", True)
+    if not isinstance(int_hashes, bool):
+        problems.append(ConfigProblem("kvEvents.intBlockHashes", f"{int_hashes!r} must be true "
+                                      "or false: the engines' VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"))
     return KvEvents(port=port if isinstance(port, int) else 0, block_hash=str(block_hash),
-                    hash_seed=str(seed))
+                    hash_seed=str(seed), int_block_hashes=bool(int_hashes))
 
 
 def _check_max_unavailable(raw: dict[str, Any], problems: Problems) -> None:

@@ -101,17 +101,18 @@ def events_mapping(port: int, **extra: Any) -> dict[str, Any]:
             "eviction": {"highWatermark": 1.0, "lowWatermark": 0.9}}
 
 
-def vllm_chain(tokens: np.ndarray, parent: bytes | None = None) -> list[bytes]:
-    """vLLM's sha256 block hashes of ``tokens`` with its default seed, written out here
-    from vLLM's definition (tests/vllm/test_kv_events.py checks them against vLLM)."""
+def vllm_chain(tokens: np.ndarray) -> list[int]:
+    """vLLM's sha256 block hashes of ``tokens`` with its default seed, as its events
+    carry them by default (the low 64 bits), written out here from vLLM's definition
+    (tests/vllm/test_kv_events.py checks the agent against vLLM itself)."""
     def sha(obj: object) -> bytes:
         return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
 
-    prev = parent if parent is not None else sha("vllm-none-hash")
+    prev = sha("vllm-none-hash")
     out = []
     for block in tokens.reshape(-1, TPB).tolist():
         prev = sha((prev, tuple(block), None))
-        out.append(prev)
+        out.append(int.from_bytes(prev, "big") & (2**64 - 1))
     return out
 
 

@@ -57,6 +57,7 @@ def test_rendered_agent_yaml_is_accepted_by_the_agent(example: str) -> None:
         assert agent.kv_events.endpoint == f"tcp://*:{spec['kvEvents']['port']}"
         assert agent.kv_events.block_hash == config.kv_events.block_hash
         assert agent.kv_events.hash_seed == config.kv_events.hash_seed
+        assert agent.kv_events.int_block_hashes == config.kv_events.int_block_hashes
     else:
         assert agent.kv_events is None
     assert agent.heartbeat.lease_duration_seconds == config.timings.lease_duration

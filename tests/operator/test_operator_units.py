@@ -179,7 +179,7 @@ def test_kv_events_are_rendered_only_when_set_and_open_a_named_container_port() 
     on = _config(kvEvents={"port": 5558})
     doc = yaml.safe_load(children.render_config_map(POOL, on)["data"]["agent.yaml"])
     assert doc["kvEvents"] == {"endpoint": "tcp://*:5558", "blockHash": "vllm-sha256",
-                               "hashSeed": "vllm-none-hash"}
+                               "hashSeed": "vllm-none-hash", "intBlockHashes": True}
     assert {"name": "kv-events", "containerPort": 5558, "protocol": "TCP"} in \
         agent_pod.container_ports(on)
     # Turning events on changes the agents' config hash (they restart with it); a pool
