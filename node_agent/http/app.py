@@ -27,7 +27,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from node_agent.http.lookup import LookupRequest, LookupRequestError, parse_lookup
+from node_agent.http.lookup import (
+    LookupRequest,
+    LookupRequestError,
+    parse_lookup,
+    parse_lookup_binary,
+)
 from node_agent.http.state import AgentProbe, Service
 from node_agent.metrics import AgentMetrics
 
@@ -90,7 +95,12 @@ def create_app(probe: AgentProbe, metrics: AgentMetrics,
             # Answered on the event loop: hashing and matching a 32K-token prompt take
             # well under a millisecond and nothing here waits.
             try:
-                return JSONResponse(answer(parse_lookup(await request.body())))
+                body = await request.body()
+                if request.headers.get("content-type") == "application/octet-stream":
+                    req = parse_lookup_binary(body, request.query_params)
+                else:
+                    req = parse_lookup(body)
+                return JSONResponse(answer(req))
             except LookupRequestError as exc:
                 return JSONResponse({"error": exc.message}, status_code=exc.status)
 

@@ -5,8 +5,11 @@ For KV-aware routers. The body is JSON::
     {"tokenIds": [1, 2, ...], "replica": "llama-0", "ppRank": 0}
 
 ``replica`` may be left out when the agent serves one replica; ``ppRank``
-defaults to 0. The answer names the stage and the tokens of the longest cached
-prefix of ``tokenIds`` held by each local tier::
+defaults to 0. For long prompts a router can skip JSON: a body of
+``Content-Type: application/octet-stream`` is the token ids as little-endian
+int64, with ``replica`` and ``ppRank`` as query parameters
+(``POST /v1/lookup?replica=llama-0``). The answer names the stage and the tokens
+of the longest cached prefix of ``tokenIds`` held by each local tier::
 
     {"replica": "llama-0", "ppRank": 0, "tokensPerBlock": 16, "queriedTokens": 40,
      "cachedTokens": 32, "tiers": {"cpu": 16, "ssd": 16}}
@@ -21,6 +24,7 @@ cannot be read without a decision) a 409.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,6 +55,31 @@ _INT64_MAX = 2**63 - 1
 
 def _bad(message: str) -> LookupRequestError:
     return LookupRequestError(400, message)
+
+
+def parse_lookup_binary(body: bytes, query: Mapping[str, str]) -> LookupRequest:
+    """Check an ``application/octet-stream`` body (little-endian int64 token ids) and
+    its query parameters; :class:`LookupRequestError` (400) names what is wrong."""
+    if len(body) % 8:
+        raise _bad(f"body: {len(body)} bytes is not a whole number of 8-byte token ids; "
+                   "send the token ids as little-endian int64")
+    unknown = sorted(set(query) - {"replica", "ppRank"})
+    if unknown:
+        raise _bad(f"{unknown[0]}: unknown query parameter; allowed are replica, ppRank")
+    tokens = np.frombuffer(body, dtype="<i8").astype(np.int64, copy=False)
+    if len(tokens) and int(tokens.min()) < 0:
+        where = int(np.argmin(tokens))
+        raise _bad(f"tokenIds[{where}]: {int(tokens[where])} is out of range; token ids are "
+                   f"between 0 and {_INT64_MAX}")
+    replica = query.get("replica")
+    if replica is not None and not replica:
+        raise _bad("replica: '' is not a replica name; send the engine replica's name, or "
+                   "leave it out when the agent serves one")
+    raw_rank = query.get("ppRank", "0")
+    if not raw_rank.isdigit():
+        raise _bad(f"ppRank: {raw_rank!r} is not a pipeline stage rank; send an integer >= 0 "
+                   "(0 when the engine has one stage)")
+    return LookupRequest(tokens=tokens, replica=replica, pp_rank=int(raw_rank))
 
 
 def parse_lookup(body: bytes) -> LookupRequest:

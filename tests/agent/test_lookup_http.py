@@ -88,6 +88,11 @@ def test_lookup_answers_the_cached_prefix_by_tier(work: Path) -> None:
             assert r.json() == {"replica": "rep", "ppRank": 0, "tokensPerBlock": TPB,
                                 "queriedTokens": len(longer), "cachedTokens": 3 * TPB,
                                 "tiers": {"cpu": 3 * TPB, "ssd": 0}}
+            # The same question as little-endian int64, the answer the same.
+            raw = httpx.post(agent.url + "/v1/lookup?replica=rep&ppRank=0",
+                             content=longer.astype("<i8").tobytes(), timeout=10,
+                             headers={"content-type": "application/octet-stream"})
+            assert raw.status_code == 200 and raw.json() == r.json()
             # b fills the CPU tier past its size: a's blocks spill to the SSD tier.
             engine.store("b", prompt(2, blocks=CPU_BLOCKS))
             body = lookup(agent, {"tokenIds": a.tolist()}).json()
@@ -159,6 +164,20 @@ def test_a_body_that_is_not_json_gets_a_400(agent_with_stage: AgentProcess) -> N
     r = httpx.post(agent_with_stage.url + "/v1/lookup", content=b"{nope", timeout=10)
     assert r.status_code == 400
     assert r.json()["error"].startswith("body: not JSON")
+
+
+@pytest.mark.parametrize(("query", "content", "message"), [
+    ("", b"\x01" * 12, r"^body: 12 bytes is not a whole number of 8-byte token ids"),
+    ("", np.array([5, -1], dtype="<i8").tobytes(), r"^tokenIds\[1\]: -1 is out of range"),
+    ("?ppRank=x", b"", r"^ppRank: 'x' is not a pipeline stage rank"),
+    ("?rank=0", b"", r"^rank: unknown query parameter"),
+])
+def test_bad_int64_bodies_get_a_400_naming_the_field(
+        agent_with_stage: AgentProcess, query: str, content: bytes, message: str) -> None:
+    r = httpx.post(agent_with_stage.url + "/v1/lookup" + query, content=content, timeout=10,
+                   headers={"content-type": "application/octet-stream"})
+    assert r.status_code == 400, r.text
+    assert re.search(message, r.json()["error"]), r.json()["error"]
 
 
 @pytest.fixture(scope="module")
