@@ -71,3 +71,12 @@ def test_restart_bench_rows(tmp_path: Path) -> None:
             "scan_goal_met"} <= set(restart)
     assert int(restart["recovered_blocks"]) > 0  # type: ignore[call-overload]
     assert rows[2]["before"] == 1.0 and 0 < float(rows[2]["after"]) <= 1  # type: ignore[arg-type]
+
+
+def test_lookup_http_bench_rows(tmp_path: Path) -> None:
+    rows = _run("lookup_http.py", "--quick", tmp=tmp_path)
+    assert [r["body"] for r in rows] == ["json", "int64"]
+    for r in rows:
+        assert r["bench"] == "lookup_http" and r["cached_tokens"] == r["tokens"]
+        assert {"lookup_p50_ms", "lookup_p99_ms", "healthz_p50_ms", "healthz_p99_ms",
+                "ratio_p50", "ratio_p99"} <= set(r)
