@@ -271,3 +271,21 @@ def test_a_full_queue_drops_and_counts_and_the_next_batch_skips_a_sequence_numbe
         assert pub.seq == 2
     finally:
         pub.close()
+
+
+def test_the_sender_hashes_the_vllm_way_as_bytes_or_ints_or_passes_the_agents_hashes() -> None:
+    """What the sender thread makes of one stored run (no socket: ``translate`` is
+    the sender's step), for each ``blockHash`` / ``intBlockHashes`` choice."""
+    tokens = prompt(4, blocks=2)
+    ints = vllm_chain(tokens)
+    raw = KvEventPublisher("tcp://127.0.0.1:1", int_hashes=False).stage(TPB)
+    [event] = raw.translate((raw, 0, [11, 12], None, tokens), True)
+    assert [int.from_bytes(h, "big") & (2**64 - 1) for h in event["block_hashes"]] == ints
+    assert all(isinstance(h, bytes) and len(h) == 32 for h in event["block_hashes"])
+    agent = KvEventPublisher("tcp://127.0.0.1:1", block_hash="agent").stage(TPB)
+    wide = 2**100 + 5  # a 128-bit agent hash does not fit msgpack's ints: bytes
+    [event] = agent.translate((agent, 0, [11, wide], None, tokens), True)
+    assert event["block_hashes"] == [11, wide.to_bytes(13, "big")]
+    assert event["token_ids"] == tokens.tolist()
+    # A run whose parent was never announced cannot be chained the vLLM way.
+    assert raw.translate((raw, 0, [13], 99, tokens[:TPB]), True) == []
