@@ -57,12 +57,12 @@ from node_agent.backend.ssd_tier import SsdTier
 from node_agent.backend.stage_store import TierStore
 from node_agent.backend.tasks import Task, TaskState
 from node_agent.backend.transfer import CopyAborted
-
-if TYPE_CHECKING:
-    from node_agent.events import StageEvents
 from node_agent.metrics import AgentMetrics
 from node_agent.vocab.placement import BlockLocation, Direction, Tier, TierMove, TransferPlan
 from node_agent.vocab.tokens import int64_array
+
+if TYPE_CHECKING:
+    from node_agent.events import StageEvents
 
 log = logging.getLogger(__name__)
 
@@ -489,8 +489,9 @@ class EmbeddedBackend(ReplicatedBackend):
 
     def peek(self, token_ids: TokenArray) -> dict[str, int] | None:
         """See :meth:`ReplicatedBackend.peek`. The index is read without the backend
-        lock (a flush swaps its arrays whole, so a read sees the old or the new
-        ones); nothing is written."""
+        lock and nothing is written: a store, eviction or flush running meanwhile
+        may or may not show in the answer (its arrays keep their size, so a read
+        racing them stays in bounds)."""
         tokens = int64_array("token_ids", token_ids)
         hashes = self._hasher.hashes(tokens, self._namespace(None))
         index = self._require_started()
