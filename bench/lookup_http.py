@@ -13,7 +13,10 @@ the prompt, then alternates, over one keep-alive HTTP connection,
   server doing almost nothing).
 
 It prints p50/p99 of each and ``ratio`` = lookup / healthz (the lookup's cost in
-plain round trips; lower is better).
+plain round trips; lower is better). A last row times the agent's own work for
+the same request in this process, without HTTP: checking an int64 body and
+``EmbeddedBackend.peek`` of the prompt in a 32K-token index; its baseline is
+hashing the prompt alone.
 
     python -P bench/lookup_http.py            # default run (about 20 s on 2 cores)
     python -P bench/lookup_http.py --quick    # smoke run (seconds)
@@ -39,7 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx
 
 from bench.engine_api import start_agent, wait_stored
+from bench.match import fill
+from node_agent.backend.hashing import BlockHasher
 from node_agent.client import EngineClient, RankInfo, SharedKVBuffers
+from node_agent.http.lookup import parse_lookup_binary
 from node_agent.vocab.layout import KVDtype, KVLayout
 
 
@@ -82,6 +88,30 @@ def measure(http: httpx.Client, tokens: int, samples: int, binary: bool) -> dict
             "ratio_p99": round(pct(ours, 99) / pct(base, 99), 2), "cached_tokens": hit}
 
 
+def in_process(tokens: int, samples: int) -> dict[str, Any]:
+    """The agent's own work for one int64 lookup, and hashing alone; ms."""
+    backend, [prompt] = fill(tokens // 16, tokens, 16)
+    body = prompt.astype("<i8").tobytes()
+    hasher = BlockHasher(16)
+    ours: list[float] = []
+    base: list[float] = []
+    try:
+        backend.peek(prompt)  # warm up
+        for _ in range(samples):
+            t0 = time.perf_counter()
+            answer = backend.peek(parse_lookup_binary(body, {}).tokens)
+            ours.append((time.perf_counter() - t0) * 1e3)
+            t0 = time.perf_counter()
+            hasher.hashes(prompt)
+            base.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        backend.shutdown()
+    assert answer is not None and answer["cpu"] == tokens
+    return {"lookup_p50_ms": round(pct(ours, 50), 3), "lookup_p99_ms": round(pct(ours, 99), 3),
+            "hash_p50_ms": round(pct(base, 50), 3), "hash_p99_ms": round(pct(base, 99), 3),
+            "ratio_p99": round(pct(ours, 99) / pct(base, 99), 2)}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smoke run (seconds)")
@@ -105,6 +135,9 @@ def main() -> int:
                 row = measure(http, tokens, samples, binary)
             emit(bench="lookup_http", body="int64" if binary else "json", tokens=tokens,
                  samples=samples, **row, loadavg=round(os.getloadavg()[0], 2))
+        emit(bench="lookup_http", body="int64", where="in_process", tokens=tokens,
+             samples=samples, **in_process(tokens, samples),
+             loadavg=round(os.getloadavg()[0], 2))
     finally:
         client.close()
         bufs.close()

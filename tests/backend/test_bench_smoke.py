@@ -75,8 +75,10 @@ def test_restart_bench_rows(tmp_path: Path) -> None:
 
 def test_lookup_http_bench_rows(tmp_path: Path) -> None:
     rows = _run("lookup_http.py", "--quick", tmp=tmp_path)
-    assert [r["body"] for r in rows] == ["json", "int64"]
-    for r in rows:
+    assert [(r["body"], r.get("where")) for r in rows] == [
+        ("json", None), ("int64", None), ("int64", "in_process")]
+    for r in rows[:2]:
         assert r["bench"] == "lookup_http" and r["cached_tokens"] == r["tokens"]
         assert {"lookup_p50_ms", "lookup_p99_ms", "healthz_p50_ms", "healthz_p99_ms",
                 "ratio_p50", "ratio_p99"} <= set(r)
+    assert {"lookup_p99_ms", "hash_p99_ms", "ratio_p99"} <= set(rows[2])
