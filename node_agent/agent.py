@@ -43,8 +43,10 @@ from node_agent.backend.shared import SharedBackends
 from node_agent.backend.ssd_owner import DirectoryOwner, SsdPathInUse
 from node_agent.config import AgentConfig, ConfigError, load_config
 from node_agent.engine_api.server import EngineServer
-from node_agent.engine_api.service import EngineService, RankRef, Stage
+from node_agent.engine_api.service import EngineService, RankRef, Stage, StageKey
+from node_agent.events import KvEventPublisher
 from node_agent.http.app import create_app
+from node_agent.http.lookup import LookupRequest, LookupRequestError
 from node_agent.http.state import Service
 from node_agent.kube.group_watch import KubeGroupSource
 from node_agent.kube.groups import FileGroupSource
@@ -89,6 +91,18 @@ def build_remote_pool(cfg: AgentConfig, metrics: AgentMetrics) -> RemotePool | N
     ), metrics)
     threading.Thread(target=pool.start, name="flexkv-remote-join", daemon=True).start()
     return pool
+
+
+def build_kv_events(cfg: AgentConfig, metrics: AgentMetrics) -> KvEventPublisher | None:
+    """The agent's KV-event publisher for ``kvEvents`` (None without it); it binds
+    its endpoint when the HTTP lifespan starts it."""
+    ev = cfg.kv_events
+    if ev is None:
+        return None
+    metrics.init_kv_events()
+    return KvEventPublisher(ev.endpoint, topic=ev.topic, queue_size=ev.queue_size,
+                            block_hash=ev.block_hash, seed=ev.hash_seed,
+                            int_hashes=ev.int_block_hashes, metrics=metrics)
 
 
 def claim_ssd_paths(cfg: AgentConfig) -> DirectoryOwner | None:
@@ -226,9 +240,11 @@ class Agent:
         """The one fan-out server of every multi-stage group this agent serves."""
         self.shared = SharedBackends(lambda: self.key_epoch)
         """The backends shared by the single-stage replicas of one model."""
+        self.kv_events = build_kv_events(cfg, self.metrics)
+        """The KV-event publisher for routers (None unless ``kvEvents`` is set)."""
         self.stage_deps = StageDeps(cfg=cfg, metrics=self.metrics, remote_pool=self.remote_pool,
                                     key_epoch=lambda: self.key_epoch, fanout=self.fanout,
-                                    shared=self.shared)
+                                    shared=self.shared, events=self.kv_events)
         """What the stage builder gets: never the agent itself."""
         if cfg.max_stages > 1:
             self._export_tier_totals()
@@ -345,6 +361,8 @@ class Agent:
     def services(self) -> list[Service]:
         """Background services in start order."""
         out: list[Service] = [_Stages(self.service, self.fanout, self.ssd_owner)]
+        if self.kv_events is not None:  # stops after the stages: their last events go out
+            out.insert(0, self.kv_events)
         if self.groups is not None:
             out.append(self.groups)
         out.append(self.engine)
@@ -355,7 +373,44 @@ class Agent:
 
     def app(self) -> FastAPI:
         """The HTTP app whose lifespan runs every service."""
-        return create_app(self, self.metrics, self.services())
+        return create_app(self, self.metrics, self.services(), lookup=self.lookup)
+
+    def lookup(self, req: LookupRequest) -> dict[str, Any]:
+        """``POST /v1/lookup`` (node_agent/http/lookup.py): the cached prefix of
+        ``req.tokens`` by tier on the stage it names; read-only."""
+        stages = list(self.service.stages.values())
+        names = sorted(f"{s.key.replica}/pp{s.key.pp_rank}" for s in stages)
+        if req.replica is None:
+            replicas = {s.key.replica for s in stages}
+            if len(replicas) != 1:
+                raise LookupRequestError(
+                    400 if replicas else 404,
+                    f"replica: missing, and this agent serves {len(replicas)} replicas "
+                    f"({', '.join(names) or 'none yet'}); name one")
+            replica = replicas.pop()
+        else:
+            replica = req.replica
+        stage = self.service.stages.get(StageKey(replica, req.pp_rank))
+        if stage is None:
+            raise LookupRequestError(
+                404, f"replica {replica!r} ppRank {req.pp_rank}: no such stage on this "
+                f"agent; known stages: {', '.join(names) or 'none yet'}")
+        try:
+            tiers = stage.coordinator.peek(req.tokens)
+        except ValueError as exc:
+            raise LookupRequestError(400, f"tokenIds: {exc}") from None
+        except Exception as exc:  # a closed or not yet started backend
+            raise LookupRequestError(
+                409, f"stage {replica}/pp{req.pp_rank} cannot answer now: {exc}") from None
+        if tiers is None:
+            raise LookupRequestError(
+                409, f"stage {replica}/pp{req.pp_rank} cannot answer lookups here: it is not "
+                "its group's leader on this node, or its backend is flexkv; ask the agent "
+                "of the group's leader, or use the embedded backend")
+        return {"replica": replica, "ppRank": req.pp_rank,
+                "tokensPerBlock": self.cfg.tokens_per_block,
+                "queriedTokens": len(req.tokens), "cachedTokens": sum(tiers.values()),
+                "tiers": tiers}
 
     # -- probe -----------------------------------------------------------------
 
@@ -367,6 +422,8 @@ class Agent:
             comps["heartbeat"] = self.heartbeat.alive
         if self._epoch_watcher.enabled:
             comps["cache_epoch"] = self._epoch_watcher.alive
+        if self.kv_events is not None:
+            comps["kv_events"] = self.kv_events.alive
         return comps
 
     def _tiers(self) -> dict[str, dict[str, int]]:

@@ -64,6 +64,7 @@ from node_agent.contract.kube import group_name
 from node_agent.coordinator import Coordinator, CoordinatorConfig
 from node_agent.engine_api.identity import stage_namespace
 from node_agent.engine_api.service import INLINE_CANDIDATES, RankRef, Stage
+from node_agent.events import KvEventPublisher
 from node_agent.metrics import AgentMetrics
 from node_agent.pp.auth import CurveKeys
 from node_agent.pp.channel import FanoutServer
@@ -126,6 +127,8 @@ class StageDeps:
     shared: SharedBackends | None = field(default=None)
     """The agent's backends shared by replicas of one model; None: every stage
     has a backend of its own."""
+    events: KvEventPublisher | None = field(default=None)
+    """The agent's KV-event publisher (``kvEvents``); None: events off."""
 
 
 StageBuilder = Callable[[StageDeps, RankRef, KVLayout], Stage]
@@ -251,8 +254,9 @@ def default_stage_builder(deps: StageDeps, rank: RankRef, layout: KVLayout) -> S
     metrics = deps.metrics
 
     def own_backend() -> EmbeddedBackend:
+        events = deps.events.stage(bcfg.tokens_per_block) if deps.events is not None else None
         return EmbeddedBackend(bcfg, metrics=metrics, remote=remote_tier(deps, rank, layout),
-                               cache_epoch=deps.key_epoch)
+                               cache_epoch=deps.key_epoch, events=events)
 
     fingerprint = sharing_fingerprint(deps, rank, layout, bcfg.namespace)
     joined: list[SharedStageBackend] = []

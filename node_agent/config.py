@@ -263,6 +263,31 @@ class Heartbeat:
     retry_period_seconds: float = _key("retryPeriodSeconds", _float(0, strict_lo=True), default=2.0)
 
 
+def _bind_endpoint(v: object, key: str) -> str:
+    ok = isinstance(v, str) and (
+        re.match(r"^tcp://(\*|[A-Za-z0-9_.:\[\]-]+):[0-9]{1,5}$", v) is not None
+        or (v.startswith("ipc://") and len(v) > len("ipc://")))
+    if not ok:
+        raise ConfigError(
+            f"{key}: {v!r} is not a ZMQ endpoint to bind; write it like tcp://*:5558 "
+            "or ipc:///run/flexkv/events.sock"
+        )
+    return str(v)
+
+
+@dataclass(frozen=True)
+class KvEvents:
+    """``kvEvents``: the KV-event publisher for routers (docs/operations.md)."""
+
+    endpoint: str = _key("endpoint", _bind_endpoint, default="tcp://*:5558")
+    topic: str = _key("topic", _str(nonempty=False), default="")
+    queue_size: int = _key("queueSize", _int(1, 1 << 22), default=10_000)
+    block_hash: str = _key("blockHash", _choice("vllm-sha256", "agent"), default="vllm-sha256")
+    hash_seed: str = _key("hashSeed", _str(nonempty=False), default="vllm-none-hash")
+    # vLLM's default (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1): a hash's low 64 bits.
+    int_block_hashes: bool = _key("intBlockHashes", _bool, default=True)
+
+
 @dataclass(frozen=True)
 class AgentConfig:
     """One agent's configuration (docs/contracts.md section 1 plus the agent-local keys
@@ -289,6 +314,8 @@ class AgentConfig:
     # split into that many even shares, one per backend (node_agent/assembly.py
     # ``stage_share``; replicas of one model share one backend).
     max_stages: int = _key("maxStages", _int(1, 64), default=1)
+    # Off unless the section is present (docs/operations.md "KV events for routers").
+    kv_events: KvEvents | None = field(default=None, metadata={"key": "kvEvents"})
     # Agent-local keys (not rendered by the operator; usually set from the environment).
     node_name: str = _key("nodeName", _str(), default="local")
     pod_name: str | None = _key("podName", _opt_str, default=None)
@@ -324,7 +351,7 @@ def _section_type(f: Any) -> type | None:
 
 _SECTIONS: dict[str, type] = {
     c.__name__: c for c in (CpuTier, SsdTier, Tiers, Eviction, Ports, Timeouts, Heartbeat,
-                            RemoteTier, Mooncake)
+                            RemoteTier, Mooncake, KvEvents)
 }
 
 

@@ -194,6 +194,15 @@ class AgentMetrics:
             "Hit tokens of one replica on blocks another replica of its model stored "
             "(replicas sharing one backend on this agent)", ["replica"], registry=r,
         )
+        # Registered by init_kv_events (only an agent with kvEvents exports them).
+        self.kv_events = Counter(
+            "flexkv_agent_kv_events", "KV events published for routers", registry=None
+        )
+        self.kv_events_dropped = Counter(
+            "flexkv_agent_kv_events_dropped",
+            "KV events dropped (publisher queue full, or a block's chain hash unknown)",
+            registry=None,
+        )
 
     def init_group(self, group: str) -> None:
         """Export ``group``'s fan-out drop and mismatch counters at 0 for every
@@ -212,6 +221,11 @@ class AgentMetrics:
             self.remote_dropped_blocks.labels(reason=reason)
         for direction in REMOTE_DIRECTIONS:
             self.remote_bytes.labels(direction=direction)
+
+    def init_kv_events(self) -> None:
+        """Export the KV-event counters (called once when ``kvEvents`` is configured)."""
+        self.registry.register(self.kv_events)
+        self.registry.register(self.kv_events_dropped)
 
     def set_role(self, group: str, role: str) -> None:
         """Mark ``role`` (leader or follower) as current for ``group``, the other as 0."""

@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -61,6 +62,9 @@ from node_agent.metrics import AgentMetrics
 from node_agent.vocab.placement import BlockLocation, Direction, Tier, TierMove, TransferPlan
 from node_agent.vocab.tokens import int64_array
 
+if TYPE_CHECKING:
+    from node_agent.events import StageEvents
+
 log = logging.getLogger(__name__)
 
 #: How long ``reset`` waits for the copies it aborted to stop. A copy checks its
@@ -85,8 +89,13 @@ class EmbeddedBackend(ReplicatedBackend):
         clock: Callable[[], float] = time.monotonic,
         remote: RemoteTier | None = None,
         cache_epoch: Callable[[], int] | None = None,
+        events: StageEvents | None = None,
     ) -> None:
         self.config = config
+        self.events = events
+        """Where block stored / moved / cleared events go (None: KV events off)."""
+        self._event_tokens: dict[int, list[TokenArray]] = {}
+        """Unpublished put -> its members' tokens, in ``_unpublished`` order (events on)."""
         self.remote = remote
         self._cache_epoch = cache_epoch or (lambda: config.cache_epoch)
         """The current ``cacheEpoch``: a flush (``reset``) names it in a persistent SSD
@@ -170,6 +179,10 @@ class EmbeddedBackend(ReplicatedBackend):
             )
             if self.remote is not None and self.remote.write_policy == "evict":
                 self._index.on_cpu_evict = self._on_cpu_evict
+            if self.events is not None:
+                events = self.events
+                self._index.on_move = lambda h, src, dst: events.moved(
+                    h, src.value, None if dst is None else dst.value)
             if store.ssd is not None and store.ssd.persistent:
                 self._restore_locked(store)
             else:
@@ -306,6 +319,9 @@ class EmbeddedBackend(ReplicatedBackend):
             self._recovery.join()
         with self._cond:
             self._spill_cpu_locked()
+            if self.events is not None:  # the stage's blocks leave with it
+                self.events.cleared()
+                self.events.close()
         if store is not None:
             store.close()
         log.info("Embedded backend shut down")
@@ -350,9 +366,12 @@ class EmbeddedBackend(ReplicatedBackend):
         self._unpublished.clear()
         self._unpublished_by.clear()
         self._owners.clear()
+        self._event_tokens.clear()
         self._members.clear()
         self._moves.clear()
         self._store.reset()
+        if self.events is not None:
+            self.events.cleared()
         self._update_gauges()
         self._cond.notify_all()
 
@@ -510,9 +529,24 @@ class EmbeddedBackend(ReplicatedBackend):
             if name is not None:
                 for node in created.tolist():
                     self._owners[node] = (index.generation(node), name)
+            if self.events is not None:
+                task.tokens = tokens[first * tpb:(first + len(created)) * tpb]
         self._observe_match("put", t0)
         assert task.mask is not None
         return task.id, task.mask
+
+    def peek(self, token_ids: TokenArray) -> dict[str, int] | None:
+        """See :meth:`ReplicatedBackend.peek`. The index is read without the backend
+        lock and nothing is written: a store, eviction or flush running meanwhile
+        may or may not show in the answer (its arrays keep their size, so a read
+        racing them stays in bounds)."""
+        tokens = int64_array("token_ids", token_ids)
+        hashes = self._hasher.hashes(tokens, self._namespace(None))
+        index = self._require_started()
+        nodes = index.match(hashes)
+        on_ssd = index.ssd_blocks(nodes)
+        tpb = self.tokens_per_block
+        return {"cpu": (len(nodes) - on_ssd) * tpb, "ssd": on_ssd * tpb}
 
     # -- remote tier -----------------------------------------------------------
 
@@ -649,6 +683,13 @@ class EmbeddedBackend(ReplicatedBackend):
             elif not held:
                 del self._refetch[node]
                 self._moves.append(entry[1])
+
+    def _announce_locked(self, nodes: NodeIds, tokens: TokenArray) -> None:
+        """Tell the events that ``nodes`` (one chain run, just visible) are stored."""
+        index, events = self._index, self.events
+        if events is None or index is None or not len(nodes):
+            return
+        events.stored(index.node_hashes(nodes), index.parent_hash(int(nodes[0])), tokens)
 
     def _on_cpu_evict(self, block_hash: int, cpu_block: int) -> None:
         """Index callback (under the lock): a visible block leaves the CPU tier."""
@@ -842,6 +883,10 @@ class EmbeddedBackend(ReplicatedBackend):
             index = self._require_started()
             done = np.concatenate(nodes)
             index.publish(done)
+            tokens = self._event_tokens.pop(task_id, None)
+            if tokens is not None:
+                for run, toks in zip(nodes, tokens, strict=False):
+                    self._announce_locked(run, toks)
             self._remote_write_locked(done)
             if self._metrics is not None:
                 self._metrics.stored_tokens.inc(len(done) * self.tokens_per_block)
@@ -854,6 +899,7 @@ class EmbeddedBackend(ReplicatedBackend):
         with self._cond:
             nodes = self._unpublished.pop(task_id, None)
             self._unpublished_by.pop(task_id, None)
+            self._event_tokens.pop(task_id, None)
             if nodes and self._index is not None:
                 self._index.remove_pending(np.concatenate(nodes))
                 self._update_gauges()
@@ -1117,8 +1163,12 @@ class EmbeddedBackend(ReplicatedBackend):
                 key = task.batch.id if task.batch is not None else task.id
                 self._unpublished.setdefault(key, []).append(task.nodes)
                 self._unpublished_by[key] = task.tenant
+                if task.tokens is not None:
+                    self._event_tokens.setdefault(key, []).append(task.tokens)
             else:
                 index.publish(task.nodes)
+                if task.tokens is not None:
+                    self._announce_locked(task.nodes, task.tokens)
                 self._remote_write_locked(task.nodes)
                 if self._metrics is not None:
                     self._metrics.stored_tokens.inc(len(task.nodes) * self.tokens_per_block)

@@ -108,6 +108,9 @@ class BlockIndex:
         #: Called with ``(hash, parent hash or None, ssd block)`` once a spill's copy
         #: succeeded (a persistent SSD tier records the block's identity).
         self.on_spill: Callable[[int, int | None, int], None] | None = None
+        #: Called with ``(hash, from tier, to tier or None)`` when a visible block is
+        #: spilled or dropped (KV events for routers).
+        self.on_move: Callable[[int, Tier, Tier | None], None] | None = None
         self.evictions = {Tier.CPU: 0, Tier.SSD: 0}
         self.epoch = 0
         n = cpu_blocks + ssd_blocks
@@ -329,6 +332,11 @@ class BlockIndex:
             hash_ = self._hash
             return [hash_[i] for i in ids.tolist()]
         return [int(k) for k in self._key.take(ids).tolist()]
+
+    def parent_hash(self, node: NodeId) -> int | None:
+        """The full hash of ``node``'s parent (None for the first block of a chain)."""
+        p = int(self._parent_v[node])
+        return None if p < 0 else self._full_hash(p)
 
     def generation(self, node: NodeId) -> int:
         """How many times id ``node`` was handed out: an id held across a change
@@ -617,6 +625,8 @@ class BlockIndex:
                         if self.on_spill is not None:
                             self.on_spill(self._full_hash(i),
                                           self._full_hash(p) if p >= 0 else None, dst)
+                        if self.on_move is not None:
+                            self.on_move(self._full_hash(i), Tier.CPU, Tier.SSD)
                         self._tier_v[i], self._block_v[i] = _SSD, dst
                         if p >= 0:
                             self._cpu_children_v[p] -= 1
@@ -635,6 +645,8 @@ class BlockIndex:
         if code == _CPU and self.on_cpu_evict is not None and self._visible_v[i]:
             self.on_cpu_evict(self._full_hash(i), int(self._block_v[i]))
         moves.append(TierMove(self.location(i), None))
+        if self.on_move is not None:
+            self.on_move(self._full_hash(i), tier, None)
         self.evictions[tier] += 1
         self._remove(i)
         return True

@@ -132,6 +132,13 @@ class ReplicatedBackend(KVBackend):
         blocks. Never raises for a slow tier's failure (a shorter hit). The default
         does nothing."""
 
+    def peek(self, token_ids: TokenArray) -> dict[str, int] | None:
+        """Tokens of the cached prefix of ``token_ids`` by local tier (``cpu``,
+        ``ssd``), read-only: no task, no pin, no LRU touch, no backend lock, no fetch;
+        an advisory snapshot that a concurrent store or eviction may or may not be
+        in. None when the backend cannot answer so (the default)."""
+        return None
+
     def refetch_failed(self, task_id: int) -> None:
         """A load task some other stage could not execute (say, its fetch of the
         task's blocks from a slow tier failed there): the task's blocks that came

@@ -257,3 +257,10 @@ class SharedStageBackend(ReplicatedBackend):
 
     def refetch_failed(self, task_id: int) -> None:
         self.backend.refetch_failed(task_id)
+
+    def peek(self, token_ids: TokenArray) -> dict[str, int] | None:
+        """The shared index's read-only answer; nothing while the cache epoch moved
+        and the shared backend is not flushed yet (its blocks are the old epoch's)."""
+        if self.entry.content_epoch != self._owner.key_epoch():
+            return {"cpu": 0, "ssd": 0}
+        return self.backend.peek(token_ids)

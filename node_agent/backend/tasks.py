@@ -7,7 +7,7 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from node_agent.backend.base import BoolMask, KVResponse, KVResponseStatus
+from node_agent.backend.base import BoolMask, KVResponse, KVResponseStatus, TokenArray
 from node_agent.backend.index import NodeIds
 from node_agent.vocab.placement import Direction, TransferPlan
 
@@ -52,6 +52,8 @@ class Task:
     tenant: int = 0
     """The stage whose engine buffers the task copies from / to (a backend shared
     by several stages, :mod:`node_agent.backend.shared`; 0 for a backend's own)."""
+    tokens: TokenArray | None = None
+    """A put's tokens of its ``nodes``, in order (kept only when KV events are on)."""
 
     @property
     def is_put(self) -> bool:

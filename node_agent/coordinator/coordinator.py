@@ -423,6 +423,15 @@ class Coordinator:
         hit_blocks = sum(t.hit_blocks for t in stats.tiers.values())
         return id(role.backend), stats.lookup_tokens, hit_blocks * self.cfg.tokens_per_block
 
+    def peek(self, tokens: npt.NDArray[np.int64]) -> dict[str, int] | None:
+        """The leader backend's read-only :meth:`ReplicatedBackend.peek` of
+        ``tokens``; None while this stage is not the leader or when its backend
+        cannot peek."""
+        role = self._role
+        if not isinstance(role, LeaderRole):
+            return None
+        return role.backend.peek(tokens)
+
     def ready(self) -> bool:
         """True when started, every expected engine rank registered, this stage
         holds a role and is not degraded (for /readyz)."""

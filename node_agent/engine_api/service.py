@@ -76,6 +76,9 @@ class Coordinator(Protocol):
         """(source, tokens looked up, tokens hit) since the stage's backend started
         (``source`` names that backend instance), while the stage leads its group
         and its backend counts them; None otherwise."""
+    def peek(self, tokens: Any) -> dict[str, int] | None:
+        """Cached tokens of the prefix of ``tokens`` by local tier, read-only, while
+        the stage leads its group and its backend can answer so; None otherwise."""
 
 
 def wait_completed(conn: Coordinator, timeout_ms: int) -> list[str]:

@@ -9,6 +9,8 @@ Endpoints (docs/agent.md shows example outputs):
   is the per-component breakdown. Also sets ``flexkv_agent_ready``.
 * ``GET /status`` - the agent's status document.
 * ``GET /metrics`` - Prometheus text exposition of the injected registry.
+* ``POST /v1/lookup`` - cached tokens of a prompt by tier (node_agent/http/lookup.py),
+  when the app is given a ``lookup``.
 
 The lifespan starts the services in order and stops them in reverse order on
 shutdown (SIGTERM via uvicorn), so an engine socket stops before the connector.
@@ -18,12 +20,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from node_agent.http.lookup import (
+    LookupRequest,
+    LookupRequestError,
+    parse_lookup,
+    parse_lookup_binary,
+)
 from node_agent.http.state import AgentProbe, Service
 from node_agent.metrics import AgentMetrics
 
@@ -31,8 +40,10 @@ log = logging.getLogger(__name__)
 
 
 def create_app(probe: AgentProbe, metrics: AgentMetrics,
-               services: Sequence[Service] = ()) -> FastAPI:
-    """Build the agent's HTTP app; ``services`` run for the app's lifetime."""
+               services: Sequence[Service] = (),
+               lookup: Callable[[LookupRequest], dict[str, Any]] | None = None) -> FastAPI:
+    """Build the agent's HTTP app; ``services`` run for the app's lifetime; ``lookup``
+    answers ``POST /v1/lookup`` (raising :class:`LookupRequestError`)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -75,5 +86,22 @@ def create_app(probe: AgentProbe, metrics: AgentMetrics,
     @app.get("/metrics")
     def prom() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    if lookup is not None:
+        answer = lookup
+
+        @app.post("/v1/lookup")
+        async def v1_lookup(request: Request) -> JSONResponse:
+            # Answered on the event loop: hashing and matching a 32K-token prompt take
+            # well under a millisecond and nothing here waits.
+            try:
+                body = await request.body()
+                if request.headers.get("content-type") == "application/octet-stream":
+                    req = parse_lookup_binary(body, request.query_params)
+                else:
+                    req = parse_lookup(body)
+                return JSONResponse(answer(req))
+            except LookupRequestError as exc:
+                return JSONResponse({"error": exc.message}, status_code=exc.status)
 
     return app

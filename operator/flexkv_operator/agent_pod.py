@@ -75,15 +75,21 @@ STORE_PORT_NAME = "mooncake"
 """The agent's Mooncake RPC / handshake port (``storePort``)."""
 DATA_PORT_NAME = "mooncake-data"
 """The agent's Mooncake TCP data port (``storePort + 1``)."""
+KV_EVENTS_PORT_NAME = "kv-events"
+"""The agent's KV-event PUB port (``spec.kvEvents.port``), for routers."""
 
 
 def container_ports(config: PoolConfig) -> list[dict[str, Any]]:
-    """The agent container's named ports: HTTP, the PP fan-out and, with a remote tier,
+    """The agent container's named ports: HTTP, the PP fan-out, the KV events when
+    ``spec.kvEvents`` is set and, with a remote tier,
     Mooncake's RPC (``storePort``) and data (``storePort + 1``) ports."""
     ports = [
         {"name": "http", "containerPort": config.http_port, "protocol": "TCP"},
         {"name": "fanout", "containerPort": config.fanout_port, "protocol": "TCP"},
     ]
+    if config.kv_events is not None:
+        ports.append({"name": KV_EVENTS_PORT_NAME, "containerPort": config.kv_events.port,
+                      "protocol": "TCP"})
     if config.remote is not None:
         # Both pinned by the agent (MC_LEGACY_RPC_PORT_BINDING=1, MC_MIN_RPC_PORT =
         # MC_MAX_RPC_PORT = storePort + 1); named for the chart's NetworkPolicy.

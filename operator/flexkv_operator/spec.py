@@ -76,6 +76,16 @@ class RemoteTier:
 
 
 @dataclass(frozen=True)
+class KvEvents:
+    """``spec.kvEvents``, checked: the agents' KV-event publisher for routers."""
+
+    port: int
+    block_hash: str
+    hash_seed: str
+    int_block_hashes: bool = True
+
+
+@dataclass(frozen=True)
 class PoolConfig:
     """The checked spec. ``raw`` is the defaulted spec dict (camelCase, as in the CRD)."""
 
@@ -99,6 +109,8 @@ class PoolConfig:
     agent_group: int
     placement: dict[str, Any] = field(default_factory=dict)
     remote: RemoteTier | None = None
+    kv_events: KvEvents | None = None
+    """``spec.kvEvents`` (None: the agents publish no KV events)."""
 
 
 Problems = list[ConfigProblem]
@@ -131,6 +143,7 @@ def parse_pool_spec(
     image = _agent_image(raw, default_image, problems)
     ids = _agent_ids(raw, problems)
     remote = _remote_section(tiers, engine_call_seconds, (http, fanout), name, problems)
+    kv_events = _kv_events(raw, (http, fanout), remote, problems)
     if problems:
         raise ConfigInvalid(problems)
     return PoolConfig(
@@ -152,6 +165,7 @@ def parse_pool_spec(
         agent_group=ids["runAsGroup"],
         placement=dict(raw.get("placement") or {}),
         remote=remote,
+        kv_events=kv_events,
     )
 
 
@@ -328,6 +342,49 @@ def _max_stages(raw: dict[str, Any], problems: Problems) -> int:
             "stages one node runs, e.g. 8 for eight single-GPU replicas)"))
         stages = 1
     return int(stages)
+
+
+_KV_EVENT_HASHES = ("vllm-sha256", "agent")
+
+
+def _kv_events(raw: dict[str, Any], agent_ports: tuple[Any, Any], remote: RemoteTier | None,
+               problems: Problems) -> KvEvents | None:
+    """``spec.kvEvents``: absent (off), or a port 1..65535 that no other agent port
+    uses, the block hash (``vllm-sha256`` or ``agent``) and vLLM's hash seed."""
+    section = raw.get("kvEvents")
+    if section is None:
+        return None
+    if not isinstance(section, dict):
+        problems.append(ConfigProblem("kvEvents", f"{section!r} must be an object such as "
+                                      "{port: 5558}"))
+        return None
+    port = section.get("port")
+    taken = {"agent.ports.http": agent_ports[0], "agent.ports.fanout": agent_ports[1]}
+    if remote is not None:
+        taken["tiers.remote.mooncake.storePort"] = remote.store_port
+        taken["tiers.remote.mooncake.storePort + 1"] = remote.store_port + 1
+    if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
+        problems.append(ConfigProblem("kvEvents.port", f"{port!r} is not a port 1..65535; "
+                                      "set the port routers subscribe to, e.g. 5558"))
+    else:
+        clash = [k for k, v in taken.items() if v == port]
+        if clash:
+            problems.append(ConfigProblem("kvEvents.port", f"{port} is already {clash[0]}; "
+                                          "give the KV events their own port"))
+    block_hash = section.get("blockHash", "vllm-sha256")
+    if block_hash not in _KV_EVENT_HASHES:
+        problems.append(ConfigProblem("kvEvents.blockHash", f"{block_hash!r} must be one of "
+                                      f"{', '.join(_KV_EVENT_HASHES)}"))
+    seed = section.get("hashSeed", "vllm-none-hash")
+    if not isinstance(seed, str):
+        problems.append(ConfigProblem("kvEvents.hashSeed", f"{seed!r} must be a string: the "
+                                      "engines' PYTHONHASHSEED, or vllm-none-hash when unset"))
+    int_hashes = section.get("intBlockHashes", True)
+    if not isinstance(int_hashes, bool):
+        problems.append(ConfigProblem("kvEvents.intBlockHashes", f"{int_hashes!r} must be true "
+                                      "or false: the engines' VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"))
+    return KvEvents(port=port if isinstance(port, int) else 0, block_hash=str(block_hash),
+                    hash_seed=str(seed), int_block_hashes=bool(int_hashes))
 
 
 def _check_max_unavailable(raw: dict[str, Any], problems: Problems) -> None:

@@ -198,6 +198,12 @@ def test_a_prefix_one_replica_stored_is_a_hit_for_another_replica_of_its_model_a
     # A replica of another model never sees it.
     assert other.client.lookup("peek", PROMPT) == 0
     other.client.release("peek")
+    # Routers' read-only lookup answers the same through the shared index.
+    for replica, hit in (("rep-b", len(PROMPT)), ("other", 0)):
+        r = httpx.post(agent.url + "/v1/lookup", timeout=10,
+                       json={"tokenIds": PROMPT.tolist(), "replica": replica, "ppRank": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["cachedTokens"] == hit, (replica, r.json())
     stages = stages_of(agent)
     assert stages["rep-b"]["sharedBackend"]["replicas"] == ["rep-a", "rep-b"]
     assert stages["rep-a"]["sharedBackend"]["storedBlocks"] == BLOCKS

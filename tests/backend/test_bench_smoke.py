@@ -71,3 +71,14 @@ def test_restart_bench_rows(tmp_path: Path) -> None:
             "scan_goal_met"} <= set(restart)
     assert int(restart["recovered_blocks"]) > 0  # type: ignore[call-overload]
     assert rows[2]["before"] == 1.0 and 0 < float(rows[2]["after"]) <= 1  # type: ignore[arg-type]
+
+
+def test_lookup_http_bench_rows(tmp_path: Path) -> None:
+    rows = _run("lookup_http.py", "--quick", tmp=tmp_path)
+    assert [(r["body"], r.get("where")) for r in rows] == [
+        ("json", None), ("int64", None), ("int64", "in_process")]
+    for r in rows[:2]:
+        assert r["bench"] == "lookup_http" and r["cached_tokens"] == r["tokens"]
+        assert {"lookup_p50_ms", "lookup_p99_ms", "healthz_p50_ms", "healthz_p99_ms",
+                "ratio_p50", "ratio_p99"} <= set(r)
+    assert {"lookup_p99_ms", "hash_p99_ms", "ratio_p99"} <= set(rows[2])

@@ -76,10 +76,12 @@ def test_network_policies_select_the_pods_and_name_their_ports(
     by_port = {p["port"]: rule["from"] for rule in agents["spec"]["ingress"]
                for p in rule["ports"]}
     assert ports == {"http", "fanout"}, "a pool without a remote tier"
-    # The remote tier's named ports (tests below): RPC and data, nothing else.
-    assert set(by_port) == ports | {"mooncake", "mooncake-data"}
+    # The remote tier's named ports (tests below): RPC and data; the KV-event port of
+    # a pool with spec.kvEvents, open to whoever may reach the HTTP port; nothing else.
+    assert set(by_port) == ports | {"mooncake", "mooncake-data", "kv-events"}
     assert by_port["fanout"] == [{"podSelector": {"matchLabels": selector}}]
     assert {"podSelector": {}} in by_port["http"]
+    assert by_port["kv-events"] == by_port["http"]
 
     operator = next(p for n, p in policies.items() if n.endswith("-operator"))
     pod_labels = hardened.one("Deployment")["spec"]["template"]["metadata"]["labels"]

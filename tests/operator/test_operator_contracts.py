@@ -52,6 +52,14 @@ def test_rendered_agent_yaml_is_accepted_by_the_agent(example: str) -> None:
         assert agent.tiers.ssd.persist is ssd_spec.get("persist", True)
     assert agent.ports.http == config.http_port and agent.ports.fanout == config.fanout_port
     assert agent.max_stages == config.max_stages == spec.get("maxStages", 1)
+    if "kvEvents" in spec:
+        assert agent.kv_events is not None and config.kv_events is not None
+        assert agent.kv_events.endpoint == f"tcp://*:{spec['kvEvents']['port']}"
+        assert agent.kv_events.block_hash == config.kv_events.block_hash
+        assert agent.kv_events.hash_seed == config.kv_events.hash_seed
+        assert agent.kv_events.int_block_hashes == config.kv_events.int_block_hashes
+    else:
+        assert agent.kv_events is None
     assert agent.heartbeat.lease_duration_seconds == config.timings.lease_duration
     assert agent.curve_key_dir == names.CURVE_MOUNT
     assert agent.expected_ranks == config.expected_ranks

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
-from flexkv_operator import children, keys, names
+from flexkv_operator import agent_pod, children, keys, names
 from flexkv_operator.children import PoolIdentity
 from flexkv_operator.conditions import Condition, merge_conditions
 from flexkv_operator.group_election import Candidate, Published, decide
@@ -156,6 +156,10 @@ def test_spec_defaults_from_the_crd() -> None:
         ({"tiers": {"cpu": {"size": 1, "pinned": False}}, "backend": "flexkv"}, "tiers.cpu.pinned"),
         ({"tiers": {"cpu": {"size": 1}}, "maxStages": 0}, "maxStages"),
         ({"tiers": {"cpu": {"size": 1}}, "maxStages": True}, "maxStages"),
+        ({"tiers": {"cpu": {"size": 1}}, "kvEvents": {"port": 0}}, "kvEvents.port"),
+        ({"tiers": {"cpu": {"size": 1}}, "kvEvents": {"port": 8080}}, "kvEvents.port"),
+        ({"tiers": {"cpu": {"size": 1}}, "kvEvents": {"port": 5558, "blockHash": "md5"}},
+         "kvEvents.blockHash"),
     ],
 )
 def test_invalid_specs_name_the_field_and_the_fix(spec: dict[str, Any], field: str) -> None:
@@ -163,6 +167,24 @@ def test_invalid_specs_name_the_field_and_the_fix(spec: dict[str, Any], field: s
         parse_pool_spec(spec, "img:1")
     assert [p.field for p in info.value.problems] == [field]
     assert f"spec.{field}" in str(info.value)
+
+
+def test_kv_events_are_rendered_only_when_set_and_open_a_named_container_port() -> None:
+    plain = _config()
+    assert plain.kv_events is None
+    doc = yaml.safe_load(children.render_config_map(POOL, plain)["data"]["agent.yaml"])
+    assert "kvEvents" not in doc
+    assert "kv-events" not in [p["name"] for p in agent_pod.container_ports(plain)]
+
+    on = _config(kvEvents={"port": 5558})
+    doc = yaml.safe_load(children.render_config_map(POOL, on)["data"]["agent.yaml"])
+    assert doc["kvEvents"] == {"endpoint": "tcp://*:5558", "blockHash": "vllm-sha256",
+                               "hashSeed": "vllm-none-hash", "intBlockHashes": True}
+    assert {"name": "kv-events", "containerPort": 5558, "protocol": "TCP"} in \
+        agent_pod.container_ports(on)
+    # Turning events on changes the agents' config hash (they restart with it); a pool
+    # without them keeps the hash it had.
+    assert children.config_hash(POOL, on) != children.config_hash(POOL, plain)
 
 
 def test_missing_image_is_a_config_error() -> None:

@@ -36,6 +36,15 @@ def reply(obj: object) -> None:
     sys.stdout.flush()
 
 
+def events_config(raw: dict[str, object] | None) -> object:
+    """vLLM's ``KVEventsConfig`` of a JSON dict (None: no events)."""
+    if raw is None:
+        return None
+    from vllm.config import KVEventsConfig
+
+    return KVEventsConfig(**raw)  # type: ignore[arg-type]
+
+
 def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -52,7 +61,8 @@ def main() -> None:
                   kv_transfer_config=options.get("kv_transfer_config"),
                   disable_log_stats=False, seed=0,
                   distributed_executor_backend=options.get("executor"),
-                  num_gpu_blocks_override=options.get("num_gpu_blocks"))
+                  num_gpu_blocks_override=options.get("num_gpu_blocks"),
+                  kv_events_config=events_config(options.get("kv_events_config")))
     except Exception as exc:
         reply({"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()})
         raise SystemExit(3) from exc

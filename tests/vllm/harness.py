@@ -50,10 +50,11 @@ class EngineProcess:
 
     def __init__(self, model: Path, log: Path, kv_transfer_config: dict[str, Any] | None,
                  block_size: int = BLOCK, max_model_len: int = 4096,
-                 executor: str | None = None, num_gpu_blocks: int | None = None) -> None:
+                 executor: str | None = None, num_gpu_blocks: int | None = None,
+                 kv_events_config: dict[str, Any] | None = None) -> None:
         options = {"block_size": block_size, "kv_transfer_config": kv_transfer_config,
                    "max_model_len": max_model_len, "executor": executor,
-                   "num_gpu_blocks": num_gpu_blocks}
+                   "num_gpu_blocks": num_gpu_blocks, "kv_events_config": kv_events_config}
         self.log = log
         self._log = log.open("a")
         self.proc = subprocess.Popen(
