@@ -39,6 +39,7 @@ from node_agent.backend.remote.join import StorePortInUse, store_ports_problem
 from node_agent.backend.remote.mooncake_client import MooncakeUnavailable, check_available
 from node_agent.backend.remote.settings import RemoteSettings
 from node_agent.backend.remote.tier import RemotePool
+from node_agent.backend.shared import SharedBackends
 from node_agent.backend.ssd_owner import DirectoryOwner, SsdPathInUse
 from node_agent.config import AgentConfig, ConfigError, load_config
 from node_agent.engine_api.server import EngineServer
@@ -223,8 +224,11 @@ class Agent:
         self.remote_pool = build_remote_pool(cfg, self.metrics)
         self.fanout = SharedFanout(cfg, self.metrics)
         """The one fan-out server of every multi-stage group this agent serves."""
+        self.shared = SharedBackends(lambda: self.key_epoch)
+        """The backends shared by the single-stage replicas of one model."""
         self.stage_deps = StageDeps(cfg=cfg, metrics=self.metrics, remote_pool=self.remote_pool,
-                                    key_epoch=lambda: self.key_epoch, fanout=self.fanout)
+                                    key_epoch=lambda: self.key_epoch, fanout=self.fanout,
+                                    shared=self.shared)
         """What the stage builder gets: never the agent itself."""
         if cfg.max_stages > 1:
             self._export_tier_totals()
@@ -372,7 +376,7 @@ class Agent:
         > 1 the capacity is the configured size (the node's budget, whatever number
         of stages holds a share of it now)."""
         own: dict[str, tuple[int, int]] = {}
-        for stage in list(self.service.stages.values()):
+        for stage in self._one_stage_per_backend():
             try:
                 tiers = stage.coordinator.tier_bytes()
             except Exception:  # reported by the stage's own status; /status must answer
@@ -395,10 +399,22 @@ class Agent:
             out["ssd"]["recoveredBlocks"] = recovered
         return out
 
+    def _one_stage_per_backend(self) -> list[Stage]:
+        """The stages, with only one of those sharing a backend (its tiers counted once)."""
+        seen: set[int] = set()
+        out = []
+        for stage in list(self.service.stages.values()):
+            if stage.shared is not None:
+                if id(stage.shared.entry) in seen:
+                    continue
+                seen.add(id(stage.shared.entry))
+            out.append(stage)
+        return out
+
     def _recovered_blocks(self) -> int:
         """SSD blocks the backends of this agent's stages recovered at their start."""
         total = 0
-        for stage in list(self.service.stages.values()):
+        for stage in self._one_stage_per_backend():
             try:
                 total += stage.coordinator.recovered_blocks() or 0
             except Exception:  # reported by the stage's own status; /status must answer
@@ -486,6 +502,7 @@ class Agent:
                     name: {"capacityBytes": int(cap), "usedBytes": int(used)}
                     for name, (cap, used) in tiers.items()},
                 "traffic": s.traffic.to_json() if s.traffic is not None else None,
+                "sharedBackend": s.shared.status() if s.shared is not None else None,
             })
         return {
             "version": __version__, "pool": self.cfg.pool, "node": self.cfg.node_name,

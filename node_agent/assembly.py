@@ -25,9 +25,14 @@ thread answer its ``lookup``, ``release`` and ``poll_completed`` itself
 (``Stage.inline_ops``): they wait on no follower, copy or timer.
 
 Several stages on one agent (``maxStages``): each stage keeps its own
-coordinator, group view and backend; the configured tier sizes are the node's
-budget, and each stage's tiers get an even share of them (:func:`stage_share`),
-so a busy replica can never evict what another stored. The stages of
+coordinator and group view. The configured tier sizes are the node's budget,
+split into ``maxStages`` even shares (:func:`stage_share`), one per backend.
+Stages of one-stage groups on the embedded backend whose KV is interchangeable
+(same model identity, layout and PP shape: :class:`~.backend.shared.Fingerprint`)
+share one backend on one share (:mod:`node_agent.backend.shared`): a prefix one
+replica stored is a hit for the others. Every other stage (a PP group's, one
+without a model identity, ``backend: flexkv``) has a backend of its own on its
+own share, so a busy replica can never evict what it stored. The stages of
 multi-stage groups share the agent's one fan-out server (:class:`SharedFanout`,
 one port), which routes every message by its group.
 
@@ -51,6 +56,7 @@ from node_agent.backend.remote.keys import KeySpace
 from node_agent.backend.remote.objects import HEADER_BYTES
 from node_agent.backend.remote.tier import RemotePool, RemoteTier
 from node_agent.backend.replication import ReplicatedBackend
+from node_agent.backend.shared import Fingerprint, SharedBackends, SharedStageBackend
 from node_agent.backend.single_stage import SingleStageBackend
 from node_agent.backend.stage_store import TierStore
 from node_agent.config import AgentConfig
@@ -117,6 +123,9 @@ class StageDeps:
     fanout: SharedFanout | None = field(default=None)
     """The agent's shared fan-out server; None: each multi-stage coordinator binds
     its own at ``ports.fanout`` (one such stage per agent)."""
+    shared: SharedBackends | None = field(default=None)
+    """The agent's backends shared by replicas of one model; None: every stage
+    has a backend of its own."""
 
 
 StageBuilder = Callable[[StageDeps, RankRef, KVLayout], Stage]
@@ -241,12 +250,22 @@ def default_stage_builder(deps: StageDeps, rank: RankRef, layout: KVLayout) -> S
     ccfg = coordinator_config(cfg, rank, layout, group, endpoint)
     metrics = deps.metrics
 
+    def own_backend() -> EmbeddedBackend:
+        return EmbeddedBackend(bcfg, metrics=metrics, remote=remote_tier(deps, rank, layout),
+                               cache_epoch=deps.key_epoch)
+
+    fingerprint = sharing_fingerprint(deps, rank, layout, bcfg.namespace)
+    joined: list[SharedStageBackend] = []
+
     def leader_backend() -> ReplicatedBackend:
         if cfg.backend == "flexkv":
             return SingleStageBackend(start_flexkv_backend(cfg, layout, metrics),
                                       namespace=bcfg.namespace)
-        return EmbeddedBackend(bcfg, metrics=metrics, remote=remote_tier(deps, rank, layout),
-                               cache_epoch=deps.key_epoch)
+        if deps.shared is not None and fingerprint is not None:
+            view = deps.shared.join(fingerprint, rank.replica, own_backend)
+            joined.append(view)
+            return view
+        return own_backend()
 
     coordinator = Coordinator(
         ccfg, views,
@@ -261,4 +280,19 @@ def default_stage_builder(deps: StageDeps, rank: RankRef, layout: KVLayout) -> S
     inline = INLINE_CANDIDATES if rank.pp_size == 1 and cfg.backend != "flexkv" else frozenset()
     return Stage(key=rank.stage, pp_size=rank.pp_size, group=group, layout=layout,
                  coordinator=coordinator, views=views, inline_ops=inline, model=rank.model,
-                 cache_epoch=epoch)
+                 cache_epoch=epoch, shared=joined[0] if joined else None)
+
+
+def sharing_fingerprint(deps: StageDeps, rank: RankRef, layout: KVLayout,
+                        namespace: str | None) -> Fingerprint | None:
+    """The fingerprint under which ``rank``'s stage shares a backend with the other
+    replicas of its model, or None when it keeps its own: the agent serves one
+    stage (``maxStages`` 1), the group has several stages (followers replay their
+    leader's physical plans on their own tiers, docs/pp.md), the backend is
+    ``flexkv``, or the stage has no model identity (``namespace`` None: another
+    model of the same layout could not be told apart)."""
+    cfg = deps.cfg
+    if (deps.shared is None or cfg.max_stages == 1 or rank.pp_size != 1
+            or cfg.backend != "embedded" or namespace is None):
+        return None
+    return Fingerprint(namespace, layout, rank.pp_rank, rank.pp_size)

@@ -189,6 +189,11 @@ class AgentMetrics:
             "Looked-up tokens of one replica that its stage's cache holds", ["replica"],
             registry=r,
         )
+        self.replica_cross_hit_tokens = Counter(
+            "flexkv_agent_replica_cross_hit_tokens",
+            "Hit tokens of one replica on blocks another replica of its model stored "
+            "(replicas sharing one backend on this agent)", ["replica"], registry=r,
+        )
 
     def init_group(self, group: str) -> None:
         """Export ``group``'s fan-out drop and mismatch counters at 0 for every

@@ -17,6 +17,7 @@ freed block can be handed to any plan, and on a leader are also queued for
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -123,9 +124,11 @@ class EmbeddedBackend(ReplicatedBackend):
         self._tasks: dict[int, Task] = {}
         self._members: dict[int, Task] = {}
         self._unpublished: dict[int, list[NodeIds]] = {}
+        self._unpublished_by: dict[int, int] = {}  # put (or batch) id -> its tenant
         self._unlaunched: deque[Task] = deque()
         self._moves: list[TierMove] = []
-        self._pending_buffers: dict[int, RegisteredBuffers] = {}
+        self._pending_buffers: dict[tuple[int, int], RegisteredBuffers] = {}
+        """(tenant, rank) -> buffers registered before ``start``."""
         self._hits = {Tier.CPU: 0, Tier.SSD: 0}
         self._lookup_tokens = 0
         self._remote_hits = 0
@@ -135,7 +138,16 @@ class EmbeddedBackend(ReplicatedBackend):
         self._reaper: threading.Thread | None = None
         self._stopping = threading.Event()
         self._closed = False
-        self._listener: Callable[[], None] | None = None
+        self._listeners: dict[int, Callable[[], None]] = {}
+        # Several stages on these tiers (node_agent.backend.shared): tenant -> the
+        # replica it serves, and per tenant its lookups, hits and hits on blocks
+        # another replica stored.
+        self._tenant_names: dict[int, str] = {}
+        self._tenant_lookup: dict[int, int] = {}
+        self._tenant_hits: dict[int, dict[Tier, int]] = {}
+        self._tenant_cross: dict[int, int] = {}
+        self._owners: dict[int, tuple[int, str]] = {}
+        """Node -> (its generation, the replica whose put created it), with tenants."""
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -146,8 +158,8 @@ class EmbeddedBackend(ReplicatedBackend):
             if self._store is not None:
                 return
             store = TierStore(self.config, self.remote)
-            for reg in self._pending_buffers.values():
-                store.add_registered(reg)
+            for (tenant, _), reg in self._pending_buffers.items():
+                store.add_registered(reg, tenant)
             self._pending_buffers.clear()
             self._store = store
             self._index = BlockIndex(
@@ -267,8 +279,12 @@ class EmbeddedBackend(ReplicatedBackend):
             "evictions": index.evictions[Tier.CPU] - before})
 
     def is_ready(self) -> bool:
+        return self.is_ready_for(0)
+
+    def is_ready_for(self, tenant: int) -> bool:
+        """:meth:`is_ready` for the engine ranks of ``tenant``."""
         store = self._store
-        return store is not None and not self._closed and store.is_complete()
+        return store is not None and not self._closed and store.is_complete(tenant)
 
     def shutdown(self) -> None:
         with self._lock:
@@ -332,6 +348,8 @@ class EmbeddedBackend(ReplicatedBackend):
         self._refetch.clear()
         self._node_writers.clear()
         self._unpublished.clear()
+        self._unpublished_by.clear()
+        self._owners.clear()
         self._members.clear()
         self._moves.clear()
         self._store.reset()
@@ -341,19 +359,26 @@ class EmbeddedBackend(ReplicatedBackend):
     # -- registration ----------------------------------------------------------
 
     def register_kv_buffers(self, rank: int, buffers: Sequence[Sequence[torch.Tensor]]) -> None:
+        self.register_for(0, rank, buffers)
+
+    def register_for(self, tenant: int, rank: int,
+                     buffers: Sequence[Sequence[torch.Tensor]]) -> None:
+        """:meth:`register_kv_buffers` for the engine ranks of ``tenant`` (a stage
+        sharing this backend, :mod:`node_agent.backend.shared`; 0: its own); only
+        that tenant's copies in flight refuse a re-registration."""
         reg = register_buffers(self.config.layout, rank, buffers)
         with self._lock:
             busy = [t.id for t in self._tasks.values() if t.state is TaskState.LAUNCHED
-                    and t.status is None]
+                    and t.status is None and t.tenant == tenant]
             if busy:
                 raise KVBackendError(
                     f"rank {rank} re-registered while tasks {busy[:5]} are copying; wait for "
                     "them before re-registering"
                 )
             if self._store is None:
-                self._pending_buffers[rank] = reg
+                self._pending_buffers[(tenant, rank)] = reg
             else:
-                self._store.add_registered(reg)
+                self._store.add_registered(reg, tenant)
         log.info("Engine rank registered KV buffers",
                  extra={"rank": rank, "slots": reg.num_slots, "device": str(reg.device)})
 
@@ -380,12 +405,27 @@ class EmbeddedBackend(ReplicatedBackend):
 
     def _match(self, op: MatchOp, tokens: TokenArray, token_mask: BoolMask | None,
                namespace: str | None) -> tuple[int, BoolMask]:
+        return self.match_for(0, op, tokens, token_mask, namespace)
+
+    def match_for(self, tenant: int, op: MatchOp, tokens: TokenArray,
+                  token_mask: BoolMask | None, namespace: str | None) -> tuple[int, BoolMask]:
+        """``get_match`` / ``put_match`` of checked ``tokens`` for ``tenant``: the
+        task copies from / to that tenant's engine buffers and only it launches it."""
         if op == "get":
-            return self._get_match(tokens, token_mask, namespace)
-        return self._put_match(tokens, token_mask, namespace)
+            return self._get_match(tokens, token_mask, namespace, tenant)
+        return self._put_match(tokens, token_mask, namespace, tenant)
+
+    def add_tenant(self, tenant: int, replica: str) -> None:
+        """Count ``tenant``'s lookups and hits apart, naming it ``replica`` (its
+        hits on blocks another replica stored are cross-replica hits)."""
+        with self._lock:
+            self._tenant_names[tenant] = replica
+            self._tenant_lookup[tenant] = 0
+            self._tenant_hits[tenant] = {Tier.CPU: 0, Tier.SSD: 0}
+            self._tenant_cross[tenant] = 0
 
     def _get_match(self, token_ids: TokenArray, token_mask: BoolMask | None,
-                   namespace: str | None) -> tuple[int, BoolMask]:
+                   namespace: str | None, tenant: int = 0) -> tuple[int, BoolMask]:
         t0 = time.perf_counter()
         tokens, start, end, hashes = self._block_hashes(token_ids, token_mask, namespace)
         tpb = self.tokens_per_block
@@ -397,6 +437,8 @@ class EmbeddedBackend(ReplicatedBackend):
             nodes = index.match(hashes, index.keys(hashes))
             first, last = start // tpb, min(len(nodes), end // tpb)
             self._lookup_tokens += max(0, end - start)
+            if tenant in self._tenant_lookup:
+                self._tenant_lookup[tenant] += max(0, end - start)
             if self._metrics is not None:
                 self._metrics.lookup_tokens.inc(max(0, end - start))
             if last <= first:
@@ -412,6 +454,8 @@ class EmbeddedBackend(ReplicatedBackend):
             on_ssd = index.ssd_blocks(span)
             self._hits[Tier.SSD] += on_ssd
             self._hits[Tier.CPU] += len(locs) - on_ssd
+            if tenant in self._tenant_hits:
+                self._count_tenant_hits_locked(tenant, span, on_ssd)
             if self._metrics is not None:
                 if on_ssd:
                     self._metrics.hit_tokens.labels(tier="ssd").inc(on_ssd * tpb)
@@ -419,14 +463,14 @@ class EmbeddedBackend(ReplicatedBackend):
                     self._metrics.hit_tokens.labels(tier="cpu").inc((len(locs) - on_ssd) * tpb)
             task = self._new_task_locked(
                 Direction.LOAD, span_mask(len(tokens), first * tpb, last * tpb), span,
-                TransferPlan(Direction.LOAD, locs),
+                TransferPlan(Direction.LOAD, locs), tenant,
             )
         self._observe_match("get", t0)
         assert task.mask is not None
         return task.id, task.mask
 
     def _put_match(self, token_ids: TokenArray, token_mask: BoolMask | None,
-                   namespace: str | None) -> tuple[int, BoolMask]:
+                   namespace: str | None, tenant: int = 0) -> tuple[int, BoolMask]:
         t0 = time.perf_counter()
         tokens, start, end, hashes = self._block_hashes(token_ids, token_mask, namespace)
         tpb = self.tokens_per_block
@@ -460,8 +504,12 @@ class EmbeddedBackend(ReplicatedBackend):
                 Direction.STORE,
                 span_mask(len(tokens), first * tpb, (first + len(created)) * tpb),
                 created,
-                TransferPlan(Direction.STORE, index.locations(created)),
+                TransferPlan(Direction.STORE, index.locations(created)), tenant,
             )
+            name = self._tenant_names.get(tenant)
+            if name is not None:
+                for node in created.tolist():
+                    self._owners[node] = (index.generation(node), name)
         self._observe_match("put", t0)
         assert task.mask is not None
         return task.id, task.mask
@@ -623,26 +671,33 @@ class EmbeddedBackend(ReplicatedBackend):
 
     def _launch(self, ids: list[int], slot_mappings: Sequence[SlotArray],
                 as_batch: bool) -> list[int]:
+        return self.launch_for(0, ids, slot_mappings, as_batch)
+
+    def launch_for(self, tenant: int, ids: list[int], slot_mappings: Sequence[SlotArray],
+                   as_batch: bool) -> list[int]:
+        """``launch`` of checked task ``ids`` of ``tenant``, with slots of that
+        tenant's engine buffers; a task another tenant matched is refused."""
         with self._lock:
             self._require_started()
             self._expire_locked()
             store = self._store
             assert store is not None
-            if not store.is_complete():
+            if not store.is_complete(tenant):
                 raise KVBackendError(
-                    f"engine ranks {self._missing_ranks()} have not registered KV buffers; "
-                    "launch after every expected rank registered (is_ready())"
+                    f"engine ranks {self._missing_ranks(tenant)} have not registered KV "
+                    "buffers; launch after every expected rank registered (is_ready())"
                 )
             tasks = []
             for tid in ids:
                 t = self._tasks.get(tid)
-                if t is None or t.state is not TaskState.MATCHED or t.members:
+                if t is None or t.state is not TaskState.MATCHED or t.members \
+                        or t.tenant != tenant:
                     raise TaskNotFoundError(
                         f"task {tid} is not a live, un-launched match (unknown, expired, "
                         "cancelled or already launched); match again"
                     )
                 tasks.append(t)
-            num_slots = store.num_slots()
+            num_slots = store.num_slots(tenant)
             slots = []
             for t, mapping in zip(tasks, slot_mappings, strict=True):
                 assert t.mask is not None
@@ -661,7 +716,7 @@ class EmbeddedBackend(ReplicatedBackend):
             out = ids
             if as_batch and len(tasks) > 1:
                 batch = Task(next(self._ids), None, None, NO_NODES, None, deadline=0.0,
-                             state=TaskState.LAUNCHED, members=tasks)
+                             state=TaskState.LAUNCHED, members=tasks, tenant=tenant)
                 for t in tasks:
                     del self._tasks[t.id]
                     self._members[t.id] = t
@@ -702,7 +757,15 @@ class EmbeddedBackend(ReplicatedBackend):
     def set_completion_listener(self, listener: Callable[[], None] | None) -> None:
         """See :meth:`KVBackend.set_completion_listener`: called by the worker that
         finished a copy, after the task's terminal status is recorded."""
-        self._listener = listener
+        self.set_listener_for(0, listener)
+
+    def set_listener_for(self, tenant: int, listener: Callable[[], None] | None) -> None:
+        """The completion listener of ``tenant``'s tasks (None removes it)."""
+        with self._lock:
+            if listener is None:
+                self._listeners.pop(tenant, None)
+            else:
+                self._listeners[tenant] = listener
 
     def try_wait(self, task_ids: Sequence[int]) -> dict[int, KVResponse]:
         out: dict[int, KVResponse] = {}
@@ -764,6 +827,7 @@ class EmbeddedBackend(ReplicatedBackend):
     def publish(self, task_id: int) -> None:
         with self._lock:
             nodes = self._unpublished.pop(task_id, None)
+            self._unpublished_by.pop(task_id, None)
             if nodes is None:
                 t = self._tasks.get(task_id) or self._members.get(task_id)
                 if t is not None and t.status is None:
@@ -789,11 +853,107 @@ class EmbeddedBackend(ReplicatedBackend):
         cancelled."""
         with self._cond:
             nodes = self._unpublished.pop(task_id, None)
+            self._unpublished_by.pop(task_id, None)
             if nodes and self._index is not None:
                 self._index.remove_pending(np.concatenate(nodes))
                 self._update_gauges()
             self._cancel_locked(task_id, "discarded", discard=True)
             self._cond.notify_all()
+
+    # -- tenants (stages sharing this backend) -------------------------------
+
+    def _count_tenant_hits_locked(self, tenant: int, span: NodeIds, on_ssd: int) -> None:
+        """Count ``tenant``'s hit blocks ``span`` (``on_ssd`` of them on the SSD tier)
+        and, among them, those another replica's put created (cross-replica hits)."""
+        assert self._index is not None
+        hits = self._tenant_hits[tenant]
+        hits[Tier.SSD] += on_ssd
+        hits[Tier.CPU] += len(span) - on_ssd
+        name = self._tenant_names[tenant]
+        cross = 0
+        for node in span.tolist():
+            owner = self._owners.get(node)
+            if owner is not None and owner[1] != name \
+                    and owner[0] == self._index.generation(node):
+                cross += 1
+        if cross:
+            self._tenant_cross[tenant] += cross
+            if self._metrics is not None:
+                self._metrics.replica_cross_hit_tokens.labels(replica=name).inc(
+                    cross * self.tokens_per_block)
+
+    def end_tenant_tasks(self, tenant: int, reason: str) -> None:
+        """End every task of ``tenant`` and wait for its copies to stop (up to
+        ``STOP_SECONDS``): un-launched matches end CANCELLED, running copies are
+        aborted, puts (finished or not) are discarded, never published. Other
+        tenants' tasks and every published block stay. Raises ``KVBackendError``
+        when a copy does not stop in time (its task is still aborted and
+        discarded when it ends)."""
+        deadline = time.monotonic() + STOP_SECONDS
+        with self._cond:
+            if self._index is None:
+                return
+            for key in [k for k, t in self._unpublished_by.items() if t == tenant]:
+                self._unpublished_by.pop(key, None)
+                nodes = self._unpublished.pop(key, None)
+                if nodes:
+                    self._index.remove_pending(np.concatenate(nodes))
+            mine = [t for t in [*self._tasks.values(), *self._members.values()]
+                    if t.tenant == tenant and t.status is None]
+            for t in mine:
+                self._cancel_locked(t.id, reason, discard=True)
+            running = [t.future for t in mine if t.future is not None and t.status is None]
+            self._update_gauges()
+            self._cond.notify_all()
+        _, late = futures_wait(running, max(0.0, deadline - time.monotonic()))
+        if late:
+            raise KVBackendError(
+                f"copies of {len(late)} tasks of an ending stage did not stop within "
+                f"{STOP_SECONDS} s of their abort (hung device?); they are discarded when "
+                "they end"
+            )
+
+    def remove_tenant(self, tenant: int) -> None:
+        """``tenant``'s stage leaves: its tasks end (:meth:`end_tenant_tasks`), then
+        its engine buffers and listener are forgotten. The blocks it stored stay
+        cached for the other tenants."""
+        try:
+            self.end_tenant_tasks(tenant, "its stage left the shared backend")
+        finally:
+            with self._lock:
+                self._listeners.pop(tenant, None)
+                if self._store is not None:
+                    self._store.drop_tenant(tenant)
+                for key in [k for k in self._pending_buffers if k[0] == tenant]:
+                    del self._pending_buffers[key]
+
+    def stats_for(self, tenant: int) -> BackendStats:
+        """:meth:`stats` as ``tenant`` sees them: the shared tiers' capacity and use,
+        its own hit blocks, lookups and registered ranks."""
+        base = self.stats()
+        with self._lock:
+            hits = self._tenant_hits.get(tenant, {})
+            tiers = {name: dataclasses.replace(t, hit_blocks=hits.get(Tier(name), 0))
+                     for name, t in base.tiers.items()}
+            store = self._store
+            ranks = store.ranks_of(tenant) if store else tuple(
+                sorted(r for t, r in self._pending_buffers if t == tenant))
+            return dataclasses.replace(base, tiers=tiers, registered_ranks=ranks,
+                                       lookup_tokens=self._tenant_lookup.get(tenant, 0))
+
+    def tenant_share(self, tenant: int) -> dict[str, int]:
+        """``tenant``'s part of this backend: ``storedBlocks`` (blocks its puts
+        created that are cached now) and ``crossHitBlocks`` (its hit blocks that
+        another replica's put created)."""
+        with self._lock:
+            name, index = self._tenant_names.get(tenant), self._index
+            stored = 0
+            if name is not None and index is not None:
+                stored = sum(1 for node, (gen, who) in self._owners.items()
+                             if who == name and index.generation(node) == gen
+                             and index.is_visible(node))
+            return {"storedBlocks": stored,
+                    "crossHitBlocks": self._tenant_cross.get(tenant, 0)}
 
     # -- stats ---------------------------------------------------------------
 
@@ -819,7 +979,8 @@ class EmbeddedBackend(ReplicatedBackend):
                 key = TaskState.DONE if t.status is not None else t.state
                 counts[key.value] += 1
             counts["unpublished"] = len(self._unpublished)
-            ranks = store.registered_ranks if store else tuple(sorted(self._pending_buffers))
+            ranks = store.registered_ranks if store else tuple(
+                sorted(r for t, r in self._pending_buffers if t == 0))
             return BackendStats(tiers=tiers, tasks=counts, registered_ranks=ranks,
                                 expected_ranks=self.config.expected_ranks,
                                 lookup_tokens=self._lookup_tokens)
@@ -840,9 +1001,10 @@ class EmbeddedBackend(ReplicatedBackend):
             raise KVBackendError("the backend has not started; call start() first")
         return self._index
 
-    def _missing_ranks(self) -> list[int]:
+    def _missing_ranks(self, tenant: int = 0) -> list[int]:
         store = self._store
-        have = set(store.registered_ranks) if store else set(self._pending_buffers)
+        have = set(store.ranks_of(tenant)) if store else {
+            r for t, r in self._pending_buffers if t == tenant}
         return sorted(set(range(self.config.expected_ranks)) - have)
 
     def _check_capacity_locked(self) -> None:
@@ -855,12 +1017,13 @@ class EmbeddedBackend(ReplicatedBackend):
             )
 
     def _new_task_locked(
-        self, direction: Direction, mask: BoolMask, nodes: NodeIds, plan: TransferPlan
+        self, direction: Direction, mask: BoolMask, nodes: NodeIds, plan: TransferPlan,
+        tenant: int = 0,
     ) -> Task:
         assert self._index is not None
         task = Task(next(self._ids), direction, mask, nodes, plan,
                     deadline=self._clock() + self.config.unlaunched_match_seconds,
-                    epoch=self._index.epoch)
+                    epoch=self._index.epoch, tenant=tenant)
         self._tasks[task.id] = task
         self._unlaunched.append(task)
         self._update_gauges()
@@ -902,7 +1065,10 @@ class EmbeddedBackend(ReplicatedBackend):
         status, error = KVResponseStatus.SUCCESS, None
         try:
             assert self._store is not None and task.plan is not None
-            self._store.copy(task.plan, slots, task.abort)
+            if task.tenant:  # a stage sharing this backend: its own engine buffers
+                self._store.copy(task.plan, slots, task.abort, tenant=task.tenant)
+            else:
+                self._store.copy(task.plan, slots, task.abort)
         except CopyAborted:
             pass  # the abort flag is set: recorded as CANCELLED below
         except Exception as e:
@@ -916,7 +1082,7 @@ class EmbeddedBackend(ReplicatedBackend):
             if task.status is None:
                 self._finish_locked(task, status, error)
             self._cond.notify_all()
-        listener = self._listener
+        listener = self._listeners.get(task.tenant)
         if listener is not None:
             try:
                 listener()
@@ -947,6 +1113,7 @@ class EmbeddedBackend(ReplicatedBackend):
             elif self.config.deferred_visibility:
                 key = task.batch.id if task.batch is not None else task.id
                 self._unpublished.setdefault(key, []).append(task.nodes)
+                self._unpublished_by[key] = task.tenant
             else:
                 index.publish(task.nodes)
                 self._remote_write_locked(task.nodes)

@@ -335,6 +335,11 @@ class BlockIndex:
         names the same node only while its generation is unchanged."""
         return int(self._gen_v[node])
 
+    def is_visible(self, node: NodeId) -> bool:
+        """Whether id ``node`` is a published block now (pair with :meth:`generation`
+        to know it is still the same node)."""
+        return bool(self._visible_v[node])
+
     def publish(self, nodes: NodeIds | Iterable[NodeId]) -> None:
         """Make pending ``nodes`` visible and release their pending pin."""
         ids = as_node_ids(nodes)

@@ -71,7 +71,8 @@ class TierStore(StageStore):
             else None
         )
         self.copier = BlockCopier(config.layout, self.cpu, self.ssd, config.copy_lanes)
-        self._buffers: dict[int, RegisteredBuffers] = {}
+        self._buffers: dict[int, dict[int, RegisteredBuffers]] = {}
+        """Tenant (stage sharing these tiers; 0: the store's own) -> rank -> buffers."""
         self._fences: dict[BlockLocation, threading.Thread] = {}
         self._lock = threading.Lock()
         self.remote = remote
@@ -90,28 +91,42 @@ class TierStore(StageStore):
         log.info("Engine rank registered KV buffers",
                  extra={"rank": rank, "slots": reg.num_slots, "device": str(reg.device)})
 
-    def add_registered(self, reg: RegisteredBuffers) -> None:
-        """Keep already validated buffers (replacing the rank's previous ones)."""
+    def add_registered(self, reg: RegisteredBuffers, tenant: int = 0) -> None:
+        """Keep already validated buffers (replacing the rank's previous ones) of
+        ``tenant``: the stage whose engine they belong to when several stages share
+        these tiers (:mod:`node_agent.backend.shared`; 0 for the store's own stage)."""
         if reg.planes and len(reg.planes) != self.layout.num_planes:
             raise ValueError(
                 f"rank {reg.rank} buffers have {len(reg.planes)} planes, expected "
                 f"{self.layout.num_planes}; validate them with this store's layout"
             )
         with self._lock:
-            self._buffers = {**self._buffers, reg.rank: reg}
+            self._buffers = {**self._buffers,
+                             tenant: {**self._buffers.get(tenant, {}), reg.rank: reg}}
+
+    def drop_tenant(self, tenant: int) -> None:
+        """Forget every buffer of ``tenant`` (its stage left the shared tiers); the
+        caller made sure no copy of that stage is running."""
+        with self._lock:
+            self._buffers = {t: b for t, b in self._buffers.items() if t != tenant}
 
     @property
     def registered_ranks(self) -> tuple[int, ...]:
-        """Ranks whose buffers are registered, sorted."""
-        return tuple(sorted(self._buffers))
+        """Ranks whose buffers are registered, sorted (the store's own stage)."""
+        return self.ranks_of(0)
 
-    def is_complete(self) -> bool:
-        """True when every expected rank registered."""
-        return len(self._buffers) == self.config.expected_ranks
+    def ranks_of(self, tenant: int) -> tuple[int, ...]:
+        """Ranks of ``tenant`` whose buffers are registered, sorted."""
+        return tuple(sorted(self._buffers.get(tenant, {})))
 
-    def buffers(self) -> dict[int, RegisteredBuffers]:
-        """The registered buffers (a snapshot); raises when a rank is missing."""
-        bufs = self._buffers
+    def is_complete(self, tenant: int = 0) -> bool:
+        """True when every expected rank of ``tenant`` registered."""
+        return len(self._buffers.get(tenant, {})) == self.config.expected_ranks
+
+    def buffers(self, tenant: int = 0) -> dict[int, RegisteredBuffers]:
+        """The registered buffers of ``tenant`` (a snapshot); raises when a rank is
+        missing."""
+        bufs = self._buffers.get(tenant, {})
         if len(bufs) != self.config.expected_ranks:
             missing = sorted(set(range(self.config.expected_ranks)) - set(bufs))
             raise RuntimeError(
@@ -120,9 +135,9 @@ class TierStore(StageStore):
             )
         return bufs
 
-    def num_slots(self) -> int:
-        """Slots valid in every registered rank (the smallest buffer)."""
-        bufs = self.buffers()
+    def num_slots(self, tenant: int = 0) -> int:
+        """Slots valid in every registered rank of ``tenant`` (the smallest buffer)."""
+        bufs = self.buffers(tenant)
         return min(b.num_slots for b in bufs.values())
 
     # -- StageStore ---------------------------------------------------------
@@ -153,12 +168,13 @@ class TierStore(StageStore):
                 )
 
     def copy(self, plan: TransferPlan, slots: torch.Tensor,
-             abort: threading.Event | None = None) -> None:
-        """Run ``plan`` with already validated ``slots`` in the calling thread.
+             abort: threading.Event | None = None, tenant: int = 0) -> None:
+        """Run ``plan`` with already validated ``slots`` of ``tenant``'s engine
+        buffers in the calling thread.
 
         Raises :class:`~.transfer.CopyAborted` once ``abort`` is set (checked before
         every run / plane copy); what the copy wrote by then is undefined."""
-        bufs = self.buffers()
+        bufs = self.buffers(tenant)
         if plan.direction is Direction.STORE:
             self._written([b.index for b in plan.blocks])
             self.copier.store(bufs, [b.index for b in plan.blocks], slots, abort)

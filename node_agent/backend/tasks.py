@@ -49,6 +49,9 @@ class Task:
     flag is set when its copy ends finishes CANCELLED."""
     discarded: bool = False
     """A put discarded while copying: its pending blocks are freed when it ends."""
+    tenant: int = 0
+    """The stage whose engine buffers the task copies from / to (a backend shared
+    by several stages, :mod:`node_agent.backend.shared`; 0 for a backend's own)."""
 
     @property
     def is_put(self) -> bool:

@@ -212,6 +212,9 @@ class Stage:
     """The cache epoch the stage was built under: a flush that lands while the stage
     is built (before it is in ``EngineService.stages``) is applied to it when it is
     added (``Agent.attach_stage``)."""
+    shared: Any = None
+    """The stage's view of a backend it shares with other replicas of its model
+    (``node_agent.backend.shared.SharedStageBackend``); None: a backend of its own."""
 
     def close(self) -> None:
         """Close the connector (and with it the backend), then unmap the buffers."""

@@ -151,16 +151,17 @@ def engines() -> Iterator[Callable[[str, RankInfo], Engine]]:
             e.close()
 
 
-def test_replicas_of_one_agent_load_only_their_own_blocks_from_their_tier_share(
+def test_replicas_without_a_model_identity_or_of_another_model_load_only_their_own_blocks(
         agents: Callable[..., AgentProc], engines: Callable[[str, RankInfo], Engine],
         work: Path) -> None:
     # Three stages' worth of CPU and SSD tier: each stage's shares hold 16 blocks each
-    # (the SSD tiers of the three stages share one directory).
+    # (the SSD tiers of the three stages share one directory). Replicas without a
+    # model identity never share a backend: their models cannot be told apart.
     agent = agents("solo", maxStages=3,
                    tiers={"cpu": {"size": BLOCK * 48, "pinned": False},
                           "ssd": {"size": BLOCK * 48, "paths": [str(work / "ssd")]}})
-    a = engines(agent.socket, RankInfo("rep-a", model=MODEL_X))
-    b = engines(agent.socket, RankInfo("rep-b", model=MODEL_X))
+    a = engines(agent.socket, RankInfo("rep-a"))
+    b = engines(agent.socket, RankInfo("rep-b"))
     c = engines(agent.socket, RankInfo("other", model=MODEL_Y))
     a.register()
     # The agent reports the node's budget, also while one stage holds a share of it.
@@ -190,7 +191,7 @@ def test_replicas_of_one_agent_load_only_their_own_blocks_from_their_tier_share(
     assert status["tiers"]["cpu"] == {"capacityBytes": BLOCK * 48, "usedBytes": BLOCK * 16}
     assert status["tiers"]["ssd"]["capacityBytes"] == BLOCK * 48
     # A fourth stage does not fit while the three are in use.
-    d = engines(agent.socket, RankInfo("rep-d", model=MODEL_X))
+    d = engines(agent.socket, RankInfo("rep-d"))
     with pytest.raises(ValueError, match=r"as many as its maxStages \(3\)"):
         d.register()
     assert a.client.lookup("again", PROMPT) == 16
