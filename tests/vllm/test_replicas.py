@@ -130,6 +130,11 @@ def test_one_agent_serves_two_replicas_another_model_and_a_tp2_engine_at_once(
     assert world.agent.stage(B)["registeredRanks"] == [0]
     assert world.agent.stage(OTHER)["registeredRanks"] == [0]
     assert world.agent.stage(TP)["registeredRanks"] == [0, 1]
+    # Replicas of one model share a backend; another model, or another TP size, not.
+    assert sorted(world.agent.stage(A)["sharedBackend"]["replicas"]) == [A, B]
+    for name in (OTHER, TP):
+        shared = world.agent.stage(name)["sharedBackend"]
+        assert shared is None or shared["replicas"] == [name], (name, shared)
 
 
 def test_two_replicas_serve_at_the_same_time_each_through_the_agent(world: World) -> None:
@@ -171,19 +176,18 @@ def test_two_replicas_serve_at_the_same_time_each_through_the_agent(world: World
             f'flexkv_agent_replica_hit_tokens_total{{replica="{name}"}}') >= FULL_HIT, name
 
 
-@pytest.mark.xfail(strict=True, reason="replicas of one model do not share the agent's tiers "
-                   "and index yet: each stage has its own backend, so B misses what A stored")
 def test_replica_b_serves_from_the_agent_a_prompt_only_replica_a_computed(
         world: World) -> None:
     a, b = world.engines[A], world.engines[B]
+    assert sorted(world.agent.stage(B)["sharedBackend"]["replicas"]) == [A, B]
     reset(a)
     reset(b)
-    before = world.agent.metric(f'flexkv_agent_replica_hit_tokens_total{{replica="{B}"}}')
+    cross = f'flexkv_agent_replica_cross_hit_tokens_total{{replica="{B}"}}'
+    before = world.agent.metric(cross)
     got = b.generate([ids(1)])  # B has never computed this prompt
     assert got["cached"][0] >= FULL_HIT
     assert got["outputs"][0] == world.results["a_own"]
-    after = world.agent.metric(f'flexkv_agent_replica_hit_tokens_total{{replica="{B}"}}')
-    assert after - before >= FULL_HIT
+    assert world.agent.metric(cross) - before >= FULL_HIT
 
 
 def test_an_engine_of_another_model_shape_gets_no_hit_from_the_others(world: World) -> None:
