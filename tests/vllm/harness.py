@@ -160,10 +160,11 @@ def require_vllm() -> None:
 
 class Agent:
     """An agent process (embedded backend, 512 MiB CPU tier, Kubernetes off) in ``work``,
-    serving up to ``max_stages`` engines (replicas) at once; can be killed and started
-    again on the same socket."""
+    serving up to ``max_stages`` engines (replicas) at once, with agent.yaml keys
+    ``extra`` on top; can be killed and started again on the same socket."""
 
-    def __init__(self, work: Path, max_stages: int = 1) -> None:
+    def __init__(self, work: Path, max_stages: int = 1,
+                 extra: dict[str, Any] | None = None) -> None:
         self.work = work
         self.socket = work / "engine.sock"
         self.http = free_port()
@@ -173,7 +174,7 @@ class Agent:
                "engineSocket": str(self.socket), "curveKeyDir": str(work / "curve"),
                "kubernetes": "off", "bindAddress": "127.0.0.1",
                "advertiseAddress": "127.0.0.1", "nodeName": "vllm-node",
-               "maxStages": max_stages}
+               "maxStages": max_stages, **(extra or {})}
         self.config = work / "agent.yaml"
         self.config.write_text(yaml.safe_dump(cfg))
         self.proc = self.start()
