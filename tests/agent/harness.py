@@ -147,7 +147,7 @@ def stop_process(proc: subprocess.Popen[Any], timeout: float = 20.0) -> int:
         return proc.wait(timeout=10)
 
 
-def wait_healthy(url: str, proc: subprocess.Popen[Any], timeout: float = 40.0) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen[Any], timeout: float = 120.0) -> None:
     """Block until ``url``/healthz answers 200 (fails if the process exits)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -378,6 +378,14 @@ def test_example_pool_uses_the_release_namespace(renders: dict[str, Render]) -> 
     assert pool["spec"]["tiers"]["cpu"]["size"] == "4Gi"
 
 
+def test_several_replicas_example_has_one_agent_serve_four_engines_per_node(
+        renders: dict[str, Render]) -> None:
+    pool = renders["several-replicas-values.yaml"].one("KVCachePool", "llama-8b")
+    assert pool["spec"]["maxStages"] == 4
+    assert pool["spec"]["expectedRanks"] == 4
+    assert pool["spec"]["tokensPerBlock"] == 128
+
+
 # ------------------------------------------------------------------------ NOTES
 
 

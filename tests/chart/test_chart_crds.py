@@ -130,7 +130,8 @@ def test_validator_rejects_what_the_api_server_would() -> None:
     assert any("tiers" in e for e in validate_custom_resource(no_tiers))
 
 
-@pytest.mark.parametrize("case", ["example-pool-values.yaml", "multi-namespace-values.yaml"])
+@pytest.mark.parametrize("case", ["example-pool-values.yaml", "multi-namespace-values.yaml",
+                                  "several-replicas-values.yaml"])
 def test_chart_example_pool_is_valid(renders: dict[str, Render], case: str) -> None:
     pools = renders[case].of_kind("KVCachePool")
     assert len(pools) == 1

@@ -15,7 +15,8 @@ to stderr/stdout around it):
 * ``{"op": "quit"}``
 
 JSON_OPTIONS: ``{"block_size": 128, "kv_transfer_config": {...} | null,
-"max_model_len": 4096, "executor": null | "uni" | "mp", "num_gpu_blocks": null | int}``
+"max_model_len": 4096, "executor": null | "uni" | "mp", "num_gpu_blocks": null | int,
+"tensor_parallel_size": 1}``
 (``num_gpu_blocks``: vLLM's ``num_gpu_blocks_override``, a small KV cache makes
 requests wait for admission).
 """
@@ -62,7 +63,8 @@ def main() -> None:
                   disable_log_stats=False, seed=0,
                   distributed_executor_backend=options.get("executor"),
                   num_gpu_blocks_override=options.get("num_gpu_blocks"),
-                  kv_events_config=events_config(options.get("kv_events_config")))
+                  kv_events_config=events_config(options.get("kv_events_config")),
+                  tensor_parallel_size=options.get("tensor_parallel_size", 1))
     except Exception as exc:
         reply({"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()})
         raise SystemExit(3) from exc

@@ -37,10 +37,14 @@ def connector_config(socket: str | Path, **extra: Any) -> dict[str, Any]:
             "kv_connector_extra_config": {"engineSocket": str(socket), **extra}}
 
 
-def engine_env() -> dict[str, str]:
+def engine_env(tensor_parallel_size: int = 1) -> dict[str, str]:
+    """The environment of an engine process: offline, unbound OpenMP threads, two
+    threads in all (one per TP rank with TP=2: each rank is a worker process, and
+    four threads on two cores make a TP=2 prefill several times slower)."""
+    threads = max(1, 2 // tensor_parallel_size)
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(REPO), VLLM_CPU_OMP_THREADS_BIND="nobind",
-               OMP_NUM_THREADS="2")
+               OMP_NUM_THREADS=str(threads))
     env.pop("VIRTUAL_ENV", None)
     return env
 
@@ -51,16 +55,18 @@ class EngineProcess:
     def __init__(self, model: Path, log: Path, kv_transfer_config: dict[str, Any] | None,
                  block_size: int = BLOCK, max_model_len: int = 4096,
                  executor: str | None = None, num_gpu_blocks: int | None = None,
-                 kv_events_config: dict[str, Any] | None = None) -> None:
+                 kv_events_config: dict[str, Any] | None = None,
+                 tensor_parallel_size: int = 1) -> None:
         options = {"block_size": block_size, "kv_transfer_config": kv_transfer_config,
                    "max_model_len": max_model_len, "executor": executor,
-                   "num_gpu_blocks": num_gpu_blocks, "kv_events_config": kv_events_config}
+                   "num_gpu_blocks": num_gpu_blocks, "kv_events_config": kv_events_config,
+                   "tensor_parallel_size": tensor_parallel_size}
         self.log = log
         self._log = log.open("a")
         self.proc = subprocess.Popen(
             [str(VLLM_PYTHON), str(DRIVER), str(model), json.dumps(options)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
-            env=engine_env(), cwd=REPO,
+            env=engine_env(tensor_parallel_size), cwd=REPO,
         )
         self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -155,10 +161,12 @@ def require_vllm() -> None:
 
 
 class Agent:
-    """An agent process (embedded backend, 512 MiB CPU tier, Kubernetes off) in ``work``;
-    can be killed and started again on the same socket."""
+    """An agent process (embedded backend, 512 MiB CPU tier, Kubernetes off) in ``work``,
+    serving up to ``max_stages`` engines (replicas) at once, with agent.yaml keys
+    ``extra`` on top; can be killed and started again on the same socket."""
 
-    def __init__(self, work: Path) -> None:
+    def __init__(self, work: Path, max_stages: int = 1,
+                 extra: dict[str, Any] | None = None) -> None:
         self.work = work
         self.socket = work / "engine.sock"
         self.http = free_port()
@@ -167,7 +175,8 @@ class Agent:
                "ports": {"http": self.http, "fanout": free_port()},
                "engineSocket": str(self.socket), "curveKeyDir": str(work / "curve"),
                "kubernetes": "off", "bindAddress": "127.0.0.1",
-               "advertiseAddress": "127.0.0.1", "nodeName": "vllm-node"}
+               "advertiseAddress": "127.0.0.1", "nodeName": "vllm-node",
+               "maxStages": max_stages, **(extra or {})}
         self.config = work / "agent.yaml"
         self.config.write_text(yaml.safe_dump(cfg))
         self.proc = self.start()
@@ -189,6 +198,18 @@ class Agent:
     def lookups(self) -> float:
         """Engine lookups the agent answered (its Prometheus counter)."""
         return self.metric('flexkv_agent_engine_requests_total{op="lookup",outcome="ok"}')
+
+    def status(self) -> dict[str, Any]:
+        """The agent's ``/status`` JSON."""
+        got: dict[str, Any] = httpx.get(self.url + "/status", timeout=5).json()
+        return got
+
+    def stage(self, replica: str) -> dict[str, Any]:
+        """``replica``'s stage (PP rank 0) in ``/status``."""
+        for stage in self.status()["stages"]:
+            if stage["replica"] == replica and stage["ppRank"] == 0:
+                return dict(stage)
+        raise AssertionError(f"the agent serves no stage of replica {replica!r}")
 
     def metric(self, name: str) -> float:
         total = 0.0

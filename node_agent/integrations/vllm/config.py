@@ -27,8 +27,10 @@ class AgentConnectorConfig:
     engine_socket: str = DEFAULT_SOCKET
     """The agent's engine socket (``engineSocket`` of agent.yaml), path or ``ipc://`` form."""
     replica: str = "vllm"
-    """This engine's name at the agent; a restarted or second engine reusing it hits
-    what the first stored (the agent serves one replica per node)."""
+    """This engine's name at the agent, its stage: engines running at once on one agent
+    each need their own (the agent serves up to its ``maxStages``); replicas of one
+    model under different names share the agent's cache, and an engine restarted under
+    the same name finds what it stored before."""
     require_agent: bool = True
     """Fail start-up when no agent listens on ``engine_socket``."""
     call_timeout_seconds: float = 15.0

@@ -36,6 +36,8 @@ from node_agent.vocab.layout import KVDtype, KVLayout, LayoutName
 log = logging.getLogger(__name__)
 
 RECHECK_SECONDS = 0.5
+#: In the agent's refusal of a layout whose tokens per block are not the pool's.
+BLOCK_SIZE_REFUSAL = "differs from the pool's tokensPerBlock"
 
 
 def describe_kv_caches(kv_caches: Mapping[str, torch.Tensor], block_size: int, head_size: int,
@@ -125,10 +127,13 @@ class Registrar:
         try:
             self.client.register_kv_buffers(self.layout, [self.handles])
         except ValueError as exc:
+            # The agent's message names the fix; a block size refusal also gets vLLM's flag.
+            hint = (". vLLM's --block-size must equal the pool's tokensPerBlock"
+                    if BLOCK_SIZE_REFUSAL in str(exc) else "")
             raise ConnectorConfigError(
                 f"the FlexKV agent at {self.cfg.engine_socket} refused vLLM's KV cache "
-                f"(vLLM block_size={self.block_size}, layout {self.layout.name.value}): {exc}. "
-                "vLLM's --block-size must equal the pool's tokensPerBlock"
+                f"(vLLM block_size={self.block_size}, layout {self.layout.name.value}): {exc}"
+                f"{hint}"
             ) from exc
         except AGENT_ERRORS as exc:
             if at_start and self.cfg.require_agent:
