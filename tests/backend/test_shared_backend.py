@@ -6,6 +6,8 @@ backend lives until its last stage leaves."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -220,3 +222,43 @@ def test_a_store_a_leaving_replica_launches_while_it_leaves_never_blocks_its_pre
     assert load(b, tid, np.arange(32, 40)) is KVResponseStatus.SUCCESS
     stats = r.built[0].stats()
     assert stats.tasks["unpublished"] == 0
+
+
+def test_each_shared_backend_recovers_only_its_own_model_s_persisted_blocks_after_a_restart(
+        tmp_path: Path) -> None:
+    def builder(namespace: str) -> Callable[[], EmbeddedBackend]:
+        return lambda: EmbeddedBackend(config(
+            LAYOUT, 8, ssd_blocks=16, ssd_dir=tmp_path, ssd_persist=True, namespace=namespace,
+            pool="p", deferred_visibility=True))
+
+    x, y = Fingerprint("model:x", LAYOUT, 0, 1), Fingerprint("model:y", LAYOUT, 0, 1)
+
+    def join(shared: SharedBackends, replica: str, fp: Fingerprint,
+             seed: int) -> tuple[SharedStageBackend, list[list]]:
+        stage = shared.join(fp, replica, builder(fp.namespace))
+        bufs = make_buffers(LAYOUT, SLOTS, seed)
+        stage.register_kv_buffers(0, bufs)
+        return stage, bufs
+
+    before = SharedBackends(lambda: 0)
+    (a, bufs_a), (b, _), (c, bufs_c) = (join(before, "rep-a", x, 1), join(before, "rep-b", x, 2),
+                                         join(before, "rep-c", y, 3))
+    src = np.arange(0, 8)
+    store(a, TOKENS, src)
+    store(c, TOKENS, src)  # the same tokens under the other model
+    expected = {"rep-b": token_rows(LAYOUT, bufs_a, src), "rep-c": token_rows(LAYOUT, bufs_c, src)}
+    for stage in (a, b, c):  # the last replica of each model spills its CPU tier to SSD
+        stage.shutdown()
+    # After the restart the replicas register in another order; each model's
+    # backend recovers its own files.
+    after = SharedBackends(lambda: 0)
+    restarted = {"rep-c": join(after, "rep-c", y, 13), "rep-b": join(after, "rep-b", x, 12)}
+    for replica, (stage, bufs) in restarted.items():
+        assert stage.backend.recovery_done.wait(30)
+        assert stage.backend.recovered_blocks == 2
+        tid, mask = stage.get_match(TOKENS)
+        assert mask.all()
+        assert load(stage, tid, np.arange(32, 40)) is KVResponseStatus.SUCCESS
+        assert all(got.equal(want) for got, want in zip(
+            token_rows(LAYOUT, bufs, np.arange(32, 40)), expected[replica], strict=True)), replica
+        stage.shutdown()
