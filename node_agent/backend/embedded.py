@@ -384,9 +384,15 @@ class EmbeddedBackend(ReplicatedBackend):
                      buffers: Sequence[Sequence[torch.Tensor]]) -> None:
         """:meth:`register_kv_buffers` for the engine ranks of ``tenant`` (a stage
         sharing this backend, :mod:`node_agent.backend.shared`; 0: its own); only
-        that tenant's copies in flight refuse a re-registration."""
+        that tenant's copies in flight refuse a re-registration, and a tenant that
+        left (:meth:`remove_tenant`) is refused."""
         reg = register_buffers(self.config.layout, rank, buffers)
         with self._lock:
+            if self._departed_locked(tenant):
+                raise KVBackendError(
+                    f"tenant {tenant} left this shared backend (its stage closed); register "
+                    "the rank with the stage that serves the replica now"
+                )
             busy = [t.id for t in self._tasks.values() if t.state is TaskState.LAUNCHED
                     and t.status is None and t.tenant == tenant]
             if busy:
@@ -435,8 +441,9 @@ class EmbeddedBackend(ReplicatedBackend):
         return self._put_match(tokens, token_mask, namespace, tenant)
 
     def add_tenant(self, tenant: int, replica: str) -> None:
-        """Count ``tenant``'s lookups and hits apart, naming it ``replica`` (its
-        hits on blocks another replica stored are cross-replica hits)."""
+        """``tenant`` (a stage sharing this backend) joins, named ``replica``: its calls
+        are served until :meth:`remove_tenant`, and its lookups and hits are counted
+        apart (its hits on blocks another replica stored are cross-replica hits)."""
         with self._lock:
             self._tenant_names[tenant] = replica
             self._tenant_lookup[tenant] = 0
@@ -453,6 +460,9 @@ class EmbeddedBackend(ReplicatedBackend):
         with self._lock:
             index = self._require_started()
             self._expire_locked()
+            if self._departed_locked(tenant):
+                self._observe_match("get", t0)
+                return -1, span_mask(len(tokens), 0, 0)
             nodes = index.match(hashes, index.keys(hashes))
             first, last = start // tpb, min(len(nodes), end // tpb)
             self._lookup_tokens += max(0, end - start)
@@ -497,6 +507,9 @@ class EmbeddedBackend(ReplicatedBackend):
         with self._lock:
             index = self._require_started()
             self._expire_locked()
+            if self._departed_locked(tenant):
+                self._observe_match("put", t0)
+                return nothing
             keys = index.keys(hashes)
             prefix = index.match(hashes, keys)
             first, last = max(len(prefix), start // tpb), end // tpb
@@ -723,6 +736,11 @@ class EmbeddedBackend(ReplicatedBackend):
             self._expire_locked()
             store = self._store
             assert store is not None
+            if self._departed_locked(tenant):
+                raise KVBackendError(
+                    f"tenant {tenant} left this shared backend (its stage closed) and its "
+                    "tasks ended with it; launch from the stage that serves the replica now"
+                )
             if not store.is_complete(tenant):
                 raise KVBackendError(
                     f"engine ranks {self._missing_ranks(tenant)} have not registered KV "
@@ -908,6 +926,11 @@ class EmbeddedBackend(ReplicatedBackend):
 
     # -- tenants (stages sharing this backend) -------------------------------
 
+    def _departed_locked(self, tenant: int) -> bool:
+        """Whether ``tenant`` is a stage that left this backend (:meth:`remove_tenant`);
+        0, the backend's own, never leaves."""
+        return tenant != 0 and tenant not in self._tenant_names
+
     def _count_tenant_hits_locked(self, tenant: int, span: NodeIds, on_ssd: int) -> None:
         """Count ``tenant``'s hit blocks ``span`` (``on_ssd`` of them on the SSD tier)
         and, among them, those another replica's put created (cross-replica hits)."""
@@ -960,17 +983,20 @@ class EmbeddedBackend(ReplicatedBackend):
             )
 
     def remove_tenant(self, tenant: int) -> None:
-        """``tenant``'s stage leaves: its tasks end (:meth:`end_tenant_tasks`), then
-        its engine buffers and listener are forgotten. The blocks it stored stay
-        cached for the other tenants."""
+        """``tenant``'s stage leaves: from now on its matches answer a miss /
+        nothing stored and its launches and registrations are refused (an engine
+        call of the stage still in flight cannot leave a task behind); then its
+        tasks end (:meth:`end_tenant_tasks`), and its engine buffers and listener
+        are forgotten. The blocks it stored stay cached for the other tenants."""
+        with self._lock:
+            for counts in (self._tenant_names, self._tenant_lookup, self._tenant_hits,
+                           self._tenant_cross):
+                counts.pop(tenant, None)
         try:
             self.end_tenant_tasks(tenant, "its stage left the shared backend")
         finally:
             with self._lock:
                 self._listeners.pop(tenant, None)
-                for counts in (self._tenant_names, self._tenant_lookup, self._tenant_hits,
-                               self._tenant_cross):
-                    counts.pop(tenant, None)
                 if self._store is not None:
                     self._store.drop_tenant(tenant)
                 for key in [k for k in self._pending_buffers if k[0] == tenant]:

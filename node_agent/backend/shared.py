@@ -18,7 +18,8 @@ connector drives:
   them per tenant) and only it launches them;
 * its completion listener hears only its own tasks;
 * ``stats`` are the shared tiers' capacity and use with its own lookups and hits;
-* ``shutdown`` ends its own tasks and forgets its buffers; the backend itself is
+* ``shutdown`` ends its own tasks and forgets its buffers (a call of its stage
+  still in flight then matches nothing and launches nothing); the backend itself is
   shut down when its last tenant leaves, so the blocks a replica stored stay
   cached while any other replica of the model is served;
 * ``reset`` flushes the shared index only for a cache-epoch change (the first

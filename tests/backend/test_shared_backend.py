@@ -5,6 +5,10 @@ backend lives until its last stage leaves."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -13,6 +17,7 @@ from node_agent.backend.embedded import EmbeddedBackend
 from node_agent.backend.shared import Fingerprint, SharedBackends, SharedStageBackend
 from node_agent.vocab.layout import KVDtype
 from tests.backend.backend_helpers import config, make_buffers, small_layout, token_rows
+from tests.support.waiting import wait_for
 
 LAYOUT = small_layout()
 TOKENS = np.arange(100, 108, dtype=np.int64)  # two blocks
@@ -164,3 +169,96 @@ def test_only_single_stage_replicas_of_one_model_identity_share_a_backend() -> N
     assert fingerprint(RankRef("pp", 0, 2, 0, 1, x)) is None
     assert fingerprint(a, backend="flexkv") is None
     assert fingerprint(a, maxStages=1) is None
+
+
+class HoldFirstCopy:
+    """Checkpoint hook: the first copy to reach a checkpoint signals ``entered`` and
+    stays there until ``release`` is set (a copy slow to stop); others pass."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.abort: threading.Event | None = None
+        """The held copy's abort flag."""
+        self._held = False
+        self._lock = threading.Lock()
+
+    def __call__(self, abort: threading.Event | None) -> None:
+        with self._lock:
+            hold, self._held = not self._held, True
+        if hold:
+            self.abort = abort
+            self.entered.set()
+            assert self.release.wait(30), "the test never released the held copy"
+
+
+def test_a_store_a_leaving_replica_launches_while_it_leaves_never_blocks_its_prefix() -> None:
+    r = Replicas()
+    a, _ = r.join("rep-a", 1)
+    b, _ = r.join("rep-b", 2)
+    hook = HoldFirstCopy()
+    r.built[0].store.copier.checkpoint_hook = hook
+    # A's engine has a store copying (slow to stop) when A's stage leaves.
+    slow, _ = a.put_match(TOKENS + 50)
+    a.launch([slow], [np.arange(0, 8)])
+    assert hook.entered.wait(30)
+    leaving = threading.Thread(target=a.shutdown)
+    leaving.start()
+    wait_for(lambda: hook.abort is not None and hook.abort.is_set(),
+             "A's leave aborted its store", timeout=30)
+    # Engine calls of A that were already past their stage's checks go on: they
+    # store nothing, match nothing and launch nothing.
+    assert a.put_match(TOKENS)[0] == -1
+    assert a.get_match(TOKENS + 50)[0] == -1
+    with pytest.raises(KVBackendError, match="left this shared backend"):
+        a.launch([slow], [np.arange(0, 8)])
+    hook.release.set()
+    leaving.join(timeout=30)
+    assert not leaving.is_alive()
+    # Nothing of A's is left pending: B stores the prefix and loads it back.
+    store(b, TOKENS, np.arange(0, 8))
+    tid, mask = b.get_match(TOKENS)
+    assert mask.all()
+    assert load(b, tid, np.arange(32, 40)) is KVResponseStatus.SUCCESS
+    stats = r.built[0].stats()
+    assert stats.tasks["unpublished"] == 0
+
+
+def test_each_shared_backend_recovers_only_its_own_model_s_persisted_blocks_after_a_restart(
+        tmp_path: Path) -> None:
+    def builder(namespace: str) -> Callable[[], EmbeddedBackend]:
+        return lambda: EmbeddedBackend(config(
+            LAYOUT, 8, ssd_blocks=16, ssd_dir=tmp_path, ssd_persist=True, namespace=namespace,
+            pool="p", deferred_visibility=True))
+
+    x, y = Fingerprint("model:x", LAYOUT, 0, 1), Fingerprint("model:y", LAYOUT, 0, 1)
+
+    def join(shared: SharedBackends, replica: str, fp: Fingerprint,
+             seed: int) -> tuple[SharedStageBackend, list[list]]:
+        stage = shared.join(fp, replica, builder(fp.namespace))
+        bufs = make_buffers(LAYOUT, SLOTS, seed)
+        stage.register_kv_buffers(0, bufs)
+        return stage, bufs
+
+    before = SharedBackends(lambda: 0)
+    (a, bufs_a), (b, _), (c, bufs_c) = (join(before, "rep-a", x, 1), join(before, "rep-b", x, 2),
+                                         join(before, "rep-c", y, 3))
+    src = np.arange(0, 8)
+    store(a, TOKENS, src)
+    store(c, TOKENS, src)  # the same tokens under the other model
+    expected = {"rep-b": token_rows(LAYOUT, bufs_a, src), "rep-c": token_rows(LAYOUT, bufs_c, src)}
+    for stage in (a, b, c):  # the last replica of each model spills its CPU tier to SSD
+        stage.shutdown()
+    # After the restart the replicas register in another order; each model's
+    # backend recovers its own files.
+    after = SharedBackends(lambda: 0)
+    restarted = {"rep-c": join(after, "rep-c", y, 13), "rep-b": join(after, "rep-b", x, 12)}
+    for replica, (stage, bufs) in restarted.items():
+        assert stage.backend.recovery_done.wait(30)
+        assert stage.backend.recovered_blocks == 2
+        tid, mask = stage.get_match(TOKENS)
+        assert mask.all()
+        assert load(stage, tid, np.arange(32, 40)) is KVResponseStatus.SUCCESS
+        assert all(got.equal(want) for got, want in zip(
+            token_rows(LAYOUT, bufs, np.arange(32, 40)), expected[replica], strict=True)), replica
+        stage.shutdown()
