@@ -14,6 +14,9 @@ every engine's share is the same), then, all engines at once, phase by phase
   ``retrieve`` + ``release``), timing every ``lookup``; aggregate load GB/s is
   the KV bytes all engines loaded over the phase's wall time (first start to
   last end);
+* ``lookups``: each engine looks its own prompts up ``--rounds`` times without
+  loading them (``lookup`` + ``release``, every ``lookup`` timed): the lookup's
+  latency with N engines but no copies in the agent;
 * ``shared``: a shared-prefix workload: each engine looks up every other
   engine's prompts followed by a suffix of its own, and loads what hits; the
   cross-replica hit rate is the hit tokens over the other engines' prompt
@@ -23,7 +26,8 @@ Every loaded token is checked bit-exactly against the KV the prompt's tokens
 stand for (a function of token id, position and plane, the same for every
 replica of the model). One JSON object per result: ``replicas_load`` (aggregate
 GB/s, ratio against N = 1 in the same run, goal >= 0.8),
-``replicas_lookup`` (p50/p99 ms, ratio against N = 1, goal p99 <= 2x) and
+``replicas_lookup`` (p50/p99 ms during the load phase, ratio against N = 1, goal
+p99 <= 2x), ``replicas_lookup_only`` (the same in the ``lookups`` phase) and
 ``replicas_cross_hits`` (hit rate on the shared-prefix workload).
 
     python -P bench/replicas.py            # N = 1, 2, 4, 8 (about two minutes on 2 cores)
@@ -157,6 +161,18 @@ def engine_main(cfg: dict[str, Any]) -> int:
                 bad += mismatched(prompt(me, prefixes - 1, tokens), dst[:tokens])
                 say(phase="load", start=t_start, end=t_end, loaded_tokens=loaded_tokens,
                     lookup_s=lookups)
+            elif phase == "lookups":
+                lookups = []
+                for r in range(cfg["rounds"]):
+                    for k in range(prefixes):
+                        ids, rid = prompt(me, k, tokens), f"q{r}-{k}"
+                        t0 = time.perf_counter()
+                        hit = client.lookup(rid, ids)
+                        lookups.append(time.perf_counter() - t0)
+                        client.release(rid)
+                        if hit != tokens:
+                            raise RuntimeError(f"its own prompt hit {hit} of {tokens} tokens")
+                say(phase="lookups", lookup_s=lookups)
             elif phase == "shared":
                 others = [j for j in range(n) if j != me]
                 hit_tokens = looked = cross_requests = 0
@@ -283,6 +299,7 @@ def measure(args: argparse.Namespace, n: int) -> dict[str, Any]:
     try:
         run.phase("store")
         loads = run.phase("load")
+        only = run.phase("lookups")
         shared = run.phase("shared")
     finally:
         run.close()
@@ -290,6 +307,7 @@ def measure(args: argparse.Namespace, n: int) -> dict[str, Any]:
     wall = max(r["end"] for r in loads) - min(r["start"] for r in loads)
     loaded = sum(r["loaded_tokens"] for r in loads) * run.bytes_per_token
     lookups = np.asarray([s for r in loads for s in r["lookup_s"]]) * 1e3
+    alone = np.asarray([s for r in only for s in r["lookup_s"]]) * 1e3
     bad = sum(r["mismatched_tokens"] for r in shared)
     if bad:
         raise RuntimeError(f"{bad} loaded tokens of N = {n} engines hold wrong KV")
@@ -298,6 +316,8 @@ def measure(args: argparse.Namespace, n: int) -> dict[str, Any]:
             "bytes_per_token": run.bytes_per_token,
             "p50_ms": float(np.percentile(lookups, 50)),
             "p99_ms": float(np.percentile(lookups, 99)), "lookups": len(lookups),
+            "only_p50_ms": float(np.percentile(alone, 50)),
+            "only_p99_ms": float(np.percentile(alone, 99)), "only_lookups": len(alone),
             "cross_hit_tokens": sum(r["hit_tokens"] for r in shared),
             "cross_hit_requests": sum(r["cross_hit_requests"] for r in shared),
             "other_prompt_tokens": others}
@@ -332,12 +352,14 @@ def main() -> int:
              gbps=round(got["gbps"], 3), baseline="1_engine",
              baseline_gbps=round(base["gbps"], 3), ratio=round(got["gbps"] / base["gbps"], 3),
              goal_ratio=0.8, loadavg=load)
-        for q in ("p50", "p99"):
-            emit(bench="replicas_lookup", engines=n, percentile=q, samples=got["lookups"],
-                 ms=round(got[f"{q}_ms"], 4), baseline="1_engine",
-                 baseline_ms=round(base[f"{q}_ms"], 4),
-                 ratio=round(got[f"{q}_ms"] / base[f"{q}_ms"], 3),
-                 goal_ratio_max=2.0 if q == "p99" else None, loadavg=load)
+        for name, pre, count in (("replicas_lookup", "", "lookups"),
+                                 ("replicas_lookup_only", "only_", "only_lookups")):
+            for q in ("p50", "p99"):
+                key = f"{pre}{q}_ms"
+                emit(bench=name, engines=n, percentile=q, samples=got[count],
+                     ms=round(got[key], 4), baseline="1_engine", baseline_ms=round(base[key], 4),
+                     ratio=round(got[key] / base[key], 3),
+                     goal_ratio_max=2.0 if q == "p99" and not pre else None, loadavg=load)
         if n > 1:
             emit(bench="replicas_cross_hits", engines=n,
                  hit_rate=round(got["cross_hit_tokens"] / max(got["other_prompt_tokens"], 1), 4),

@@ -34,6 +34,10 @@ def test_quick_run_reports_load_lookup_and_cross_replica_hits_per_engine_count()
     assert sorted(lookup) == [(1, "p50"), (1, "p99"), (2, "p50"), (2, "p99")]
     assert lookup[2, "p99"]["goal_ratio_max"] == 2.0
     assert lookup[2, "p99"]["samples"] == 2 * lookup[1, "p99"]["samples"] == 12
+    only = {(r["engines"], r["percentile"]): r for r in rows
+            if r["bench"] == "replicas_lookup_only"}
+    assert sorted(only) == sorted(lookup)
+    assert only[2, "p99"]["samples"] == 12 and only[2, "p99"]["ms"] > 0
     [cross] = [r for r in rows if r["bench"] == "replicas_cross_hits"]
     # Each of the 2 engines looked up the other's 2 prompts of 64 tokens.
     assert cross["engines"] == 2 and cross["other_prompt_tokens"] == 2 * 2 * 64
