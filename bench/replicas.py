@@ -16,7 +16,8 @@ every engine's share is the same), then, all engines at once, phase by phase
   last end);
 * ``lookups``: each engine looks its own prompts up ``--rounds`` times without
   loading them (``lookup`` + ``release``, every ``lookup`` timed): the lookup's
-  latency with N engines but no copies in the agent;
+  latency with N engines but no copies in the agent, and the lookups per second
+  the agent answered (all engines, over the phase's wall time);
 * ``shared``: a shared-prefix workload: each engine looks up every other
   engine's prompts followed by a suffix of its own, and loads what hits; the
   cross-replica hit rate is the hit tokens over the other engines' prompt
@@ -163,6 +164,7 @@ def engine_main(cfg: dict[str, Any]) -> int:
                     lookup_s=lookups)
             elif phase == "lookups":
                 lookups = []
+                t_start = time.monotonic()
                 for r in range(cfg["rounds"]):
                     for k in range(prefixes):
                         ids, rid = prompt(me, k, tokens), f"q{r}-{k}"
@@ -172,7 +174,7 @@ def engine_main(cfg: dict[str, Any]) -> int:
                         client.release(rid)
                         if hit != tokens:
                             raise RuntimeError(f"its own prompt hit {hit} of {tokens} tokens")
-                say(phase="lookups", lookup_s=lookups)
+                say(phase="lookups", start=t_start, end=time.monotonic(), lookup_s=lookups)
             elif phase == "shared":
                 others = [j for j in range(n) if j != me]
                 hit_tokens = looked = cross_requests = 0
@@ -318,6 +320,8 @@ def measure(args: argparse.Namespace, n: int) -> dict[str, Any]:
             "p99_ms": float(np.percentile(lookups, 99)), "lookups": len(lookups),
             "only_p50_ms": float(np.percentile(alone, 50)),
             "only_p99_ms": float(np.percentile(alone, 99)), "only_lookups": len(alone),
+            "only_per_s": len(alone) / (max(r["end"] for r in only)
+                                        - min(r["start"] for r in only)),
             "cross_hit_tokens": sum(r["hit_tokens"] for r in shared),
             "cross_hit_requests": sum(r["cross_hit_requests"] for r in shared),
             "other_prompt_tokens": others}
@@ -359,7 +363,8 @@ def main() -> int:
                 emit(bench=name, engines=n, percentile=q, samples=got[count],
                      ms=round(got[key], 4), baseline="1_engine", baseline_ms=round(base[key], 4),
                      ratio=round(got[key] / base[key], 3),
-                     goal_ratio_max=2.0 if q == "p99" and not pre else None, loadavg=load)
+                     goal_ratio_max=2.0 if q == "p99" and not pre else None, loadavg=load,
+                     **({"aggregate_lookups_per_s": round(got["only_per_s"], 1)} if pre else {}))
         if n > 1:
             emit(bench="replicas_cross_hits", engines=n,
                  hit_rate=round(got["cross_hit_tokens"] / max(got["other_prompt_tokens"], 1), 4),

@@ -38,6 +38,7 @@ def test_quick_run_reports_load_lookup_and_cross_replica_hits_per_engine_count()
             if r["bench"] == "replicas_lookup_only"}
     assert sorted(only) == sorted(lookup)
     assert only[2, "p99"]["samples"] == 12 and only[2, "p99"]["ms"] > 0
+    assert all(r["aggregate_lookups_per_s"] > 0 for r in only.values())
     [cross] = [r for r in rows if r["bench"] == "replicas_cross_hits"]
     # Each of the 2 engines looked up the other's 2 prompts of 64 tokens.
     assert cross["engines"] == 2 and cross["other_prompt_tokens"] == 2 * 2 * 64
