@@ -5,7 +5,9 @@ Per request it does what an engine with a KV connector does: ``lookup`` the
 prompt, ``retrieve`` the hit into fresh slots (and checks every loaded value
 bit-exactly), "prefill" the rest by writing :func:`.workload.kv_values` into the
 slots, ``store_kv`` prompt + reply, wait until ``poll_completed`` reports the
-request (its slots are then free) and ``release`` it. When that wait times out
+request (its slots are then free) and ``release`` it. It also counts the hit
+tokens beyond the longest prefix it stored itself: those were stored by another
+replica sharing its agent's tiers (``cross_hit_tokens``). When that wait times out
 the request's slots are quarantined (the agent may still read them) until a
 later ``poll_completed`` reports it; when no free run of slots is left the run
 fails naming the quarantined requests.
@@ -14,6 +16,12 @@ Protocol with the runner, one JSON object per line on stdout:
 ``{"registered": rank}`` once the buffers are registered (then it waits for a
 ``go`` line on stdin), ``{"progress": i, "total": n}`` after each request, and
 ``{"result": {...}}`` with counts and per-call latencies.
+
+With ``--replicas K`` one process runs K single-stage replicas of one model
+(``<replica>-0`` ... ``<replica>-K-1``), each on its own thread with its own client
+and buffers; request ``c<conv>-t<turn>`` goes to replica ``(conv + turn) % K``, so
+each turn's prefix was stored by another replica, as behind a round-robin router.
+Progress counts the requests of all K; there is one result line per replica.
 """
 
 from __future__ import annotations
@@ -21,8 +29,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -47,7 +56,9 @@ class DemoEngine:
         self.latencies: dict[str, list[float]] = {
             "lookup": [], "retrieve": [], "store_kv": [], "store_done": []}
         self.counts = {"requests": 0, "prompt_tokens": 0, "hit_tokens": 0, "loaded_tokens": 0,
-                       "stored_tokens": 0, "mismatched_tokens": 0, "store_timeouts": 0}
+                       "stored_tokens": 0, "mismatched_tokens": 0, "store_timeouts": 0,
+                       "cross_hit_tokens": 0, "cross_hit_requests": 0}
+        self._stored: list[np.ndarray] = []
         self._next = 0
         self._completed: set[str] = set()
         self._quarantine: dict[str, np.ndarray] = {}
@@ -128,11 +139,22 @@ class DemoEngine:
         self.latencies[op].append(time.perf_counter() - t0)
         return out
 
+    def own_prefix(self, prompt: np.ndarray) -> int:
+        """Tokens of ``prompt`` (whole blocks) that start a sequence this engine stored:
+        what its own stores can explain of a hit."""
+        best = 0
+        for seq in self._stored:
+            n = min(len(seq), len(prompt))
+            diff = np.flatnonzero(seq[:n] != prompt[:n])
+            best = max(best, int(diff[0]) if len(diff) else n)
+        return best - best % self.layout.tokens_per_block
+
     def serve(self, req: DemoRequest) -> None:
         """Run one request end to end."""
         full = req.full
         slots = self._slots(len(full))
         hit = int(self._timed("lookup", self.client.lookup, req.rid, req.prompt))
+        cross = max(0, hit - self.own_prefix(req.prompt))
         loaded = 0
         if hit > 0:
             loaded = int(self._timed("retrieve", self.client.retrieve, req.rid, slots[:hit]))
@@ -150,6 +172,9 @@ class DemoEngine:
         self.counts["hit_tokens"] += hit
         self.counts["loaded_tokens"] += loaded
         self.counts["stored_tokens"] += len(full)
+        self.counts["cross_hit_tokens"] += cross
+        self.counts["cross_hit_requests"] += cross > 0
+        self._stored.append(full)
 
     def _wait_stored(self, rid: str) -> bool:
         deadline = time.monotonic() + self.store_wait
@@ -181,46 +206,100 @@ def percentiles(samples: Sequence[float]) -> dict[str, float]:
             "count": len(samples)}
 
 
+def routed(spec: WorkloadSpec, index: int, count: int) -> Iterator[DemoRequest]:
+    """The requests replica ``index`` of ``count`` serves: turn ``t`` of conversation
+    ``c`` goes to replica ``(c + t) % count``, so a conversation's next turn (whose
+    prompt repeats this turn) lands on the next replica."""
+    for req in generate(spec):
+        if (req.conversation + req.turn) % count == index:
+            yield req
+
+
+def _model_digest(name: str) -> str:
+    from node_agent.engine_api.identity import ModelIdentity
+
+    return ModelIdentity(served_name=name, model=f"/models/{name}").digest() if name else ""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one engine rank (the demo runner starts one per PP stage)."""
+    """Run one engine rank, or ``--replicas`` single-stage replicas (the demo runner
+    starts one process per PP stage and one per node's replicas)."""
     p = argparse.ArgumentParser(prog="python -m node_agent.demo.engine")
     p.add_argument("--socket", required=True)
     p.add_argument("--replica", default="demo-0")
     p.add_argument("--pp-rank", type=int, default=0)
     p.add_argument("--pp-size", type=int, default=1)
+    p.add_argument("--replicas", type=int, default=1,
+                   help="single-stage replicas in this process, named <replica>-<i>")
+    p.add_argument("--model", default="", help="model name the ranks send (its digest)")
     p.add_argument("--layout", required=True, help="layout as JSON (wire form)")
     p.add_argument("--num-slots", type=int, required=True)
     p.add_argument("--workload", required=True, help="WorkloadSpec fields as JSON")
     p.add_argument("--timeout", type=float, default=10.0)
     args = p.parse_args(argv)
+    if args.replicas < 1 or (args.replicas > 1 and args.pp_size != 1):
+        p.error(f"--replicas {args.replicas}: give 1, or more only with --pp-size 1")
 
     from node_agent.engine_api.protocol import parse_layout
 
     layout = parse_layout(json.loads(args.layout))
     spec = WorkloadSpec(**json.loads(args.workload))
-    rank = RankInfo(replica=args.replica, pp_rank=args.pp_rank, pp_size=args.pp_size)
-    engine = DemoEngine(EngineClient(args.socket, rank, timeout=args.timeout), layout,
-                        args.num_slots, store_wait=args.timeout)
+    model = _model_digest(args.model)
+    names = ([args.replica] if args.replicas == 1 else
+             [f"{args.replica}-{i}" for i in range(args.replicas)])
+    engines = [DemoEngine(EngineClient(args.socket, RankInfo(
+        replica=name, pp_rank=args.pp_rank, pp_size=args.pp_size, model=model),
+        timeout=args.timeout), layout, args.num_slots, store_wait=args.timeout)
+        for name in names]
+    lock = threading.Lock()
+    done = [0]
+    failures: list[str] = []
+
+    def run(i: int) -> dict[str, Any] | None:
+        engine = engines[i]
+        t0 = time.perf_counter()
+        try:
+            for req in routed(spec, i, len(engines)):
+                engine.serve(req)
+                with lock:
+                    done[0] += 1
+                    print(json.dumps({"progress": done[0], "total": spec.requests}),
+                          flush=True)
+        except Exception as exc:
+            with lock:
+                failures.append(f"{names[i]}: {type(exc).__name__}: {exc}")
+            return None
+        return {"rank": args.pp_rank, "replica": names[i],
+                "wall_seconds": time.perf_counter() - t0, **engine.counts,
+                "latency": {op: percentiles(v) for op, v in engine.latencies.items()}}
+
     try:
-        engine.register()
+        for engine in engines:
+            engine.register()
         # Wait for the runner's go (it waits until every agent answers /readyz 200).
         print(json.dumps({"registered": args.pp_rank}), flush=True)
         if sys.stdin.readline().strip() != "go":
             return 1
-        t0 = time.perf_counter()
-        for i, req in enumerate(generate(spec), 1):
-            engine.serve(req)
-            print(json.dumps({"progress": i, "total": spec.requests}), flush=True)
-        wall = time.perf_counter() - t0
-        result = {"rank": args.pp_rank, "wall_seconds": wall, **engine.counts,
-                  "latency": {op: percentiles(v) for op, v in engine.latencies.items()}}
-        print(json.dumps({"result": result}), flush=True)
+        results: list[dict[str, Any] | None] = [None] * len(engines)
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, run(i)),
+                                    name=f"replica-{i}") for i in range(len(engines))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for result in results:
+            if result is not None:
+                print(json.dumps({"result": result}), flush=True)
+        if failures:
+            print(json.dumps({"error": "; ".join(failures)}), flush=True)
+            return 1
         return 0
     except Exception as exc:
         print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
         return 1
     finally:
-        engine.close()
+        for engine in engines:
+            engine.close()
 
 
 if __name__ == "__main__":

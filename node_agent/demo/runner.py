@@ -1,17 +1,27 @@
 """``flexkv-agent demo``: a PP group of agents on this machine, driven by synthetic
-engine ranks, ending with a results table.
+engine ranks, with single-stage replicas of one model on the same agents, ending
+with a results table.
 
 What it starts (all real processes, loopback sockets only):
 
 * one agent per PP stage (``python -m node_agent run``), embedded backend,
-  Kubernetes off, group view from a shared file naming stage 0 the leader;
+  Kubernetes off, group view from a shared file naming stage 0 the leader, and
+  ``maxStages`` room for the replicas it also serves;
 * one engine rank per stage (:mod:`node_agent.demo.engine`), each registering
-  shared-memory KV buffers with its agent and replaying the same workload.
+  shared-memory KV buffers with its agent and replaying the same workload;
+* per agent, one engine process running that node's single-stage replicas of one
+  model (``--replicas`` on node-0, ``--other-replicas`` on each other node), which
+  serve another workload between them, routed round robin by turn (each turn's
+  prefix was stored by another replica of the node).
 
 While it runs it prints the agents' /status and /metrics URLs and a progress bar;
-at the end it reads the leader's /metrics for hit rate and transfer bandwidth and
-prints the table. Every agent and engine is stopped (SIGTERM, then SIGKILL after
-a bound) whatever happens.
+at the end it reads node-0's /metrics for transfer bandwidth (every stage of that
+agent: the PP leader and the replicas) and prints the table: the PP group's hit
+rate, the bandwidth, and per node the replicas' hit rate
+and cross-replica hits (hit tokens beyond the longest prefix the replica stored
+itself, so stored by another replica; counted by the engines from their own
+lookups). Every agent and engine is stopped (SIGTERM, then SIGKILL after a bound)
+whatever happens.
 """
 
 from __future__ import annotations
@@ -53,9 +63,27 @@ def _positive(text: str) -> int:
     return value
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give a count >= 0") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is below 0; give a count >= 0")
+    return value
+
+
+REPLICA_MODEL = "demo-llm"
+"""The model the single-stage replicas send (its digest); the PP group sends none."""
+
+
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     """The demo's options (defaults finish in well under a minute on 2 cores)."""
     p.add_argument("--stages", type=_positive, default=2, help="PP stages (agents), default 2")
+    p.add_argument("--replicas", type=_count, default=4,
+                   help="single-stage replicas of one model on node-0's agent, default 4")
+    p.add_argument("--other-replicas", type=_count, default=1,
+                   help="single-stage replicas on each other agent, default 1")
     p.add_argument("--conversations", type=_positive, default=12, help="default 12")
     p.add_argument("--turns", type=_positive, default=4, help="turns per conversation, default 4")
     p.add_argument("--shared-prefixes", type=_positive, default=2,
@@ -67,8 +95,11 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-heads", type=_positive, default=4, help="default 4")
     p.add_argument("--head-size", type=_positive, default=64, help="default 64")
     p.add_argument("--tokens-per-block", type=_positive, default=16, help="default 16")
-    p.add_argument("--cpu-size", default="128Mi", help="CPU tier size per agent")
-    p.add_argument("--timeout", type=float, default=60.0, help="bound on the whole run, seconds")
+    p.add_argument("--cpu-size", default="640Mi",
+                   help="CPU tier size per agent, split among the stages it serves "
+                   "(maxStages), default 640Mi")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="bound on the whole run, seconds, default 120")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
 
 
@@ -180,6 +211,8 @@ def run_demo(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.timeout
     procs = _Procs()
     pool, replica = "demo", "demo-0"
+    replicas = [args.replicas] + [args.other_replicas] * (args.stages - 1)  # per node
+    replica_spec = WorkloadSpec(**{**asdict(spec), "seed": spec.seed + 1})
     log = (work / "agents.log").open("w")
     try:
         CurveKeys.generate().write(work / "curve")
@@ -195,6 +228,7 @@ def run_demo(args: argparse.Namespace) -> int:
                    "engineSocket": str(work / f"engine-{r}.sock"),
                    "timeouts": {"engineCallSeconds": 10, "fanoutWaitSeconds": 5},
                    "curveKeyDir": str(work / "curve"), "expectedRanks": 1,
+                   "maxStages": 1 + replicas[r],
                    "nodeName": f"node-{r}", "advertiseAddress": "127.0.0.1",
                    "bindAddress": "127.0.0.1", "kubernetes": "off",
                    "groupViewFile": str(work / "groups.yaml")}
@@ -205,11 +239,14 @@ def run_demo(args: argparse.Namespace) -> int:
             urls.append(f"http://127.0.0.1:{http_ports[r]}")
         for (_, proc), url in zip(procs.procs, urls, strict=True):
             _wait_healthy(url, proc, deadline)
-        print(f"flexkv demo: {args.stages} agents (one PP group of {args.stages} stages), "
-              f"{spec.requests} requests, work dir {work}")
+        print(f"flexkv demo: {args.stages} agents (one PP group of {args.stages} stages; "
+              f"{sum(replicas)} single-stage replicas of one model), "
+              f"{spec.requests} requests per workload, work dir {work}")
         for r, url in enumerate(urls):
             role = "leader" if r == 0 else "follower"
-            print(f"  stage {r} ({role}): {url}/status  {url}/metrics")
+            serves = f"{replicas[r]} replica{'' if replicas[r] == 1 else 's'}"
+            print(f"  node-{r}: PP stage {r} ({role}) + {serves}: "
+                  f"{url}/status  {url}/metrics")
         engines = []
         num_slots = spec.max_tokens * 2
         for r in range(args.stages):
@@ -220,13 +257,29 @@ def run_demo(args: argparse.Namespace) -> int:
                    "--num-slots", str(num_slots), "--workload", json.dumps(asdict(spec)),
                    "--timeout", "20"]
             engines.append(procs.start(f"engine-{r}", cmd, log, pipes=True))
+        nodes = [r for r in range(args.stages) if replicas[r]]  # engine stages + i: node i
+        for r in nodes:
+            cmd = [sys.executable, "-m", "node_agent.demo.engine",
+                   "--socket", str(work / f"engine-{r}.sock"), "--replica", f"rep-n{r}",
+                   "--replicas", str(replicas[r]), "--model", REPLICA_MODEL,
+                   "--layout", json.dumps(layout_to_wire(layout)),
+                   "--num-slots", str(num_slots), "--workload", json.dumps(asdict(replica_spec)),
+                   "--timeout", "20"]
+            engines.append(procs.start(f"replicas-{r}", cmd, log, pipes=True))
         _start_when_ready(engines, urls, deadline)
         results = _follow(engines, spec.requests, deadline)
+        pp = [res for i, res in results if i < args.stages]
+        by_node = {r: [res for i, res in results if i >= args.stages
+                       and nodes[i - args.stages] == r] for r in nodes}
         metrics = _http_get(f"{urls[0]}/metrics", timeout=5)[1]
-        _print_table(results, metrics, layout, spec)
-        ok = (len(results) == args.stages
-              and all(r["requests"] == spec.requests and r["mismatched_tokens"] == 0
-                      for r in results))
+        _print_table(pp, metrics, layout, spec)
+        _print_replicas(by_node, replicas)
+        ok = (len(pp) == args.stages
+              and all(r["requests"] == spec.requests for r in pp)
+              and all(len(got) == replicas[r]
+                      and sum(x["requests"] for x in got) == replica_spec.requests
+                      for r, got in by_node.items())
+              and all(res["mismatched_tokens"] == 0 for _, res in results))
         return 0 if ok else 1
     finally:
         codes = procs.stop()
@@ -262,15 +315,16 @@ def _start_when_ready(engines: list[subprocess.Popen[str]], urls: list[str],
 
 
 def _follow(engines: list[subprocess.Popen[str]], total: int,
-            deadline: float) -> list[dict[str, Any]]:
-    """Show engine 0's progress; collect every engine's result line."""
+            deadline: float) -> list[tuple[int, dict[str, Any]]]:
+    """Show engine 0's progress; collect every engine's result lines (an engine
+    process of several replicas writes one per replica) as (engine, result)."""
     import selectors
 
     sel = selectors.DefaultSelector()
     for i, e in enumerate(engines):
         assert e.stdout is not None
         sel.register(e.stdout, selectors.EVENT_READ, i)
-    results: dict[int, dict[str, Any]] = {}
+    results: list[tuple[int, dict[str, Any]]] = []
     tty = sys.stdout.isatty()
     open_streams = len(engines)
     while open_streams and time.monotonic() < deadline:
@@ -288,14 +342,14 @@ def _follow(engines: list[subprocess.Popen[str]], total: int,
                 elif done == total or done % max(1, total // 4) == 0:
                     print("  " + _bar(done, total), flush=True)
             elif "result" in msg:
-                results[key.data] = msg["result"]
+                results.append((key.data, msg["result"]))
             elif "error" in msg:
                 print(f"\n  engine {key.data} failed: {msg['error']}")
     if tty:
         print()
     if open_streams:
         print("  demo timed out; raise --timeout or shrink the workload")
-    return [results[i] for i in sorted(results)]
+    return sorted(results, key=lambda item: (item[0], str(item[1].get("replica", ""))))
 
 
 def _print_table(results: list[dict[str, Any]], metrics: str, layout: KVLayout,
@@ -316,8 +370,8 @@ def _print_table(results: list[dict[str, Any]], metrics: str, layout: KVLayout,
         ("loaded tokens verified", "all bit-exact" if all(
             r["mismatched_tokens"] == 0 for r in results) else
          f"{sum(r['mismatched_tokens'] for r in results)} MISMATCHED"),
-        ("store bandwidth (leader)", f"{store_b / store_s / 1e9:.2f} GB/s" if store_s else "n/a"),
-        ("load bandwidth (leader)", f"{load_b / load_s / 1e9:.2f} GB/s" if load_s else "n/a"),
+        ("store bandwidth (node-0)", f"{store_b / store_s / 1e9:.2f} GB/s" if store_s else "n/a"),
+        ("load bandwidth (node-0)", f"{load_b / load_s / 1e9:.2f} GB/s" if load_s else "n/a"),
         ("KV bytes per token per stage", f"{layout.bytes_per_token}"),
         ("wall time (stage 0)", f"{lead['wall_seconds']:.2f} s"),
     ]
@@ -330,3 +384,25 @@ def _print_table(results: list[dict[str, Any]], metrics: str, layout: KVLayout,
         for op, lat in r["latency"].items():
             print(f"  {op:<12}{r['rank']:>6}{lat['p50_ms']:>10.3f}{lat['p99_ms']:>10.3f}"
                   f"{lat['count']:>8}")
+
+
+def _print_replicas(by_node: dict[int, list[dict[str, Any]]], replicas: list[int]) -> None:
+    """Per node: its replicas' requests, hit rate and cross-replica hits (hit tokens a
+    replica got beyond what it stored itself: prompts another replica stored)."""
+    if not by_node:
+        return
+    print("\nSingle-stage replicas of one model, per node (one workload per node, "
+          "routed round robin by turn)")
+    print(f"  {'node':<8}{'replicas':>9}{'requests':>10}{'hit rate':>10}"
+          f"{'cross-replica hits':>26}{'verified':>14}")
+    for r, got in sorted(by_node.items()):
+        prompt = sum(x["prompt_tokens"] for x in got)
+        hit = sum(x["hit_tokens"] for x in got)
+        cross = sum(x["cross_hit_tokens"] for x in got)
+        cross_req = sum(x["cross_hit_requests"] for x in got)
+        bad = sum(x["mismatched_tokens"] for x in got)
+        requests = sum(x["requests"] for x in got)
+        cross_text = f"{cross} tok in {cross_req} req"
+        print(f"  {'node-' + str(r):<8}{len(got):>5}/{replicas[r]:<3}{requests:>10}"
+              f"{hit / max(prompt, 1):>10.1%}{cross_text:>26}"
+              f"{'bit-exact' if bad == 0 else str(bad) + ' BAD':>14}")

@@ -6,6 +6,7 @@ the demo end to end."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -189,17 +190,31 @@ def test_cli_rejects_invalid_config_naming_key_and_fix(work: Path) -> None:
     assert "ports.http: 'http' is not an integer" in env_bad.stderr
 
 
+@pytest.mark.timeout(240)
 def test_demo_runs_with_tiny_sizes_and_prints_table() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "node_agent", "demo", "--conversations", "3", "--turns", "2",
          "--system-tokens", "64", "--user-tokens", "16", "--reply-tokens", "16",
          "--layers", "2", "--kv-heads", "2", "--head-size", "16", "--cpu-size", "4Mi",
-         "--timeout", "90"],
-        capture_output=True, text=True, timeout=110)
+         "--timeout", "180"],
+        capture_output=True, text=True, timeout=220)
     assert out.returncode == 0, out.stdout + out.stderr
     for needle in ("one PP group of 2 stages", "/status", "/metrics", "Results",
                    "hit rate (prompt tokens)", "prefill tokens saved", "all bit-exact",
-                   "store bandwidth", "load bandwidth", "p50 ms", "p99 ms", "store_kv"):
+                   "store bandwidth", "load bandwidth", "p50 ms", "p99 ms", "store_kv",
+                   "Single-stage replicas of one model, per node", "cross-replica hits"):
         assert needle in out.stdout, needle
     hit = float(out.stdout.split("hit rate (prompt tokens)")[1].split("%")[0])
     assert hit > 0, "turn 2 repeats turn 1: some prompt tokens must hit"
+    # One row per node: node-0 runs 4 replicas next to PP stage 0, node-1 one replica
+    # next to PP stage 1; each node's replicas served all 6 requests of their
+    # workload, every loaded token bit-exact, and the cross-replica hits are counted.
+    rows = {m[0]: m[1:] for m in re.findall(
+        r"^  (node-\d)\s+(\d+)/(\d+)\s+(\d+)\s+([\d.]+)%\s+(\d+) tok in (\d+) req\s+(\S+)$",
+        out.stdout, re.MULTILINE)}
+    assert sorted(rows) == ["node-0", "node-1"], out.stdout
+    assert rows["node-0"][:3] == ("4", "4", "6") and rows["node-1"][:3] == ("1", "1", "6")
+    for node, (*_, cross, cross_requests, verified) in rows.items():
+        assert verified == "bit-exact", node
+        assert (int(cross) > 0) == (int(cross_requests) > 0), node
+    assert rows["node-1"][4:6] == ("0", "0"), "a lone replica has no other replica's hits"
