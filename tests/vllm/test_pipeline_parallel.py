@@ -298,6 +298,7 @@ def assert_hits_resume(world: World, first_seed: int) -> None:
         hit = got["cached"][0]
         seed += 1
     assert got["outputs"][0] == own
+    world.results["stored"] = (seed - 1, own)
 
 
 def test_leader_agent_killed_then_restarted(world: World) -> None:
@@ -315,3 +316,23 @@ def test_leader_agent_killed_then_restarted(world: World) -> None:
     leader.start()  # the group has its leader again: stage 0 registers again, hits resume
     assert_hits_resume(world, first_seed=50)
     assert world.stage(0)["role"] == "leader" and world.stage(1)["role"] == "follower"
+
+
+def test_a_restarted_engine_registers_both_stages_again_and_hits_what_the_first_stored(
+        world: World) -> None:
+    seed, own = world.results["stored"]  # stored by the engine before its restart
+    registrations = [world.stage(r)["registrations"] for r in range(2)]
+    world.engine.stop(timeout=120)
+    world.engine = EngineProcess(
+        world.model, world.work / "engine-2.log",
+        connector_config(world.work / "engine-{ppRank}.sock", retrySeconds=0.5), pp=2)
+    ready = world.engine.wait_ready(timeout=900)
+    assert "error" not in ready, world.engine.tail()
+    got = world.engine.generate([ids(seed)])
+    assert got["cached"][0] >= FULL_HIT
+    assert got["outputs"][0] == own
+    # Each stage registered the new engine's buffers; the group kept its roles.
+    for r, role in enumerate(("leader", "follower")):
+        stage = world.stage(r)
+        assert stage["registrations"] > registrations[r], stage
+        assert stage["role"] == role and stage["connector"]["ready"] is True, stage
