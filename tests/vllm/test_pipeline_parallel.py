@@ -336,3 +336,17 @@ def test_a_restarted_engine_registers_both_stages_again_and_hits_what_the_first_
         stage = world.stage(r)
         assert stage["registrations"] > registrations[r], stage
         assert stage["role"] == role and stage["connector"]["ready"] is True, stage
+
+
+def test_hits_when_stage_ones_agent_leads_the_group(world: World) -> None:
+    """A new epoch makes stage 1's agent the leader (as the operator does when stage
+    0's node failed): stage 0's lookup waits for the leader's decision, which needs
+    stage 1's lookup; both are made at once, so prompts are still served from the
+    agents."""
+    write_group(world.groups, world.agents, leader=1, epoch=2)
+    wait_for(lambda: world.stage(0).get("role") == "follower"
+             and world.stage(1).get("role") == "leader"
+             and world.stage(0)["connector"].get("ready") is True,
+             "stage 1's agent leading epoch 2", timeout=120, interval=0.2)
+    assert_hits_resume(world, first_seed=70)
+    assert world.stage(1)["epoch"] == 2

@@ -278,6 +278,8 @@ class FlexKVAgentConnector(KVConnectorBase_V1):
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._sched is not None
         hit = self._sched.lookup(request.request_id, request.all_token_ids, num_computed_tokens)
+        if hit is None:  # PP: the stages' lookups are under way; vLLM asks again next step
+            return None, False
         return hit, hit > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,

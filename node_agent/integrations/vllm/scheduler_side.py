@@ -35,7 +35,10 @@ stage again (registered, same model).
 Under pipeline parallelism (``pp_size > 1``) these calls are stage 0's: each
 call made is also recorded as a :class:`~.stage_calls.StageOp`, handed to the
 workers in the next step's metadata (:meth:`SchedulerSide.take_stage_ops`), and
-the other stages make it on their own agents (:mod:`.stage_calls`). A load is
+the other stages make it on their own agents (:mod:`.stage_calls`). The
+admission lookup is then made on a thread of its own, at the same time as the
+other stages' (vLLM is answered ``None``, ask again, until it returned), so the
+group may be led by any stage's agent. A load is
 reported finished only once every other stage reported its ``retrieve`` of the
 rid returned (or ``2 x callTimeoutSeconds`` passed).
 """
@@ -165,6 +168,10 @@ class SchedulerSide:
         self._stage_ops: list[StageOp] = []              # calls for the other PP stages
         self._awaiting: dict[str, tuple[set[int], float]] = {}  # loads the stages still make
         self._held: set[str] = set()                     # loads ended here, not on every stage
+        # PP: lookups on the lookup thread, rid -> (token count, local) asked / answered
+        self._lookup_asked: dict[str, tuple[int, int]] = {}
+        self._lookup_answers: dict[str, tuple[tuple[int, int], int]] = {}
+        self._lookup_jobs: queue.Queue[tuple[str, np.ndarray, int, int] | None] = queue.Queue()
         self._loads: queue.Queue[_Load | None] = queue.Queue()
         self._load_ended = threading.Event()
         self._stores: queue.Queue[_Store | str | None] = queue.Queue()
@@ -172,18 +179,26 @@ class SchedulerSide:
             threading.Thread(target=self._load_loop, name="flexkv-load", daemon=True),
             threading.Thread(target=self._store_loop, name="flexkv-store", daemon=True),
         ]
+        if pp_size > 1:
+            self._threads.append(threading.Thread(target=self._lookup_loop,
+                                                  name="flexkv-lookup", daemon=True))
         for t in self._threads:
             t.start()
 
     # -- admission -----------------------------------------------------------
 
-    def lookup(self, rid: str, tokens: Sequence[int], local: int) -> int:
+    def lookup(self, rid: str, tokens: Sequence[int], local: int) -> int | None:
         """Tokens the agent can load after the ``local`` ones (0 on a miss or any failure).
 
         vLLM asks again at every step while a request waits for admission: the
         answer of the request's last lookup is given again, without a call, while
         its token count and ``local`` are unchanged and the lookup is younger than
-        :data:`LOOKUP_REUSE_SECONDS`; its found tokens are counted once."""
+        :data:`LOOKUP_REUSE_SECONDS`; its found tokens are counted once.
+
+        Under PP (``pp_size > 1``) the call is made on the lookup thread while the
+        other stages make theirs (whichever stage's agent leads answers at once, the
+        others wait for its decision): ``None`` (vLLM asks again at the next step)
+        until stage 0's agent answered."""
         bs = self.block_size
         limit = ((len(tokens) - 1) // bs) * bs
         if limit <= local or rid in self._no_lookup:
@@ -199,6 +214,29 @@ class SchedulerSide:
         if prev is not None and same and now - prev.at < LOOKUP_REUSE_SECONDS:
             return prev.hit
         ids = np.asarray(tokens, dtype=np.int64)
+        if self.pp_size > 1:
+            key = (len(tokens), local)
+            with self._lock:
+                answered = self._lookup_answers.pop(rid, None)
+                if answered is None or answered[0] != key:
+                    if self._lookup_asked.get(rid) != key:
+                        self._lookup_asked[rid] = key
+                        self._stage_ops.append(
+                            StageOp("lookup", rid, tokens=ids, span=(local, limit)))
+                        self._lookup_jobs.put((rid, ids, local, limit))
+                    return None
+            hit = answered[1]
+        else:
+            hit = self._call_lookup(rid, ids, local, limit)
+        with self._lock:
+            self._lookups[rid] = _Lookup(len(tokens), local, hit, now)
+        if not same:  # a refresh of an unchanged request finds nothing new
+            self._count(hit_tokens=hit)
+        return hit
+
+    def _call_lookup(self, rid: str, ids: np.ndarray, local: int, limit: int) -> int:
+        """One ``lookup`` call on this stage's agent: the whole blocks found (0 on any
+        failure)."""
         mask = np.zeros(len(ids), dtype=bool)
         mask[local:limit] = True
         hit = 0
@@ -211,14 +249,21 @@ class SchedulerSide:
         else:
             self.health.succeeded()
             self._count(lookups=1)
-            self._mirror(StageOp("lookup", rid, tokens=ids, span=(local, limit)))
         hit = max(0, min(int(hit), limit - local))
-        hit -= hit % bs
-        with self._lock:
-            self._lookups[rid] = _Lookup(len(tokens), local, hit, now)
-        if not same:  # a refresh of an unchanged request finds nothing new
-            self._count(hit_tokens=hit)
-        return hit
+        return hit - hit % self.block_size
+
+    def _lookup_loop(self) -> None:
+        while True:
+            job = self._lookup_jobs.get()
+            if job is None:
+                return
+            rid, ids, local, limit = job
+            hit = self._call_lookup(rid, ids, local, limit)
+            with self._lock:
+                if self._lookup_asked.get(rid) == (len(ids), local):
+                    del self._lookup_asked[rid]
+                    self._lookup_answers[rid] = ((len(ids), local), hit)
+            self._load_ended.set()
 
     def after_alloc(self, rid: str, block_ids: Sequence[int], external: int) -> None:
         """Start the load of ``external`` tokens into the request's allocated blocks."""
@@ -259,7 +304,8 @@ class SchedulerSide:
             failed, self._recv_failed = self._recv_failed, {}
             self._recv_failed_sent.update(failed)
             pending = bool(self._loading or self._recv_ok or self._recv_failed_sent
-                           or self._storing or self._sent or self._held or self._stage_ops)
+                           or self._storing or self._sent or self._held or self._stage_ops
+                           or self._lookup_asked)
         return StepReport(pending=pending, failed=failed)
 
     def take_stage_ops(self) -> list[StageOp]:
@@ -278,7 +324,8 @@ class SchedulerSide:
         up to ``seconds`` for one to end instead of letting vLLM spin empty steps,
         which on a small machine take the CPU the agent's copy needs."""
         with self._lock:
-            waiting = bool(self._loading) and not self._recv_ok and not self._recv_failed
+            waiting = ((bool(self._loading) or bool(self._lookup_asked))
+                       and not self._recv_ok and not self._recv_failed)
         if waiting:
             self._load_ended.wait(seconds)
         self._load_ended.clear()
@@ -326,6 +373,8 @@ class SchedulerSide:
         """Store the request's computed whole blocks; True while the store holds them."""
         with self._lock:
             self._lookups.pop(rid, None)
+            self._lookup_asked.pop(rid, None)
+            self._lookup_answers.pop(rid, None)
             busy = rid in self._loading
             self._no_lookup.discard(rid)
         if busy:
@@ -463,6 +512,7 @@ class SchedulerSide:
         """Stop the threads (bounded) and close the sockets."""
         self._loads.put(None)
         self._stores.put(None)
+        self._lookup_jobs.put(None)
         self.health.close()
         for t in self._threads:
             t.join(timeout=self.cfg.call_timeout_seconds)
