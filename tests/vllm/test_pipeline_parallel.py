@@ -4,7 +4,8 @@ on stage 0, 2-3 on stage 1) and two real agent processes standing for the two
 stages' nodes, each with its own engine socket (``engineSocket`` with
 ``{ppRank}``). The group view comes from a file: stage 0's agent leads, stage 1's
 follows. The engine is started once for the module (about 70 s or more on 2
-cores); the tests run in file order and each builds on the ones before it.
+cores) and once more by the restart test; the tests run in file order and each
+builds on the ones before it.
 
 Reference outputs are the same engine's greedy outputs from vLLM's own prefix
 cache (the same computation over the same KV: a last-block prefill against 1920
@@ -289,7 +290,7 @@ def assert_hits_resume(world: World, first_seed: int) -> None:
     got: dict[str, Any] = {}
     deadline = time.monotonic() + 300
     while hit < FULL_HIT:
-        assert time.monotonic() < deadline, f"no hits after the restart: {e.tail()}"
+        assert time.monotonic() < deadline, f"no hits from the agents: {e.tail()}"
         p = ids(seed)
         e.generate([p])
         own = e.generate([p])["outputs"][0]
