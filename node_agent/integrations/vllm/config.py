@@ -14,6 +14,8 @@ from typing import Any
 from node_agent.engine_api.identity import ModelIdentity
 
 DEFAULT_SOCKET = "/var/run/flexkv/engine.sock"
+#: Replaced by the stage's PP rank in ``engineSocket``.
+PP_RANK_FIELD = "{ppRank}"
 
 
 class ConnectorConfigError(ValueError):
@@ -25,7 +27,9 @@ class AgentConnectorConfig:
     """The validated extra config (camelCase keys on the wire)."""
 
     engine_socket: str = DEFAULT_SOCKET
-    """The agent's engine socket (``engineSocket`` of agent.yaml), path or ``ipc://`` form."""
+    """The agent's engine socket (``engineSocket`` of agent.yaml), path or ``ipc://`` form.
+    Under pipeline parallelism each stage calls the agent of its own node at this path;
+    ``{ppRank}`` in it is replaced by the stage's PP rank (:meth:`socket_for`)."""
     replica: str = "vllm"
     """This engine's name at the agent, its stage: engines running at once on one agent
     each need their own (the agent serves up to its ``maxStages``); replicas of one
@@ -43,6 +47,11 @@ class AgentConnectorConfig:
     model_salt: str | None = None
     """Folded into this engine's model identity: engines of one model name and revision
     but other weights must use different salts (docs/vllm.md, model identity)."""
+
+    def socket_for(self, pp_rank: int) -> str:
+        """The engine socket of PP stage ``pp_rank``: ``engine_socket`` with ``{ppRank}``
+        replaced by the rank (unchanged without it: one path, resolved on each node)."""
+        return self.engine_socket.replace(PP_RANK_FIELD, str(pp_rank))
 
 
 _KEYS: dict[str, tuple[str, type | tuple[type, ...], str]] = {

@@ -15,6 +15,11 @@ transfers are pending and which loads failed; each worker echoes the failed
 blocks as ``invalid_block_ids`` and returns :class:`AgentWorkerMetadata` while
 anything is pending, so that every step (even an empty one) reaches
 ``update_connector_output``, where the scheduler adds its completions.
+
+Under pipeline parallelism the metadata also carries the calls stage 0 made
+(:class:`~.stage_calls.StageOp`); TP rank 0 of every other stage makes them on
+its own node's agent (:mod:`.stage_calls`) and reports each ``retrieve`` that
+returned in its worker metadata (docs/vllm.md, pipeline parallelism).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from node_agent.integrations.vllm.config import (
 )
 from node_agent.integrations.vllm.scheduler_side import SchedulerSide
 from node_agent.integrations.vllm.shm_pool import SharedKVAllocation
+from node_agent.integrations.vllm.stage_calls import StageCaller, StageOp
 from node_agent.integrations.vllm.worker_side import (
     Registrar,
     cuda_handles,
@@ -69,17 +75,22 @@ class AgentConnectorMetadata(KVConnectorMetadata):
 
     pending: bool = False
     failed: dict[str, list[int]] = field(default_factory=dict)
+    stage_ops: list[StageOp] = field(default_factory=list)
+    """Under PP: the calls stage 0 made since the last step, for the other stages."""
 
 
 @dataclass
 class AgentWorkerMetadata(KVConnectorWorkerMetadata):
-    """Workers -> scheduler: the failed loads whose blocks this step reported invalid."""
+    """Workers -> scheduler: the failed loads whose blocks this step reported invalid,
+    and (PP stages 1..N-1) the ``(pp_rank, rid)`` of each ``retrieve`` that returned."""
 
     failed_rids: set[str] = field(default_factory=set)
+    loads_ended: set[tuple[int, str]] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, AgentWorkerMetadata)
-        return AgentWorkerMetadata(self.failed_rids | other.failed_rids)
+        return AgentWorkerMetadata(self.failed_rids | other.failed_rids,
+                                   self.loads_ended | other.loads_ended)
 
 
 @dataclass
@@ -153,27 +164,25 @@ class FlexKVAgentConnector(KVConnectorBase_V1):
                 '"kv_load_failure_policy": "recompute" to --kv-transfer-config'
             )
         parallel = vllm_config.parallel_config
-        if parallel.pipeline_parallel_size != 1:
-            raise ConnectorConfigError(
-                f"pipeline_parallel_size is {parallel.pipeline_parallel_size}; the FlexKV "
-                "vLLM connector serves one PP stage (use pipeline_parallel_size 1)"
-            )
         self.block_size = int(vllm_config.cache_config.block_size)
         self.tp_size = int(parallel.tensor_parallel_size)
+        self.pp_size = int(parallel.pipeline_parallel_size)
         self.identity = model_identity(vllm_config.model_config, self.cfg.model_salt)
         self.model_digest = self.identity.digest()
         self._sched: SchedulerSide | None = None
         self._registrar: Registrar | None = None
         self._alloc: SharedKVAllocation | None = None
+        self._stage: StageCaller | None = None
+        self._pp_rank = 0
         if role == KVConnectorRole.SCHEDULER:
             self._check_agent_present()
             self._sched = SchedulerSide(self.cfg, self.block_size, self.tp_size,
-                                        self.model_digest)
+                                        self.model_digest, pp_size=self.pp_size)
         else:
             self._head_size = int(vllm_config.model_config.get_head_size())
 
     def _check_agent_present(self) -> None:
-        path = self.cfg.engine_socket.removeprefix("ipc://")
+        path = self.cfg.socket_for(0).removeprefix("ipc://")
         if self.cfg.require_agent and not os.path.exists(path):
             raise ConnectorConfigError(
                 f"no FlexKV agent socket at kv_connector_extra_config.engineSocket={path!r}; "
@@ -185,7 +194,9 @@ class FlexKVAgentConnector(KVConnectorBase_V1):
 
     def get_mem_pool_context(self) -> SharedKVAllocation | None:
         if self.cfg_device_is_cpu():
-            self._alloc = SharedKVAllocation()
+            # Under PP the segment's name says the stage (operators and tests find it).
+            prefix = "flexkv-vllm" if self.pp_size == 1 else f"flexkv-vllm-pp{_pp_rank()}"
+            self._alloc = SharedKVAllocation(prefix)
             return self._alloc
         return None
 
@@ -205,16 +216,30 @@ class FlexKVAgentConnector(KVConnectorBase_V1):
                 raise RuntimeError("FlexKV connector: vLLM's KV cache was not allocated in "
                                    "shared memory (get_mem_pool_context was not used)")
             handles = shm_handles(tensors, alloc.name, alloc.tensor)
-        rank = RankInfo(replica=self.cfg.replica, tp_rank=get_tensor_model_parallel_rank(),
-                        tp_size=self.tp_size, model=self.model_digest)
-        self._registrar = Registrar(self.cfg, rank, layout, handles, self.block_size)
+        self._pp_rank = _pp_rank()
+        socket = self.cfg.socket_for(self._pp_rank)
+        rank = RankInfo(replica=self.cfg.replica, pp_rank=self._pp_rank, pp_size=self.pp_size,
+                        tp_rank=get_tensor_model_parallel_rank(), tp_size=self.tp_size,
+                        model=self.model_digest)
+        self._registrar = Registrar(self.cfg, rank, layout, handles, self.block_size,
+                                    socket=socket)
         if self._registrar.register(at_start=True):
             log.info("KV cache registered with the FlexKV agent: %s layers, layout %s, "
-                     "%s tokens per block, model %s (%s)", layout.num_layers,
-                     layout.name.value, self.block_size, self.model_digest, self.identity)
+                     "%s tokens per block, model %s (%s), PP stage %s of %s at %s",
+                     layout.num_layers, layout.name.value, self.block_size, self.model_digest,
+                     self.identity, self._pp_rank, self.pp_size, socket)
+        if self._pp_rank > 0 and rank.tp_rank == 0:
+            self._stage = StageCaller(socket, RankInfo(
+                replica=self.cfg.replica, pp_rank=self._pp_rank, pp_size=self.pp_size,
+                tp_rank=0, tp_size=self.tp_size, model=self.model_digest),
+                self.block_size, self.cfg.call_timeout_seconds, self.cfg.retry_seconds)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        return  # loads are made by the scheduler side, between steps
+        # Stage 0's loads are made by the scheduler side, between steps; under PP the
+        # other stages make the calls stage 0 made, on their own agents.
+        meta = self._meta()
+        if self._stage is not None and meta is not None and meta.stage_ops:
+            self._stage.submit(meta.stage_ops)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -240,9 +265,12 @@ class FlexKVAgentConnector(KVConnectorBase_V1):
         if self._registrar is not None:
             self._registrar.check()
         meta = self._meta()
-        if meta is None or not (meta.pending or meta.failed):
+        ended: set[tuple[int, str]] = set()
+        if self._stage is not None:
+            ended = {(self._pp_rank, rid) for rid in self._stage.take_loads_ended()}
+        if not ended and (meta is None or not (meta.pending or meta.failed)):
             return None
-        return AgentWorkerMetadata(set(meta.failed))
+        return AgentWorkerMetadata(set(meta.failed) if meta is not None else set(), ended)
 
     # ============================== scheduler side ==============================
 
@@ -250,6 +278,8 @@ class FlexKVAgentConnector(KVConnectorBase_V1):
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._sched is not None
         hit = self._sched.lookup(request.request_id, request.all_token_ids, num_computed_tokens)
+        if hit is None:  # PP: the stages' lookups are under way; vLLM asks again next step
+            return None, False
         return hit, hit > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
@@ -263,13 +293,17 @@ class FlexKVAgentConnector(KVConnectorBase_V1):
         if not getattr(scheduler_output, "total_num_scheduled_tokens", 1):
             self._sched.idle_wait()
         report = self._sched.step_report()
-        return AgentConnectorMetadata(pending=report.pending, failed=report.failed)
+        return AgentConnectorMetadata(pending=report.pending, failed=report.failed,
+                                      stage_ops=self._sched.take_stage_ops())
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._sched is not None
         worker_meta = connector_output.kv_connector_worker_meta
-        echoed = worker_meta.failed_rids if isinstance(worker_meta, AgentWorkerMetadata) else set()
-        recv, sent = self._sched.completions(set(echoed))
+        echoed: set[str] = set()
+        ended: set[tuple[int, str]] = set()
+        if isinstance(worker_meta, AgentWorkerMetadata):
+            echoed, ended = worker_meta.failed_rids, worker_meta.loads_ended
+        recv, sent = self._sched.completions(set(echoed), ended)
         if recv:
             connector_output.finished_recving = set(connector_output.finished_recving or ()) | recv
         if sent:
@@ -303,7 +337,19 @@ class FlexKVAgentConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._sched is not None:
             self._sched.close()
+        if self._stage is not None:
+            self._stage.close()
         if self._registrar is not None:
             self._registrar.close()
         if self._alloc is not None:
             self._alloc.close()
+
+
+def _pp_rank() -> int:
+    """This worker's PP rank (0 when vLLM's PP group is not initialised)."""
+    from vllm.distributed.parallel_state import get_pp_group
+
+    try:
+        return int(get_pp_group().rank_in_group)
+    except AssertionError:
+        return 0

@@ -31,6 +31,16 @@ thread every ``retrySeconds`` is answered (the client's resilience policy,
 :class:`node_agent.client.AgentHealth`, with a probe thread): a ``release`` of
 a rid no request has, which the agent answers only once it serves this engine's
 stage again (registered, same model).
+
+Under pipeline parallelism (``pp_size > 1``) these calls are stage 0's: each
+call made is also recorded as a :class:`~.stage_calls.StageOp`, handed to the
+workers in the next step's metadata (:meth:`SchedulerSide.take_stage_ops`), and
+the other stages make it on their own agents (:mod:`.stage_calls`). The
+admission lookup is then made on a thread of its own, at the same time as the
+other stages' (vLLM is answered ``None``, ask again, until it returned), so the
+group may be led by any stage's agent. A load is
+reported finished only once every other stage reported its ``retrieve`` of the
+rid returned (or ``2 x callTimeoutSeconds`` passed).
 """
 
 from __future__ import annotations
@@ -39,7 +49,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,6 +62,7 @@ from node_agent.client import (
     agent_down,
 )
 from node_agent.integrations.vllm.config import AgentConnectorConfig
+from node_agent.integrations.vllm.stage_calls import PROBE_RID, StageOp, block_slots
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +76,7 @@ POLL_SECONDS = 0.005
 #: the agent is asked again (it keeps a match for ``unlaunchedMatchSeconds``, 30 s
 #: by default).
 LOOKUP_REUSE_SECONDS = 20.0
-#: The rid of the probe's call (a ``release`` of a rid no request has): it succeeds
-#: only once the agent serves this engine's stage (registered, same model).
-PROBE_RID = "flexkv-connector-probe"
+__all__ = ["PROBE_RID", "SchedulerSide", "block_slots"]
 
 
 @dataclass
@@ -99,12 +108,6 @@ class StepReport:
     failed: dict[str, list[int]] = field(default_factory=dict)
 
 
-def block_slots(block_ids: Sequence[int], block_size: int) -> np.ndarray:
-    """Every slot of ``block_ids`` in order (slot = block * block_size + offset)."""
-    base = np.asarray(list(block_ids), dtype=np.int64)
-    return (base[:, None] * block_size + np.arange(block_size, dtype=np.int64)).reshape(-1)
-
-
 @dataclass(frozen=True)
 class _Lookup:
     tokens: int
@@ -127,6 +130,7 @@ class _Store:
     rid: str
     tokens: np.ndarray
     slots: np.ndarray
+    blocks: tuple[int, ...] = ()
     started: float = 0.0
 
 
@@ -134,20 +138,23 @@ class SchedulerSide:
     """Data calls and completion bookkeeping of the scheduler-side connector."""
 
     def __init__(self, cfg: AgentConnectorConfig, block_size: int, tp_size: int,
-                 model: str = "") -> None:
+                 model: str = "", pp_size: int = 1) -> None:
         self.cfg = cfg
         self.block_size = block_size
-        rank = RankInfo(replica=cfg.replica, tp_rank=0, tp_size=tp_size, model=model)
+        self.pp_size = pp_size
+        rank = RankInfo(replica=cfg.replica, pp_rank=0, pp_size=pp_size, tp_rank=0,
+                        tp_size=tp_size, model=model)
+        socket = cfg.socket_for(0)
         self.counters = Counters()
-        self._probe_client = EngineClient(cfg.engine_socket, rank,
+        self._probe_client = EngineClient(socket, rank,
                                           timeout=cfg.lookup_timeout_seconds)
         self.health = AgentHealth(cfg.retry_seconds,
                                   probe=lambda: self._probe_client.release(PROBE_RID),
                                   on_failure=lambda: self._count(agent_errors=1), log=log)
-        self._lookup_client = EngineClient(cfg.engine_socket, rank,
+        self._lookup_client = EngineClient(socket, rank,
                                            timeout=cfg.lookup_timeout_seconds)
-        self._load_client = EngineClient(cfg.engine_socket, rank, timeout=cfg.call_timeout_seconds)
-        self._store_client = EngineClient(cfg.engine_socket, rank,
+        self._load_client = EngineClient(socket, rank, timeout=cfg.call_timeout_seconds)
+        self._store_client = EngineClient(socket, rank,
                                           timeout=cfg.call_timeout_seconds)
         self._lock = threading.Lock()
         self._lookups: dict[str, _Lookup] = {}          # rid -> its last lookup
@@ -158,6 +165,13 @@ class SchedulerSide:
         self._recv_failed_sent: set[str] = set()         # blocks sent, rid to report
         self._storing: set[str] = set()
         self._sent: set[str] = set()                     # stores done, to report
+        self._stage_ops: list[StageOp] = []              # calls for the other PP stages
+        self._awaiting: dict[str, tuple[set[int], float]] = {}  # loads the stages still make
+        self._held: set[str] = set()                     # loads ended here, not on every stage
+        # PP: lookups on the lookup thread, rid -> (token count, local) asked / answered
+        self._lookup_asked: dict[str, tuple[int, int]] = {}
+        self._lookup_answers: dict[str, tuple[tuple[int, int], int]] = {}
+        self._lookup_jobs: queue.Queue[tuple[str, np.ndarray, int, int] | None] = queue.Queue()
         self._loads: queue.Queue[_Load | None] = queue.Queue()
         self._load_ended = threading.Event()
         self._stores: queue.Queue[_Store | str | None] = queue.Queue()
@@ -165,18 +179,26 @@ class SchedulerSide:
             threading.Thread(target=self._load_loop, name="flexkv-load", daemon=True),
             threading.Thread(target=self._store_loop, name="flexkv-store", daemon=True),
         ]
+        if pp_size > 1:
+            self._threads.append(threading.Thread(target=self._lookup_loop,
+                                                  name="flexkv-lookup", daemon=True))
         for t in self._threads:
             t.start()
 
     # -- admission -----------------------------------------------------------
 
-    def lookup(self, rid: str, tokens: Sequence[int], local: int) -> int:
+    def lookup(self, rid: str, tokens: Sequence[int], local: int) -> int | None:
         """Tokens the agent can load after the ``local`` ones (0 on a miss or any failure).
 
         vLLM asks again at every step while a request waits for admission: the
         answer of the request's last lookup is given again, without a call, while
         its token count and ``local`` are unchanged and the lookup is younger than
-        :data:`LOOKUP_REUSE_SECONDS`; its found tokens are counted once."""
+        :data:`LOOKUP_REUSE_SECONDS`; its found tokens are counted once.
+
+        Under PP (``pp_size > 1``) the call is made on the lookup thread while the
+        other stages make theirs (whichever stage's agent leads answers at once, the
+        others wait for its decision): ``None`` (vLLM asks again at the next step)
+        until stage 0's agent answered."""
         bs = self.block_size
         limit = ((len(tokens) - 1) // bs) * bs
         if limit <= local or rid in self._no_lookup:
@@ -192,6 +214,29 @@ class SchedulerSide:
         if prev is not None and same and now - prev.at < LOOKUP_REUSE_SECONDS:
             return prev.hit
         ids = np.asarray(tokens, dtype=np.int64)
+        if self.pp_size > 1:
+            key = (len(tokens), local)
+            with self._lock:
+                answered = self._lookup_answers.pop(rid, None)
+                if answered is None or answered[0] != key:
+                    if self._lookup_asked.get(rid) != key:
+                        self._lookup_asked[rid] = key
+                        self._stage_ops.append(
+                            StageOp("lookup", rid, tokens=ids, span=(local, limit)))
+                        self._lookup_jobs.put((rid, ids, local, limit))
+                    return None
+            hit = answered[1]
+        else:
+            hit = self._call_lookup(rid, ids, local, limit)
+        with self._lock:
+            self._lookups[rid] = _Lookup(len(tokens), local, hit, now)
+        if not same:  # a refresh of an unchanged request finds nothing new
+            self._count(hit_tokens=hit)
+        return hit
+
+    def _call_lookup(self, rid: str, ids: np.ndarray, local: int, limit: int) -> int:
+        """One ``lookup`` call on this stage's agent: the whole blocks found (0 on any
+        failure)."""
         mask = np.zeros(len(ids), dtype=bool)
         mask[local:limit] = True
         hit = 0
@@ -205,12 +250,20 @@ class SchedulerSide:
             self.health.succeeded()
             self._count(lookups=1)
         hit = max(0, min(int(hit), limit - local))
-        hit -= hit % bs
-        with self._lock:
-            self._lookups[rid] = _Lookup(len(tokens), local, hit, now)
-        if not same:  # a refresh of an unchanged request finds nothing new
-            self._count(hit_tokens=hit)
-        return hit
+        return hit - hit % self.block_size
+
+    def _lookup_loop(self) -> None:
+        while True:
+            job = self._lookup_jobs.get()
+            if job is None:
+                return
+            rid, ids, local, limit = job
+            hit = self._call_lookup(rid, ids, local, limit)
+            with self._lock:
+                if self._lookup_asked.get(rid) == (len(ids), local):
+                    del self._lookup_asked[rid]
+                    self._lookup_answers[rid] = ((len(ids), local), hit)
+            self._load_ended.set()
 
     def after_alloc(self, rid: str, block_ids: Sequence[int], external: int) -> None:
         """Start the load of ``external`` tokens into the request's allocated blocks."""
@@ -236,6 +289,10 @@ class SchedulerSide:
             return
         with self._lock:
             self._loading.add(rid)
+            if self.pp_size > 1:
+                deadline = time.monotonic() + 2 * self.cfg.call_timeout_seconds
+                self._awaiting[rid] = (set(range(1, self.pp_size)), deadline)
+        self._mirror(StageOp("retrieve", rid, blocks=tuple(blocks)))
         self._loads.put(_Load(rid, blocks, block_slots(blocks, bs)))
 
     # -- per step --------------------------------------------------------------
@@ -247,28 +304,64 @@ class SchedulerSide:
             failed, self._recv_failed = self._recv_failed, {}
             self._recv_failed_sent.update(failed)
             pending = bool(self._loading or self._recv_ok or self._recv_failed_sent
-                           or self._storing or self._sent)
+                           or self._storing or self._sent or self._held or self._stage_ops
+                           or self._lookup_asked)
         return StepReport(pending=pending, failed=failed)
+
+    def take_stage_ops(self) -> list[StageOp]:
+        """The calls made since the last step, for the other PP stages (in order)."""
+        with self._lock:
+            ops, self._stage_ops = self._stage_ops, []
+        return ops
+
+    def _mirror(self, op: StageOp) -> None:
+        if self.pp_size > 1:
+            with self._lock:
+                self._stage_ops.append(op)
 
     def idle_wait(self, seconds: float = IDLE_WAIT_SECONDS) -> None:
         """Called on a step that schedules nothing: while loads are in flight, wait
         up to ``seconds`` for one to end instead of letting vLLM spin empty steps,
         which on a small machine take the CPU the agent's copy needs."""
         with self._lock:
-            waiting = bool(self._loading) and not self._recv_ok and not self._recv_failed
+            waiting = ((bool(self._loading) or bool(self._lookup_asked))
+                       and not self._recv_ok and not self._recv_failed)
         if waiting:
             self._load_ended.wait(seconds)
         self._load_ended.clear()
 
-    def completions(self, failed_echoed: set[str]) -> tuple[set[str], set[str]]:
+    def completions(self, failed_echoed: set[str],
+                    loads_ended: Iterable[tuple[int, str]] = (),
+                    ) -> tuple[set[str], set[str]]:
         """``(finished_recving, finished_sending)`` to add to this step's output.
-        ``failed_echoed``: failed loads whose blocks the workers reported invalid."""
+        ``failed_echoed``: failed loads whose blocks the workers reported invalid;
+        ``loads_ended``: ``(pp_rank, rid)`` of the other PP stages' ``retrieve``
+        calls that returned. A load ended here is held until every stage ended it."""
+        now = time.monotonic()
         with self._lock:
-            recv = self._recv_ok
+            for pp_rank, rid in loads_ended:
+                waiting = self._awaiting.get(rid)
+                if waiting is not None:
+                    waiting[0].discard(pp_rank)
+            recv = self._recv_ok | self._held
             self._recv_ok = set()
             echoed = failed_echoed & self._recv_failed_sent
             self._recv_failed_sent -= echoed
             recv |= echoed
+            self._held = set()
+            for rid in list(recv):
+                waiting = self._awaiting.get(rid)
+                if waiting is None:
+                    continue
+                if waiting[0] and now < waiting[1]:
+                    self._held.add(rid)
+                    recv.discard(rid)
+                    continue
+                if waiting[0]:
+                    log.warning("FlexKV load of %s: PP stages %s did not report their "
+                                "retrieve ended in time, reporting the load finished", rid,
+                                sorted(waiting[0]))
+                del self._awaiting[rid]
             self._loading -= recv
             sent, self._sent = self._sent, set()
         return recv, sent
@@ -280,6 +373,8 @@ class SchedulerSide:
         """Store the request's computed whole blocks; True while the store holds them."""
         with self._lock:
             self._lookups.pop(rid, None)
+            self._lookup_asked.pop(rid, None)
+            self._lookup_answers.pop(rid, None)
             busy = rid in self._loading
             self._no_lookup.discard(rid)
         if busy:
@@ -293,7 +388,8 @@ class SchedulerSide:
         with self._lock:
             self._storing.add(rid)
         self._stores.put(_Store(rid, np.asarray(tokens[:n], dtype=np.int64),
-                                block_slots(block_ids[:n_blocks], self.block_size)))
+                                block_slots(block_ids[:n_blocks], self.block_size),
+                                blocks=tuple(block_ids[:n_blocks])))
         return True
 
     # -- threads -----------------------------------------------------------------
@@ -349,6 +445,7 @@ class SchedulerSide:
             self._store_done(job.rid)
             return
         task = -1
+        self._mirror(StageOp("store", job.rid, tokens=job.tokens, blocks=job.blocks))
         try:
             task = self._store_client.store_kv(job.rid, job.tokens, job.slots)
             self.health.succeeded()
@@ -389,6 +486,7 @@ class SchedulerSide:
     def _release(self, rid: str, client: EngineClient | None = None) -> None:
         if not self.health.should_call():
             return
+        self._mirror(StageOp("release", rid))
         try:
             (client or self._store_client).release(rid)
         except AGENT_ERRORS as exc:
@@ -414,6 +512,7 @@ class SchedulerSide:
         """Stop the threads (bounded) and close the sockets."""
         self._loads.put(None)
         self._stores.put(None)
+        self._lookup_jobs.put(None)
         self.health.close()
         for t in self._threads:
             t.join(timeout=self.cfg.call_timeout_seconds)

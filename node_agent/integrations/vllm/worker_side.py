@@ -110,12 +110,15 @@ class Registrar:
     """Registers one rank's KV cache with the agent, and again after an agent restart."""
 
     def __init__(self, cfg: AgentConnectorConfig, rank: RankInfo, layout: KVLayout,
-                 handles: list[dict[str, Any]], block_size: int) -> None:
+                 handles: list[dict[str, Any]], block_size: int,
+                 socket: str | None = None) -> None:
         self.cfg = cfg
+        self.socket = socket or cfg.socket_for(rank.pp_rank)
+        """This rank's agent socket (its PP stage's, :meth:`AgentConnectorConfig.socket_for`)."""
         self.layout = layout
         self.handles = handles
         self.block_size = block_size
-        self.client = EngineClient(cfg.engine_socket, rank, timeout=cfg.call_timeout_seconds)
+        self.client = EngineClient(self.socket, rank, timeout=cfg.call_timeout_seconds)
         self._identity: tuple[int, int] | None = None
         self._next_check = 0.0
         self.registrations = 0
@@ -123,7 +126,7 @@ class Registrar:
     def register(self, at_start: bool) -> bool:
         """Register; at start-up a refusal (bad layout, block size) raises, as does a
         missing agent when ``requireAgent`` is set. Later failures only log."""
-        identity = _socket_identity(self.cfg.engine_socket)
+        identity = _socket_identity(self.socket)
         try:
             self.client.register_kv_buffers(self.layout, [self.handles])
         except ValueError as exc:
@@ -131,7 +134,7 @@ class Registrar:
             hint = (". vLLM's --block-size must equal the pool's tokensPerBlock"
                     if BLOCK_SIZE_REFUSAL in str(exc) else "")
             raise ConnectorConfigError(
-                f"the FlexKV agent at {self.cfg.engine_socket} refused vLLM's KV cache "
+                f"the FlexKV agent at {self.socket} refused vLLM's KV cache "
                 f"(vLLM block_size={self.block_size}, layout {self.layout.name.value}): {exc}"
                 f"{hint}"
             ) from exc
@@ -139,7 +142,7 @@ class Registrar:
             if at_start and self.cfg.require_agent:
                 raise ConnectorConfigError(
                     f"no FlexKV agent answers at kv_connector_extra_config.engineSocket="
-                    f"{self.cfg.engine_socket!r} ({exc}); start the agent, point engineSocket "
+                    f"{self.socket!r} ({exc}); start the agent, point engineSocket "
                     "at its socket, or set requireAgent to false to start without it"
                 ) from exc
             level = logging.WARNING if at_start else logging.DEBUG
@@ -159,7 +162,7 @@ class Registrar:
         if now < self._next_check:
             return
         self._next_check = now + RECHECK_SECONDS
-        identity = _socket_identity(self.cfg.engine_socket)
+        identity = _socket_identity(self.socket)
         if identity is not None and identity != self._identity:
             try:
                 self.register(at_start=False)
