@@ -1,6 +1,7 @@
 """Several engines on one agent: N = 1, 2, 4, 8 single-stage replicas of one model
-share one agent process (``maxStages: N``), each a synthetic engine in its own
-process talking to the agent over the real engine socket
+share one agent process (``maxStages: N``, ``tierShares: 1``: one shared backend),
+each a synthetic engine in its own process talking to the agent over the real
+engine socket
 (:class:`node_agent.client.EngineClient`, shared-memory KV buffers, as in
 ``bench/engine_api.py``).
 
@@ -208,7 +209,7 @@ def engine_main(cfg: dict[str, Any]) -> int:
 
 
 class Run:
-    """An agent with ``maxStages: n`` and ``n`` engine processes."""
+    """An agent with ``maxStages: n`` (one tier share) and ``n`` engine processes."""
 
     def __init__(self, args: argparse.Namespace, n: int, work: Path) -> None:
         from node_agent.engine_api.protocol import layout_to_wire
@@ -218,7 +219,9 @@ class Run:
         share = 2 * args.prefixes * args.tokens * layout.bytes_per_token
         port = free_port()
         self.sock = str(work / "engine.sock")
+        # One model: its replicas share one backend, which holds the whole budget.
         cfg = {"pool": "bench", "tokensPerBlock": layout.tokens_per_block, "maxStages": n,
+               "tierShares": 1,
                "tiers": {"cpu": {"size": n * share, "pinned": False}},
                "ports": {"http": port, "fanout": free_port()}, "engineSocket": self.sock,
                "nodeName": "bench", "bindAddress": "127.0.0.1", "kubernetes": "off",

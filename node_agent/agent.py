@@ -34,7 +34,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from node_agent import __version__
-from node_agent.assembly import SharedFanout, StageBuilder, StageDeps
+from node_agent.assembly import SharedFanout, StageBuilder, StageDeps, backend_key
 from node_agent.backend.remote.join import StorePortInUse, store_ports_problem
 from node_agent.backend.remote.mooncake_client import MooncakeUnavailable, check_available
 from node_agent.backend.remote.settings import RemoteSettings
@@ -210,7 +210,10 @@ class Agent:
         self.service = EngineService(self._build_stage, cfg.tokens_per_block, status=self.status,
                                      max_stages=cfg.max_stages,
                                      stale_after=cfg.heartbeat.lease_duration_seconds,
-                                     on_stage=self.attach_stage, metrics=self.metrics)
+                                     on_stage=self.attach_stage, metrics=self.metrics,
+                                     tier_shares=cfg.tier_shares,
+                                     backend_of=lambda rank, layout: backend_key(
+                                         self.stage_deps, rank, layout))
         # The connector's waits end inside engineCallSeconds (vocab/budget.py);
         # the server's bound is only a last resort behind them.
         budget = call_budget(cfg.timeouts.engine_call_seconds, cfg.timeouts.fanout_wait_seconds)

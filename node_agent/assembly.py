@@ -26,7 +26,9 @@ thread answer its ``lookup``, ``release`` and ``poll_completed`` itself
 
 Several stages on one agent (``maxStages``): each stage keeps its own
 coordinator and group view. The configured tier sizes are the node's budget,
-split into ``maxStages`` even shares (:func:`stage_share`), one per backend.
+split into ``tierShares`` (absent: ``maxStages``) even shares
+(:func:`stage_share`), one per backend (:func:`backend_key` names it; the engine
+API refuses a stage that needs a backend beyond them).
 Stages of one-stage groups on the embedded backend whose KV is interchangeable
 (same model identity, layout and PP shape: :class:`~.backend.shared.Fingerprint`)
 share one backend on one share (:mod:`node_agent.backend.shared`): a prefix one
@@ -46,7 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from node_agent.backend.config import EmbeddedBackendConfig
@@ -137,10 +139,10 @@ StageBuilder = Callable[[StageDeps, RankRef, KVLayout], Stage]
 
 
 def stage_share(cfg: AgentConfig) -> AgentConfig:
-    """``cfg`` with the CPU and SSD tier sizes of one stage: the configured sizes
-    divided evenly by ``maxStages`` (the sizes are the node's budget; with
-    ``maxStages`` 1 the one stage gets all of it)."""
-    n = cfg.max_stages
+    """``cfg`` with the CPU and SSD tier sizes of one backend: the configured sizes
+    divided evenly by ``tierShares`` (absent: ``maxStages``; the sizes are the
+    node's budget; with one share the one backend gets all of it)."""
+    n = cfg.shares
     if n == 1:
         return cfg
     tiers = cfg.tiers
@@ -227,11 +229,15 @@ def default_stage_builder(deps: StageDeps, rank: RankRef, layout: KVLayout) -> S
     try:  # validates sizes against the layout
         bcfg = backend_config(cfg, layout, rank.model, rank.pp_size, epoch)
     except ValueError as exc:
-        if cfg.max_stages == 1:
+        if cfg.shares == 1:
             raise
-        raise ValueError(f"{exc} (each of the agent's maxStages {cfg.max_stages} stages gets "
-                         "1/maxStages of tiers.cpu.size and tiers.ssd.size; raise the sizes "
-                         "or lower maxStages)") from exc
+        if cfg.tier_shares is None:
+            raise ValueError(f"{exc} (each of the agent's maxStages {cfg.max_stages} stages "
+                             "gets 1/maxStages of tiers.cpu.size and tiers.ssd.size; raise the "
+                             "sizes or lower maxStages)") from exc
+        raise ValueError(f"{exc} (each of the agent's tierShares {cfg.shares} backends gets "
+                         "1/tierShares of tiers.cpu.size and tiers.ssd.size; raise the sizes "
+                         "or lower tierShares)") from exc
     remote = cfg.tiers.remote
     object_bytes = layout.bytes_per_block + HEADER_BYTES
     if remote is not None and remote.mooncake.local_buffer_size < 2 * object_bytes:
@@ -285,6 +291,15 @@ def default_stage_builder(deps: StageDeps, rank: RankRef, layout: KVLayout) -> S
     return Stage(key=rank.stage, pp_size=rank.pp_size, group=group, layout=layout,
                  coordinator=coordinator, views=views, inline_ops=inline, model=rank.model,
                  cache_epoch=epoch, shared=joined[0] if joined else None)
+
+
+def backend_key(deps: StageDeps, rank: RankRef, layout: KVLayout) -> Hashable:
+    """The backend ``rank``'s new stage would use, and so the tier share it holds:
+    its :func:`sharing_fingerprint` when it shares one with the other replicas of
+    its model, else its own stage key (a backend of its own)."""
+    namespace = stage_namespace(rank.model, deps.cfg.model_salt)
+    fingerprint = sharing_fingerprint(deps, rank, layout, namespace)
+    return rank.stage if fingerprint is None else fingerprint
 
 
 def sharing_fingerprint(deps: StageDeps, rank: RankRef, layout: KVLayout,

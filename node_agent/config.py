@@ -314,6 +314,10 @@ class AgentConfig:
     # split into that many even shares, one per backend (node_agent/assembly.py
     # ``stage_share``; replicas of one model share one backend).
     max_stages: int = _key("maxStages", _int(1, 64), default=1)
+    # The even shares the tier sizes are split into, one per backend (absent:
+    # maxStages); at most maxStages. A stage that needs a backend beyond them is
+    # refused (node_agent/engine_api/service.py).
+    tier_shares: int | None = _key("tierShares", _int(1, 64), default=None)
     # Off unless the section is present (docs/operations.md "KV events for routers").
     kv_events: KvEvents | None = field(default=None, metadata={"key": "kvEvents"})
     # Agent-local keys (not rendered by the operator; usually set from the environment).
@@ -326,6 +330,12 @@ class AgentConfig:
     bind_address: str = _key("bindAddress", _str(), default="0.0.0.0")
     kubernetes: str = _key("kubernetes", _choice("auto", "on", "off"), default="auto")
     group_view_file: str | None = _key("groupViewFile", _opt_str, default=None)
+
+    @property
+    def shares(self) -> int:
+        """The even shares of the tier sizes, one per backend: ``tierShares``, or
+        ``maxStages`` when it is not set."""
+        return self.max_stages if self.tier_shares is None else self.tier_shares
 
     @property
     def engine_endpoint(self) -> str:
@@ -454,6 +464,13 @@ def _check(cfg: AgentConfig) -> None:
         raise ConfigError(
             f"engineSocket: {cfg.engine_socket!r} is {len(cfg.engine_socket.encode())} bytes; "
             f"Unix socket paths are limited to {_MAX_SOCKET_PATH}: use a shorter path"
+        )
+    if cfg.tier_shares is not None and cfg.tier_shares > cfg.max_stages:
+        raise ConfigError(
+            f"tierShares: {cfg.tier_shares} is above maxStages {cfg.max_stages}; the tier "
+            "sizes are split into one share per backend and the agent serves at most "
+            "maxStages of them: lower tierShares, or raise maxStages to at least "
+            f"{cfg.tier_shares}"
         )
     if cfg.tiers.remote is not None:
         _check_remote(cfg.tiers.remote, to.engine_call_seconds)

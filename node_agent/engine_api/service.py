@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -218,6 +218,9 @@ class Stage:
     shared: Any = None
     """The stage's view of a backend it shares with other replicas of its model
     (``node_agent.backend.shared.SharedStageBackend``); None: a backend of its own."""
+    backend_key: Hashable = None
+    """Which backend (and so which tier share) the stage uses: stages with one key
+    share one backend (set by :class:`EngineService` when it adds the stage)."""
 
     def close(self) -> None:
         """Close the connector (and with it the backend), then unmap the buffers."""
@@ -244,16 +247,23 @@ class EngineService:
                  status: Callable[[], dict[str, Any]] | None = None,
                  max_stages: int = 1, stale_after: float = 15.0,
                  on_stage: Callable[[Stage], None] | None = None,
-                 metrics: AgentMetrics | None = None) -> None:
+                 metrics: AgentMetrics | None = None, tier_shares: int | None = None,
+                 backend_of: Callable[[RankRef, KVLayout], Hashable] | None = None) -> None:
         """``max_stages``: stages served at once (a further one is refused unless one
         was idle for ``stale_after`` seconds); ``metrics``: where each replica's
-        traffic is counted (``flexkv_agent_replica_*``)."""
+        traffic is counted (``flexkv_agent_replica_*``). ``tier_shares``: backends
+        served at once, each on one share of the tiers (None: ``max_stages``);
+        ``backend_of(rank, layout)`` names the backend a new stage would use
+        (None: each stage its own), so a stage that would need a backend beyond
+        ``tier_shares`` is refused unless retiring an idle stage frees a share."""
         self._factory = factory
         self._metrics = metrics
         self._on_stage = on_stage
         self._tpb = tokens_per_block
         self._status = status
         self._max_stages = max_stages
+        self._tier_shares = max_stages if tier_shares is None else tier_shares
+        self._backend_of = backend_of
         self._stale_after = stale_after
         self._lock = threading.Lock()
         self.stages: dict[StageKey, Stage] = {}
@@ -408,18 +418,61 @@ class EngineService:
                 f"this agent already serves {len(self.stages)} stage(s) "
                 f"({', '.join(f'{k.replica}/pp{k.pp_rank}' for k in self.stages)}), as many "
                 f"as its maxStages ({self._max_stages}): raise maxStages in the agent's "
-                "config (the tier sizes are split among that many stages), or run the other "
+                "config (tierShares, absent: maxStages, splits the tier sizes among the backends), "
+                "or run the other "
                 f"replica's ranks on another node (a stage idle for {self._stale_after:g}s "
                 "is replaced)"
             )
+        key = self._backend_of(rank, layout) if self._backend_of is not None else rank.stage
+        if not self._share_free(key):
+            self._retire_idle_backend()
+        if not self._share_free(key):
+            held = sorted(f"{k.replica}/pp{k.pp_rank}" for k in self.stages)
+            raise ValueError(
+                f"stage {rank.replica}/pp{rank.pp_rank} needs a backend of its own (another "
+                f"model, layout or PP group than the stages served), but all tierShares "
+                f"({self._tier_shares}) shares of the agent's tiers are held by the backends "
+                f"of {', '.join(held)} (maxStages {self._max_stages}): raise tierShares "
+                f"(at most maxStages; each backend gets 1/tierShares of the tier sizes) in "
+                "the pool or the agent's config, or run this replica on another node (a "
+                f"stage idle for {self._stale_after:g}s is replaced)"
+            )
         stage = self._factory(rank, layout)
         stage.traffic = StageTraffic(rank.replica, self._metrics)
+        stage.backend_key = key
         self.stages[rank.stage] = stage
         if self._on_stage is not None:
             # After insertion: a group-view update racing with this registration
             # either sees the stage or is read here (see Agent.attach_stage).
             self._on_stage(stage)
         return stage
+
+    def _share_free(self, key: Hashable) -> bool:
+        """Whether a stage on backend ``key`` fits: that backend is in use already,
+        or fewer than ``tier_shares`` backends are."""
+        held = {s.backend_key for s in self.stages.values()}
+        return key in held or len(held) < self._tier_shares
+
+    def _retire_idle_backend(self) -> None:
+        """Free a tier share: close every stage of the backend whose engines called
+        last longest ago, if none of them called for ``stale_after`` seconds (its
+        replicas are gone, so a stage of another backend may register)."""
+        last: dict[Hashable, float] = {}
+        for stage in self.stages.values():
+            last[stage.backend_key] = max(last.get(stage.backend_key, 0.0), stage.last_call)
+        if not last:
+            return
+        backend, newest = min(last.items(), key=lambda kv: kv[1])
+        if time.monotonic() - newest < self._stale_after:
+            return
+        for key, stage in list(self.stages.items()):
+            if stage.backend_key != backend:
+                continue
+            del self.stages[key]
+            log.warning("Idle stage replaced by a new registration", extra={
+                "replica": key.replica, "pp_rank": key.pp_rank,
+                "idle_seconds": round(time.monotonic() - stage.last_call, 1)})
+            stage.close()
 
     def _retire_idle_stage(self) -> None:
         """Close the longest-idle stage if no engine called it for ``stale_after``

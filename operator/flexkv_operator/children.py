@@ -75,6 +75,8 @@ def agent_config(pool: PoolIdentity, config: PoolConfig) -> dict[str, Any]:
         # Absent for one stage: the agent.yaml (and config hash) of such pools is unchanged.
         **({"maxStages": config.max_stages} if config.max_stages != 1 else {}),
         # Absent unless set: the agent.yaml (and config hash) of other pools is unchanged.
+        **({"tierShares": config.tier_shares} if config.tier_shares is not None else {}),
+        # Absent unless set: the agent.yaml (and config hash) of other pools is unchanged.
         **({"kvEvents": {"endpoint": f"tcp://*:{config.kv_events.port}",
                          "blockHash": config.kv_events.block_hash,
                          "hashSeed": config.kv_events.hash_seed,

@@ -103,7 +103,10 @@ class PoolConfig:
     """``spec.modelSalt``: folded into every stage's model identity by the agents."""
     expected_ranks: int
     max_stages: int
-    """``spec.maxStages``: stages one agent serves at once (its tiers split among them)."""
+    """``spec.maxStages``: stages one agent serves at once."""
+    tier_shares: int | None
+    """``spec.tierShares``: the even shares each node's tiers are split into, one per
+    backend (None: not set, the agents use ``maxStages``)."""
     image: str
     agent_user: int
     agent_group: int
@@ -139,6 +142,7 @@ def parse_pool_spec(
     engine_call_seconds = _timeouts(raw, problems)
     cache_epoch, model_salt, expected_ranks = _cache_identity(raw, problems)
     max_stages = _max_stages(raw, problems)
+    tier_shares = _tier_shares(raw, max_stages, problems)
     _check_max_unavailable(raw, problems)
     image = _agent_image(raw, default_image, problems)
     ids = _agent_ids(raw, problems)
@@ -160,6 +164,7 @@ def parse_pool_spec(
         model_salt=model_salt,
         expected_ranks=expected_ranks,
         max_stages=max_stages,
+        tier_shares=tier_shares,
         image=image,
         agent_user=ids["runAsUser"],
         agent_group=ids["runAsGroup"],
@@ -342,6 +347,27 @@ def _max_stages(raw: dict[str, Any], problems: Problems) -> int:
             "stages one node runs, e.g. 8 for eight single-GPU replicas)"))
         stages = 1
     return int(stages)
+
+
+def _tier_shares(raw: dict[str, Any], max_stages: int, problems: Problems) -> int | None:
+    """``spec.tierShares`` (1..64, at most ``maxStages``; None when not set): the
+    even shares each node's tier sizes are split into, one per backend (replicas
+    of one model share one)."""
+    if "tierShares" not in raw:
+        return None
+    shares = raw["tierShares"]
+    if not isinstance(shares, int) or isinstance(shares, bool) or not 1 <= shares <= 64:
+        problems.append(ConfigProblem(
+            "tierShares", f"{shares!r} must be an integer in 1..64 (the backends one node "
+            "holds: 1 for replicas of one model, more for several models or PP stages)"))
+        return None
+    if shares > max_stages:
+        problems.append(ConfigProblem(
+            "tierShares", f"{shares} is above maxStages {max_stages}: an agent serves at "
+            "most maxStages stages, so at most that many backends; lower tierShares or "
+            f"raise maxStages to at least {shares}"))
+        return None
+    return int(shares)
 
 
 _KV_EVENT_HASHES = ("vllm-sha256", "agent")

@@ -101,11 +101,22 @@ def test_quantities(text: object, value: int) -> None:
      "timeouts.fanoutWaitSeconds: 5 is not below timeouts.engineCallSeconds 5"),
     ({"timeouts": {"engineCallSeconds": 0.04, "fanoutWaitSeconds": 0.01}},
      "timeouts.engineCallSeconds 0.04 leaves no time after the"),
+    ({"maxStages": 2, "tierShares": 3},
+     "tierShares: 3 is above maxStages 2; the tier sizes are split into one share per "
+     "backend and the agent serves at most maxStages of them: lower tierShares, or raise "
+     "maxStages to at least 3"),
+    ({"maxStages": 4, "tierShares": 0}, "tierShares: 0 is out of range; use a value between 1"),
 ])
 def test_invalid_values_name_key_value_and_fix(data: dict[str, object], fragment: str) -> None:
     with pytest.raises(ConfigError) as err:
         config_from_mapping(data)
     assert fragment in str(err.value)
+
+
+def test_tier_shares_default_to_max_stages() -> None:
+    assert config_from_mapping({"maxStages": 4}).shares == 4
+    assert config_from_mapping({"maxStages": 4, "tierShares": 1}).shares == 1
+    assert config_from_mapping({}).shares == 1
 
 
 def test_bad_environment_value_is_rejected_with_the_key() -> None:

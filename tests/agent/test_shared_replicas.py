@@ -376,3 +376,63 @@ def test_a_new_cache_epoch_flushes_the_blocks_every_replica_of_the_model_shares(
     fill(b.bufs, SRC, SEED_B)
     store_and_wait(b.client, "again", PROMPT, SRC)
     assert same(lookup_and_load(a, "again", PROMPT, np.arange(64, 80)), content(SEED_B, SRC))
+
+
+def test_replicas_of_one_model_on_one_tier_share_hold_the_whole_budget_until_they_are_gone(
+        agent_of: Callable[..., AgentProc], engines: Callable[..., Engine]) -> None:
+    # maxStages 4 but one tier share: the one backend of model X's replicas gets
+    # the whole 32-block CPU tier, not a quarter of it.
+    budget = BLOCK * 32
+    agent = agent_of(maxStages=4, tierShares=1,
+                     tiers={"cpu": {"size": budget, "pinned": False}})
+    reps = [engines(agent.socket, RankInfo(f"rep-{i}", model=MODEL_X)) for i in range(3)]
+    big = np.arange(5000, 5000 + 16 * LAYOUT.tokens_per_block, dtype=np.int64)
+    slots = np.arange(0, len(big))
+    dst = np.arange(128, 128 + len(big))
+    fill(reps[0].bufs, slots, SEED_A)
+    store_and_wait(reps[0].client, "big", big, slots)
+    # 16 blocks, twice a quarter of the budget: all of them stay cached, and another
+    # replica loads them bit-exact.
+    assert reps[2].client.lookup("get1", big) == len(big)
+    assert reps[2].client.retrieve("get1", dst) == len(big)
+    assert same(read(reps[2].bufs, dst), content(SEED_A, slots))
+    status = agent.status()
+    assert status["tiers"]["cpu"] == {"capacityBytes": budget, "usedBytes": BLOCK * 16}
+    assert {s["replica"]: s["tiers"]["cpu"] for s in status["stages"]} == {
+        f"rep-{i}": {"capacityBytes": budget, "usedBytes": BLOCK * 16} for i in range(3)}
+    # A replica of another model needs a backend of its own: refused although
+    # maxStages has room, naming tierShares, maxStages and the fix.
+    other = engines(agent.socket, RankInfo("other", model=MODEL_Y), register=False)
+    with pytest.raises(ValueError) as refused:
+        other.register()
+    message = str(refused.value)
+    assert "all tierShares (1) shares of the agent's tiers are held" in message, message
+    assert "(maxStages 4): raise tierShares" in message, message
+    assert sorted(stages_of(agent)) == ["rep-0", "rep-1", "rep-2"]
+    # A fourth replica of the model joins its backend.
+    reps.append(engines(agent.socket, RankInfo("rep-3", model=MODEL_X)))
+    assert reps[3].client.lookup("get2", big) == len(big)
+    reps[3].client.release("get2")
+    # Once no replica of the model called for the lease duration, the registration
+    # retires all of them, which frees the share: the other model's backend gets
+    # the whole budget in turn.
+
+    def registered() -> bool:
+        try:
+            other.register()
+            return True
+        except ValueError as exc:
+            # Refused for lack of a stage (four served) or of a tier share.
+            assert "maxStages" in str(exc), exc
+            return False
+
+    wait_for(registered, "the idle replicas of model X retired for another model", timeout=60)
+    assert sorted(stages_of(agent)) == ["other"]
+    assert other.client.lookup("peek", big) == 0
+    other.client.release("peek")
+    fill(other.bufs, slots, SEED_B)
+    store_and_wait(other.client, "big-y", big, slots)
+    assert other.client.lookup("get3", big) == len(big)
+    assert other.client.retrieve("get3", dst) == len(big)
+    assert same(read(other.bufs, dst), content(SEED_B, slots))
+    assert agent.status()["tiers"]["cpu"] == {"capacityBytes": budget, "usedBytes": BLOCK * 16}

@@ -262,3 +262,42 @@ def test_each_shared_backend_recovers_only_its_own_model_s_persisted_blocks_afte
         assert all(got.equal(want) for got, want in zip(
             token_rows(LAYOUT, bufs, np.arange(32, 40)), expected[replica], strict=True)), replica
         stage.shutdown()
+
+
+def test_a_tier_share_is_held_per_backend_and_sized_by_tier_shares() -> None:
+    from node_agent.assembly import StageDeps, backend_key, default_stage_builder, stage_share
+    from node_agent.config import config_from_mapping
+    from node_agent.engine_api.identity import ModelIdentity
+    from node_agent.engine_api.service import RankRef
+    from node_agent.metrics import AgentMetrics
+
+    x = ModelIdentity(served_name="m", model="/models/x", revision="v1").digest()
+    y = ModelIdentity(served_name="m", model="/models/y", revision="v1").digest()
+
+    def deps(**cfg: object) -> StageDeps:
+        data = {"pool": "p", "nodeName": "n", "tokensPerBlock": LAYOUT.tokens_per_block,
+                "maxStages": 4, "tiers": {"cpu": {"size": "64Mi"}}, **cfg}
+        return StageDeps(cfg=config_from_mapping(data), metrics=AgentMetrics(),
+                         remote_pool=None, key_epoch=lambda: 0,
+                         shared=SharedBackends(lambda: 0))
+
+    d = deps(tierShares=1)
+    key = {name: backend_key(d, rank, LAYOUT) for name, rank in {
+        "a": RankRef("a", 0, 1, 0, 1, x), "b": RankRef("b", 0, 1, 0, 1, x),
+        "y": RankRef("y", 0, 1, 0, 1, y), "anon": RankRef("anon", 0, 1, 0, 1),
+        "anon2": RankRef("anon2", 0, 1, 0, 1), "pp0": RankRef("pp", 0, 2, 0, 1, x),
+        "pp1": RankRef("pp", 1, 2, 0, 1, x)}.items()}
+    # Replicas of one model hold one share; every other stage holds its own.
+    assert key["a"] == key["b"]
+    assert len({key[n] for n in ("a", "y", "anon", "anon2", "pp0", "pp1")}) == 6
+    # The tier sizes are split into tierShares shares (absent: maxStages).
+    assert stage_share(d.cfg).tiers.cpu.size == 64 << 20
+    assert stage_share(deps().cfg).tiers.cpu.size == 16 << 20
+    assert stage_share(deps(tierShares=2).cfg).tiers.cpu.size == 32 << 20
+    # A block that does not fit one share is refused naming tierShares and the fix.
+    tiny = deps(maxStages=4, tierShares=2,
+                tiers={"cpu": {"size": LAYOUT.bytes_per_block, "pinned": False}})
+    with pytest.raises(ValueError, match=r"each of the agent's tierShares 2 backends gets "
+                       r"1/tierShares of tiers.cpu.size and tiers.ssd.size; raise the sizes "
+                       r"or lower tierShares"):
+        default_stage_builder(tiny, RankRef("a", 0, 1, 0, 1, x), LAYOUT)

@@ -10,7 +10,11 @@ from typing import Any
 
 import pytest
 import yaml
+from flexkv_operator import children
+from flexkv_operator.children import PoolIdentity
+from flexkv_operator.spec import parse_pool_spec
 
+from node_agent.config import config_from_mapping
 from tests.chart.render import CHART, NAMESPACE, RELEASE, VALUES_CASES, Render, run_helm
 
 FULLNAME = f"{RELEASE}-flexkv-operator"
@@ -384,6 +388,12 @@ def test_several_replicas_example_has_one_agent_serve_four_engines_per_node(
     assert pool["spec"]["maxStages"] == 4
     assert pool["spec"]["expectedRanks"] == 4
     assert pool["spec"]["tokensPerBlock"] == 128
+    # Four replicas of one model hold one backend: it gets the node's whole budget.
+    assert pool["spec"]["tierShares"] == 1
+    config = parse_pool_spec(pool["spec"], "img:1")
+    agent = config_from_mapping(children.agent_config(
+        PoolIdentity("llama-8b", NAMESPACE, {}), config))
+    assert (agent.max_stages, agent.shares, agent.tiers.cpu.size) == (4, 1, 64 << 30)
 
 
 # ------------------------------------------------------------------------ NOTES

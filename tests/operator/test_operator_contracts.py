@@ -52,6 +52,8 @@ def test_rendered_agent_yaml_is_accepted_by_the_agent(example: str) -> None:
         assert agent.tiers.ssd.persist is ssd_spec.get("persist", True)
     assert agent.ports.http == config.http_port and agent.ports.fanout == config.fanout_port
     assert agent.max_stages == config.max_stages == spec.get("maxStages", 1)
+    assert agent.tier_shares == config.tier_shares == spec.get("tierShares")
+    assert agent.shares == spec.get("tierShares", spec.get("maxStages", 1))
     if "kvEvents" in spec:
         assert agent.kv_events is not None and config.kv_events is not None
         assert agent.kv_events.endpoint == f"tcp://*:{spec['kvEvents']['port']}"

@@ -156,6 +156,8 @@ def test_spec_defaults_from_the_crd() -> None:
         ({"tiers": {"cpu": {"size": 1, "pinned": False}}, "backend": "flexkv"}, "tiers.cpu.pinned"),
         ({"tiers": {"cpu": {"size": 1}}, "maxStages": 0}, "maxStages"),
         ({"tiers": {"cpu": {"size": 1}}, "maxStages": True}, "maxStages"),
+        ({"tiers": {"cpu": {"size": 1}}, "maxStages": 4, "tierShares": 0}, "tierShares"),
+        ({"tiers": {"cpu": {"size": 1}}, "maxStages": 4, "tierShares": "1"}, "tierShares"),
         ({"tiers": {"cpu": {"size": 1}}, "kvEvents": {"port": 0}}, "kvEvents.port"),
         ({"tiers": {"cpu": {"size": 1}}, "kvEvents": {"port": 8080}}, "kvEvents.port"),
         ({"tiers": {"cpu": {"size": 1}}, "kvEvents": {"port": 5558, "blockHash": "md5"}},
@@ -185,6 +187,31 @@ def test_kv_events_are_rendered_only_when_set_and_open_a_named_container_port() 
     # Turning events on changes the agents' config hash (they restart with it); a pool
     # without them keeps the hash it had.
     assert children.config_hash(POOL, on) != children.config_hash(POOL, plain)
+
+
+def test_tier_shares_above_max_stages_is_refused_naming_both_and_the_fix() -> None:
+    with pytest.raises(ConfigInvalid) as info:
+        parse_pool_spec({"tiers": {"cpu": {"size": 1}}, "maxStages": 2, "tierShares": 3},
+                        "img:1")
+    assert [p.field for p in info.value.problems] == ["tierShares"]
+    assert "spec.tierShares: 3 is above maxStages 2" in str(info.value)
+    assert "lower tierShares or raise maxStages to at least 3" in str(info.value)
+
+
+def test_tier_shares_are_rendered_only_when_set() -> None:
+    plain = _config(maxStages=4)
+    assert plain.tier_shares is None
+    doc = yaml.safe_load(children.render_config_map(POOL, plain)["data"]["agent.yaml"])
+    assert "tierShares" not in doc and doc["maxStages"] == 4
+
+    one = _config(maxStages=4, tierShares=1)
+    doc = yaml.safe_load(children.render_config_map(POOL, one)["data"]["agent.yaml"])
+    assert doc["tierShares"] == 1 and doc["maxStages"] == 4
+    # Setting it changes the agents' config hash (they restart with it); a pool
+    # without it keeps the hash it had.
+    assert children.config_hash(POOL, one) != children.config_hash(POOL, plain)
+    assert children.config_hash(POOL, plain) == children.config_hash(
+        POOL, _config(maxStages=4))
 
 
 def test_missing_image_is_a_config_error() -> None:
