@@ -9,8 +9,9 @@ stage 1 makes its calls (vLLM-free: runs in the main venv)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ import torch
 from node_agent.client import EngineClient, RankInfo, SharedKVBuffers
 from node_agent.integrations.vllm.config import AgentConnectorConfig
 from node_agent.integrations.vllm.scheduler_side import SchedulerSide, block_slots
-from node_agent.integrations.vllm.stage_calls import StageCaller
+from node_agent.integrations.vllm.stage_calls import StageCaller, StageOp
 from node_agent.pp.auth import CurveKeys
 from tests.agent.harness import (
     LAYOUT,
@@ -104,8 +105,10 @@ class Steps:
         return got[0]
 
 
-async def test_a_load_is_reported_only_once_every_stage_ended_it_and_never_half_loaded(
-        work: Path) -> None:
+@contextlib.asynccontextmanager
+async def group(work: Path) -> AsyncIterator[tuple[list[SharedKVBuffers], AgentConnectorConfig]]:
+    """Two agents forming the replica's PP group (stage 0's leads), each stage's KV
+    buffers registered; yields the buffers and the connector's config."""
     CurveKeys.generate().write(work / "curve")
     maps = [agent_mapping(work, f"node-{r}", groupViewFile=str(work / "groups.yaml"))
             for r in (0, 1)]
@@ -118,14 +121,26 @@ async def test_a_load_is_reported_only_once_every_stage_ended_it_and_never_half_
     conn = AgentConnectorConfig(engine_socket=str(work / "node-{ppRank}.sock"),
                                 replica=REPLICA, call_timeout_seconds=60.0,
                                 lookup_timeout_seconds=10.0, retry_seconds=0.5)
-    sched: SchedulerSide | None = None
-    stage: StageCaller | None = None
     try:
         async with running_agent(cfgs[0]) as lead, running_agent(cfgs[1]) as foll:
             for c, b in zip(regs, bufs, strict=True):
                 await asyncio.to_thread(c.register_kv_buffers, LAYOUT, b.handles)
             for ra in (lead, foll):
                 await wait_http(ra, "/readyz", 200, 30)
+            yield bufs, conn
+    finally:
+        for c in regs:
+            c.close()
+        for b in bufs:
+            b.close()
+
+
+async def test_a_load_is_reported_only_once_every_stage_ended_it_and_never_half_loaded(
+        work: Path) -> None:
+    sched: SchedulerSide | None = None
+    stage: StageCaller | None = None
+    try:
+        async with group(work) as (bufs, conn):
             sched = SchedulerSide(conn, TPB, tp_size=1, pp_size=2)
             stage = StageCaller(conn.socket_for(1), RankInfo(REPLICA, pp_rank=1, pp_size=2),
                                 TPB, timeout=60.0, retry_seconds=0.5)
@@ -166,7 +181,24 @@ async def test_a_load_is_reported_only_once_every_stage_ended_it_and_never_half_
             sched.close()
         if stage is not None:
             stage.close()
-        for c in regs:
-            c.close()
-        for b in bufs:
-            b.close()
+
+
+async def test_closing_a_stage_caller_drops_its_queued_calls(work: Path) -> None:
+    """An engine shutting down while stage 1 has calls queued: ``close`` ends the
+    thread after the call in flight, and none of the queued calls is made after it."""
+    async with group(work) as (_, conn):
+        stage = StageCaller(conn.socket_for(1), RankInfo(REPLICA, pp_rank=1, pp_size=2),
+                            TPB, timeout=5.0, retry_seconds=0.5)
+        try:
+            # Stage 0 never makes these lookups: each waits for a decision that never
+            # comes (the agent's fanoutWaitSeconds), so most stay queued.
+            tokens = np.asarray(PROMPT, dtype=np.int64)
+            stage.submit(StageOp("lookup", f"q{i}", tokens=tokens, span=(0, 4 * TPB))
+                         for i in range(20))
+            await wait_for_async(lambda: stage.calls >= 1, "stage 1's first call", 60)
+        finally:
+            await asyncio.to_thread(stage.close)
+        made = stage.calls
+        assert made < 20
+        assert not stage._thread.is_alive(), "stage 1's thread still makes queued calls after close"
+        assert stage.calls == made
