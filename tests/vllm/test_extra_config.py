@@ -55,3 +55,25 @@ def test_the_model_identity_covers_what_vllm_knows_of_the_model() -> None:
     other.revision = "v2"  # type: ignore[misc]
     assert model_identity(other, "weights-2").digest() != ident.digest()
     assert model_identity(ModelConfig(), None).digest() != ident.digest()
+
+
+@pytest.mark.parametrize("socket", [
+    "/run/flexkv/engine-{pp_rank}.sock",
+    "/run/flexkv/engine-{ppRank.sock",
+    "/run/flexkv/engine-ppRank}.sock",
+    "/run/flexkv/engine-{rank}.sock",
+])
+def test_an_engine_socket_field_other_than_pp_rank_is_refused(socket: str) -> None:
+    with pytest.raises(ConnectorConfigError) as err:
+        parse_extra_config({"engineSocket": socket})
+    text = str(err.value)
+    assert f"engineSocket is {socket!r}" in text
+    assert "{ppRank}" in text
+
+
+def test_the_pp_rank_field_names_each_stage_socket() -> None:
+    cfg = parse_extra_config({"engineSocket": "/run/flexkv/engine-{ppRank}.sock"})
+    assert [cfg.socket_for(r) for r in range(3)] == [
+        "/run/flexkv/engine-0.sock", "/run/flexkv/engine-1.sock", "/run/flexkv/engine-2.sock"]
+    plain = parse_extra_config({"engineSocket": "ipc:///run/flexkv/engine.sock"})
+    assert plain.socket_for(1) == "ipc:///run/flexkv/engine.sock"

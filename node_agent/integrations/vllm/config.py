@@ -89,8 +89,22 @@ def parse_extra_config(raw: Mapping[str, Any] | None) -> AgentConnectorConfig:
             raise ConnectorConfigError(
                 f"kv_connector_extra_config.{key} is {value!r}; it must be {fix}"
             )
+        if key == "engineSocket":
+            _check_socket_fields(value)
         values[field] = float(value) if types == (int, float) else value
     return AgentConnectorConfig(**values)
+
+
+def _check_socket_fields(socket: str) -> None:
+    """Refuse a brace in ``engineSocket`` outside the ``{ppRank}`` field: a misspelt
+    field would otherwise stay in the path, and every stage would look for an agent
+    socket literally named so."""
+    if "{" in socket.replace(PP_RANK_FIELD, "") or "}" in socket.replace(PP_RANK_FIELD, ""):
+        raise ConnectorConfigError(
+            f"kv_connector_extra_config.engineSocket is {socket!r}; the only field it may "
+            f"contain is {PP_RANK_FIELD} (replaced by each stage's PP rank), e.g. "
+            "/run/flexkv/engine-{ppRank}.sock"
+        )
 
 
 def model_identity(model_config: Any, salt: str | None) -> ModelIdentity:

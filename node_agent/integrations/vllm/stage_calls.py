@@ -89,6 +89,7 @@ class StageCaller:
         self._lock = threading.Lock()
         self._ended: set[str] = set()
         self._stores: dict[str, float] = {}  # rid -> when its store started
+        self._closing = threading.Event()
         self.calls = 0
         self._thread = threading.Thread(target=self._loop, name="flexkv-stage-calls",
                                         daemon=True)
@@ -112,7 +113,7 @@ class StageCaller:
                     timeout=POLL_SECONDS if self._stores else None)
             except queue.Empty:
                 op = _POLL
-            if op is None:
+            if op is None or self._closing.is_set():
                 return
             if op is not _POLL:
                 self._call(op)
@@ -166,7 +167,11 @@ class StageCaller:
                 del self._stores[rid]
 
     def close(self) -> None:
-        """Stop the thread (bounded by one call) and close the sockets."""
+        """Stop the thread (bounded by one call) and close the sockets. The calls still
+        queued are dropped, never made: the engine is going away."""
+        self._closing.set()
+        with self._ops.mutex:
+            self._ops.queue.clear()
         self._ops.put(None)
         self.health.close()
         self._thread.join(timeout=self.timeout + 1.0)
