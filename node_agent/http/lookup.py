@@ -108,8 +108,14 @@ def parse_lookup(body: bytes) -> LookupRequest:
     # numpy reads true as 1: look for booleans only when the body holds one (cheap).
     has_bool = (b"true" in body or b"false" in body) and any(type(v) is bool for v in raw)
     if len(raw) and (has_bool or arr.dtype.kind not in "iu" or arr.ndim != 1):
+        # numpy holds ints beyond 64 bits (or a mix of negative and beyond int64) as
+        # objects: name the first value out of range, not an integer that is fine.
         where, bad = next(((i, v) for i, v in enumerate(raw)
-                           if isinstance(v, bool) or not isinstance(v, int)), (0, raw[0]))
+                           if isinstance(v, bool) or not isinstance(v, int)
+                           or not 0 <= v <= _INT64_MAX), (0, raw[0]))
+        if type(bad) is int:
+            raise _bad(f"tokenIds[{where}]: {bad} is out of range; token ids are "
+                       f"between 0 and {_INT64_MAX}")
         raise _bad(f"tokenIds[{where}]: {bad!r} is not an integer token id; send integers "
                    f"between 0 and {_INT64_MAX}")
     if len(raw) and (int(arr.min()) < 0 or int(arr.max()) > _INT64_MAX):

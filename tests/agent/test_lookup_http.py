@@ -146,6 +146,8 @@ def test_an_engine_lookup_after_http_lookups_still_hits_and_counts_alone(work: P
     ({"tokenIds": [1, 2.5]}, 400, r"^tokenIds\[1\]: 2.5 is not an integer token id"),
     ({"tokenIds": [1, True]}, 400, r"^tokenIds\[1\]: True is not an integer token id"),
     ({"tokenIds": [1, -3]}, 400, r"^tokenIds\[1\]: -3 is out of range"),
+    ({"tokenIds": [1, 2**70]}, 400, r"^tokenIds\[1\]: 1180591620717411303424 is out of range"),
+    ({"tokenIds": [1, -1, 2**64 - 1]}, 400, r"^tokenIds\[1\]: -1 is out of range"),
     ({"tokenIds": [1], "ppRank": -1}, 400, r"^ppRank: -1 is not a pipeline stage rank"),
     ({"tokenIds": [1], "replica": 7}, 400, r"^replica: 7 is not a replica name"),
     ({"tokenIds": [1], "tokens": [1]}, 400, r"^tokens: unknown field; allowed fields are"),
