@@ -16,9 +16,10 @@ of the longest cached prefix of ``tokenIds`` held by each local tier::
 
 It is read-only: no task, no pin, no LRU touch, no decision lock, no fetch from the
 remote tier (which it does not consult). A bad body is a 400 naming the field,
-the bad value and the fix; an unknown stage a 404 listing the known ones; a stage
-that cannot answer now (not its group's leader on this node, or a backend that
-cannot be read without a decision) a 409.
+the bad value and the fix; a body over :data:`MAX_BODY_BYTES` a 413 (refused
+before it is buffered, so a huge body costs the agent no memory); an unknown stage
+a 404 listing the known ones; a stage that cannot answer now (not its group's
+leader on this node, or a backend that cannot be read without a decision) a 409.
 """
 
 from __future__ import annotations
@@ -51,10 +52,23 @@ class LookupRequest:
 
 _KEYS = ("tokenIds", "replica", "ppRank")
 _INT64_MAX = 2**63 - 1
+#: The largest body a lookup reads: 4Mi int64 token ids (a JSON body of that many
+#: ids is larger, so JSON holds fewer). A larger one is refused before it is read.
+MAX_BODY_BYTES = 32 * 2**20
 
 
 def _bad(message: str) -> LookupRequestError:
     return LookupRequestError(400, message)
+
+
+def body_too_large(size: int | None) -> LookupRequestError:
+    """The 413 for a body over :data:`MAX_BODY_BYTES` (``size`` bytes, None: not known
+    yet, more than the limit arrived)."""
+    what = f"{size} bytes" if size is not None else "more bytes"
+    return LookupRequestError(
+        413, f"body: {what} is over the {MAX_BODY_BYTES}-byte limit of a lookup; send the "
+        "token ids as little-endian int64 (Content-Type: application/octet-stream, 8 bytes "
+        f"a token, at most {MAX_BODY_BYTES // 8} tokens) or look up a shorter prefix")
 
 
 def parse_lookup_binary(body: bytes, query: Mapping[str, str]) -> LookupRequest:

@@ -6,6 +6,8 @@ was looked up), and a clear 4xx naming the bad field for a bad body.
 
 from __future__ import annotations
 
+import http.client
+import json
 import re
 import shutil
 from collections.abc import Iterator
@@ -17,6 +19,7 @@ import numpy as np
 import pytest
 
 from node_agent.client import EngineClient, RankInfo, SharedKVBuffers
+from node_agent.http.lookup import MAX_BODY_BYTES
 from tests.agent.harness import LAYOUT, TPB, AgentProcess, agent_process, short_dir
 from tests.support.waiting import wait_for
 
@@ -180,6 +183,44 @@ def test_bad_int64_bodies_get_a_400_naming_the_field(
                    headers={"content-type": "application/octet-stream"})
     assert r.status_code == 400, r.text
     assert re.search(message, r.json()["error"]), r.json()["error"]
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read(
+        agent_with_stage: AgentProcess) -> None:
+    url = httpx.URL(agent_with_stage.url)
+    # Declared too long: refused on its headers, the body never sent.
+    conn = http.client.HTTPConnection(url.host, url.port, timeout=30)
+    try:
+        conn.putrequest("POST", "/v1/lookup")
+        conn.putheader("Content-Type", "application/octet-stream")
+        conn.putheader("Content-Length", str(MAX_BODY_BYTES + 8))
+        conn.endheaders()
+        r = conn.getresponse()
+        assert r.status == 413
+        error = json.loads(r.read())["error"]
+        assert error.startswith(f"body: {MAX_BODY_BYTES + 8} bytes is over the "
+                                f"{MAX_BODY_BYTES}-byte limit of a lookup; send"), error
+    finally:
+        conn.close()
+    # No declared length (chunked): refused once the bytes received pass the limit.
+    chunk = bytes(2**20)
+    chunks = [chunk] * (MAX_BODY_BYTES // len(chunk)) + [bytes(8)]
+    conn = http.client.HTTPConnection(url.host, url.port, timeout=30)
+    try:
+        conn.request("POST", "/v1/lookup", body=iter(chunks), encode_chunked=True,
+                     headers={"Content-Type": "application/octet-stream"})
+        r = conn.getresponse()
+        assert r.status == 413
+        error = json.loads(r.read())["error"]
+        assert error.startswith(f"body: more bytes is over the {MAX_BODY_BYTES}-byte limit"), \
+            error
+    finally:
+        conn.close()
+    # A body of exactly the limit is read and answered.
+    r = httpx.post(agent_with_stage.url + "/v1/lookup", content=bytes(MAX_BODY_BYTES),
+                   headers={"content-type": "application/octet-stream"}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["queriedTokens"] == MAX_BODY_BYTES // 8
 
 
 @pytest.fixture(scope="module")
