@@ -7,6 +7,11 @@ Contract:
   data path: each is one ``put_nowait`` of a tuple. When the queue is full the
   item is dropped and counted (``flexkv_agent_kv_events_dropped_total``); a store
   is never delayed.
+* A dropped move or clear would leave a subscriber holding blocks that are gone
+  (and the sender remembering them for ever): the sender then ends its next
+  batch with ``AllBlocksCleared`` and forgets every announced block, so what a
+  subscriber holds stays a subset of the cache. A dropped store only leaves its
+  blocks (and the runs stored on top of them) unannounced.
 * The sender thread turns items into events (hashing blocks the vLLM way when
   configured), sends every item it finds queued as one ``KVEventBatch`` with the
   next sequence number, and skips one sequence number after any drop, so a
@@ -89,6 +94,10 @@ class StageEvents:
         """The stage closed (after its last :meth:`cleared`): the publisher stops
         counting it among its stages."""
         self._publisher.forget(self)
+
+    def forget_blocks(self) -> None:
+        """Forget every announced block (sender thread: the stream was cleared)."""
+        self._blocks = {}
 
     # -- sender thread ---------------------------------------------------------------------
 
@@ -180,6 +189,9 @@ class KvEventPublisher:
         self._stages_lock = threading.Lock()
         self.dropped = 0
         """Items dropped because the queue was full (since start)."""
+        self.dropped_removals = 0
+        """Of :attr:`dropped`, the moves and clears (they take blocks back)."""
+        self._cleared_removals = 0
         self.unannounced = 0
         """Stored blocks not announced because their parent's hash was unknown."""
         self.seq = 0
@@ -261,6 +273,8 @@ class KvEventPublisher:
             self._queue.put_nowait(item)
             return True
         except queue.Full:
+            if item[1] != _STORED:
+                self.dropped_removals += 1
             self.dropped += 1
             if self._metrics is not None:
                 self._metrics.kv_events_dropped.inc()
@@ -311,6 +325,18 @@ class KvEventPublisher:
         if drops != self._sent_drops:  # a gap tells subscribers they missed events
             self._sent_drops = drops
             self.seq += 1
+        removals = self.dropped_removals
+        if removals != self._cleared_removals:
+            # A block taken back without its event: nobody can tell which, so every
+            # announced block is taken back (a subscriber misses, never holds a lie).
+            self._cleared_removals = removals
+            with self._stages_lock:
+                stages = list(self._stages)
+            for st in stages:
+                st.forget_blocks()
+            events.append(wire.all_blocks_cleared())
+            log.warning("KV events lost a removal: every announced block cleared",
+                        extra={"dropped_removals": removals})
         if not events or self._pub is None:
             return
         payload = wire.encode_batch(time.time(), events)

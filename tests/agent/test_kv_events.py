@@ -273,6 +273,76 @@ def test_a_full_queue_drops_and_counts_and_the_next_batch_skips_a_sequence_numbe
         pub.close()
 
 
+def test_a_lost_removal_clears_every_announced_block_so_no_subscriber_keeps_a_gone_one(
+        ) -> None:
+    """A subscriber applying the stream never holds a block the stage dropped, even
+    when the queue was full when the block was dropped; the sender forgets the
+    announced blocks too (a later move of one announces nothing)."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    pub = KvEventPublisher(endpoint, queue_size=1, block_hash="agent")
+    stage = pub.stage(TPB)
+    pub.open()
+    sub = Subscriber(endpoint)
+    held: dict[int, str] = {}  # what a router applying the events believes is cached
+
+    def apply(events: list[dict[str, Any]]) -> None:
+        for e in events:
+            if e["type"] == "BlockStored":
+                held.update((h, e["medium"]) for h in e["block_hashes"])
+            elif e["type"] == "BlockRemoved":
+                for h in e["block_hashes"]:
+                    held.pop(h, None)
+            else:
+                held.clear()
+
+    def until_stored(marker: int, tokens: np.ndarray) -> list[dict[str, Any]]:
+        """Store block ``marker`` (again while the one-item queue drops it) and
+        apply the events up to its ``BlockStored``."""
+        seen: list[dict[str, Any]] = []
+
+        def announced() -> bool:
+            if not sub.sock.poll(0):
+                stage.stored([marker], None, tokens)
+            if sub.sock.poll(200):
+                seen.extend(sub.take()[1])
+            return any(marker in e["block_hashes"] for e in seen
+                       if e["type"] == "BlockStored")
+
+        wait_for(announced, f"block {marker} was announced", timeout=60, interval=0)
+        apply(seen)
+        return seen
+
+    try:
+        warm = iter(range(10_000, 20_000))
+
+        def subscribed() -> bool:
+            stage.stored([next(warm)], None, prompt(9, blocks=1))
+            return bool(sub.sock.poll(200))
+
+        wait_for(subscribed, "the subscriber received a first event batch", timeout=60,
+                 interval=0)
+        until_stored(1, prompt(8, blocks=1))
+        held.clear()  # from here on only blocks 2..5 matter
+        with pub._stages_lock:  # the sender stops at its next batch: the queue fills
+            stage.stored([2, 3], None, prompt(1, blocks=2))
+            wait_for(pub._queue.empty, "the sender took the first store", timeout=30)
+            stage.stored([4], None, prompt(2, blocks=1))
+            stage.moved(3, "cpu", None)  # the queue is full: this removal is lost
+            assert pub.dropped == 1
+        until_stored(5, prompt(3, blocks=1))
+        truth = {2, 4, 5}
+        assert set(held) <= truth, f"the subscriber holds dropped blocks {set(held) - truth}"
+        # The sender forgot every block announced before the loss: a later spill of
+        # one announces nothing (it would name a block nobody was told about).
+        wait_for(pub._queue.empty, "the sender took every queued item", timeout=30)
+        stage.moved(2, "cpu", "ssd")
+        later = until_stored(6, prompt(4, blocks=1))
+        assert not [e for e in later if 2 in e.get("block_hashes", ())], later
+    finally:
+        sub.close()
+        pub.close()
+
+
 def test_the_sender_hashes_the_vllm_way_as_bytes_or_ints_or_passes_the_agents_hashes() -> None:
     """What the sender thread makes of one stored run (no socket: ``translate`` is
     the sender's step), for each ``blockHash`` / ``intBlockHashes`` choice."""
