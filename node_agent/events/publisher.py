@@ -7,7 +7,8 @@ Contract:
   data path: each is one ``put_nowait`` of a tuple. When the queue is full the
   item is dropped and counted (``flexkv_agent_kv_events_dropped_total``); a store
   is never delayed.
-* A dropped move or clear would leave a subscriber holding blocks that are gone
+* A dropped move or clear (or a batch the sender failed to translate or send)
+  would leave a subscriber holding blocks that are gone
   (and the sender remembering them for ever): the sender then ends its next
   batch with ``AllBlocksCleared`` and forgets every announced block, so what a
   subscriber holds stays a subset of the cache. A dropped store only leaves its
@@ -306,6 +307,20 @@ class KvEventPublisher:
                 self._send(items)
             except Exception:  # keep publishing: one bad item must not end the stream
                 log.exception("KV event batch not sent", extra={"items": len(items)})
+                self._lost(len(items))
+
+    def _lost(self, items: int) -> None:
+        """A batch of ``items`` failed (sender thread): it may have held removals, so
+        it counts as a lost removal, and a batch with the gap and ``AllBlocksCleared``
+        goes out at once."""
+        self.dropped += 1
+        self.dropped_removals += 1
+        if self._metrics is not None:
+            self._metrics.kv_events_dropped.inc(items)
+        try:
+            self._send([])
+        except Exception:
+            log.exception("KV event clear not sent after a failed batch")
 
     def _send(self, items: list[tuple[Any, ...] | None]) -> None:
         events: list[wire.Event] = []

@@ -11,6 +11,7 @@ a full queue drops and counts, never blocks a store.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import pickle
 import re
@@ -27,7 +28,7 @@ import yaml
 import zmq
 
 from node_agent.client import EngineClient, RankInfo, SharedKVBuffers
-from node_agent.events import KvEventPublisher
+from node_agent.events import KvEventPublisher, StageEvents
 from node_agent.metrics import AgentMetrics
 from tests.agent.harness import LAYOUT, TPB, AgentProcess, agent_process, short_dir
 from tests.support.ports import free_port
@@ -273,6 +274,57 @@ def test_a_full_queue_drops_and_counts_and_the_next_batch_skips_a_sequence_numbe
         pub.close()
 
 
+class RouterView:
+    """A router's view of an in-process publisher's stream: the blocks it believes
+    are cached (hash -> medium), built by applying every event it received."""
+
+    def __init__(self, pub: KvEventPublisher, stage: StageEvents, endpoint: str) -> None:
+        self.pub, self.stage = pub, stage
+        self.sub = Subscriber(endpoint)
+        self.held: dict[int, str] = {}
+        self.seqs: list[int] = []
+        warm = iter(range(10_000, 20_000))
+
+        def subscribed() -> bool:
+            stage.stored([next(warm)], None, prompt(9, blocks=1))
+            return bool(self.sub.sock.poll(200))
+
+        wait_for(subscribed, "the subscriber received a first event batch", timeout=60,
+                 interval=0)
+
+    def apply(self, events: list[dict[str, Any]]) -> None:
+        for e in events:
+            if e["type"] == "BlockStored":
+                self.held.update((h, e["medium"]) for h in e["block_hashes"])
+            elif e["type"] == "BlockRemoved":
+                for h in e["block_hashes"]:
+                    self.held.pop(h, None)
+            else:
+                self.held.clear()
+
+    def until_stored(self, marker: int, tokens: np.ndarray) -> list[dict[str, Any]]:
+        """Store block ``marker`` (again while a small queue drops it) and apply the
+        events received up to its ``BlockStored``; returns them."""
+        seen: list[dict[str, Any]] = []
+
+        def announced() -> bool:
+            if not self.sub.sock.poll(0):
+                self.stage.stored([marker], None, tokens)
+            if self.sub.sock.poll(200):
+                seq, batch = self.sub.take()
+                self.seqs.append(seq)
+                seen.extend(batch)
+            return any(marker in e["block_hashes"] for e in seen
+                       if e["type"] == "BlockStored")
+
+        wait_for(announced, f"block {marker} was announced", timeout=60, interval=0)
+        self.apply(seen)
+        return seen
+
+    def close(self) -> None:
+        self.sub.close()
+
+
 def test_a_lost_removal_clears_every_announced_block_so_no_subscriber_keeps_a_gone_one(
         ) -> None:
     """A subscriber applying the stream never holds a block the stage dropped, even
@@ -282,64 +334,61 @@ def test_a_lost_removal_clears_every_announced_block_so_no_subscriber_keeps_a_go
     pub = KvEventPublisher(endpoint, queue_size=1, block_hash="agent")
     stage = pub.stage(TPB)
     pub.open()
-    sub = Subscriber(endpoint)
-    held: dict[int, str] = {}  # what a router applying the events believes is cached
-
-    def apply(events: list[dict[str, Any]]) -> None:
-        for e in events:
-            if e["type"] == "BlockStored":
-                held.update((h, e["medium"]) for h in e["block_hashes"])
-            elif e["type"] == "BlockRemoved":
-                for h in e["block_hashes"]:
-                    held.pop(h, None)
-            else:
-                held.clear()
-
-    def until_stored(marker: int, tokens: np.ndarray) -> list[dict[str, Any]]:
-        """Store block ``marker`` (again while the one-item queue drops it) and
-        apply the events up to its ``BlockStored``."""
-        seen: list[dict[str, Any]] = []
-
-        def announced() -> bool:
-            if not sub.sock.poll(0):
-                stage.stored([marker], None, tokens)
-            if sub.sock.poll(200):
-                seen.extend(sub.take()[1])
-            return any(marker in e["block_hashes"] for e in seen
-                       if e["type"] == "BlockStored")
-
-        wait_for(announced, f"block {marker} was announced", timeout=60, interval=0)
-        apply(seen)
-        return seen
-
+    view = RouterView(pub, stage, endpoint)
     try:
-        warm = iter(range(10_000, 20_000))
-
-        def subscribed() -> bool:
-            stage.stored([next(warm)], None, prompt(9, blocks=1))
-            return bool(sub.sock.poll(200))
-
-        wait_for(subscribed, "the subscriber received a first event batch", timeout=60,
-                 interval=0)
-        until_stored(1, prompt(8, blocks=1))
-        held.clear()  # from here on only blocks 2..5 matter
+        view.until_stored(1, prompt(8, blocks=1))
+        view.held.clear()  # from here on only blocks 2..5 matter
         with pub._stages_lock:  # the sender stops at its next batch: the queue fills
             stage.stored([2, 3], None, prompt(1, blocks=2))
             wait_for(pub._queue.empty, "the sender took the first store", timeout=30)
             stage.stored([4], None, prompt(2, blocks=1))
             stage.moved(3, "cpu", None)  # the queue is full: this removal is lost
             assert pub.dropped == 1
-        until_stored(5, prompt(3, blocks=1))
+        view.until_stored(5, prompt(3, blocks=1))
         truth = {2, 4, 5}
-        assert set(held) <= truth, f"the subscriber holds dropped blocks {set(held) - truth}"
+        assert set(view.held) <= truth, f"the subscriber holds dropped blocks " \
+            f"{set(view.held) - truth}"
         # The sender forgot every block announced before the loss: a later spill of
         # one announces nothing (it would name a block nobody was told about).
         wait_for(pub._queue.empty, "the sender took every queued item", timeout=30)
         stage.moved(2, "cpu", "ssd")
-        later = until_stored(6, prompt(4, blocks=1))
+        later = view.until_stored(6, prompt(4, blocks=1))
         assert not [e for e in later if 2 in e.get("block_hashes", ())], later
     finally:
-        sub.close()
+        view.close()
+        pub.close()
+
+
+def test_a_batch_the_sender_cannot_translate_is_reported_as_a_gap_and_a_clear() -> None:
+    """An item the sender fails on loses its whole batch (a removal in it too): the
+    subscriber sees a sequence gap and AllBlocksCleared right away, so it holds no
+    block that is gone, and the stream goes on."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    pub = KvEventPublisher(endpoint, block_hash="agent")
+    stage = pub.stage(TPB)
+    pub.open()
+    view = RouterView(pub, stage, endpoint)
+    try:
+        view.until_stored(1, prompt(8, blocks=1))
+        view.until_stored(2, prompt(7, blocks=1))
+        view.held.clear()
+        view.until_stored(3, prompt(6, blocks=1))
+        assert view.held == {3: "CPU"}
+        before, seen = view.seqs[-1], len(view.seqs)
+        with pub._stages_lock:  # the sender stops at its next batch: one batch below
+            stage.stored([4], None, prompt(5, blocks=1))
+            wait_for(pub._queue.empty, "the sender took the first store", timeout=30)
+            stage.moved(3, "cpu", None)
+            stage.stored([5], None, np.array(["not a token"] * TPB))  # fails the batch
+        view.until_stored(6, prompt(4, blocks=1))
+        assert 3 not in view.held, "the subscriber still holds a dropped block"
+        assert set(view.held) <= {4, 6}
+        assert pub.dropped >= 1
+        after = [before, *view.seqs[seen:]]
+        assert any(b - a > 1 for a, b in itertools.pairwise(after)), \
+            f"no sequence gap after the failed batch: {after}"
+    finally:
+        view.close()
         pub.close()
 
 
