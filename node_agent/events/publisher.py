@@ -27,6 +27,7 @@ Contract:
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -51,6 +52,10 @@ _LOW64 = (1 << 64) - 1
 
 _STORED, _MOVED, _CLEARED = 0, 1, 2
 _MEDIUM = {"cpu": wire.MEDIUM_CPU, "ssd": wire.MEDIUM_SSD, "remote": wire.MEDIUM_REMOTE}
+
+
+class KvEventsBindError(RuntimeError):
+    """The events endpoint cannot be bound (the message names it and the fix)."""
 
 
 class _Block:
@@ -206,18 +211,23 @@ class KvEventPublisher:
     # -- lifecycle (an HTTP lifespan service) -------------------------------------------------
 
     def open(self) -> None:
-        """Bind the PUB socket and start the sender thread; ``zmq.ZMQError`` when the
-        endpoint cannot be bound."""
+        """Bind the PUB socket and start the sender thread; :class:`KvEventsBindError`
+        naming ``kvEvents.endpoint`` when the endpoint cannot be bound."""
         self._ctx = zmq.Context()
         pub = self._ctx.socket(zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.SNDHWM, 100_000)
         try:
             pub.bind(self.endpoint)
-        except zmq.ZMQError:
+        except zmq.ZMQError as exc:
             pub.close(0)
             self._ctx.term()
-            raise
+            self._ctx = None
+            why = os.strerror(exc.errno) if exc.errno is not None else str(exc)
+            raise KvEventsBindError(
+                f"kvEvents.endpoint {self.endpoint!r} cannot be bound: {why}; free "
+                "that port (another process of the pod or node listens on it) or give the "
+                "KV events a port of their own (spec.kvEvents.port of the pool)") from exc
         self._pub = pub
         self._thread = threading.Thread(target=self._run, name="flexkv-kv-events", daemon=True)
         self._thread.start()

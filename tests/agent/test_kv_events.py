@@ -16,6 +16,7 @@ import os
 import pickle
 import re
 import shutil
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,16 @@ import zmq
 from node_agent.client import EngineClient, RankInfo, SharedKVBuffers
 from node_agent.events import KvEventPublisher, StageEvents
 from node_agent.metrics import AgentMetrics
-from tests.agent.harness import LAYOUT, TPB, AgentProcess, agent_process, short_dir
+from tests.agent.harness import (
+    LAYOUT,
+    TPB,
+    AgentProcess,
+    agent_mapping,
+    agent_process,
+    short_dir,
+    start_agent_process,
+    stop_process,
+)
 from tests.support.ports import free_port
 from tests.support.waiting import wait_for
 
@@ -235,6 +245,26 @@ def test_events_are_off_by_default_and_no_events_socket_is_bound(work: Path) -> 
     with agent_process(work, **events_mapping(port)) as agent:
         assert listening_ports(agent.proc.pid) == {agent.data["ports"]["http"], port}
         assert httpx.get(agent.url + "/healthz", timeout=5).json()["components"]["kv_events"]
+
+
+def test_an_events_port_in_use_stops_the_agent_with_an_error_naming_kv_events(
+        work: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        data = agent_mapping(work, "solo", **events_mapping(port))
+        path = work / "agent.yaml"
+        path.write_text(yaml.safe_dump(data))
+        proc = start_agent_process(path, work / "agent.log")
+        try:
+            rc = proc.wait(timeout=120)
+        finally:
+            stop_process(proc)
+    assert rc != 0
+    log = (work / "agent.log").read_text()
+    assert f"kvEvents.endpoint 'tcp://127.0.0.1:{port}' cannot be bound: Address already " \
+           "in use; free that port" in log, log[-2000:]
 
 
 def test_stores_complete_without_a_subscriber_and_with_a_one_item_queue(work: Path) -> None:
