@@ -90,7 +90,7 @@ def parse_lookup_binary(body: bytes, query: Mapping[str, str]) -> LookupRequest:
         raise _bad("replica: '' is not a replica name; send the engine replica's name, or "
                    "leave it out when the agent serves one")
     raw_rank = query.get("ppRank", "0")
-    if not raw_rank.isdigit():
+    if not (raw_rank.isascii() and raw_rank.isdigit()):  # "²" is a digit int() refuses
         raise _bad(f"ppRank: {raw_rank!r} is not a pipeline stage rank; send an integer >= 0 "
                    "(0 when the engine has one stage)")
     return LookupRequest(tokens=tokens, replica=replica, pp_rank=int(raw_rank))

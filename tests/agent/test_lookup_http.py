@@ -175,6 +175,7 @@ def test_a_body_that_is_not_json_gets_a_400(agent_with_stage: AgentProcess) -> N
     ("", b"\x01" * 12, r"^body: 12 bytes is not a whole number of 8-byte token ids"),
     ("", np.array([5, -1], dtype="<i8").tobytes(), r"^tokenIds\[1\]: -1 is out of range"),
     ("?ppRank=x", b"", r"^ppRank: 'x' is not a pipeline stage rank"),
+    ("?ppRank=%C2%B2", b"", r"^ppRank: '²' is not a pipeline stage rank"),
     ("?rank=0", b"", r"^rank: unknown query parameter"),
 ])
 def test_bad_int64_bodies_get_a_400_naming_the_field(
