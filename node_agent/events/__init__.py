@@ -9,6 +9,6 @@ hashes, encodes and sends (:class:`KvEventPublisher`). docs/operations.md, "KV
 events for routers", is the user's guide.
 """
 
-from node_agent.events.publisher import KvEventPublisher, StageEvents
+from node_agent.events.publisher import KvEventPublisher, KvEventsBindError, StageEvents
 
-__all__ = ["KvEventPublisher", "StageEvents"]
+__all__ = ["KvEventPublisher", "KvEventsBindError", "StageEvents"]

@@ -7,6 +7,12 @@ Contract:
   data path: each is one ``put_nowait`` of a tuple. When the queue is full the
   item is dropped and counted (``flexkv_agent_kv_events_dropped_total``); a store
   is never delayed.
+* A dropped move or clear (or a batch the sender failed to translate or send)
+  would leave a subscriber holding blocks that are gone
+  (and the sender remembering them for ever): the sender then ends its next
+  batch with ``AllBlocksCleared`` and forgets every announced block, so what a
+  subscriber holds stays a subset of the cache. A dropped store only leaves its
+  blocks (and the runs stored on top of them) unannounced.
 * The sender thread turns items into events (hashing blocks the vLLM way when
   configured), sends every item it finds queued as one ``KVEventBatch`` with the
   next sequence number, and skips one sequence number after any drop, so a
@@ -21,6 +27,7 @@ Contract:
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -45,6 +52,10 @@ _LOW64 = (1 << 64) - 1
 
 _STORED, _MOVED, _CLEARED = 0, 1, 2
 _MEDIUM = {"cpu": wire.MEDIUM_CPU, "ssd": wire.MEDIUM_SSD, "remote": wire.MEDIUM_REMOTE}
+
+
+class KvEventsBindError(RuntimeError):
+    """The events endpoint cannot be bound (the message names it and the fix)."""
 
 
 class _Block:
@@ -89,6 +100,10 @@ class StageEvents:
         """The stage closed (after its last :meth:`cleared`): the publisher stops
         counting it among its stages."""
         self._publisher.forget(self)
+
+    def forget_blocks(self) -> None:
+        """Forget every announced block (sender thread: the stream was cleared)."""
+        self._blocks = {}
 
     # -- sender thread ---------------------------------------------------------------------
 
@@ -180,6 +195,9 @@ class KvEventPublisher:
         self._stages_lock = threading.Lock()
         self.dropped = 0
         """Items dropped because the queue was full (since start)."""
+        self.dropped_removals = 0
+        """Of :attr:`dropped`, the moves and clears (they take blocks back)."""
+        self._cleared_removals = 0
         self.unannounced = 0
         """Stored blocks not announced because their parent's hash was unknown."""
         self.seq = 0
@@ -193,18 +211,23 @@ class KvEventPublisher:
     # -- lifecycle (an HTTP lifespan service) -------------------------------------------------
 
     def open(self) -> None:
-        """Bind the PUB socket and start the sender thread; ``zmq.ZMQError`` when the
-        endpoint cannot be bound."""
+        """Bind the PUB socket and start the sender thread; :class:`KvEventsBindError`
+        naming ``kvEvents.endpoint`` when the endpoint cannot be bound."""
         self._ctx = zmq.Context()
         pub = self._ctx.socket(zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.SNDHWM, 100_000)
         try:
             pub.bind(self.endpoint)
-        except zmq.ZMQError:
+        except zmq.ZMQError as exc:
             pub.close(0)
             self._ctx.term()
-            raise
+            self._ctx = None
+            why = os.strerror(exc.errno) if exc.errno is not None else str(exc)
+            raise KvEventsBindError(
+                f"kvEvents.endpoint {self.endpoint!r} cannot be bound: {why}; free "
+                "that port (another process of the pod or node listens on it) or give the "
+                "KV events a port of their own (spec.kvEvents.port of the pool)") from exc
         self._pub = pub
         self._thread = threading.Thread(target=self._run, name="flexkv-kv-events", daemon=True)
         self._thread.start()
@@ -261,6 +284,8 @@ class KvEventPublisher:
             self._queue.put_nowait(item)
             return True
         except queue.Full:
+            if item[1] != _STORED:
+                self.dropped_removals += 1
             self.dropped += 1
             if self._metrics is not None:
                 self._metrics.kv_events_dropped.inc()
@@ -292,6 +317,20 @@ class KvEventPublisher:
                 self._send(items)
             except Exception:  # keep publishing: one bad item must not end the stream
                 log.exception("KV event batch not sent", extra={"items": len(items)})
+                self._lost(len(items))
+
+    def _lost(self, items: int) -> None:
+        """A batch of ``items`` failed (sender thread): it may have held removals, so
+        it counts as a lost removal, and a batch with the gap and ``AllBlocksCleared``
+        goes out at once."""
+        self.dropped += 1
+        self.dropped_removals += 1
+        if self._metrics is not None:
+            self._metrics.kv_events_dropped.inc(items)
+        try:
+            self._send([])
+        except Exception:
+            log.exception("KV event clear not sent after a failed batch")
 
     def _send(self, items: list[tuple[Any, ...] | None]) -> None:
         events: list[wire.Event] = []
@@ -311,6 +350,18 @@ class KvEventPublisher:
         if drops != self._sent_drops:  # a gap tells subscribers they missed events
             self._sent_drops = drops
             self.seq += 1
+        removals = self.dropped_removals
+        if removals != self._cleared_removals:
+            # A block taken back without its event: nobody can tell which, so every
+            # announced block is taken back (a subscriber misses, never holds a lie).
+            self._cleared_removals = removals
+            with self._stages_lock:
+                stages = list(self._stages)
+            for st in stages:
+                st.forget_blocks()
+            events.append(wire.all_blocks_cleared())
+            log.warning("KV events lost a removal: every announced block cleared",
+                        extra={"dropped_removals": removals})
         if not events or self._pub is None:
             return
         payload = wire.encode_batch(time.time(), events)

@@ -28,8 +28,10 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from node_agent.http.lookup import (
+    MAX_BODY_BYTES,
     LookupRequest,
     LookupRequestError,
+    body_too_large,
     parse_lookup,
     parse_lookup_binary,
 )
@@ -95,7 +97,7 @@ def create_app(probe: AgentProbe, metrics: AgentMetrics,
             # Answered on the event loop: hashing and matching a 32K-token prompt take
             # well under a millisecond and nothing here waits.
             try:
-                body = await request.body()
+                body = await _bounded_body(request)
                 if request.headers.get("content-type") == "application/octet-stream":
                     req = parse_lookup_binary(body, request.query_params)
                 else:
@@ -105,3 +107,18 @@ def create_app(probe: AgentProbe, metrics: AgentMetrics,
                 return JSONResponse({"error": exc.message}, status_code=exc.status)
 
     return app
+
+
+async def _bounded_body(request: Request) -> bytes:
+    """The request's body, refused (:func:`body_too_large`) as soon as its declared
+    length or the bytes received pass :data:`MAX_BODY_BYTES`: a huge body is never
+    buffered."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise body_too_large(int(declared))
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise body_too_large(None)
+    return bytes(body)

@@ -16,9 +16,10 @@ of the longest cached prefix of ``tokenIds`` held by each local tier::
 
 It is read-only: no task, no pin, no LRU touch, no decision lock, no fetch from the
 remote tier (which it does not consult). A bad body is a 400 naming the field,
-the bad value and the fix; an unknown stage a 404 listing the known ones; a stage
-that cannot answer now (not its group's leader on this node, or a backend that
-cannot be read without a decision) a 409.
+the bad value and the fix; a body over :data:`MAX_BODY_BYTES` a 413 (refused
+before it is buffered, so a huge body costs the agent no memory); an unknown stage
+a 404 listing the known ones; a stage that cannot answer now (not its group's
+leader on this node, or a backend that cannot be read without a decision) a 409.
 """
 
 from __future__ import annotations
@@ -51,10 +52,23 @@ class LookupRequest:
 
 _KEYS = ("tokenIds", "replica", "ppRank")
 _INT64_MAX = 2**63 - 1
+#: The largest body a lookup reads: 4Mi int64 token ids (a JSON body of that many
+#: ids is larger, so JSON holds fewer). A larger one is refused before it is read.
+MAX_BODY_BYTES = 32 * 2**20
 
 
 def _bad(message: str) -> LookupRequestError:
     return LookupRequestError(400, message)
+
+
+def body_too_large(size: int | None) -> LookupRequestError:
+    """The 413 for a body over :data:`MAX_BODY_BYTES` (``size`` bytes, None: not known
+    yet, more than the limit arrived)."""
+    what = f"{size} bytes" if size is not None else "more bytes"
+    return LookupRequestError(
+        413, f"body: {what} is over the {MAX_BODY_BYTES}-byte limit of a lookup; send the "
+        "token ids as little-endian int64 (Content-Type: application/octet-stream, 8 bytes "
+        f"a token, at most {MAX_BODY_BYTES // 8} tokens) or look up a shorter prefix")
 
 
 def parse_lookup_binary(body: bytes, query: Mapping[str, str]) -> LookupRequest:
@@ -76,7 +90,7 @@ def parse_lookup_binary(body: bytes, query: Mapping[str, str]) -> LookupRequest:
         raise _bad("replica: '' is not a replica name; send the engine replica's name, or "
                    "leave it out when the agent serves one")
     raw_rank = query.get("ppRank", "0")
-    if not raw_rank.isdigit():
+    if not (raw_rank.isascii() and raw_rank.isdigit()):  # "²" is a digit int() refuses
         raise _bad(f"ppRank: {raw_rank!r} is not a pipeline stage rank; send an integer >= 0 "
                    "(0 when the engine has one stage)")
     return LookupRequest(tokens=tokens, replica=replica, pp_rank=int(raw_rank))
@@ -108,8 +122,14 @@ def parse_lookup(body: bytes) -> LookupRequest:
     # numpy reads true as 1: look for booleans only when the body holds one (cheap).
     has_bool = (b"true" in body or b"false" in body) and any(type(v) is bool for v in raw)
     if len(raw) and (has_bool or arr.dtype.kind not in "iu" or arr.ndim != 1):
+        # numpy holds ints beyond 64 bits (or a mix of negative and beyond int64) as
+        # objects: name the first value out of range, not an integer that is fine.
         where, bad = next(((i, v) for i, v in enumerate(raw)
-                           if isinstance(v, bool) or not isinstance(v, int)), (0, raw[0]))
+                           if isinstance(v, bool) or not isinstance(v, int)
+                           or not 0 <= v <= _INT64_MAX), (0, raw[0]))
+        if type(bad) is int:
+            raise _bad(f"tokenIds[{where}]: {bad} is out of range; token ids are "
+                       f"between 0 and {_INT64_MAX}")
         raise _bad(f"tokenIds[{where}]: {bad!r} is not an integer token id; send integers "
                    f"between 0 and {_INT64_MAX}")
     if len(raw) and (int(arr.min()) < 0 or int(arr.max()) > _INT64_MAX):

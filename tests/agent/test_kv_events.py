@@ -11,10 +11,12 @@ a full queue drops and counts, never blocks a store.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import pickle
 import re
 import shutil
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,9 +29,18 @@ import yaml
 import zmq
 
 from node_agent.client import EngineClient, RankInfo, SharedKVBuffers
-from node_agent.events import KvEventPublisher
+from node_agent.events import KvEventPublisher, StageEvents
 from node_agent.metrics import AgentMetrics
-from tests.agent.harness import LAYOUT, TPB, AgentProcess, agent_process, short_dir
+from tests.agent.harness import (
+    LAYOUT,
+    TPB,
+    AgentProcess,
+    agent_mapping,
+    agent_process,
+    short_dir,
+    start_agent_process,
+    stop_process,
+)
 from tests.support.ports import free_port
 from tests.support.waiting import wait_for
 
@@ -236,6 +247,26 @@ def test_events_are_off_by_default_and_no_events_socket_is_bound(work: Path) -> 
         assert httpx.get(agent.url + "/healthz", timeout=5).json()["components"]["kv_events"]
 
 
+def test_an_events_port_in_use_stops_the_agent_with_an_error_naming_kv_events(
+        work: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        data = agent_mapping(work, "solo", **events_mapping(port))
+        path = work / "agent.yaml"
+        path.write_text(yaml.safe_dump(data))
+        proc = start_agent_process(path, work / "agent.log")
+        try:
+            rc = proc.wait(timeout=120)
+        finally:
+            stop_process(proc)
+    assert rc != 0
+    log = (work / "agent.log").read_text()
+    assert f"kvEvents.endpoint 'tcp://127.0.0.1:{port}' cannot be bound: Address already " \
+           "in use; free that port" in log, log[-2000:]
+
+
 def test_stores_complete_without_a_subscriber_and_with_a_one_item_queue(work: Path) -> None:
     with agent_process(work, **events_mapping(free_port(), queueSize=1)) as agent:
         engine = Engine(agent)
@@ -270,6 +301,124 @@ def test_a_full_queue_drops_and_counts_and_the_next_batch_skips_a_sequence_numbe
         # One batch was sent, numbered 1: number 0 was skipped for the dropped events.
         assert pub.seq == 2
     finally:
+        pub.close()
+
+
+class RouterView:
+    """A router's view of an in-process publisher's stream: the blocks it believes
+    are cached (hash -> medium), built by applying every event it received."""
+
+    def __init__(self, pub: KvEventPublisher, stage: StageEvents, endpoint: str) -> None:
+        self.pub, self.stage = pub, stage
+        self.sub = Subscriber(endpoint)
+        self.held: dict[int, str] = {}
+        self.seqs: list[int] = []
+        warm = iter(range(10_000, 20_000))
+
+        def subscribed() -> bool:
+            stage.stored([next(warm)], None, prompt(9, blocks=1))
+            return bool(self.sub.sock.poll(200))
+
+        wait_for(subscribed, "the subscriber received a first event batch", timeout=60,
+                 interval=0)
+
+    def apply(self, events: list[dict[str, Any]]) -> None:
+        for e in events:
+            if e["type"] == "BlockStored":
+                self.held.update((h, e["medium"]) for h in e["block_hashes"])
+            elif e["type"] == "BlockRemoved":
+                for h in e["block_hashes"]:
+                    self.held.pop(h, None)
+            else:
+                self.held.clear()
+
+    def until_stored(self, marker: int, tokens: np.ndarray) -> list[dict[str, Any]]:
+        """Store block ``marker`` (again while a small queue drops it) and apply the
+        events received up to its ``BlockStored``; returns them."""
+        seen: list[dict[str, Any]] = []
+
+        def announced() -> bool:
+            if not self.sub.sock.poll(0):
+                self.stage.stored([marker], None, tokens)
+            if self.sub.sock.poll(200):
+                seq, batch = self.sub.take()
+                self.seqs.append(seq)
+                seen.extend(batch)
+            return any(marker in e["block_hashes"] for e in seen
+                       if e["type"] == "BlockStored")
+
+        wait_for(announced, f"block {marker} was announced", timeout=60, interval=0)
+        self.apply(seen)
+        return seen
+
+    def close(self) -> None:
+        self.sub.close()
+
+
+def test_a_lost_removal_clears_every_announced_block_so_no_subscriber_keeps_a_gone_one(
+        ) -> None:
+    """A subscriber applying the stream never holds a block the stage dropped, even
+    when the queue was full when the block was dropped; the sender forgets the
+    announced blocks too (a later move of one announces nothing)."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    pub = KvEventPublisher(endpoint, queue_size=1, block_hash="agent")
+    stage = pub.stage(TPB)
+    pub.open()
+    view = RouterView(pub, stage, endpoint)
+    try:
+        view.until_stored(1, prompt(8, blocks=1))
+        view.held.clear()  # from here on only blocks 2..5 matter
+        with pub._stages_lock:  # the sender stops at its next batch: the queue fills
+            stage.stored([2, 3], None, prompt(1, blocks=2))
+            wait_for(pub._queue.empty, "the sender took the first store", timeout=30)
+            stage.stored([4], None, prompt(2, blocks=1))
+            stage.moved(3, "cpu", None)  # the queue is full: this removal is lost
+            assert pub.dropped == 1
+        view.until_stored(5, prompt(3, blocks=1))
+        truth = {2, 4, 5}
+        assert set(view.held) <= truth, f"the subscriber holds dropped blocks " \
+            f"{set(view.held) - truth}"
+        # The sender forgot every block announced before the loss: a later spill of
+        # one announces nothing (it would name a block nobody was told about).
+        wait_for(pub._queue.empty, "the sender took every queued item", timeout=30)
+        stage.moved(2, "cpu", "ssd")
+        later = view.until_stored(6, prompt(4, blocks=1))
+        assert not [e for e in later if 2 in e.get("block_hashes", ())], later
+    finally:
+        view.close()
+        pub.close()
+
+
+def test_a_batch_the_sender_cannot_translate_is_reported_as_a_gap_and_a_clear() -> None:
+    """An item the sender fails on loses its whole batch (a removal in it too): the
+    subscriber sees a sequence gap and AllBlocksCleared right away, so it holds no
+    block that is gone, and the stream goes on."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    pub = KvEventPublisher(endpoint, block_hash="agent")
+    stage = pub.stage(TPB)
+    pub.open()
+    view = RouterView(pub, stage, endpoint)
+    try:
+        view.until_stored(1, prompt(8, blocks=1))
+        view.until_stored(2, prompt(7, blocks=1))
+        view.held.clear()
+        view.until_stored(3, prompt(6, blocks=1))
+        assert view.held == {3: "CPU"}
+        before, seen = view.seqs[-1], len(view.seqs)
+        with pub._stages_lock:  # the sender stops at its next batch: one batch below
+            stage.stored([4], None, prompt(5, blocks=1))
+            wait_for(pub._queue.empty, "the sender took the first store", timeout=30)
+            stage.moved(3, "cpu", None)
+            stage.stored([5], None, np.array(["not a token"] * TPB))  # fails the batch
+        view.until_stored(6, prompt(4, blocks=1))
+        assert 3 not in view.held, "the subscriber still holds a dropped block"
+        assert set(view.held) <= {4, 6}
+        assert pub.dropped >= 1
+        after = [before, *view.seqs[seen:]]
+        assert any(b - a > 1 for a, b in itertools.pairwise(after)), \
+            f"no sequence gap after the failed batch: {after}"
+    finally:
+        view.close()
         pub.close()
 
 

@@ -6,6 +6,8 @@ was looked up), and a clear 4xx naming the bad field for a bad body.
 
 from __future__ import annotations
 
+import http.client
+import json
 import re
 import shutil
 from collections.abc import Iterator
@@ -17,6 +19,7 @@ import numpy as np
 import pytest
 
 from node_agent.client import EngineClient, RankInfo, SharedKVBuffers
+from node_agent.http.lookup import MAX_BODY_BYTES
 from tests.agent.harness import LAYOUT, TPB, AgentProcess, agent_process, short_dir
 from tests.support.waiting import wait_for
 
@@ -146,6 +149,8 @@ def test_an_engine_lookup_after_http_lookups_still_hits_and_counts_alone(work: P
     ({"tokenIds": [1, 2.5]}, 400, r"^tokenIds\[1\]: 2.5 is not an integer token id"),
     ({"tokenIds": [1, True]}, 400, r"^tokenIds\[1\]: True is not an integer token id"),
     ({"tokenIds": [1, -3]}, 400, r"^tokenIds\[1\]: -3 is out of range"),
+    ({"tokenIds": [1, 2**70]}, 400, r"^tokenIds\[1\]: 1180591620717411303424 is out of range"),
+    ({"tokenIds": [1, -1, 2**64 - 1]}, 400, r"^tokenIds\[1\]: -1 is out of range"),
     ({"tokenIds": [1], "ppRank": -1}, 400, r"^ppRank: -1 is not a pipeline stage rank"),
     ({"tokenIds": [1], "replica": 7}, 400, r"^replica: 7 is not a replica name"),
     ({"tokenIds": [1], "tokens": [1]}, 400, r"^tokens: unknown field; allowed fields are"),
@@ -170,6 +175,7 @@ def test_a_body_that_is_not_json_gets_a_400(agent_with_stage: AgentProcess) -> N
     ("", b"\x01" * 12, r"^body: 12 bytes is not a whole number of 8-byte token ids"),
     ("", np.array([5, -1], dtype="<i8").tobytes(), r"^tokenIds\[1\]: -1 is out of range"),
     ("?ppRank=x", b"", r"^ppRank: 'x' is not a pipeline stage rank"),
+    ("?ppRank=%C2%B2", b"", r"^ppRank: '²' is not a pipeline stage rank"),
     ("?rank=0", b"", r"^rank: unknown query parameter"),
 ])
 def test_bad_int64_bodies_get_a_400_naming_the_field(
@@ -178,6 +184,44 @@ def test_bad_int64_bodies_get_a_400_naming_the_field(
                    headers={"content-type": "application/octet-stream"})
     assert r.status_code == 400, r.text
     assert re.search(message, r.json()["error"]), r.json()["error"]
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read(
+        agent_with_stage: AgentProcess) -> None:
+    url = httpx.URL(agent_with_stage.url)
+    # Declared too long: refused on its headers, the body never sent.
+    conn = http.client.HTTPConnection(url.host, url.port, timeout=30)
+    try:
+        conn.putrequest("POST", "/v1/lookup")
+        conn.putheader("Content-Type", "application/octet-stream")
+        conn.putheader("Content-Length", str(MAX_BODY_BYTES + 8))
+        conn.endheaders()
+        r = conn.getresponse()
+        assert r.status == 413
+        error = json.loads(r.read())["error"]
+        assert error.startswith(f"body: {MAX_BODY_BYTES + 8} bytes is over the "
+                                f"{MAX_BODY_BYTES}-byte limit of a lookup; send"), error
+    finally:
+        conn.close()
+    # No declared length (chunked): refused once the bytes received pass the limit.
+    chunk = bytes(2**20)
+    chunks = [chunk] * (MAX_BODY_BYTES // len(chunk)) + [bytes(8)]
+    conn = http.client.HTTPConnection(url.host, url.port, timeout=30)
+    try:
+        conn.request("POST", "/v1/lookup", body=iter(chunks), encode_chunked=True,
+                     headers={"Content-Type": "application/octet-stream"})
+        r = conn.getresponse()
+        assert r.status == 413
+        error = json.loads(r.read())["error"]
+        assert error.startswith(f"body: more bytes is over the {MAX_BODY_BYTES}-byte limit"), \
+            error
+    finally:
+        conn.close()
+    # A body of exactly the limit is read and answered.
+    r = httpx.post(agent_with_stage.url + "/v1/lookup", content=bytes(MAX_BODY_BYTES),
+                   headers={"content-type": "application/octet-stream"}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["queriedTokens"] == MAX_BODY_BYTES // 8
 
 
 @pytest.fixture(scope="module")
