@@ -182,6 +182,7 @@ def backend_config(cfg: AgentConfig, layout: KVLayout, model: str = "", pp_size:
         # most STOP_SPILL_SECONDS, so the stop fits the pod's grace period.
         stop_spill_seconds=STOP_SPILL_SECONDS / cfg.max_stages,
         cache_epoch=cache_epoch,
+        ssd_shares=cfg.shares,
     )
 
 

@@ -45,6 +45,10 @@ class EmbeddedBackendConfig:
     (``node_agent.backend.ssd_owner``) and names a persistent tier's files."""
     cache_epoch: int = 0
     """The ``cacheEpoch`` a persistent SSD tier's files are written under."""
+    ssd_shares: int = 1
+    """How many tiers the node's SSD budget is split into (``tierShares``; 1: this
+    backend's ``ssd_bytes`` is all of it): the SSD slots a tier prefers
+    (``node_agent.backend.ssd_tier``)."""
     stop_spill_seconds: float = 10.0
     """How long ``shutdown`` may spill the CPU tier to a persistent SSD tier."""
 

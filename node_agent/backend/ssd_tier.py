@@ -21,9 +21,16 @@ opening with the same identity (pool, model namespace, layout, hash algorithm,
 ``cacheEpoch``, size and directories) takes the slot whose header names it,
 keeps its files and verifies them (:mod:`.ssd_recovery`): :attr:`recovered` is
 what the index is rebuilt from. Slot choice: the lowest free slot whose header
-names this identity; else the lowest free slot, whose files (another identity's,
-or none) are truncated: that is the rule by which an old epoch's, model's or
-pool's files are cleaned. A records file is rewritten for a new ``cacheEpoch``
+names this identity; else the lowest free slot within the SSD budget (below
+``budget_slots``, the number of tiers ``tiers.ssd.size`` is split into) holding
+no saved blocks (no intact records header), else the lowest free saved slot
+within the budget, else the same outside it. The files of the slot taken are
+truncated: a tier that does not persist (a PP stage, a stage without a model
+identity) never truncates a persistent tier's saved files while a slot without
+any is free within the budget, so registration order after a restart does not
+lose them; a saved slot is reclaimed (and logged) only when the budget leaves no
+other, which is the rule by which an old epoch's, model's or pool's files are
+cleaned. A records file is rewritten for a new ``cacheEpoch``
 by :meth:`reset_records` (a flush).
 
 With a ``pool`` every tier also holds its directories for that pool
@@ -70,12 +77,14 @@ class SsdTier:
     """``num_blocks`` blocks of ``bytes_per_block`` bytes striped over files in ``paths``.
 
     ``identity`` makes the tier persistent (see the module docstring; ``hash_bytes``
-    is the width of its block hashes); ``pool`` claims the directories for that pool.
+    is the width of its block hashes); ``pool`` claims the directories for that pool;
+    ``budget_slots`` is the number of tiers the node's SSD budget is split into
+    (1: this tier's size is all of it; slot choice, :meth:`_claim_slot`).
     """
 
     def __init__(self, bytes_per_block: int, num_blocks: int, paths: Sequence[str],
                  identity: TierIdentity | None = None, hash_bytes: int = 8,
-                 pool: str = "") -> None:
+                 pool: str = "", budget_slots: int = 1) -> None:
         self.bytes_per_block = bytes_per_block
         self.num_blocks = num_blocks
         self.files: list[Path] = []
@@ -102,7 +111,7 @@ class SsdTier:
             owner = pool or (identity.pool if identity is not None else "")
             if owner:
                 self._owner = DirectoryOwner(paths, owner)
-            self.slot, keep = self._claim_slot(paths)
+            self.slot, keep = self._claim_slot(paths, budget_slots)
             flags = os.O_RDWR | os.O_CREAT | (0 if keep else os.O_TRUNC)
             for i, directory in enumerate(paths):
                 d = Path(directory)
@@ -131,61 +140,79 @@ class SsdTier:
     def _records_path(self, directory: Path, slot: int) -> Path:
         return directory / RECORDS_NAME.format(slot=slot)
 
-    def _matches(self, directory: Path, slot: int) -> bool:
-        """Whether slot ``slot``'s records header names this tier's identity."""
-        if self.identity is None:
-            return False
+    def _header(self, directory: Path, slot: int) -> dict[str, object] | None:
+        """The identity fields slot ``slot``'s records header names (None: no
+        records file, or not an intact header: nothing saved there)."""
         try:
             with open(self._records_path(directory, slot), "rb") as f:
-                fields = decode_header(f.read(HEADER_BYTES))
+                return decode_header(f.read(HEADER_BYTES))
         except (OSError, HeaderError, ValueError):
-            return False
-        return fields == decode_header(encode_header(self.identity))
+            return None
 
-    def _claim_slot(self, paths: Sequence[str]) -> tuple[int, bool]:
-        """Lock a slot free in every directory (keeping the lock fds open): the lowest
-        whose files this persistent tier can recover (then True), else the lowest."""
+    @staticmethod
+    def _lock_slot(dirs: Sequence[Path], slot: int) -> list[int] | None:
+        """``slot``'s lock fds in every directory, or None when an open tier holds it."""
+        fds: list[int] = []
+        for d in dirs:
+            fd = os.open(d / LOCK_NAME.format(slot=slot), os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                for held in fds:
+                    os.close(held)
+                return None
+            fds.append(fd)
+        return fds
+
+    def _claim_slot(self, paths: Sequence[str], budget_slots: int) -> tuple[int, bool]:
+        """Lock a slot free in every directory (keeping the lock fds open).
+
+        A persistent tier takes the lowest free slot whose header names its
+        identity (then True: its files are kept). Otherwise the lowest free slot
+        by, in order: within the SSD budget (slot below ``budget_slots``, the
+        number of tiers the node's ``tiers.ssd.size`` is split into), then holding
+        no saved blocks (no intact records header), so a tier never truncates
+        another tier's saved files while a slot without any is free within the
+        budget. A saved slot taken anyway is logged, and its records file removed
+        by a tier that does not persist."""
         dirs = list(dict.fromkeys(Path(p).resolve() for p in paths))
         for d in dirs:
             d.mkdir(parents=True, exist_ok=True)
         first = Path(paths[0])
-        fallback: tuple[int, list[int]] | None = None
+        want = decode_header(encode_header(self.identity)) if self.identity is not None else None
+        best: tuple[tuple[bool, bool], int, list[int]] | None = None
         for slot in range(MAX_SLOTS):
-            if fallback is not None and not self._records_path(first, slot).exists():
-                continue  # nothing to recover there; do not create its lock files
-            fds: list[int] = []
-            for d in dirs:
-                fd = os.open(d / LOCK_NAME.format(slot=slot), os.O_RDWR | os.O_CREAT, 0o600)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    os.close(fd)
-                    break
-                fds.append(fd)
-            if len(fds) < len(dirs):
-                for fd in fds:
-                    os.close(fd)
+            header = self._header(first, slot)
+            match = want is not None and header == want
+            rank = (slot >= budget_slots, header is not None)
+            if not match and best is not None and best[0] <= rank:
+                continue  # no better than the slot held; do not create its lock files
+            fds = self._lock_slot(dirs, slot)
+            if fds is None:
                 continue
-            if self._matches(first, slot):
-                if fallback is not None:
-                    for fd in fallback[1]:
-                        os.close(fd)
+            if best is not None:
+                for fd in best[2]:
+                    os.close(fd)
+            if match:
                 self._locks = fds
                 return slot, True
-            if fallback is None:
-                fallback = (slot, fds)
-                if self.identity is None:
-                    break
-            else:
-                for fd in fds:
-                    os.close(fd)
-        if fallback is not None:
-            self._locks = fallback[1]
-            return fallback[0], False
-        raise OSError(
-            f"all {MAX_SLOTS} SSD tier slots in {[str(d) for d in dirs]} are held by open "
-            "tiers; give this tier its own tiers.ssd.paths or close the others"
-        )
+            best = (rank, slot, fds)
+            if want is None and rank == (False, False):
+                break  # nothing ranks higher for a tier that does not persist
+        if best is None:
+            raise OSError(
+                f"all {MAX_SLOTS} SSD tier slots in {[str(d) for d in dirs]} are held by open "
+                "tiers; give this tier its own tiers.ssd.paths or close the others"
+            )
+        (over_budget, saved), slot, self._locks = best
+        if saved:
+            log.warning("SSD tier takes a slot holding saved blocks; they are dropped",
+                        extra={"slot": slot, "budget_slots": budget_slots,
+                               "over_budget": over_budget})
+            if self.identity is None:
+                self._records_path(first, slot).unlink(missing_ok=True)
+        return slot, False
 
     def _open_records(self, directory: Path, keep: bool) -> None:
         """Open (``keep``: and verify) or create the records file of a persistent tier."""

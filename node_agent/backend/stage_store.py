@@ -73,7 +73,8 @@ class TierStore(StageStore):
         self.ssd = (
             SsdTier(config.layout.bytes_per_block, config.ssd_blocks, config.ssd_paths,
                     identity=tier_identity(config) if config.ssd_persist else None,
-                    hash_bytes=HASH_BYTES[config.hash_algorithm], pool=config.pool)
+                    hash_bytes=HASH_BYTES[config.hash_algorithm], pool=config.pool,
+                    budget_slots=config.ssd_shares)
             if config.ssd_blocks
             else None
         )

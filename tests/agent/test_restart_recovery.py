@@ -3,7 +3,8 @@
 
 A SIGKILL in the middle of a burst of stores (spills to SSD in flight), a block
 torn on disk as a power loss leaves one, a clean stop with blocks on the CPU
-tier, a bumped ``cacheEpoch`` and a second pool on the same SSD path."""
+tier, a bumped ``cacheEpoch``, a second pool on the same SSD path and a stage
+that does not persist registering first after a restart."""
 
 from __future__ import annotations
 
@@ -81,9 +82,9 @@ def _planes(bufs: SharedKVBuffers) -> list[torch.Tensor]:
 class Engine:
     """One engine rank: shared KV buffers and a client; remembers what it stored."""
 
-    def __init__(self, sock: str) -> None:
+    def __init__(self, sock: str, rank: RankInfo = RANK) -> None:
         self.bufs = SharedKVBuffers.for_layout(LAYOUT, NUM_SLOTS)
-        self.client = EngineClient(sock, RANK, timeout=30)
+        self.client = EngineClient(sock, rank, timeout=30)
         self.client.register_kv_buffers(LAYOUT, self.bufs.handles)
         self.stored: dict[int, list[torch.Tensor]] = {}
         self.closed = False
@@ -261,6 +262,47 @@ def test_a_bumped_cache_epoch_across_a_restart_serves_nothing_old(work: Path) ->
         assert _records(work) == 0  # the old epoch's files were cleaned
         assert [engine.client.lookup(f"g{i}", _prompt(i)) for i in range(3)] == [0, 0, 0]
         assert _status(url)["tiers"]["ssd"]["recoveredBlocks"] == 0
+
+
+def test_a_stage_that_does_not_persist_never_truncates_saved_blocks_of_another(
+        work: Path) -> None:
+    """Two stages on one agent share its SSD directory: one persists (a model
+    identity), one does not (none). After a restart the one without identity
+    registers first; it takes a slot holding no saved blocks, and the persistent
+    stage then recovers every block it saved."""
+    path, data = _config(work, maxStages=2)
+    data["tiers"]["cpu"]["size"] = 2 * CPU_BLOCKS * BPB  # CPU_BLOCKS per stage
+    path.write_text(yaml.safe_dump(data))
+    anonymous = RankInfo(replica="eng-1")  # no model identity: its SSD tier never persists
+    with _running(work, path, data) as (proc, engine, _):
+        other = Engine(data["engineSocket"], anonymous)
+        try:
+            for i in range(3):
+                engine.store(i)
+            other.store(7)
+        finally:
+            other.close()
+        stored = engine.stored
+        engine.close()
+        assert stop_process(proc) == 0
+    assert _records(work) == 3 * BLOCKS  # the persistent stage holds slot 0
+
+    url = f"http://127.0.0.1:{data['ports']['http']}"
+    proc = start_agent_process(path, work / "agent.log")
+    first = engine = None
+    try:
+        wait_healthy(url, proc)
+        first = Engine(data["engineSocket"], anonymous)  # its SSD tier opens here
+        engine = Engine(data["engineSocket"])
+        engine.stored = stored
+        wait_for(lambda: _status(url)["tiers"]["ssd"].get("recoveredBlocks", 0)
+                 == 3 * BLOCKS, "the persistent stage recovered every block", 60, 0.1)
+        assert [engine.hit_blocks(i) for i in range(3)] == [BLOCKS] * 3
+    finally:
+        for e in (first, engine):
+            if e is not None:
+                e.close()
+        stop_process(proc)
 
 
 def test_a_second_pool_on_the_same_ssd_path_is_refused_at_start(work: Path) -> None:

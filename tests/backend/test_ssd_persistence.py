@@ -434,3 +434,46 @@ def test_files_of_the_epoch_a_stage_was_built_under_are_not_recovered_once_it_mo
         assert int(mask.sum()) == 0
     finally:
         b.shutdown()
+
+
+def test_a_tier_that_does_not_persist_opening_first_leaves_saved_blocks_to_their_tier(
+        tmp_path: Path) -> None:
+    """Two tiers share the SSD budget (``ssd_shares=2``): the one without persistence
+    opens first after a restart and takes a slot with nothing saved; the persistent
+    one then recovers every block it saved, bit-exact."""
+    cfg = _cfg(tmp_path, ssd_shares=2)
+    prompts, kv = _fill(tmp_path, cfg)
+    plain, _ = _recovered(dataclasses.replace(cfg, ssd_persist=False))
+    try:
+        assert plain.store.ssd is not None and plain.store.ssd.slot == 1
+        b, bufs = _recovered(cfg)
+        try:
+            assert b.store.ssd is not None and b.store.ssd.slot == 0
+            assert b.recovered_blocks == len(prompts) * BLOCKS
+            for p, want in zip(prompts, kv, strict=True):
+                _loads_bit_exact(b, bufs, p, want)
+        finally:
+            b.shutdown()
+    finally:
+        plain.shutdown()
+
+
+def test_a_tier_that_does_not_persist_reclaims_a_saved_slot_only_when_the_budget_has_no_other(
+        tmp_path: Path) -> None:
+    """With the whole SSD budget one tier's (``ssd_shares=1``) the saved slot is the
+    only one within it: a tier without persistence takes it, truncates its blocks and
+    removes its records, so nothing saved there is ever recovered."""
+    cfg = _cfg(tmp_path)
+    _fill(tmp_path, cfg)
+    plain, _ = _recovered(dataclasses.replace(cfg, ssd_persist=False))
+    try:
+        assert plain.store.ssd is not None and plain.store.ssd.slot == 0
+        assert not (tmp_path / RECORDS_NAME.format(slot=0)).exists()
+        assert not any(plain.store.read_block(BlockLocation(Tier.SSD, 0)))  # truncated
+    finally:
+        plain.shutdown()
+    again, _ = _recovered(cfg)
+    try:
+        assert again.recovered_blocks == 0
+    finally:
+        again.shutdown()
