@@ -105,7 +105,9 @@ def main() -> None:
         elif op == "generate":
             sp = SamplingParams(max_tokens=cmd.get("max_tokens", 8), temperature=0.0,
                                 ignore_eos=True)
-            prompts = [TokensPrompt(prompt_token_ids=p) for p in cmd["prompts"]]
+            salt = {"cache_salt": cmd["cache_salt"]} if cmd.get("cache_salt") else {}
+            prompts = [TokensPrompt(prompt_token_ids=p, **salt)
+                       for p in cmd["prompts"]]
             t0 = time.perf_counter()
             res = llm.generate(prompts, sp, use_tqdm=False)
             seconds = time.perf_counter() - t0

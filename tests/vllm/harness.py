@@ -111,9 +111,10 @@ class EngineProcess:
         return got
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 8,
-                 timeout: float = 180.0) -> dict[str, Any]:
-        return self.call({"op": "generate", "prompts": prompts, "max_tokens": max_tokens},
-                         timeout)
+                 timeout: float = 180.0, cache_salt: str | None = None) -> dict[str, Any]:
+        """Greedy outputs of ``prompts`` (each with vLLM's ``cache_salt`` if given)."""
+        return self.call({"op": "generate", "prompts": prompts, "max_tokens": max_tokens,
+                          "cache_salt": cache_salt}, timeout)
 
     def metrics(self) -> dict[str, float]:
         """vLLM's metrics (stats are published by the engine every few hundred ms)."""

@@ -173,6 +173,25 @@ def test_second_engine_hits_what_the_first_stored_and_depends_on_the_bytes(
     assert wrong["outputs"][0] != world.results["own3"]
 
 
+def test_a_request_with_a_cache_salt_never_loads_or_stores_through_the_agent(
+        world: World) -> None:
+    """vLLM keys a salted request's blocks by its salt too; the agent keys blocks by
+    token ids under the model's identity, so such a request bypasses it: the agent's
+    copy of prompt 1 is never loaded into it, and its own prompt is never stored."""
+    c = world.engines["c"]
+    assert c.call({"op": "reset"})["reset"] is True
+    lookups = world.agent.lookups()
+    salted = c.generate([ids(1)], cache_salt="tenant-x")
+    assert salted["cached"] == [0]  # the agent holds prompt 1 (the test above hit it)
+    assert salted["outputs"][0] == world.results["cold"]
+    c.generate([ids(40)], cache_salt="tenant-x")
+    assert world.agent.lookups() == lookups  # no call made for either request
+    assert wait_metric(c, "vllm:flexkv_agent_bypassed_requests", 2) >= 2
+    assert c.call({"op": "reset"})["reset"] is True
+    assert c.generate([ids(40)])["cached"] == [0]  # the salted run stored nothing
+    assert world.agent.lookups() > lookups  # an unsalted request does ask the agent
+
+
 def test_agent_killed_mid_workload_then_restarted(world: World) -> None:
     c = world.engines["c"]
     batch = [ids(s) for s in (1, 10, 11, 12, 13, 14)]  # one cached, five to prefill

@@ -112,6 +112,24 @@ class AgentConnectorStats(KVConnectorStats):
         return not any(self.data.values())
 
 
+def bypass_reason(request: Request) -> str | None:
+    """Why ``request``'s KV is not a function of its token ids and the engine's model
+    alone (None: it is). The agent's blocks are keyed by token ids under the model's
+    identity, so such a request must neither load another request's blocks nor store
+    its own: vLLM's own prefix cache keys them with extra hash keys (the LoRA
+    adapter, the multimodal inputs, the prompt embeddings, the cache salt) that the
+    agent does not carry."""
+    if getattr(request, "lora_request", None) is not None:
+        return "lora"
+    if getattr(request, "mm_features", None):
+        return "multimodal"
+    if getattr(request, "prompt_embeds", None) is not None:
+        return "prompt_embeds"
+    if getattr(request, "cache_salt", None):
+        return "cache_salt"
+    return None
+
+
 _PROM = {
     "agent_errors": ("vllm:flexkv_agent_errors",
                      "Calls to the FlexKV agent that failed (agent down or restarting); "
@@ -127,6 +145,10 @@ _PROM = {
                       "Tokens whose KV was stored into the FlexKV agent"),
     "stores_skipped": ("vllm:flexkv_agent_stores_skipped",
                        "Stores given up without a call: the FlexKV agent was known down"),
+    "bypassed": ("vllm:flexkv_agent_bypassed_requests",
+                 "Requests served without the FlexKV agent (no lookup, no store): their KV "
+                 "depends on more than the token ids (a LoRA adapter, multimodal inputs, "
+                 "prompt embeddings or a cache_salt)"),
 }
 
 
@@ -277,6 +299,10 @@ class FlexKVAgentConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._sched is not None
+        reason = bypass_reason(request)
+        if reason is not None:  # its KV depends on more than its token ids
+            self._sched.bypass(request.request_id, reason)
+            return 0, False
         hit = self._sched.lookup(request.request_id, request.all_token_ids, num_computed_tokens)
         if hit is None:  # PP: the stages' lookups are under way; vLLM asks again next step
             return None, False
@@ -312,6 +338,9 @@ class FlexKVAgentConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None
+        if bypass_reason(request) is not None:
+            self._sched.bypass_ended(request.request_id)
+            return False, None  # never stored: another request could not tell it apart
         held = self._sched.finished(request.request_id, request.all_token_ids,
                                     request.num_computed_tokens, block_ids)
         return held, None

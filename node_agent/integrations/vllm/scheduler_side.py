@@ -94,6 +94,8 @@ class Counters:
     stored_tokens: int = 0
     stores_skipped: int = 0
     """Stores given up without a call: the agent was known to be down."""
+    bypassed: int = 0
+    """Requests served without the agent: their KV depends on more than the token ids."""
     agent_errors: int = 0
 
     def as_dict(self) -> dict[str, int]:
@@ -157,6 +159,7 @@ class SchedulerSide:
         self._store_client = EngineClient(socket, rank,
                                           timeout=cfg.call_timeout_seconds)
         self._lock = threading.Lock()
+        self._bypassed: set[str] = set()                # rids served without the agent
         self._lookups: dict[str, _Lookup] = {}          # rid -> its last lookup
         self._no_lookup: set[str] = set()                # a load failed: recompute, no retry
         self._loading: set[str] = set()                  # loads not yet reported
@@ -186,6 +189,23 @@ class SchedulerSide:
             t.start()
 
     # -- admission -----------------------------------------------------------
+
+    def bypass(self, rid: str, reason: str) -> None:
+        """``rid`` is served without the agent (no lookup, no store, no stage call);
+        counted and logged once per request (vLLM asks again at every step while
+        the request waits for admission)."""
+        with self._lock:
+            if rid in self._bypassed:
+                return
+            self._bypassed.add(rid)
+        self._count(bypassed=1)
+        log.info("FlexKV connector: request %s served without the agent: its KV depends "
+                 "on its %s, not only on its token ids", rid, reason)
+
+    def bypass_ended(self, rid: str) -> None:
+        """The bypassed request ``rid`` finished (nothing to store or release)."""
+        with self._lock:
+            self._bypassed.discard(rid)
 
     def lookup(self, rid: str, tokens: Sequence[int], local: int) -> int | None:
         """Tokens the agent can load after the ``local`` ones (0 on a miss or any failure).
