@@ -18,7 +18,18 @@ every engine's share is the same), then, all engines at once, phase by phase
 * ``lookups``: each engine looks its own prompts up ``--rounds`` times without
   loading them (``lookup`` + ``release``, every ``lookup`` timed): the lookup's
   latency with N engines but no copies in the agent, and the lookups per second
-  the agent answered (all engines, over the phase's wall time);
+  the agent answered (all engines, over the phase's wall time): the closed-loop
+  capacity;
+* ``paced``: each engine issues ``--paced-requests`` ``lookup`` + ``release``
+  pairs of its own prompts at ``--lookup-rate`` per second (open loop, as an
+  engine that looks
+  up once per admitted request: send times are scheduled in advance from one
+  start time shared by all engines, each engine at its own seeded offset within
+  the period, and each ``lookup`` is timed from its scheduled time, so time
+  spent queued behind a late earlier request counts), all engines at once: the
+  lookup's latency at an engine's pace, comparable with the closed-loop capacity
+  of the ``lookups`` phase (loading each hit as well would offer N x rate x 8 MiB
+  per second of copies, more than the agent's aggregate load rate at N = 8);
 * ``shared``: a shared-prefix workload: each engine looks up every other
   engine's prompts followed by a suffix of its own, and loads what hits; the
   cross-replica hit rate is the hit tokens over the other engines' prompt
@@ -29,10 +40,13 @@ stand for (a function of token id, position and plane, the same for every
 replica of the model). One JSON object per result: ``replicas_load`` (aggregate
 GB/s, ratio against N = 1 in the same run, goal >= 0.8),
 ``replicas_lookup`` (p50/p99 ms during the load phase, ratio against N = 1, goal
-p99 <= 2x), ``replicas_lookup_only`` (the same in the ``lookups`` phase) and
-``replicas_cross_hits`` (hit rate on the shared-prefix workload).
+p99 <= 2x), ``replicas_lookup_only`` (the same in the ``lookups`` phase, with the lookups
+per second the agent answered), ``replicas_lookup_paced`` (the same in the
+``paced`` phase, goal p99 <= 2x, with the offered total rate against the
+closed-loop capacity of the ``lookups`` phase) and ``replicas_cross_hits`` (hit
+rate on the shared-prefix workload).
 
-    python -P bench/replicas.py            # N = 1, 2, 4, 8 (about two minutes on 2 cores)
+    python -P bench/replicas.py            # N = 1, 2, 4, 8 (about three minutes on 2 cores)
     python -P bench/replicas.py --quick    # N = 1, 2, small prompts (smoke run)
 """
 
@@ -133,8 +147,8 @@ def engine_main(cfg: dict[str, Any]) -> int:
         client.register_kv_buffers(layout, bufs.handles)
         say(registered=me)
         bad = 0
-        for phase in sys.stdin:
-            phase = phase.strip()
+        for line in sys.stdin:
+            phase, *rest = line.split()
             if phase == "store":
                 for k in range(prefixes):
                     ids = prompt(me, k, tokens)
@@ -176,6 +190,27 @@ def engine_main(cfg: dict[str, Any]) -> int:
                         if hit != tokens:
                             raise RuntimeError(f"its own prompt hit {hit} of {tokens} tokens")
                 say(phase="lookups", start=t_start, end=time.monotonic(), lookup_s=lookups)
+            elif phase == "paced":
+                # Open loop: request i is due at start + phase + i / rate whatever the
+                # earlier ones took; its lookup is timed from that due time. Each
+                # engine's phase within the period is drawn (seeded by its index), so
+                # the engines are neither in lockstep nor perfectly interleaved.
+                period = 1.0 / cfg["lookup_rate"]
+                start = float(rest[0]) + np.random.default_rng(me).uniform(0, period)
+                lookups = []
+                for i in range(cfg["paced_requests"]):
+                    due = start + i * period
+                    ahead = due - time.monotonic()
+                    if ahead > 0:
+                        time.sleep(ahead)
+                    k = i % prefixes
+                    ids, rid = prompt(me, k, tokens), f"p{i}"
+                    hit = client.lookup(rid, ids)
+                    lookups.append(time.monotonic() - due)
+                    client.release(rid)
+                    if hit != tokens:
+                        raise RuntimeError(f"its own prompt hit {hit} of {tokens} tokens")
+                say(phase="paced", start=start, end=time.monotonic(), lookup_s=lookups)
             elif phase == "shared":
                 others = [j for j in range(n) if j != me]
                 hit_tokens = looked = cross_requests = 0
@@ -236,6 +271,7 @@ class Run:
         for i in range(n):
             ecfg = {"socket": self.sock, "index": i, "engines": n, "tokens": args.tokens,
                     "prefixes": args.prefixes, "rounds": args.rounds,
+                    "lookup_rate": args.lookup_rate, "paced_requests": args.paced_requests,
                     "layout": layout_to_wire(layout)}
             self.engines.append(subprocess.Popen(
                 [sys.executable, "-P", __file__, "--engine", json.dumps(ecfg)],
@@ -270,11 +306,12 @@ class Run:
             raise RuntimeError(f"an engine failed: {msg['error']}")
         return msg
 
-    def phase(self, name: str) -> list[dict[str, Any]]:
-        """Start phase ``name`` on every engine at once; each engine's report."""
+    def phase(self, name: str, *params: str) -> list[dict[str, Any]]:
+        """Start phase ``name`` (with ``params``) on every engine at once; each
+        engine's report."""
         for e in self.engines:
             assert e.stdin is not None
-            e.stdin.write(name + "\n")
+            e.stdin.write(" ".join((name, *params)) + "\n")
             e.stdin.flush()
         return [self._line(e) for e in self.engines]
 
@@ -305,6 +342,9 @@ def measure(args: argparse.Namespace, n: int) -> dict[str, Any]:
         run.phase("store")
         loads = run.phase("load")
         only = run.phase("lookups")
+        # One start time for all engines (CLOCK_MONOTONIC is system-wide), far
+        # enough ahead for every engine to have read its line.
+        paced = run.phase("paced", repr(time.monotonic() + 0.5))
         shared = run.phase("shared")
     finally:
         run.close()
@@ -313,6 +353,7 @@ def measure(args: argparse.Namespace, n: int) -> dict[str, Any]:
     loaded = sum(r["loaded_tokens"] for r in loads) * run.bytes_per_token
     lookups = np.asarray([s for r in loads for s in r["lookup_s"]]) * 1e3
     alone = np.asarray([s for r in only for s in r["lookup_s"]]) * 1e3
+    at_pace = np.asarray([s for r in paced for s in r["lookup_s"]]) * 1e3
     bad = sum(r["mismatched_tokens"] for r in shared)
     if bad:
         raise RuntimeError(f"{bad} loaded tokens of N = {n} engines hold wrong KV")
@@ -325,6 +366,10 @@ def measure(args: argparse.Namespace, n: int) -> dict[str, Any]:
             "only_p99_ms": float(np.percentile(alone, 99)), "only_lookups": len(alone),
             "only_per_s": len(alone) / (max(r["end"] for r in only)
                                         - min(r["start"] for r in only)),
+            "paced_p50_ms": float(np.percentile(at_pace, 50)),
+            "paced_p99_ms": float(np.percentile(at_pace, 99)), "paced_lookups": len(at_pace),
+            "paced_per_s": len(at_pace) / (max(r["end"] for r in paced)
+                                           - min(r["start"] for r in paced)),
             "cross_hit_tokens": sum(r["hit_tokens"] for r in shared),
             "cross_hit_requests": sum(r["cross_hit_requests"] for r in shared),
             "other_prompt_tokens": others}
@@ -338,6 +383,10 @@ def main() -> int:
     p.add_argument("--prefixes", type=int, default=2, help="prompts per engine, default 2")
     p.add_argument("--rounds", type=int, default=None, help="load rounds (default 60)")
     p.add_argument("--layers", type=int, default=None, help="layers (default 4)")
+    p.add_argument("--lookup-rate", type=float, default=50.0,
+                   help="paced phase: lookups per second per engine (default 50)")
+    p.add_argument("--paced-requests", type=int, default=None,
+                   help="paced phase: lookups per engine (default 400; --quick: 6)")
     p.add_argument("--engine", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.engine:
@@ -345,6 +394,12 @@ def main() -> int:
     counts = [int(x) for x in (args.engines or ("1,2" if args.quick else "1,2,4,8")).split(",")]
     if not counts or counts[0] != 1 or any(c < 1 for c in counts):
         p.error(f"--engines {args.engines!r}: give counts >= 1 starting with 1 (the baseline)")
+    if not args.lookup_rate > 0:
+        p.error(f"--lookup-rate {args.lookup_rate}: give a rate > 0 lookups per second")
+    if args.paced_requests is None:
+        args.paced_requests = 6 if args.quick else 400
+    if args.paced_requests < 1:
+        p.error(f"--paced-requests {args.paced_requests}: give at least 1 lookup per engine")
     args.tokens = args.tokens or (64 if args.quick else 512)
     args.rounds = args.rounds or (3 if args.quick else 60)
     args.layers = args.layers or (1 if args.quick else 4)
@@ -360,14 +415,26 @@ def main() -> int:
              baseline_gbps=round(base["gbps"], 3), ratio=round(got["gbps"] / base["gbps"], 3),
              goal_ratio=0.8, loadavg=load)
         for name, pre, count in (("replicas_lookup", "", "lookups"),
-                                 ("replicas_lookup_only", "only_", "only_lookups")):
+                                 ("replicas_lookup_only", "only_", "only_lookups"),
+                                 ("replicas_lookup_paced", "paced_", "paced_lookups")):
+            extra: dict[str, Any] = {}
+            if pre == "only_":
+                extra = {"aggregate_lookups_per_s": round(got["only_per_s"], 1)}
+            elif pre == "paced_":
+                extra = {"lookup_rate_per_engine": args.lookup_rate,
+                         "requests_per_engine": args.paced_requests,
+                         "offered_lookups_per_s": round(n * args.lookup_rate, 1),
+                         "answered_lookups_per_s": round(got["paced_per_s"], 1),
+                         "closed_loop_capacity_per_s": round(got["only_per_s"], 1),
+                         "offered_to_capacity": round(n * args.lookup_rate
+                                                      / got["only_per_s"], 3)}
             for q in ("p50", "p99"):
                 key = f"{pre}{q}_ms"
                 emit(bench=name, engines=n, percentile=q, samples=got[count],
                      ms=round(got[key], 4), baseline="1_engine", baseline_ms=round(base[key], 4),
                      ratio=round(got[key] / base[key], 3),
-                     goal_ratio_max=2.0 if q == "p99" and not pre else None, loadavg=load,
-                     **({"aggregate_lookups_per_s": round(got["only_per_s"], 1)} if pre else {}))
+                     goal_ratio_max=2.0 if q == "p99" and pre != "only_" else None,
+                     loadavg=load, **extra)
         if n > 1:
             emit(bench="replicas_cross_hits", engines=n,
                  hit_rate=round(got["cross_hit_tokens"] / max(got["other_prompt_tokens"], 1), 4),

@@ -1,6 +1,7 @@
-"""Smoke test of bench/replicas.py: with one and two engines on one agent it runs,
-verifies every loaded token and prints one well-formed JSON object per result (no
-timing asserted: figures are machine-dependent)."""
+"""Smoke test of bench/replicas.py: with one and two engines on one agent it runs
+(closed-loop and paced phases), verifies every loaded token and prints one
+well-formed JSON object per result (no timing asserted: figures are
+machine-dependent)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_quick_run_reports_load_lookup_and_cross_replica_hits_per_engine_count() -> None:
+def test_quick_run_reports_load_lookups_paced_lookups_and_cross_hits_per_engine_count() -> None:
     out = subprocess.run(
         [sys.executable, "-P", str(ROOT / "bench" / "replicas.py"), "--quick"],
         capture_output=True, text=True, timeout=280, cwd=ROOT,
@@ -39,6 +40,18 @@ def test_quick_run_reports_load_lookup_and_cross_replica_hits_per_engine_count()
     assert sorted(only) == sorted(lookup)
     assert only[2, "p99"]["samples"] == 12 and only[2, "p99"]["ms"] > 0
     assert all(r["aggregate_lookups_per_s"] > 0 for r in only.values())
+    paced = {(r["engines"], r["percentile"]): r for r in rows
+             if r["bench"] == "replicas_lookup_paced"}
+    assert sorted(paced) == sorted(lookup)
+    # Each engine issued 6 lookups (--quick) at the default pace of 50 per second.
+    assert paced[2, "p99"]["samples"] == 2 * paced[1, "p99"]["samples"] == 12
+    assert paced[2, "p99"]["goal_ratio_max"] == 2.0 and paced[2, "p99"]["ms"] > 0
+    for (n, _), r in paced.items():
+        assert r["lookup_rate_per_engine"] == 50.0 and r["requests_per_engine"] == 6
+        assert r["offered_lookups_per_s"] == n * 50.0
+        assert r["closed_loop_capacity_per_s"] == only[n, "p50"]["aggregate_lookups_per_s"]
+        assert r["offered_to_capacity"] == round(n * 50.0 / r["closed_loop_capacity_per_s"], 3)
+        assert r["answered_lookups_per_s"] > 0
     [cross] = [r for r in rows if r["bench"] == "replicas_cross_hits"]
     # Each of the 2 engines looked up the other's 2 prompts of 64 tokens.
     assert cross["engines"] == 2 and cross["other_prompt_tokens"] == 2 * 2 * 64
