@@ -150,20 +150,21 @@ LAYERS: dict[str, frozenset[str]] = {
     "contract": frozenset(),
     "vocab": frozenset(),
     "metrics": frozenset(),
+    "events": frozenset({"metrics"}),
     "http": frozenset({"metrics"}),
     "pp": frozenset({"contract", "metrics", "vocab"}),
     "engine_api": frozenset({"metrics", "vocab"}),
     "config": frozenset({"backend", "contract", "vocab"}),
     "kube": frozenset({"config", "contract", "vocab"}),
-    "backend": frozenset({"config", "contract", "metrics", "vocab"}),
+    "backend": frozenset({"config", "contract", "events", "metrics", "vocab"}),
     "coordinator": frozenset({"backend", "metrics", "pp", "vocab"}),
     "client": frozenset({"engine_api", "vocab"}),
     "integrations": frozenset({"client", "engine_api", "vocab"}),
     "demo": frozenset({"client", "contract", "engine_api", "pp", "vocab"}),
     "assembly": frozenset({"backend", "config", "contract", "coordinator", "engine_api",
-                           "metrics", "pp", "vocab"}),
-    "agent": frozenset({"node_agent", "assembly", "backend", "config", "engine_api", "http",
-                        "kube", "metrics", "vocab"}),
+                           "events", "metrics", "pp", "vocab"}),
+    "agent": frozenset({"node_agent", "assembly", "backend", "config", "engine_api", "events",
+                        "http", "kube", "metrics", "vocab"}),
     "__main__": frozenset({"agent", "assembly", "backend", "config", "demo"}),
     "node_agent": frozenset(),
 }
@@ -176,6 +177,7 @@ FORBIDDEN: dict[str, frozenset[str]] = {
     "engine_api": frozenset({"agent", "assembly", "backend", "coordinator", "pp"}),
     "backend": frozenset({"coordinator", "engine_api", "pp", "http", "kube"}),
     "kube": frozenset({"http"}),
+    "events": frozenset({"backend", "coordinator", "engine_api", "pp", "http", "kube"}),
 }
 
 
