@@ -43,13 +43,16 @@ def tp_main(socket: str, layout_wire: str, tp_rank: int, tp_size: int, port: int
         conn = AgentKVConnector(client, layout, bufs.handles, page_size=layout.tokens_per_block,
                                 tp_rank=tp_rank, tp_size=tp_size, tp_broadcast=_broadcast)
         report: dict[str, Any] = {"connected": conn.connect()}
-        _broadcast(None)  # every rank registered before the first data call
         planes = [t for g in bufs.tensors for t in g]
         tokens = np.arange(3000, 3032, dtype=np.int64)
         src = torch.arange(32)
         for p, t in enumerate(planes):  # each rank holds its own heads' KV
             t.view(t.shape[0], -1)[src] = kv_values(tokens, 0, p + 100 * tp_rank,
                                                      t.dtype).view(-1, 1)
+        # Every rank registered and wrote its KV before rank 0's store reads it: in
+        # SGLang the forward pass's TP all-reduce orders each rank's KV writes before
+        # the scheduler's store_kv; here this collective stands in for it.
+        _broadcast(None)
         report["task"] = conn.store_kv(Handle("tp-store", 0), tokens.tolist(), src)
         done: list[str] = []
         for _ in range(2000):  # same count on every rank: rank 0's answers decide
