@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
@@ -202,3 +203,53 @@ async def test_closing_a_stage_caller_drops_its_queued_calls(work: Path) -> None
         assert made < 20
         assert not stage._thread.is_alive(), "stage 1's thread still makes queued calls after close"
         assert stage.calls == made
+
+
+async def test_a_request_ended_while_its_lookup_is_queued_leaves_no_lookup_open(
+        work: Path) -> None:
+    """vLLM aborts a waiting request whose PP lookup is still queued on the lookup
+    thread: its release reaches stage 0's agent first, the lookup after it. The
+    lookup the agent then holds (pinning the prompt's blocks) must be released too,
+    or every such abort leaves a match open until ``maxPending`` newer lookups push
+    it out."""
+    sched: SchedulerSide | None = None
+    try:
+        async with group(work) as (_, conn):
+            sched = SchedulerSide(conn, TPB, tp_size=1, pp_size=2)
+            client = EngineClient(conn.socket_for(0), RankInfo(REPLICA, pp_rank=0, pp_size=2),
+                                  timeout=10)
+            try:
+                # The lookup thread is held before its call until the release was made.
+                gate, released = threading.Event(), threading.Event()
+                real_call, real_release = sched._call_lookup, sched._release
+
+                def held_call(rid: str, ids: np.ndarray, local: int, limit: int) -> int:
+                    assert gate.wait(60), "the test never opened the gate"
+                    return real_call(rid, ids, local, limit)
+
+                def noted_release(rid: str, c: EngineClient | None = None) -> None:
+                    real_release(rid, c)
+                    if rid == "gone":
+                        released.set()
+
+                sched._call_lookup = held_call  # type: ignore[method-assign]
+                sched._release = noted_release  # type: ignore[method-assign]
+                assert sched.lookup("gone", PROMPT, 0) is None  # queued, not answered
+                assert sched.finished("gone", PROMPT, 0, []) is False  # aborted
+                assert await asyncio.to_thread(released.wait, 60), "the release was not made"
+                gate.set()
+                await wait_for_async(lambda: sched is not None and sched._lookup_jobs.empty()
+                                     and sched.take_counters()["lookups"] >= 1,
+                                     "the queued lookup made after the release", 60)
+
+                def open_lookups() -> int:
+                    [stage] = client.status()["stages"]
+                    return int(stage["connector"]["openLookups"])
+
+                await wait_for_async(lambda: open_lookups() == 0,
+                                     "the late lookup of an ended request released", 30)
+            finally:
+                client.close()
+    finally:
+        if sched is not None:
+            sched.close()

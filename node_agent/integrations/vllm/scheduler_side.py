@@ -280,9 +280,16 @@ class SchedulerSide:
             rid, ids, local, limit = job
             hit = self._call_lookup(rid, ids, local, limit)
             with self._lock:
-                if self._lookup_asked.get(rid) == (len(ids), local):
+                asked = self._lookup_asked.get(rid)
+                if asked == (len(ids), local):
                     del self._lookup_asked[rid]
                     self._lookup_answers[rid] = ((len(ids), local), hit)
+            if asked is None:
+                # The request ended (``finished`` forgot it) while this call was
+                # queued or running: its release may have reached the agent before
+                # the lookup, which then holds a match nobody uses. Release it here,
+                # on stage 0's agent only (the other stages' calls ran in order).
+                self._release_unmirrored(rid, self._lookup_client)
             self._load_ended.set()
 
     def after_alloc(self, rid: str, block_ids: Sequence[int], external: int) -> None:
@@ -507,6 +514,12 @@ class SchedulerSide:
         if not self.health.should_call():
             return
         self._mirror(StageOp("release", rid))
+        self._release_unmirrored(rid, client)
+
+    def _release_unmirrored(self, rid: str, client: EngineClient | None = None) -> None:
+        """Release ``rid`` on stage 0's agent only (no op for the other stages)."""
+        if not self.health.should_call():
+            return
         try:
             (client or self._store_client).release(rid)
         except AGENT_ERRORS as exc:
