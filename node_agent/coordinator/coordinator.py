@@ -267,7 +267,11 @@ class Coordinator:
             if isinstance(role, LeaderRole):
                 role.backend.register_kv_buffers(rank, buffers)
             if self._store is not None:
-                _registrable(self._store).register_kv_buffers(rank, buffers)
+                store = _registrable(self._store)
+                if isinstance(role, FollowerRole):
+                    role.swap_buffers(lambda: store.register_kv_buffers(rank, buffers))
+                else:
+                    store.register_kv_buffers(rank, buffers)
             self._buffers[rank] = buffers
             # A re-registration (an engine restarted with other buffers) replaces
             # the rank's size: the limit is the smallest of the current buffers.

@@ -109,6 +109,11 @@ class FollowerRole:
         self._exec = threading.Lock()
         self._state = threading.Lock()
         self._gen = 0
+        self._buffers_gen = 0
+        """Bumped by every buffer registration (:meth:`swap_buffers`): a call that
+        began under another number never copies (its engine registered again)."""
+        self._call = threading.local()
+        """The engine call running on this thread: ``buffers_gen`` when it began."""
         self._cancelled: OrderedDict[Key, None] = OrderedDict()
         self._gets: OrderedDict[str, Stamped] = OrderedDict()
         self._stored: OrderedDict[Key, str] = OrderedDict()
@@ -191,11 +196,34 @@ class FollowerRole:
     def _wait_s(self) -> float:
         return min(self.cfg.fanout_wait_seconds, self.cfg.engine_call_seconds)
 
+    def swap_buffers(self, register: Callable[[], None]) -> None:
+        """Run ``register()`` (an engine rank registering its buffers) while no copy
+        runs, and make every engine call begun before it refuse to copy: its slots
+        name the buffers of the engine that made it, which may be gone (a restarted
+        engine registers new buffers while its predecessor's call still waits for
+        its decision). Raises ``TimeoutError`` when a copy held the stage for more
+        than ``transfer_seconds`` (nothing registered; register again)."""
+        if not self._exec.acquire(timeout=self.cfg.transfer_seconds):
+            raise TimeoutError(
+                f"a copy of stage {self.cfg.pp_rank} ran for more than transfer_seconds="
+                f"{self.cfg.transfer_seconds:g}s while an engine rank registered its "
+                "buffers; nothing was registered, register again")
+        try:
+            self._buffers_gen += 1
+            register()
+        finally:
+            self._exec.release()
+
+    def _begin_call(self) -> None:
+        """Note the buffer registration an engine call on this thread began under."""
+        self._call.buffers_gen = self._buffers_gen
+
     def _execute(self, key: Key, gen: int, d: Decision,
                  slots: npt.NDArray[np.int64]) -> str | None:
         """Run ``d`` (delivered under stream generation ``gen``) with ``slots``;
         None on success, else the error. Refused when a reset or resync came
-        after the decision, or the leader cancelled it."""
+        after the decision, the leader cancelled it, or an engine rank registered
+        its buffers since this thread's call began (:meth:`_begin_call`)."""
         if not self._exec.acquire(timeout=self.cfg.transfer_seconds):
             return (f"another copy on this stage held the copy lock for more than "
                     f"transfer_seconds={self.cfg.transfer_seconds:g}s; raise "
@@ -207,6 +235,9 @@ class FollowerRole:
                 return "the stream was reset or resynced after the leader's decision"
             if key in self._cancelled:
                 return "the leader cancelled the task"
+            if getattr(self._call, "buffers_gen", self._buffers_gen) != self._buffers_gen:
+                return ("the engine registered its KV buffers again after this call began: "
+                        "its slots name buffers that are gone")
             plan = d.plan
             assert plan is not None
             self.store.execute(plan, slots, timeout=self.cfg.transfer_seconds)
@@ -241,6 +272,7 @@ class FollowerRole:
     def store_kv(self, rid: str, inp: StoreInput) -> int:
         """Wait for the leader's decision for these tokens, execute it, ack it."""
         self.counters.stores += 1
+        self._begin_call()
         if inp.aligned == 0 or not self.stream.synced:
             return -1
         taken = self._book.take(rid, Kind.PUT, inp.digest, self._wait_s())
@@ -331,6 +363,7 @@ class FollowerRole:
 
     def retrieve(self, rid: str, slot_mapping: object) -> int:
         """Load this stage's layers; the hit when every stage loaded, else 0."""
+        self._begin_call()
         with self._state:
             entry = self._gets.pop(rid, None)
         if entry is None:

@@ -58,6 +58,10 @@ log = logging.getLogger(__name__)
 
 STOP_WAIT_SECONDS = 2.0
 """How long a timed-out copy gets to end after its cancel before the leader gives up."""
+VERDICT_MARGIN_FRACTION = 0.1
+VERDICT_MARGIN_SECONDS = 0.05
+"""The part of a follower's verdict wait a leader's ok verdict leaves for the
+messages' transit (``_verdict_late``): a tenth, at least 50 ms."""
 _RUNNING = (KVResponseStatus.TIMEOUT, KVResponseStatus.UNREADY)
 
 
@@ -96,6 +100,9 @@ class LeaderCounters:
     degraded_refusals: int = 0
     cache_epoch_refusals: int = 0
     stepped_down_refusals: int = 0
+    late_verdict_misses: int = 0
+    """Retrieves answered a miss because a follower may have stopped waiting
+    for their verdict (``LeaderRole._verdict_late``)."""
     flushes: int = 0
     moves_sent: int = 0
 
@@ -491,7 +498,7 @@ class LeaderRole:
             self._end_get(rid, g, ok=False)
             raise
         ok = g.acks.wait(self.cfg.fanout_wait_seconds + self.cfg.transfer_seconds)
-        ok = ok and self.newer_epoch is None
+        ok = ok and self.newer_epoch is None and not self._verdict_late(rid, g)
         if ok:
             try:
                 ids = self.backend.launch([g.task_id], [slots])
@@ -501,6 +508,7 @@ class LeaderRole:
                 log.warning("Leader load failed", extra={"group": self.cfg.group, "rid": rid,
                                                          "error": str(exc)})
                 ok = False
+            ok = ok and not self._verdict_late(rid, g)
         else:
             log.warning("Not every follower loaded, the retrieve is a miss",
                         extra={"group": self.cfg.group, "rid": rid, "missing": g.acks.missing(),
@@ -512,6 +520,30 @@ class LeaderRole:
         if not ok:
             self.counters.retrieve_misses += 1
         return g.hit if ok else 0
+
+    def _verdict_late(self, rid: str, g: _Get) -> bool:
+        """Whether an ok verdict for ``g`` could reach a follower after it gave up.
+
+        A follower that loaded waits ``fanout_wait_seconds + transfer_seconds``
+        after its ack for the verdict, then answers 0 and its engine reuses the
+        slots; a leader that answered the hit after that would leave its stage
+        with a prefix another stage does not hold (a load is all or nothing).
+        So the leader answers a miss when that wait, less a margin for the
+        messages' transit (:data:`VERDICT_MARGIN_FRACTION`, at least
+        :data:`VERDICT_MARGIN_SECONDS`), has passed since the first ack came."""
+        first = g.acks.first_at
+        if first is None:
+            return False
+        wait = self.cfg.fanout_wait_seconds + self.cfg.transfer_seconds
+        margin = max(VERDICT_MARGIN_FRACTION * wait, VERDICT_MARGIN_SECONDS)
+        late = time.monotonic() - first
+        if late < wait - margin:
+            return False
+        self.counters.late_verdict_misses += 1
+        log.warning("Retrieve too late for the followers' verdict wait, answering a miss",
+                    extra={"group": self.cfg.group, "rid": rid,
+                           "since_ack_seconds": round(late, 3), "follower_wait_seconds": wait})
+        return True
 
     def _end_get(self, rid: str, g: _Get, ok: bool, refetch: bool = False) -> None:
         with self._decide:

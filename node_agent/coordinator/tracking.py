@@ -442,12 +442,16 @@ class AckCollector:
     expected: frozenset[int]
     acks: dict[int, Ack] = field(default_factory=dict)
     cond: threading.Condition = field(default_factory=threading.Condition)
+    first_at: float | None = None
+    """When the first expected ack arrived (monotonic clock); None before."""
 
     def add(self, ack: Ack) -> None:
         """Record a follower's ack (ignored for ranks not expected)."""
         with self.cond:
             if ack.rank in self.expected:
                 self.acks[ack.rank] = ack
+                if self.first_at is None:
+                    self.first_at = time.monotonic()
                 self.cond.notify_all()
 
     def failed(self) -> list[Ack]:

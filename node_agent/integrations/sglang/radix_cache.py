@@ -15,9 +15,11 @@ flexkv_radix_cache.py``, synchronous "MP" mode), against
 * ``init_load_back``: allocates ``host_hit_length`` slots, ``retrieve_kv``; a
   full load becomes a new tree node, anything else frees the slots and loads 0
   (the connector never returns a partial load).
-* ``checkpoint`` of a finished request: ``store_kv`` of the committed tokens;
-  the matched node stays locked until ``check_completed_stores`` returns the
-  request's handle (drained every tick by ``check_hicache_events`` when SGLang
+* ``checkpoint`` of a finished request: ``store_kv`` of the committed tokens
+  that the tree holds after SGLang's own ``checkpoint`` (the slots of its
+  matched node: with EAGLE's bigram keys, one token less than committed, cut to
+  whole pages); the matched node stays locked until ``check_completed_stores``
+  returns the request's handle (drained every tick by ``check_hicache_events`` when SGLang
   runs with ``--enable-flexkv``, and before every ``evict``).
 * aborts (``release_aborted_request``), ``reset`` (``flush_cache``) and
   ``shutdown``.
@@ -143,12 +145,17 @@ class AgentRadixCache(RadixCache):
         token_ids = (req.origin_input_ids + req.output_ids)[:committed]
         if not token_ids:
             return
-        kv_indices = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :committed]
         match = super().match_prefix(MatchPrefixParams(
             key=RadixKey(token_ids, req.extra_key, cache_salt=req.cache_salt)))
         node = match.last_device_node
-        if node is None:
+        # Only the matched path is locked until the agent reports the store; slots
+        # past it are the request's own, freed when it ends (with EAGLE the tree's
+        # bigram keys cover one token less than the request), so they are not stored.
+        locked = min(committed, int(match.device_prefix_len))
+        if node is None or locked <= 0:
             return
+        token_ids = token_ids[:locked]
+        kv_indices = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :locked]
         self.inc_lock_ref(node)
         try:
             task_id = self.flexkv_connector.store_kv(req.cache_request_handle,
