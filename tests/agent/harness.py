@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -180,18 +180,54 @@ class AgentProcess:
     def socket(self) -> str:
         return str(self.data["engineSocket"])
 
+    def status(self) -> dict[str, Any]:
+        """Its ``/status`` JSON."""
+        return dict(httpx.get(self.url + "/status", timeout=5).json())
+
+
+def launch_agent(work: Path, name: str, data: dict[str, Any]) -> AgentProcess:
+    """Write ``data`` to ``work/<name>.yaml``, start an agent process on it with its
+    output in ``work/<name>.log`` and return it healthy (stopped again, and the
+    error raised, when it never got healthy). The caller stops it."""
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    agent = AgentProcess(start_agent_process(path, work / f"{name}.log"), data)
+    try:
+        wait_healthy(agent.url, agent.proc)
+    except BaseException:
+        stop_process(agent.proc)
+        raise
+    return agent
+
 
 @contextlib.contextmanager
 def agent_process(work: Path, node: str = "solo", **extra: Any) -> Iterator[AgentProcess]:
     """An agent process of :func:`agent_mapping` (``extra`` overrides its keys), its
     config in ``work/agent.yaml`` and its output in ``work/agent.log``, healthy;
     stopped on exit (``work`` is the caller's to remove)."""
-    data = agent_mapping(work, node, **extra)
-    path = work / "agent.yaml"
-    path.write_text(yaml.safe_dump(data))
-    agent = AgentProcess(start_agent_process(path, work / "agent.log"), data)
+    agent = launch_agent(work, "agent", agent_mapping(work, node, **extra))
     try:
-        wait_healthy(agent.url, agent.proc)
         yield agent
     finally:
         stop_process(agent.proc)
+
+
+@contextlib.contextmanager
+def agent_starter(work: Path) -> Iterator[Callable[..., AgentProcess]]:
+    """Yields ``start(node, data=None, **extra)``: an agent process named ``node``
+    (``data``, or :func:`agent_mapping` with ``extra`` overriding its keys, in
+    ``work/<node>.yaml``; its output in ``work/<node>.log``), healthy. Every agent
+    it started is stopped on exit."""
+    started: list[AgentProcess] = []
+
+    def start(node: str, data: dict[str, Any] | None = None, **extra: Any) -> AgentProcess:
+        agent = launch_agent(work, node, data if data is not None
+                             else agent_mapping(work, node, **extra))
+        started.append(agent)
+        return agent
+
+    try:
+        yield start
+    finally:
+        for agent in started:
+            stop_process(agent.proc)

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +24,6 @@ from tests.agent.harness import (
     agent_mapping,
     cfg_of,
     running_agent,
-    short_dir,
     wait_http,
     wait_stored,
     write_group_file,
@@ -47,13 +44,6 @@ CONTRACT_METRICS = [
     "flexkv_agent_leader_changes_total", "flexkv_agent_ready",
     "flexkv_agent_fanout_mismatch_total", "flexkv_agent_pp_degraded",
 ]
-
-
-@pytest.fixture()
-def work() -> Iterator[Path]:
-    d = short_dir("http")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def _fill(bufs: SharedKVBuffers, slots: np.ndarray, seed: int) -> None:

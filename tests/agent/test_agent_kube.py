@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +22,6 @@ from tests.agent.harness import (
     agent_mapping,
     cfg_of,
     running_agent,
-    short_dir,
     wait_http,
 )
 from tests.support.waiting import wait_for_async
@@ -32,13 +29,6 @@ from tests.support.waiting import wait_for_async
 pytestmark = pytest.mark.timeout(90)
 LEASES = kmock.resource("coordination.k8s.io", "v1", "leases")
 GROUPS = kmock.resource("flexkv.io", "v1alpha1", "kvcachegroups")
-
-
-@pytest.fixture()
-def work() -> Iterator[Path]:
-    d = short_dir("kube")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def _annotations(kube: Any, node: str) -> dict[str, str]:

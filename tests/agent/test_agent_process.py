@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -29,7 +27,6 @@ from tests.agent.harness import (
     LAYOUT,
     NUM_SLOTS,
     agent_mapping,
-    short_dir,
     start_agent_process,
     stop_process,
     wait_healthy,
@@ -67,13 +64,6 @@ FIRST_ENGINE = textwrap.dedent("""
     bufs.close()
     print("stored", flush=True)
 """)
-
-
-@pytest.fixture()
-def work() -> Iterator[Path]:
-    d = short_dir("proc")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def _config(work: Path) -> tuple[Path, dict[str, object]]:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -15,17 +13,16 @@ from node_agent.assembly import default_stage_builder
 from node_agent.engine_api.service import RankRef
 from node_agent.metrics import AgentMetrics
 from node_agent.pp.auth import CurveKeys
-from tests.agent.harness import LAYOUT, NUM_SLOTS, agent_mapping, cfg_of, short_dir
+from tests.agent.harness import LAYOUT, NUM_SLOTS, agent_mapping, cfg_of
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture()
-def work() -> Iterator[Path]:
-    d = short_dir("tiers")
-    CurveKeys.generate().write(d / "curve")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+def work(work: Path) -> Path:
+    """The test's work directory with the agents' CURVE keys in ``curve``."""
+    CurveKeys.generate().write(work / "curve")
+    return work
 
 
 def _store(agent: Agent, blocks: int) -> dict[str, int]:

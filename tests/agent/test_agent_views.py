@@ -5,9 +5,7 @@ while it is read, and the cache-epoch watcher surviving a failing flush."""
 from __future__ import annotations
 
 import asyncio
-import shutil
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,18 +17,17 @@ from node_agent.assembly import default_stage_builder
 from node_agent.engine_api.service import RankRef, Stage
 from node_agent.pp.auth import CurveKeys
 from node_agent.vocab.group_view import GroupMember, GroupView
-from tests.agent.harness import LAYOUT, agent_mapping, cfg_of, short_dir
+from tests.agent.harness import LAYOUT, agent_mapping, cfg_of
 from tests.support.waiting import wait_for_async
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture()
-def work() -> Iterator[Path]:
-    d = short_dir("views")
-    CurveKeys.generate().write(d / "curve")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+def work(work: Path) -> Path:
+    """The test's work directory with the agents' CURVE keys in ``curve``."""
+    CurveKeys.generate().write(work / "curve")
+    return work
 
 
 def _view(peer_ready: bool) -> GroupView:

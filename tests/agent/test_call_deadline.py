@@ -11,8 +11,6 @@ only after the leader's engine was answered.
 from __future__ import annotations
 
 import asyncio
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +26,6 @@ from tests.agent.harness import (
     agent_mapping,
     cfg_of,
     running_agent,
-    short_dir,
     wait_http,
     wait_stored,
     write_group_file,
@@ -36,13 +33,6 @@ from tests.agent.harness import (
 
 pytestmark = pytest.mark.timeout(90)
 ENGINE_CALL, FANOUT_WAIT = 2.0, 0.6
-
-
-@pytest.fixture()
-def work() -> Iterator[Path]:
-    d = short_dir("deadline")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 async def _both(*calls: object) -> list[object]:

@@ -3,8 +3,6 @@ when it joins the agent: it serves under the new epoch, nothing of the old one."
 
 from __future__ import annotations
 
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,17 +16,16 @@ from node_agent.engine_api.protocol import layout_to_wire
 from node_agent.engine_api.service import RankRef, Stage
 from node_agent.pp.auth import CurveKeys
 from node_agent.vocab.layout import KVLayout
-from tests.agent.harness import LAYOUT, NUM_SLOTS, agent_mapping, cfg_of, short_dir
+from tests.agent.harness import LAYOUT, NUM_SLOTS, agent_mapping, cfg_of
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture()
-def work() -> Iterator[Path]:
-    d = short_dir("flushbuild")
-    CurveKeys.generate().write(d / "curve")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+def work(work: Path) -> Path:
+    """The test's work directory with the agents' CURVE keys in ``curve``."""
+    CurveKeys.generate().write(work / "curve")
+    return work
 
 
 def test_a_flush_during_a_stage_build_is_applied_when_the_stage_joins(work: Path) -> None:

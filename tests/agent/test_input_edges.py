@@ -8,8 +8,7 @@ written, and the agent keeps serving (a valid round trip afterwards). Item 8
 from __future__ import annotations
 
 import asyncio
-import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,20 +27,12 @@ from tests.agent.harness import (
     agent_mapping,
     cfg_of,
     running_agent,
-    short_dir,
     wait_http,
     wait_stored,
 )
 
 pytestmark = pytest.mark.timeout(90)
 BIG = 2**63 + 5
-
-
-@pytest.fixture()
-def work() -> Iterator[Path]:
-    d = short_dir("edges")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def _fill(bufs: SharedKVBuffers, slots: np.ndarray, seed: int) -> None:

@@ -15,9 +15,7 @@ import itertools
 import os
 import pickle
 import re
-import shutil
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +35,6 @@ from tests.agent.harness import (
     AgentProcess,
     agent_mapping,
     agent_process,
-    short_dir,
     start_agent_process,
     stop_process,
 )
@@ -47,13 +44,6 @@ from tests.support.waiting import wait_for
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 NUM_SLOTS = 64
 CPU_BLOCKS = 8
-
-
-@pytest.fixture()
-def work() -> Iterator[Path]:
-    d = short_dir("events")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def prompt(seed: int, blocks: int = 3) -> np.ndarray:

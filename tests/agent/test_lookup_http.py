@@ -28,13 +28,6 @@ NUM_SLOTS = 64
 CPU_BLOCKS = 8
 
 
-@pytest.fixture()
-def work() -> Iterator[Path]:
-    d = short_dir("lookup")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
 def prompt(seed: int, blocks: int) -> np.ndarray:
     return np.arange(seed * 1000, seed * 1000 + blocks * TPB, dtype=np.int64)
 

@@ -8,8 +8,6 @@ agent keeps serving a whole-page round trip, compared byte for byte.
 
 from __future__ import annotations
 
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +20,6 @@ from node_agent.vocab.layout import KVDtype, KVLayout, LayoutName
 from tests.agent.harness import (
     TPB,
     agent_process,
-    short_dir,
 )
 from tests.support.waiting import wait_for
 
@@ -34,13 +31,6 @@ LAYOUT = KVLayout(num_layers=LAYERS, num_kv_heads=HEADS, head_size=HEAD, kv_dim=
                   name=LayoutName.LAYER_BLOCK_HEAD_TOKEN_KV)
 TOKENS = np.arange(500, 500 + 3 * TPB, dtype=np.int64)
 SENTINEL = -7.0
-
-
-@pytest.fixture()
-def work() -> Iterator[Path]:
-    d = short_dir("paged")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def pages(blocks: list[int]) -> np.ndarray:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 import signal
 import subprocess
 import threading
@@ -39,7 +38,6 @@ from tests.agent.harness import (
     NUM_SLOTS,
     TPB,
     agent_mapping,
-    short_dir,
     start_agent_process,
     stop_process,
     wait_healthy,
@@ -52,13 +50,6 @@ BPB = LAYOUT.bytes_per_block
 BLOCKS = 4  # blocks per prompt
 PROMPT = BLOCKS * TPB  # tokens per prompt
 CPU_BLOCKS = 8
-
-
-@pytest.fixture()
-def work() -> Iterator[Path]:
-    d = short_dir("rst")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def _config(work: Path, name: str = "agent", **extra: Any) -> tuple[Path, dict[str, Any]]:

@@ -5,13 +5,11 @@ that is killed); agents are real ``python -m node_agent run`` processes."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +26,9 @@ from node_agent.pp.auth import CurveKeys
 from tests.agent.harness import (
     LAYOUT,
     NUM_SLOTS,
+    AgentProcess,
     agent_mapping,
-    short_dir,
-    start_agent_process,
-    stop_process,
-    wait_healthy,
+    agent_starter,
 )
 from tests.support.waiting import wait_for
 
@@ -45,49 +41,12 @@ SRC, DST = np.arange(0, 16, dtype=np.int64), np.arange(64, 80, dtype=np.int64)
 BLOCK = LAYOUT.bytes_per_block
 
 
-@dataclass
-class AgentProc:
-    data: dict[str, Any]
-    proc: subprocess.Popen[bytes]
-
-    @property
-    def socket(self) -> str:
-        return str(self.data["engineSocket"])
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.data['ports']['http']}"
-
-    def status(self) -> dict[str, Any]:
-        return dict(httpx.get(self.url + "/status", timeout=5).json())
-
-
 @pytest.fixture()
-def work() -> Iterator[Path]:
-    d = short_dir("stages")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture()
-def agents(work: Path) -> Iterator[Callable[..., AgentProc]]:
-    """Starts agent processes in ``work`` (stopped at the end)."""
-    started: list[AgentProc] = []
-
-    def start(node: str, data: dict[str, Any] | None = None, **extra: Any) -> AgentProc:
-        data = data if data is not None else agent_mapping(work, node, **extra)
-        path = work / f"{node}.yaml"
-        path.write_text(yaml.safe_dump(data))
-        ap = AgentProc(data, start_agent_process(path, work / f"{node}.log"))
-        started.append(ap)
-        wait_healthy(ap.url, ap.proc)
-        return ap
-
-    try:
+def agents(work: Path) -> Iterator[Callable[..., AgentProcess]]:
+    """Starts agent processes in ``work`` (stopped at the end): see
+    :func:`~tests.agent.harness.agent_starter`."""
+    with agent_starter(work) as start:
         yield start
-    finally:
-        for ap in started:
-            stop_process(ap.proc)
 
 
 def fill(bufs: SharedKVBuffers, slots: np.ndarray, seed: int) -> None:
@@ -152,7 +111,7 @@ def engines() -> Iterator[Callable[[str, RankInfo], Engine]]:
 
 
 def test_replicas_without_a_model_identity_or_of_another_model_load_only_their_own_blocks(
-        agents: Callable[..., AgentProc], engines: Callable[[str, RankInfo], Engine],
+        agents: Callable[..., AgentProcess], engines: Callable[[str, RankInfo], Engine],
         work: Path) -> None:
     # Three stages' worth of CPU and SSD tier: each stage's shares hold 16 blocks each
     # (the SSD tiers of the three stages share one directory). Replicas without a
@@ -239,7 +198,7 @@ while True:
 
 
 def test_bad_input_or_killed_engine_of_one_replica_never_disturbs_another(
-        agents: Callable[..., AgentProc], engines: Callable[[str, RankInfo], Engine],
+        agents: Callable[..., AgentProcess], engines: Callable[[str, RankInfo], Engine],
         work: Path) -> None:
     agent = agents("solo", maxStages=3,
                    tiers={"cpu": {"size": BLOCK * 96, "pinned": False}})
@@ -311,7 +270,7 @@ def write_groups(path: Path, pool: str, groups: dict[str, dict[int, tuple[str, i
 
 
 def test_stages_of_two_pp_groups_on_one_pair_of_agents_lead_one_and_follow_the_other(
-        agents: Callable[..., AgentProc], engines: Callable[[str, RankInfo], Engine],
+        agents: Callable[..., AgentProcess], engines: Callable[[str, RankInfo], Engine],
         work: Path) -> None:
     CurveKeys.generate().write(work / "curve")
     groups_file = work / "groups.yaml"
@@ -337,7 +296,7 @@ def test_stages_of_two_pp_groups_on_one_pair_of_agents_lead_one_and_follow_the_o
         with ThreadPoolExecutor(2) as ex:
             return list(ex.map(call, pair))
 
-    def ready(ap: AgentProc) -> bool:
+    def ready(ap: AgentProcess) -> bool:
         return httpx.get(ap.url + "/readyz", timeout=5).status_code == 200
 
     wait_for(lambda: ready(p) and ready(q), "both agents ready", timeout=60)

@@ -6,7 +6,6 @@ process, or engine processes that are SIGKILLed."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import threading
@@ -24,18 +23,14 @@ from node_agent.client import RankInfo, SharedKVBuffers
 from tests.agent.harness import (
     LAYOUT,
     NUM_SLOTS,
-    agent_mapping,
-    short_dir,
-    start_agent_process,
-    stop_process,
-    wait_healthy,
+    AgentProcess,
+    agent_starter,
 )
 from tests.agent.test_several_stages import (
     BLOCK,
     MODEL_X,
     MODEL_Y,
     PROMPT,
-    AgentProc,
     Engine,
     fill,
     metric,
@@ -91,31 +86,10 @@ def content(seed: int, slots: np.ndarray) -> list[Any]:
 
 
 @pytest.fixture()
-def work() -> Iterator[Path]:
-    d = short_dir("share")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture()
-def agent_of(work: Path) -> Iterator[Callable[..., AgentProc]]:
-    """Starts one agent process in ``work`` (stopped at the end)."""
-    started: list[AgentProc] = []
-
-    def start(**extra: Any) -> AgentProc:
-        data = agent_mapping(work, "solo", **extra)
-        path = work / "solo.yaml"
-        path.write_text(yaml.safe_dump(data))
-        ap = AgentProc(data, start_agent_process(path, work / "solo.log"))
-        started.append(ap)
-        wait_healthy(ap.url, ap.proc)
-        return ap
-
-    try:
-        yield start
-    finally:
-        for ap in started:
-            stop_process(ap.proc)
+def agent_of(work: Path) -> Iterator[Callable[..., AgentProcess]]:
+    """Starts one agent process, ``solo``, in ``work`` (stopped at the end)."""
+    with agent_starter(work) as start:
+        yield lambda **extra: start("solo", **extra)
 
 
 @pytest.fixture()
@@ -180,12 +154,12 @@ def wait_completed(e: Engine, rid: str) -> None:
     wait_for(finished, f"store {rid} completed", timeout=30)
 
 
-def stages_of(agent: AgentProc) -> dict[str, dict[str, Any]]:
+def stages_of(agent: AgentProcess) -> dict[str, dict[str, Any]]:
     return {s["replica"]: s for s in agent.status()["stages"]}
 
 
 def test_a_prefix_one_replica_stored_is_a_hit_for_another_replica_of_its_model_after_it_is_gone(
-        agent_of: Callable[..., AgentProc], engines: Callable[..., Engine],
+        agent_of: Callable[..., AgentProcess], engines: Callable[..., Engine],
         engine_process: Callable[..., subprocess.Popen[bytes]]) -> None:
     agent = agent_of(maxStages=3, tiers={"cpu": {"size": BLOCK * 48, "pinned": False}})
     a = engine_process(agent.socket, "rep-a", MODEL_X, SEED_A, "idle")
@@ -244,7 +218,7 @@ def test_a_prefix_one_replica_stored_is_a_hit_for_another_replica_of_its_model_a
 
 
 def test_a_busy_replica_evicts_the_least_recently_used_blocks_of_any_replica_of_its_model(
-        agent_of: Callable[..., AgentProc], engines: Callable[..., Engine]) -> None:
+        agent_of: Callable[..., AgentProcess], engines: Callable[..., Engine]) -> None:
     # Two stages' worth of CPU tier: the shared backend holds one share, 32 blocks.
     agent = agent_of(maxStages=2, tiers={"cpu": {"size": BLOCK * 64, "pinned": False}})
     a = engines(agent.socket, RankInfo("rep-a", model=MODEL_X))
@@ -274,7 +248,7 @@ def test_a_busy_replica_evicts_the_least_recently_used_blocks_of_any_replica_of_
 
 
 def test_replicas_storing_the_same_prefix_at_once_store_it_once(
-        agent_of: Callable[..., AgentProc], engines: Callable[..., Engine]) -> None:
+        agent_of: Callable[..., AgentProcess], engines: Callable[..., Engine]) -> None:
     agent = agent_of(maxStages=2, tiers={"cpu": {"size": BLOCK * 64, "pinned": False}})
     a = engines(agent.socket, RankInfo("rep-a", model=MODEL_X))
     b = engines(agent.socket, RankInfo("rep-b", model=MODEL_X))
@@ -303,7 +277,7 @@ def test_replicas_storing_the_same_prefix_at_once_store_it_once(
 
 
 def test_a_replica_killed_mid_store_or_sending_bad_input_never_disturbs_another_loading_its_blocks(
-        agent_of: Callable[..., AgentProc], engines: Callable[..., Engine],
+        agent_of: Callable[..., AgentProcess], engines: Callable[..., Engine],
         engine_process: Callable[..., subprocess.Popen[bytes]]) -> None:
     # The shared backend holds 20 blocks: A's stores soon evict, while B loads
     # (each load pins its blocks; A's puts and B's lookups keep PROMPT recent).
@@ -356,7 +330,7 @@ def test_a_replica_killed_mid_store_or_sending_bad_input_never_disturbs_another_
 
 
 def test_a_new_cache_epoch_flushes_the_blocks_every_replica_of_the_model_shares(
-        agent_of: Callable[..., AgentProc], engines: Callable[..., Engine],
+        agent_of: Callable[..., AgentProcess], engines: Callable[..., Engine],
         work: Path) -> None:
     agent = agent_of(maxStages=2, tiers={"cpu": {"size": BLOCK * 64, "pinned": False}})
     a = engines(agent.socket, RankInfo("rep-a", model=MODEL_X))
@@ -379,7 +353,7 @@ def test_a_new_cache_epoch_flushes_the_blocks_every_replica_of_the_model_shares(
 
 
 def test_replicas_of_one_model_on_one_tier_share_hold_the_whole_budget_until_they_are_gone(
-        agent_of: Callable[..., AgentProc], engines: Callable[..., Engine]) -> None:
+        agent_of: Callable[..., AgentProcess], engines: Callable[..., Engine]) -> None:
     # maxStages 4 but one tier share: the one backend of model X's replicas gets
     # the whole 32-block CPU tier, not a quarter of it.
     budget = BLOCK * 32

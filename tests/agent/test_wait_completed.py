@@ -7,8 +7,6 @@ its I/O thread) keeps answering while a wait is in progress."""
 from __future__ import annotations
 
 import asyncio
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -17,16 +15,9 @@ import torch
 
 from node_agent.client import EngineClient, RankInfo, SharedKVBuffers
 from node_agent.engine_api import protocol
-from tests.agent.harness import LAYOUT, NUM_SLOTS, agent_mapping, cfg_of, running_agent, short_dir
+from tests.agent.harness import LAYOUT, NUM_SLOTS, agent_mapping, cfg_of, running_agent
 
 pytestmark = pytest.mark.timeout(90)
-
-
-@pytest.fixture()
-def work() -> Iterator[Path]:
-    d = short_dir("waitc")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 async def test_wait_completed_reports_a_store_and_times_out_empty(work: Path) -> None:

@@ -154,6 +154,32 @@ def wait_metric(engine: EngineProcess, name: str, minimum: float, timeout: float
     raise AssertionError(f"vLLM metric {name} stayed at {value} < {minimum} for {timeout}s")
 
 
+class TinyModels:
+    """Generated models by (seed, layers), each written on first use under ``root``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._lock = threading.Lock()
+        self._made: dict[tuple[int, int], Path] = {}
+
+    def path(self, seed: int = 0, layers: int = 4) -> Path:
+        """The directory of the model of ``seed`` with ``layers`` layers (the other
+        dimensions are tiny_model's defaults), generated if not yet."""
+        key = (seed, layers)
+        with self._lock:
+            if key not in self._made:
+                out = self.root / f"model-s{seed}-l{layers}"
+                done = subprocess.run(
+                    [str(VLLM_PYTHON), "-m", "node_agent.integrations.vllm.tiny_model",
+                     str(out), "--seed", str(seed), "--layers", str(layers)],
+                    env=engine_env(), capture_output=True, timeout=600)
+                assert done.returncode == 0, (
+                    f"generating the tiny model (seed {seed}, {layers} layers) into {out} "
+                    f"failed: {done.stderr.decode(errors='replace')[-3000:]}")
+                self._made[key] = out
+            return self._made[key]
+
+
 def require_vllm() -> None:
     """Skip the calling test module without .venv-vllm, or fail it when
     FLEXKV_REQUIRE_VLLM=1 (scripts/test.sh sets it). Call at module level."""

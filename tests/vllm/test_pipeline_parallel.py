@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -36,11 +35,10 @@ from tests.agent.harness import short_dir, stop_process
 from tests.support.waiting import wait_for
 from tests.vllm.harness import (
     BLOCK,
-    VLLM_PYTHON,
     Agent,
     EngineProcess,
+    TinyModels,
     connector_config,
-    engine_env,
     require_vllm,
     wait_metric,
 )
@@ -124,12 +122,9 @@ class World:
 
 
 @pytest.fixture(scope="module")
-def world() -> Iterator[World]:
+def world(tiny_models: TinyModels) -> Iterator[World]:
     work = short_dir("vpp")
-    model = work / "model"
-    subprocess.run([str(VLLM_PYTHON), "-m", "node_agent.integrations.vllm.tiny_model",
-                    str(model)], check=True, env=engine_env(), capture_output=True, timeout=300)
-    w = World(work, model)
+    w = World(work, tiny_models.path())
     try:
         ready = w.engine.wait_ready(timeout=900)
         assert "error" not in ready, w.engine.tail()

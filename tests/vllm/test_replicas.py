@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,11 +40,10 @@ from node_agent.integrations.vllm.tiny_model import prompt_ids
 from tests.agent.harness import short_dir, stop_process
 from tests.vllm.harness import (
     BLOCK,
-    VLLM_PYTHON,
     Agent,
     EngineProcess,
+    TinyModels,
     connector_config,
-    engine_env,
     require_vllm,
 )
 
@@ -70,12 +68,6 @@ def ids(seed: int) -> list[int]:
     return prompt_ids(PROMPT, seed)
 
 
-def make_model(out: Path, *args: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([str(VLLM_PYTHON), "-m", "node_agent.integrations.vllm.tiny_model",
-                             str(out), *args], env=engine_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-
-
 class World:
     """The agent, the engines and what the tests hand on to each other."""
 
@@ -96,13 +88,9 @@ class World:
 
 
 @pytest.fixture(scope="module")
-def world() -> Iterator[World]:
+def world(tiny_models: TinyModels) -> Iterator[World]:
     work = short_dir("vrep")
-    model, other = work / "model", work / "model-other"
-    makers = [make_model(model), make_model(other, "--layers", str(OTHER_LAYERS))]
-    for p in makers:
-        _, err = p.communicate(timeout=600)
-        assert p.returncode == 0, err.decode(errors="replace")[-3000:]
+    model, other = tiny_models.path(), tiny_models.path(layers=OTHER_LAYERS)
     w = World(work)
     try:
         w.start(A, model, num_gpu_blocks=64)

@@ -7,17 +7,23 @@ one story, test by test, sharing the agent and the engines:
 
 1. engine A (connector) prefills a 2K-token prompt cold, drops its own prefix
    cache, and gets the prompt back from the agent (all but the last block);
-2. engine B (no connector) computes the same greedy output;
-3. after A exits, engine C, a separate process (on vLLM's one-process executor,
+2. KV events: engine A publishes vLLM's prefix-cache events (``kv_events_config``)
+   and the agent its own (``kvEvents``); a listener under .venv-vllm decodes both
+   streams with vLLM's ``msgspec.msgpack.Decoder(KVEventBatch)``, and the hashes the
+   agent publishes for a prompt's stored blocks are the hashes vLLM publishes for
+   the same blocks;
+3. engine B (no connector) computes the same greedy output;
+4. after A exits, engine C, a separate process (on vLLM's one-process executor,
    where empty steps carry no connector output by themselves), hits what A stored; bytes the
    agent holds wrongly (stored by a scribbling engine) change C's output: the
    comparison in 2 depends on the loaded bytes;
-4. the agent is killed during a workload on C: every request finishes
+5. the agent is killed during a workload on C: every request finishes
    (recomputed), then a restarted agent serves hits again;
-5. misconfigured engines (no agent socket, a block size other than the pool's
+6. misconfigured engines (no agent socket, a block size other than the pool's
    tokensPerBlock) fail at start-up naming the setting.
 
 Tests run in file order; each needs the ones before it (pytest's default order).
+The generated model is the session's (``tiny_models`` in conftest.py).
 Without .venv-vllm (``bash scripts/bootstrap_vllm.sh``) the module is skipped,
 unless FLEXKV_REQUIRE_VLLM=1 (set by scripts/test.sh), where it fails.
 """
@@ -43,14 +49,15 @@ from tests.agent.harness import (
     short_dir,
     stop_process,
 )
+from tests.support.ports import free_port
 from tests.support.waiting import wait_for
+from tests.vllm.events import Listener, chain_of, stored_blocks
 from tests.vllm.harness import (
     BLOCK,
-    VLLM_PYTHON,
     Agent,
     EngineProcess,
+    TinyModels,
     connector_config,
-    engine_env,
     require_vllm,
     wait_metric,
 )
@@ -69,14 +76,31 @@ def ids(seed: int, n: int = PROMPT) -> list[int]:
 
 
 class World:
-    """What the story shares between its tests."""
+    """What the story shares between its tests: the agent publishing KV events, the
+    listener subscribed to the agent's and engine A's event streams, the engines."""
 
     def __init__(self, work: Path, model: Path) -> None:
         self.work = work
         self.model = model
-        self.agent = Agent(work)
+        agent_events, self.engine_events = free_port(), free_port()
+        # The engine's seed: its PYTHONHASHSEED, vLLM's default seed when unset.
+        events = {"endpoint": f"tcp://127.0.0.1:{agent_events}",
+                  "hashSeed": os.environ.get("PYTHONHASHSEED", "vllm-none-hash")}
+        self.agent = Agent(work, extra={"kvEvents": events})
         self.engines: dict[str, EngineProcess] = {}
         self.results: dict[str, Any] = {}
+        try:
+            self.listener = Listener(work / "listener.log",
+                                     agent=f"tcp://127.0.0.1:{agent_events}",
+                                     vllm=f"tcp://127.0.0.1:{self.engine_events}")
+        except BaseException:
+            stop_process(self.agent.proc)
+            raise
+
+    def events_config(self) -> dict[str, Any]:
+        """engine A's ``kv_events_config``: vLLM's publisher the listener subscribes to."""
+        return {"enable_kv_cache_events": True, "publisher": "zmq",
+                "endpoint": f"tcp://*:{self.engine_events}"}
 
     def engine(self, name: str, kv: dict[str, Any] | None, **kw: Any) -> EngineProcess:
         e = EngineProcess(self.model, self.work / f"engine-{name}.log", kv, **kw)
@@ -86,18 +110,14 @@ class World:
     def close(self) -> None:
         for e in self.engines.values():
             e.stop(timeout=30)
+        self.listener.close()
         stop_process(self.agent.proc)
 
 
 @pytest.fixture(scope="module")
-def world() -> Iterator[World]:
-    import subprocess
-
+def world(tiny_models: TinyModels) -> Iterator[World]:
     work = short_dir("vllm")
-    model = work / "model"
-    subprocess.run([str(VLLM_PYTHON), "-m", "node_agent.integrations.vllm.tiny_model",
-                    str(model)], check=True, env=engine_env(), capture_output=True, timeout=300)
-    w = World(work, model)
+    w = World(work, tiny_models.path())
     try:
         yield w
     finally:
@@ -107,9 +127,11 @@ def world() -> Iterator[World]:
 
 
 def test_prompt_comes_back_from_the_agent_after_reset_prefix_cache(world: World) -> None:
-    a = world.engine("a", connector_config(world.agent.socket))
+    a = world.engine("a", connector_config(world.agent.socket),
+                     kv_events_config=world.events_config())
     b = world.engine("b", None)  # the baseline without a connector starts alongside
     assert "error" not in a.wait_ready(), a.tail()
+    assert world.listener.ready.wait(120), "the event listener did not start"
     world.results["digest"] = a.ready["model_digest"] if a.ready else ""
     p1 = ids(1)
     cold = a.generate([p1])
@@ -121,6 +143,40 @@ def test_prompt_comes_back_from_the_agent_after_reset_prefix_cache(world: World)
     assert world.agent.metric('flexkv_agent_hit_tokens_total{tier="cpu"}') >= FULL_HIT
     world.results.update(cold=cold["outputs"][0], warm=warm["outputs"][0])
     assert "error" not in b.wait_ready(), b.tail()
+
+
+def test_the_agents_block_hashes_equal_the_hashes_vllm_publishes_for_the_same_prompt(
+        world: World) -> None:
+    engine, listener = world.engines["a"], world.listener
+    # A PUB socket drops what it sends before a subscription arrived: warm both
+    # streams up with prompts of their own until the listener has seen each.
+    tries = {"n": 0}
+
+    def both_seen() -> bool:
+        if listener.of("vllm") and listener.of("agent"):
+            return True
+        tries["n"] += 1
+        engine.generate([prompt_ids(2 * BLOCK, 100 + tries["n"])], max_tokens=1)
+        return False
+
+    wait_for(both_seen, "events from both vLLM and the agent", timeout=600, interval=1.0)
+
+    prompt = prompt_ids(PROMPT, 7)
+    engine.generate([prompt], max_tokens=4)
+    blocks = PROMPT // BLOCK
+    wait_for(lambda: len(chain_of(listener.of("agent"), prompt)) == blocks,
+             "the agent published the prompt's blocks", timeout=300, interval=0.2)
+    wait_for(lambda: len(chain_of(listener.of("vllm"), prompt)) == blocks,
+             "vLLM published the prompt's blocks", timeout=300, interval=0.2)
+    agent_chain = chain_of(listener.of("agent"), prompt)
+    vllm_chain = chain_of(listener.of("vllm"), prompt)
+    assert agent_chain == vllm_chain
+    assert all(e["medium"] == "CPU" for e in listener.of("agent") if e["type"] == "BlockStored")
+    # Every block the agent announced, warm-ups and the prompt of the test above
+    # included, is a block vLLM announced with the same hash and tokens.
+    theirs = stored_blocks(listener.of("vllm"))
+    ours = stored_blocks(listener.of("agent"))
+    assert ours and all(theirs.get(h) == t for h, t in ours.items())
 
 
 def test_greedy_outputs_equal_an_engine_without_the_connector(world: World) -> None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -39,11 +38,10 @@ from tests.agent.harness import short_dir, stop_process
 from tests.support.waiting import wait_for
 from tests.vllm.harness import (
     BLOCK,
-    VLLM_PYTHON,
     Agent,
     EngineProcess,
+    TinyModels,
     connector_config,
-    engine_env,
     require_vllm,
     wait_metric,
 )
@@ -65,15 +63,9 @@ def ids(seed: int, n: int = PROMPT) -> list[int]:
 class World:
     """What the story shares between its tests."""
 
-    def __init__(self, work: Path) -> None:
+    def __init__(self, work: Path, models: TinyModels) -> None:
         self.work = work
-        self.models: dict[str, Path] = {}
-        for name, seed in (("a", 0), ("a2", 1)):
-            path = work / f"model-{name}"
-            subprocess.run([str(VLLM_PYTHON), "-m", "node_agent.integrations.vllm.tiny_model",
-                            str(path), "--seed", str(seed)], check=True, env=engine_env(),
-                           capture_output=True, timeout=300)
-            self.models[name] = path
+        self.models = {name: models.path(seed=seed) for name, seed in (("a", 0), ("a2", 1))}
         self.agent = Agent(work)
         self.engines: dict[str, EngineProcess] = {}
 
@@ -93,8 +85,8 @@ class World:
 
 
 @pytest.fixture(scope="module")
-def world() -> Iterator[World]:
-    w = World(short_dir("vllm-model"))
+def world(tiny_models: TinyModels) -> Iterator[World]:
+    w = World(short_dir("vllm-model"), tiny_models)
     try:
         yield w
     finally:
