@@ -7,7 +7,8 @@ Encode + decode (with strict validation), ``msgspec`` against a hand-written
   32768-token span mask, 1792 plan blocks in runs of 8). Baseline: the
   module's codec (``node_agent/pp/messages.py``: a fixed binary struct body);
   msgspec: the whole body as one typed ``msgspec.Struct``, the plan runs as a
-  msgpack ``bin``;
+  msgpack ``bin``, with the same checks (span scan, run limit at encode, plan
+  runs and mask coverage at decode) but no packed-bit mask fallback;
 * a cancel, a release and a result. msgspec: the module's codec (wire version
   6, a ``msgspec.Struct`` per op, ``array_like=True``, bounds as ``Meta``
   constraints, msgpack); baseline: wire version 5's JSON object with its
@@ -95,7 +96,11 @@ def ms_decision_encode(env: m.Envelope, d: m.Decision) -> bytes:
     raw = np.ascontiguousarray(d.mask).view(np.uint8).tobytes()
     first = raw.find(1)
     start, stop = (0, 0) if first < 0 else (first, raw.rfind(1) + 1)
+    if raw.find(0, start, stop) >= 0:
+        raise ValueError("the candidate sends span masks only")
     assert d.runs is not None
+    if d.runs.size and int(d.runs.max()) > (1 << 31) - 1:
+        raise ValueError("run above the wire limit")
     wire = DecisionBody(d.rid, d.n, d.task_id, d.mask.size, start, stop, d.num_blocks,
                         d.digest, d.life, d.cache_epoch, d.error,
                         np.ascontiguousarray(d.runs, "<i4").tobytes())
@@ -121,6 +126,9 @@ def ms_decision_decode(data: bytes) -> m.Message:
         raise m.MalformedMessage("span")
     mask = m._span_mask(b.length, b.start, b.stop)
     runs = m._decode_runs(b.plan, b.runs)
+    total = b.stop - b.start
+    if (b.plan == 0) != (total == 0) or (b.plan and total % b.plan):
+        raise m.MalformedMessage("mask cannot cover the plan")
     return m.Message(env, m.Decision(Direction.STORE, b.rid, b.n, b.task_id, mask, runs,
                                      b.error, b.digest, b.life, b.cache_epoch))
 
