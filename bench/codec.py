@@ -15,7 +15,9 @@ Encode + decode (with strict validation), ``msgspec`` against a hand-written
   per-field Python checks (kept here as the reference);
 * the engine socket's ``lookup`` request header (``node_agent/engine_api/protocol.py``)
   with a 2048-token ``token_ids`` frame. Baseline: the module's JSON header and
-  schema checks; msgspec: a typed header ``Struct``, msgpack.
+  schema checks; msgspec: a typed header ``Struct`` (a prototype that checks
+  the ``lookup`` schema only), as msgpack, and as today's JSON bytes read by
+  ``msgspec.json`` (the wire unchanged: only the agent's decoder would change).
 
 Every candidate keeps the fixed header struct (magic, op, wire version checked
 before the body is read) and the bulk arrays as raw little-endian frames, and
@@ -220,8 +222,14 @@ def ms_request(tokens: np.ndarray) -> bytes:
     return _HDR_ENC.encode(h)
 
 
-def ms_decode_request(frames: list[bytes]) -> tuple[LookupHeader, np.ndarray]:
-    h = _HDR_DEC.decode(frames[0])
+_HDR_JSON_DEC = msgspec.json.Decoder(LookupHeader)
+
+
+def ms_decode_request(frames: list[Any], json_header: bool = False,
+                      ) -> tuple[LookupHeader, np.ndarray]:
+    """The typed header (msgpack, or with ``json_header`` today's JSON bytes)
+    and the token frame checked against it."""
+    h = (_HDR_JSON_DEC if json_header else _HDR_DEC).decode(frames[0])
     d = h.arrays.token_ids
     if h.v != protocol.VERSION or d.dtype != "int64" or len(frames[d.frame]) != 8 * d.len:
         raise protocol.ProtocolError("bad")
@@ -302,6 +310,15 @@ def main() -> None:
                                          {"token_ids": tokens})[0]), len(ms_request(tokens)))
     print(json.dumps(compare("engine lookup request header + 2048 tokens", ours_req, ms_req,
                              n, rounds, sizes)), flush=True)
+
+    def ms_json_req() -> object:
+        frames = protocol.encode_request(7, "lookup", {"rid": "r1", "rank": rank},
+                                         {"token_ids": tokens})
+        return ms_decode_request(frames, json_header=True)
+
+    print(json.dumps(compare("engine lookup request, same JSON wire, msgspec.json decode",
+                             ours_req, ms_json_req, n, rounds, (sizes[0], sizes[0]))),
+          flush=True)
     with open("/proc/loadavg") as f:
         print(json.dumps({"bench": "codec", "loadavg": " ".join(f.read().split()[:3])}),
               flush=True)

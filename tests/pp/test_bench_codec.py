@@ -22,7 +22,8 @@ def test_quick_run_prints_one_row_per_case_with_a_ratio() -> None:
     cases = [r for r in rows if "case" in r]
     assert [r["case"] for r in cases] == [
         "put decision, 2K blocks", "cancel", "release", "result",
-        "engine lookup request header + 2048 tokens"]
+        "engine lookup request header + 2048 tokens",
+        "engine lookup request, same JSON wire, msgspec.json decode"]
     for r in cases:
         assert r["baseline_us"] > 0 and r["msgspec_us"] > 0
         assert abs(r["ratio"] - r["msgspec_us"] / r["baseline_us"]) < 0.02
