@@ -13,11 +13,13 @@ Encode + decode (with strict validation), ``msgspec`` against a hand-written
   6, a ``msgspec.Struct`` per op, ``array_like=True``, bounds as ``Meta``
   constraints, msgpack); baseline: wire version 5's JSON object with its
   per-field Python checks (kept here as the reference);
-* the engine socket's ``lookup`` request header (``node_agent/engine_api/protocol.py``)
-  with a 2048-token ``token_ids`` frame. Baseline: the module's JSON header and
-  schema checks; msgspec: a typed header ``Struct`` (a prototype that checks
-  the ``lookup`` schema only), as msgpack, and as today's JSON bytes read by
-  ``msgspec.json`` (the wire unchanged: only the agent's decoder would change).
+* the engine socket's ``lookup`` request (``node_agent/engine_api/protocol.py``)
+  with a 2048-token ``token_ids`` frame: (a) encode + decode, the module's JSON
+  header against a typed header ``Struct`` in msgpack (a prototype that checks
+  the ``lookup`` schema only: a wire change, not taken); (b) decode alone,
+  ``decode_request`` (the JSON header read by one typed ``msgspec.json``
+  decode) against ``_checked_request``, the field-by-field checks it falls
+  back to for a header that is not well-formed.
 
 Every candidate keeps the fixed header struct (magic, op, wire version checked
 before the body is read) and the bulk arrays as raw little-endian frames, and
@@ -311,14 +313,12 @@ def main() -> None:
     print(json.dumps(compare("engine lookup request header + 2048 tokens", ours_req, ms_req,
                              n, rounds, sizes)), flush=True)
 
-    def ms_json_req() -> object:
-        frames = protocol.encode_request(7, "lookup", {"rid": "r1", "rank": rank},
-                                         {"token_ids": tokens})
-        return ms_decode_request(frames, json_header=True)
-
-    print(json.dumps(compare("engine lookup request, same JSON wire, msgspec.json decode",
-                             ours_req, ms_json_req, n, rounds, (sizes[0], sizes[0]))),
-          flush=True)
+    frames = protocol.encode_request(7, "lookup", {"rid": "r1", "rank": rank},
+                                     {"token_ids": tokens})
+    print(json.dumps(compare("engine lookup request decode, typed msgspec.json",
+                             lambda: protocol._checked_request(frames),
+                             lambda: protocol.decode_request(frames), n, rounds,
+                             (len(frames[0]), len(frames[0])))), flush=True)
     with open("/proc/loadavg") as f:
         print(json.dumps({"bench": "codec", "loadavg": " ".join(f.read().split()[:3])}),
               flush=True)

@@ -23,7 +23,7 @@ def test_quick_run_prints_one_row_per_case_with_a_ratio() -> None:
     assert [r["case"] for r in cases] == [
         "put decision, 2K blocks", "cancel", "release", "result",
         "engine lookup request header + 2048 tokens",
-        "engine lookup request, same JSON wire, msgspec.json decode"]
+        "engine lookup request decode, typed msgspec.json"]
     for r in cases:
         assert r["baseline_us"] > 0 and r["msgspec_us"] > 0
         assert abs(r["ratio"] - r["msgspec_us"] / r["baseline_us"]) < 0.02
