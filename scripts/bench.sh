@@ -10,7 +10,7 @@ bash scripts/bootstrap_vllm.sh   # .venv-vllm for bench/vllm_ttft.py
 . .venv/bin/activate
 mkdir -p out
 : > out/bench.jsonl
-for b in transfer match restart fanout engine_api replicas lookup_http operator remote vllm_ttft; do
+for b in transfer match restart codec fanout engine_api replicas lookup_http operator remote vllm_ttft; do
   echo "== bench/$b.py $*" >&2
   # -P: bench/ is not put on sys.path (bench/operator.py would shadow the stdlib module)
   python -P "bench/$b.py" "$@" | tee -a out/bench.jsonl

@@ -9,8 +9,9 @@ a section count, each section's length, then the bytes):
   even under the same epoch and address, has a new one);
 * section 1: group name, UTF-8;
 * section 2: body: for decisions (PUT, GET) a fixed binary struct followed by
-  the rid and error sections; for every other op a JSON object whose keys and
-  value types are fixed per op;
+  the rid and error sections; for every other op a MessagePack array of the
+  op's fields in a fixed order, encoded and validated (types, bounds, arity)
+  by a ``msgspec.Struct`` per op;
 * further sections: binary arrays of the op (masks, plans, moves), little-endian.
 
 :func:`decode` checks every frame, key and type and raises
@@ -26,24 +27,27 @@ blocks, which keeps a 2K-block plan small when the allocator hands out runs.
 from __future__ import annotations
 
 import enum
-import json
+import re
 import struct
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
 from node_agent.vocab.placement import BlockLocation, Direction, Tier, TierMove, TransferPlan
 
 MAGIC = b"FKV1"
-WIRE_VERSION = 5
-"""Version 5: decisions carry the leader's life of their rid and the cache epoch
-they were made under; MOVES carry their cache epoch and REMOTE indices as whole
-128-bit block digests; RELEASE carries the rid's next life. A message of any
-other version is refused (:class:`MalformedMessage`)."""
+WIRE_VERSION = 6
+"""Version 6: the body of every op but PUT and GET is a MessagePack array
+(version 5: a JSON object). Version 5: decisions carry the leader's life of
+their rid and the cache epoch they were made under; MOVES carry their cache
+epoch and REMOTE indices as whole 128-bit block digests; RELEASE carries the
+rid's next life. A message of any other version is refused
+(:class:`MalformedMessage`) before its body is read."""
 NO_CACHE_EPOCH = -1
 """The cache epoch of moves made while the leader's ``cacheEpoch`` switched: no
 stage applies their remote part."""
@@ -56,6 +60,9 @@ _NO_TIER = 255
 _U64 = (1 << 64) - 1
 _MAX_GROUP_LEN = 253
 _MAX_TOKENS = 1 << 24
+
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+"""An integer field that the decoder refuses below 0."""
 
 
 class MalformedMessage(ValueError):
@@ -211,62 +218,61 @@ class Moves:
     cache_epoch: int = 0
 
 
-@dataclass(frozen=True)
-class Release:
+class _Body(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
+    """A control message body: on the wire a MessagePack array of the fields in
+    declaration order; decoding checks each field's type and bound (a bool is
+    never an int, nor an int a bool) and the array's length."""
+
+
+class Release(_Body, frozen=True):
     """``Op.RELEASE``: the request is finished on the engine side; ``life`` is
     the leader's next life of the rid (the life of its next decisions)."""
 
     rid: str
-    life: int = 1
+    life: NonNegative = 1
 
 
-@dataclass(frozen=True)
-class Cancel:
+class Cancel(_Body, frozen=True):
     """``Op.CANCEL``: the leader abandoned task ``task_id`` of ``rid``."""
 
     rid: str
     kind: Kind
-    n: int
+    n: NonNegative
     task_id: int
 
 
-@dataclass(frozen=True)
-class Result:
+class Result(_Body, frozen=True):
     """``Op.RESULT``: group verdict; ``ok`` means every stage finished the task."""
 
     rid: str
     kind: Kind
-    n: int
+    n: NonNegative
     task_id: int
     ok: bool
 
 
-@dataclass(frozen=True)
-class Reset:
+class Reset(_Body, frozen=True):
     """``Op.RESET``: flush; ``reason`` is for logs."""
 
     reason: str
 
 
-@dataclass(frozen=True)
-class Sync:
+class Sync(_Body, frozen=True):
     """``Op.SYNC``: answer to a HELLO; the follower continues after envelope seq.
 
     ``gen`` is the HELLO's ``gen`` plus one; a follower accepts only the SYNC
     answering its latest HELLO.
     """
 
-    rank: int
-    gen: int
+    rank: NonNegative
+    gen: NonNegative
 
 
-@dataclass(frozen=True)
-class Heartbeat:
-    """``Op.HEARTBEAT``: no body."""
+class Heartbeat(_Body, frozen=True):
+    """``Op.HEARTBEAT``: no body (an empty array)."""
 
 
-@dataclass(frozen=True)
-class Hello:
+class Hello(_Body, frozen=True):
     """``Op.HELLO``: sent by a follower on (re)connect and after a gap.
 
     ``envelope.seq`` is the follower's last applied seq (-1 when none) and
@@ -276,23 +282,29 @@ class Hello:
     ignore a HELLO it already answered. ``resync`` says a gap was seen.
     """
 
-    rank: int
-    session: int
-    gen: int
+    rank: NonNegative
+    session: NonNegative
+    gen: NonNegative
     resync: bool
 
 
-@dataclass(frozen=True)
-class Ack:
+class Ack(_Body, frozen=True):
     """``Op.ACK``: outcome of a task on the sending stage (``rank``)."""
 
-    rank: int
+    rank: NonNegative
     rid: str
     kind: Kind
-    n: int
+    n: NonNegative
     task_id: int
     ok: bool
     error: str | None = None
+
+
+class _MovesHead(_Body, frozen=True):
+    """The body of ``Op.MOVES`` (the moves follow as one array section)."""
+
+    count: NonNegative
+    cache_epoch: Annotated[int, msgspec.Meta(ge=NO_CACHE_EPOCH)]
 
 
 Body = Decision | Moves | Release | Cancel | Result | Reset | Sync | Heartbeat | Hello | Ack
@@ -561,9 +573,9 @@ def encode_sections(env: Envelope, body: Body) -> list[bytes]:
     g = env.group.encode()
     if not g or len(g) > _MAX_GROUP_LEN:
         raise ValueError(f"Fan-out group name {env.group!r} must be 1..{_MAX_GROUP_LEN} bytes")
-    fields: dict[str, Any]
-    arrays: list[bytes] = []
     op = env.op
+    arrays: list[bytes] = []
+    wire: _Body
     if op in (Op.PUT, Op.GET) and isinstance(body, Decision):
         want = Direction.STORE if op is Op.PUT else Direction.LOAD
         if body.direction is not want:
@@ -584,68 +596,59 @@ def encode_sections(env: Envelope, body: Body) -> list[bytes]:
             )
             for m in body.moves
         ]
-        fields = {"count": len(rows), "cache_epoch": body.cache_epoch}
+        wire = _MovesHead(len(rows), body.cache_epoch)
         arrays.append(np.array(rows, dtype="<u8").reshape(-1, 6).tobytes())
-    elif op is Op.RELEASE and isinstance(body, Release):
-        fields = {"rid": body.rid, "life": body.life}
-    elif op is Op.CANCEL and isinstance(body, Cancel):
-        fields = {"rid": body.rid, "kind": body.kind.value, "n": body.n, "task_id": body.task_id}
-    elif op is Op.RESULT and isinstance(body, Result):
-        fields = {
-            "rid": body.rid, "kind": body.kind.value, "n": body.n,
-            "task_id": body.task_id, "ok": body.ok,
-        }
-    elif op is Op.RESET and isinstance(body, Reset):
-        fields = {"reason": body.reason}
-    elif op is Op.SYNC and isinstance(body, Sync):
-        fields = {"rank": body.rank, "gen": body.gen}
-    elif op is Op.HEARTBEAT and isinstance(body, Heartbeat):
-        fields = {}
-    elif op is Op.HELLO and isinstance(body, Hello):
-        fields = {"rank": body.rank, "session": body.session, "gen": body.gen,
-                  "resync": body.resync}
-    elif op is Op.ACK and isinstance(body, Ack):
-        fields = {
-            "rank": body.rank, "rid": body.rid, "kind": body.kind.value, "n": body.n,
-            "task_id": body.task_id, "ok": body.ok, "error": body.error,
-        }
+    elif type(body) is _BODY_TYPES.get(op):
+        wire = body
     else:
         raise ValueError(f"Body {type(body).__name__} does not match op {op.name}")
     header = _HEADER.pack(MAGIC, int(op), WIRE_VERSION, env.epoch, env.seq, env.sent_at,
                           env.incarnation)
-    return [header, g, json.dumps(fields, separators=(",", ":")).encode(), *arrays]
+    return [header, g, _ENCODER.encode(wire), *arrays]
 
 
 # -- decoding ----------------------------------------------------------------------
 
 
-def _get(fields: dict[str, Any], key: str, typ: type, optional: bool = False) -> Any:
-    if key not in fields:
-        raise MalformedMessage(f"Missing field {key!r}")
-    v = fields[key]
-    if v is None and optional:
-        return None
-    # bool is an int subclass: never accept one for the other.
-    if typ is int and (isinstance(v, bool) or not isinstance(v, int)):
-        raise MalformedMessage(f"Field {key!r} must be an integer, got {v!r}")
-    if typ is not int and not isinstance(v, typ):
-        raise MalformedMessage(f"Field {key!r} must be {typ.__name__}, got {v!r}")
-    return v
+_BODY_TYPES: dict[Op, type[_Body]] = {
+    Op.MOVES: _MovesHead, Op.RELEASE: Release, Op.CANCEL: Cancel, Op.RESULT: Result,
+    Op.RESET: Reset, Op.SYNC: Sync, Op.HEARTBEAT: Heartbeat, Op.HELLO: Hello, Op.ACK: Ack,
+}
+"""The body type of every op but PUT and GET."""
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODERS = {op: msgspec.msgpack.Decoder(t) for op, t in _BODY_TYPES.items()}
+_EXPECTED = {
+    "rid": "str", "reason": "str", "error": "str or null", "kind": "put or get",
+    "ok": "bool", "resync": "bool", "task_id": "an integer",
+    "cache_epoch": f"an integer >= {NO_CACHE_EPOCH}",
+}
+"""What a field must be, as the decode error says it (default: an integer >= 0)."""
+_AT_INDEX = re.compile(r" - at `\$\[(\d+)\]`$")
 
 
-def _nonneg(fields: dict[str, Any], key: str) -> int:
-    v: int = _get(fields, key, int)
-    if v < 0:
-        raise MalformedMessage(f"Field {key!r} must be >= 0, got {v}")
-    return v
+def _body_error(op: Op, raw: bytes, exc: msgspec.ValidationError) -> MalformedMessage:
+    """The decode error of a body that is valid MessagePack but not the op's
+    fields: names the field, what it must be and the value it had."""
+    names = _BODY_TYPES[op].__struct_fields__
+    at = _AT_INDEX.search(str(exc))
+    if at is None or int(at.group(1)) >= len(names):
+        return MalformedMessage(
+            f"{op.name} body must be an array of {list(names)}: {exc}"
+        )
+    i = int(at.group(1))
+    value = msgspec.msgpack.decode(raw)[i]
+    want = _EXPECTED.get(names[i], "an integer >= 0")
+    return MalformedMessage(f"Field {names[i]!r} of {op.name} must be {want}, got {value!r}")
 
 
-def _kind(fields: dict[str, Any]) -> Kind:
-    v = _get(fields, "kind", str)
+def _decode_fields(op: Op, raw: bytes) -> _Body:
+    """The op's body from its MessagePack section; raises :class:`MalformedMessage`."""
     try:
-        return Kind(v)
-    except ValueError:
-        raise MalformedMessage(f"Field 'kind' must be put or get, got {v!r}") from None
+        return _DECODERS[op].decode(raw)
+    except msgspec.ValidationError as exc:
+        raise _body_error(op, raw, exc) from None
+    except msgspec.DecodeError as exc:
+        raise MalformedMessage(f"{op.name} body is not valid MessagePack: {exc}") from None
 
 
 def _expect_frames(frames: list[bytes], n: int, op: Op) -> None:
@@ -686,60 +689,30 @@ def _valid_index(tier: int, index: int) -> bool:
     return index < (1 << (128 if _TIER_BY_CODE[tier] is Tier.REMOTE else 63))
 
 
-def _decode_body(op: Op, fields: dict[str, Any], arrays: list[bytes]) -> Body:
-    if op is Op.MOVES:
-        count = _nonneg(fields, "count")
-        _expect_frames(arrays, 1, op)
-        if len(arrays[0]) != count * 48:
-            raise MalformedMessage(f"Moves frame must hold {count * 48} bytes")
-        rows = np.frombuffer(arrays[0], dtype="<u8").reshape(-1, 6).tolist()
-        moves = []
-        for s_tier, s_lo, s_hi, d_tier, d_lo, d_hi in rows:
-            s_idx = s_lo | s_hi << 64
-            if not _valid_index(s_tier, s_idx):
-                raise MalformedMessage(f"Move source ({s_tier}, {s_idx}) is invalid")
-            src = BlockLocation(_TIER_BY_CODE[s_tier], s_idx)
-            d_idx = d_lo | d_hi << 64
-            if d_tier == _NO_TIER:
-                moves.append(TierMove(src, None))
-            elif _valid_index(d_tier, d_idx):
-                moves.append(TierMove(src, BlockLocation(_TIER_BY_CODE[d_tier], d_idx)))
-            else:
-                raise MalformedMessage(f"Move destination ({d_tier}, {d_idx}) is invalid")
-        cache_epoch: int = _get(fields, "cache_epoch", int)
-        if cache_epoch < NO_CACHE_EPOCH:
-            raise MalformedMessage(f"Field 'cache_epoch' must be >= {NO_CACHE_EPOCH}, "
-                                   f"got {cache_epoch}")
-        return Moves(tuple(moves), cache_epoch)
-    _expect_frames(arrays, 0, op)
-    if op is Op.RELEASE:
-        return Release(_get(fields, "rid", str), _nonneg(fields, "life"))
-    if op is Op.CANCEL:
-        return Cancel(
-            _get(fields, "rid", str), _kind(fields), _nonneg(fields, "n"),
-            _get(fields, "task_id", int),
-        )
-    if op is Op.RESULT:
-        return Result(
-            _get(fields, "rid", str), _kind(fields), _nonneg(fields, "n"),
-            _get(fields, "task_id", int), _get(fields, "ok", bool),
-        )
-    if op is Op.RESET:
-        return Reset(_get(fields, "reason", str))
-    if op is Op.SYNC:
-        return Sync(_nonneg(fields, "rank"), _nonneg(fields, "gen"))
-    if op is Op.HEARTBEAT:
-        return Heartbeat()
-    if op is Op.HELLO:
-        return Hello(
-            _nonneg(fields, "rank"), _nonneg(fields, "session"), _nonneg(fields, "gen"),
-            _get(fields, "resync", bool),
-        )
-    return Ack(
-        _nonneg(fields, "rank"), _get(fields, "rid", str), _kind(fields), _nonneg(fields, "n"),
-        _get(fields, "task_id", int), _get(fields, "ok", bool),
-        _get(fields, "error", str, optional=True),
-    )
+def _decode_body(op: Op, raw: bytes, arrays: list[bytes]) -> Body:
+    fields = _decode_fields(op, raw)
+    if not isinstance(fields, _MovesHead):
+        _expect_frames(arrays, 0, op)
+        return fields  # type: ignore[return-value]  # every other body type is a Body
+    count = fields.count
+    _expect_frames(arrays, 1, op)
+    if len(arrays[0]) != count * 48:
+        raise MalformedMessage(f"Moves frame must hold {count * 48} bytes")
+    rows = np.frombuffer(arrays[0], dtype="<u8").reshape(-1, 6).tolist()
+    moves = []
+    for s_tier, s_lo, s_hi, d_tier, d_lo, d_hi in rows:
+        s_idx = s_lo | s_hi << 64
+        if not _valid_index(s_tier, s_idx):
+            raise MalformedMessage(f"Move source ({s_tier}, {s_idx}) is invalid")
+        src = BlockLocation(_TIER_BY_CODE[s_tier], s_idx)
+        d_idx = d_lo | d_hi << 64
+        if d_tier == _NO_TIER:
+            moves.append(TierMove(src, None))
+        elif _valid_index(d_tier, d_idx):
+            moves.append(TierMove(src, BlockLocation(_TIER_BY_CODE[d_tier], d_idx)))
+        else:
+            raise MalformedMessage(f"Move destination ({d_tier}, {d_idx}) is invalid")
+    return Moves(tuple(moves), fields.cache_epoch)
 
 
 def decode_many(frames: list[bytes]) -> list[Message | MalformedMessage]:
@@ -827,10 +800,4 @@ def decode_sections(frames: list[bytes], defer: _Deferred | None = None) -> Mess
     env = Envelope(op, group, epoch, seq, sent_at, incarnation)
     if op is Op.PUT or op is Op.GET:
         return Message(env, _decode_decision(op, frames[2:], defer))
-    try:
-        fields = json.loads(frames[2].decode())
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise MalformedMessage(f"Body is not valid UTF-8 / JSON: {exc}") from None
-    if not isinstance(fields, dict):
-        raise MalformedMessage(f"Body must be a JSON object, got {type(fields).__name__}")
-    return Message(env, _decode_body(op, fields, frames[3:]))
+    return Message(env, _decode_body(op, frames[2], frames[3:]))

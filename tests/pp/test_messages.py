@@ -8,6 +8,7 @@ import pickle
 import struct
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -88,7 +89,19 @@ def test_a_message_of_the_previous_wire_version_is_refused_naming_both_versions(
                        match=f"wire version {WIRE_VERSION - 1} is not supported: this agent "
                              f"speaks version {WIRE_VERSION}"):
         decode_sections([old, *frames[1:]])
-    assert WIRE_VERSION == 5
+    assert WIRE_VERSION == 6
+
+
+def test_a_version_5_json_body_is_refused_by_its_version_and_never_read_as_msgpack() -> None:
+    """Version 5 sent control bodies as JSON objects: such a message is refused
+    for its version; the same JSON under this version's header is malformed."""
+    frames = _frames(Op.RELEASE, Release("r", 2))
+    v5 = frames[0][:5] + bytes([5]) + frames[0][6:]
+    json_body = json.dumps({"rid": "r", "life": 2}).encode()
+    with pytest.raises(MalformedMessage, match="wire version 5 is not supported"):
+        decode_sections([v5, frames[1], json_body])
+    with pytest.raises(MalformedMessage, match="RELEASE body"):
+        decode_sections([frames[0], frames[1], json_body])
 
 
 def test_non_contiguous_mask_falls_back_to_packed_bits() -> None:
@@ -196,18 +209,28 @@ def test_decision_fields_are_range_checked(index: int, value: int, reason: str) 
         ("kind", "evict", "put or get"),
     ],
 )
-def test_json_body_fields_are_type_checked(field: str, value: object, reason: str) -> None:
+def test_body_fields_are_type_checked(field: str, value: object, reason: str) -> None:
     frames = _frames(Op.ACK, Ack(1, "r", Kind.PUT, 0, 4, True))
-    body = json.loads(frames[2])
-    body[field] = value
+    body = msgspec.msgpack.decode(frames[2])
+    body[Ack.__struct_fields__.index(field)] = value
     with pytest.raises(MalformedMessage, match=reason):
-        decode_sections([frames[0], frames[1], json.dumps(body).encode()])
+        decode_sections([frames[0], frames[1], msgspec.msgpack.encode(body)])
 
 
-def test_pickle_in_a_json_body_is_refused() -> None:
+def test_a_body_of_the_wrong_arity_is_refused_naming_the_fields() -> None:
+    frames = _frames(Op.CANCEL, Cancel("r", Kind.PUT, 1, 4))
+    body = msgspec.msgpack.decode(frames[2])
+    for bad in (body[:-1], [*body, 5]):
+        with pytest.raises(MalformedMessage, match=r"CANCEL body must be an array of \['rid'"):
+            decode_sections([frames[0], frames[1], msgspec.msgpack.encode(bad)])
+
+
+def test_pickle_in_a_body_is_refused() -> None:
     frames = _frames(Op.RELEASE, Release("r"))
-    with pytest.raises(MalformedMessage, match="not valid UTF-8 / JSON"):
+    with pytest.raises(MalformedMessage, match="RELEASE body must be an array"):
         decode_sections([frames[0], frames[1], pickle.dumps({"rid": "r"})])
+    with pytest.raises(MalformedMessage, match="RELEASE body is not valid MessagePack"):
+        decode_sections([frames[0], frames[1], b"\xc1"])
 
 
 def test_plan_with_unknown_tier_or_negative_index_is_refused() -> None:
