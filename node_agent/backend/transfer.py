@@ -50,6 +50,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from node_agent.backend import row_kernel
 from node_agent.backend.cpu_tier import CpuTier
 from node_agent.backend.lanes import run_items
 from node_agent.backend.planes import RegisteredBuffers
@@ -118,12 +119,17 @@ class OpKind(enum.Enum):
 
 class RowOp:
     """One vectorised row move, the same for every plane; index tensors are cached
-    per device."""
+    per device, and the rows each side touches are recorded once so that every
+    apply checks them against the tensors before any byte moves."""
 
     __slots__ = (
+        "_dst_hi",
         "_dst_index",
+        "_dst_np",
         "_on",
+        "_src_hi",
         "_src_index",
+        "_src_np",
         "dst_start",
         "kind",
         "length",
@@ -136,10 +142,12 @@ class RowOp:
         self.dst_start = dst_start
         self.src_start = src_start
         self.length = length
-        self._dst_index = None if dst_index is None else torch.from_numpy(
-            np.ascontiguousarray(dst_index, dtype=np.int64))
-        self._src_index = None if src_index is None else torch.from_numpy(
-            np.ascontiguousarray(src_index, dtype=np.int64))
+        self._dst_np = _index_array(dst_index, "dst")
+        self._src_np = _index_array(src_index, "src")
+        self._dst_hi = _rows_needed(self._dst_np, dst_start, length)
+        self._src_hi = _rows_needed(self._src_np, src_start, length)
+        self._dst_index = None if self._dst_np is None else torch.from_numpy(self._dst_np)
+        self._src_index = None if self._src_np is None else torch.from_numpy(self._src_np)
         self._on: dict[tuple[str, torch.device], torch.Tensor] = {}
 
     def index(self, which: str, device: torch.device) -> torch.Tensor:
@@ -155,7 +163,30 @@ class RowOp:
         return got
 
     def apply(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Move this op's rows from ``src`` into ``dst`` (2-D, rows first)."""
+        """Move this op's rows from ``src`` into ``dst`` (2-D, rows first).
+
+        Raises ``IndexError`` when a row lies outside either tensor and
+        ``ValueError`` when their rows differ in dtype or width, in both cases
+        before any byte moves. Two CPU tensors of contiguous rows copy with
+        :mod:`.row_kernel` (one GIL-free numpy call, on this thread only);
+        anything else (CUDA, strided rows) with torch ops."""
+        if self._dst_hi > dst.shape[0] or self._src_hi > src.shape[0]:
+            raise IndexError(
+                f"{self!r} needs {self._dst_hi} destination and {self._src_hi} source rows, "
+                f"but the tensors hold {dst.shape[0]} and {src.shape[0]}; the row plan does "
+                "not fit these buffers (plan and copy them with the same slots and blocks)"
+            )
+        if dst.dtype != src.dtype or dst.shape[1:] != src.shape[1:]:
+            raise ValueError(
+                f"{self!r}: destination rows are {dst.dtype} x {tuple(dst.shape[1:])} but "
+                f"source rows are {src.dtype} x {tuple(src.shape[1:])}; both sides must view "
+                "their rows with the same dtype and width"
+            )
+        d_rows = row_kernel.row_array(dst)
+        s_rows = row_kernel.row_array(src) if d_rows is not None else None
+        if d_rows is not None and s_rows is not None:
+            self._apply_rows(d_rows, s_rows)
+            return
         d, s, n = self.dst_start, self.src_start, self.length
         kind = self.kind
         if kind is OpKind.SLICE:
@@ -173,9 +204,45 @@ class RowOp:
             rows = src.index_select(0, self.index("src", src.device))
             dst.index_copy_(0, self.index("dst", dst.device), rows.to(dst.device))
 
+    def _apply_rows(self, dst: npt.NDArray[np.void], src: npt.NDArray[np.void]) -> None:
+        """:meth:`apply` on rows as numpy ``void`` elements (bounds already checked)."""
+        kind = self.kind
+        if kind is OpKind.SLICE:
+            row_kernel.copy_slice(dst, self.dst_start, src, self.src_start, self.length)
+        elif kind is OpKind.GATHER:
+            assert self._src_np is not None
+            row_kernel.gather(dst, self.dst_start, src, self._src_np)
+        elif kind is OpKind.SCATTER:
+            assert self._dst_np is not None
+            row_kernel.scatter(dst, self._dst_np, src, self.src_start)
+        else:
+            assert self._dst_np is not None and self._src_np is not None
+            row_kernel.gather_scatter(dst, self._dst_np, src, self._src_np)
+
     def __repr__(self) -> str:
         return (f"RowOp({self.kind.value}, dst_start={self.dst_start}, "
                 f"src_start={self.src_start}, length={self.length})")
+
+
+def _index_array(index: Rows | None, which: str) -> Rows | None:
+    """``index`` as a contiguous int64 array (``ValueError`` naming a negative row)."""
+    if index is None:
+        return None
+    arr = np.ascontiguousarray(index, dtype=np.int64)
+    if len(arr) and int(arr.min()) < 0:
+        raise ValueError(f"row op {which} index holds negative row {int(arr.min())}; rows "
+                         "are numbered from 0")
+    return arr
+
+
+def _rows_needed(index: Rows | None, start: int, length: int) -> int:
+    """How many rows a side must hold: past its highest indexed row, or its slice's end."""
+    if index is not None:
+        return int(index.max()) + 1 if len(index) else 0
+    if start < 0:
+        raise ValueError(f"row op slice starts at negative row {start}; rows are numbered "
+                         "from 0")
+    return start + length
 
 
 def plan_rows(dst: Rows, src: Rows, max_ops: int = MAX_SEGMENTS,
