@@ -7,14 +7,18 @@ rank of a task, so it is planned once per task (:func:`plan_rows`) and then
 applied plane by plane with a handful of torch ops, never a Python step per
 token or block:
 
-* runs where both sides advance by one become slice copies (``copy_``, the same
-  kernel as a plain tensor copy);
-* a contiguous destination fed from scattered rows becomes one gather
-  (``index_select(out=...)``, whose CPU kernel is one ``memcpy`` per row) straight
+* runs where both sides advance by one become slice copies;
+* a contiguous destination fed from scattered rows becomes one gather straight
   into place;
 * destinations scattered over more than :data:`MAX_SEGMENTS` runs become one
-  scatter (``index_copy_``) when the source rows are few runs, else one gather
-  into a temporary and one scatter.
+  scatter when the source rows are few runs, else one gather into a reused
+  staging buffer and one scatter.
+
+Between two CPU tensors of contiguous rows each op is one call of
+:mod:`.row_kernel` (numpy, one ``memmove`` per row, GIL released, no torch
+intra-op threads: the copy lanes are the only parallelism); CUDA or strided
+rows use the torch equivalents (``copy_``, ``index_select``, ``index_copy_``).
+Every op checks its rows against both tensors before any byte moves.
 
 Sorting by destination first means a load into any permutation of a dense slot
 range (SGLang with page size 1 hands out such sets) is a gather too.
