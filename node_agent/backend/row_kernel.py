@@ -1,20 +1,20 @@
-"""The CPU row-copy kernel: slices, gathers and scatters of whole rows between CPU tensors.
+"""The CPU row scatter kernel: rows written to scattered destination rows between CPU tensors.
 
 A *row* is one unit of a plane (one token, or one page): a dense run of bytes.
-Each function here moves rows between two C-contiguous CPU tensors viewed as
-numpy arrays of rows, with one numpy call that copies every row with one
-``memmove`` and releases the GIL, on the calling thread only. Compared with
-torch's index kernels it never splits an op over torch's intra-op threads (so
-copy lanes, not a static split, share the cores: a lane held up by another
-process simply takes fewer planes) and its per-row cost does not depend on
-the element type.
+:func:`scatter` and :func:`gather_scatter` move rows between two C-contiguous
+CPU tensors viewed as numpy arrays with one opaque ``void`` element per row, so
+each row is one ``memmove`` whatever the dtype (torch's ``index_copy_`` copies
+element by element), on the calling thread only (no torch intra-op threads:
+the copy lanes share the cores) and with the GIL released. Gathers into a
+contiguous destination and slice copies stay with torch (``index_select`` /
+``copy_``), which measured as fast or faster on the development machine.
 
 Contract: indices are int64 row numbers; the caller bounds them (``RowOp``
 records each index's range once and checks it against the tensors before any
 byte moves), because the kernels clip instead of raising (numpy's raising
-mode first copies the whole output, doubling the bytes moved). A gather
-between two scattered sides goes through this thread's staging buffer, grown
-on demand and reused by later calls, so no call allocates row memory.
+mode first copies the whole output, doubling the bytes moved). A move between
+two scattered sides goes through this thread's staging buffer, grown on demand
+and reused by later calls, so no call allocates row memory.
 """
 
 from __future__ import annotations
@@ -40,18 +40,6 @@ def row_array(t: torch.Tensor) -> npt.NDArray[np.void] | None:
         return None
     raw = t.view(torch.uint8).numpy()
     return raw.view(np.dtype((np.void, raw.shape[1]))).reshape(-1)
-
-
-def copy_slice(dst: npt.NDArray[np.void], d: int, src: npt.NDArray[np.void], s: int,
-               n: int) -> None:
-    """``dst[d:d+n] = src[s:s+n]``."""
-    np.copyto(dst[d:d + n], src[s:s + n])
-
-
-def gather(dst: npt.NDArray[np.void], d: int, src: npt.NDArray[np.void],
-           index: Index) -> None:
-    """``dst[d:d+len(index)] = src[index]``."""
-    np.take(src, index, out=dst[d:d + len(index)], mode="clip")
 
 
 def scatter(dst: npt.NDArray[np.void], index: Index, src: npt.NDArray[np.void],

@@ -14,11 +14,12 @@ token or block:
   scatter when the source rows are few runs, else one gather into a reused
   staging buffer and one scatter.
 
-Between two CPU tensors of contiguous rows each op is one call of
-:mod:`.row_kernel` (numpy, one ``memmove`` per row, GIL released, no torch
-intra-op threads: the copy lanes are the only parallelism); CUDA or strided
-rows use the torch equivalents (``copy_``, ``index_select``, ``index_copy_``).
-Every op checks its rows against both tensors before any byte moves.
+Slices are ``copy_`` and gathers ``index_select(out=...)``; between two CPU
+tensors of contiguous rows a scatter is one call of :mod:`.row_kernel` (numpy,
+one ``memmove`` per row, GIL released, no torch intra-op threads) and a move
+between two scattered sides goes through a reused staging buffer; CUDA or
+strided rows scatter with ``index_copy_``. Every op checks its rows against
+both tensors before any byte moves.
 
 Sorting by destination first means a load into any permutation of a dense slot
 range (SGLang with page size 1 hands out such sets) is a gather too.
@@ -171,9 +172,9 @@ class RowOp:
 
         Raises ``IndexError`` when a row lies outside either tensor and
         ``ValueError`` when their rows differ in dtype or width, in both cases
-        before any byte moves. Two CPU tensors of contiguous rows copy with
-        :mod:`.row_kernel` (one GIL-free numpy call, on this thread only);
-        anything else (CUDA, strided rows) with torch ops."""
+        before any byte moves. A scatter or general op between two CPU
+        tensors of contiguous rows runs :mod:`.row_kernel` (one GIL-free numpy
+        call, on this thread only); everything else runs torch ops."""
         if self._dst_hi > dst.shape[0] or self._src_hi > src.shape[0]:
             raise IndexError(
                 f"{self!r} needs {self._dst_hi} destination and {self._src_hi} source rows, "
@@ -186,13 +187,14 @@ class RowOp:
                 f"source rows are {src.dtype} x {tuple(src.shape[1:])}; both sides must view "
                 "their rows with the same dtype and width"
             )
-        d_rows = row_kernel.row_array(dst)
-        s_rows = row_kernel.row_array(src) if d_rows is not None else None
-        if d_rows is not None and s_rows is not None:
-            self._apply_rows(d_rows, s_rows)
-            return
-        d, s, n = self.dst_start, self.src_start, self.length
         kind = self.kind
+        if kind is OpKind.SCATTER or kind is OpKind.GENERAL:
+            d_rows = row_kernel.row_array(dst)
+            s_rows = row_kernel.row_array(src) if d_rows is not None else None
+            if d_rows is not None and s_rows is not None:
+                self._scatter_rows(d_rows, s_rows)
+                return
+        d, s, n = self.dst_start, self.src_start, self.length
         if kind is OpKind.SLICE:
             dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
         elif kind is OpKind.GATHER:
@@ -208,19 +210,13 @@ class RowOp:
             rows = src.index_select(0, self.index("src", src.device))
             dst.index_copy_(0, self.index("dst", dst.device), rows.to(dst.device))
 
-    def _apply_rows(self, dst: npt.NDArray[np.void], src: npt.NDArray[np.void]) -> None:
-        """:meth:`apply` on rows as numpy ``void`` elements (bounds already checked)."""
-        kind = self.kind
-        if kind is OpKind.SLICE:
-            row_kernel.copy_slice(dst, self.dst_start, src, self.src_start, self.length)
-        elif kind is OpKind.GATHER:
-            assert self._src_np is not None
-            row_kernel.gather(dst, self.dst_start, src, self._src_np)
-        elif kind is OpKind.SCATTER:
-            assert self._dst_np is not None
+    def _scatter_rows(self, dst: npt.NDArray[np.void], src: npt.NDArray[np.void]) -> None:
+        """A scatter or general op on rows as numpy ``void`` elements (bounds checked)."""
+        assert self._dst_np is not None
+        if self.kind is OpKind.SCATTER:
             row_kernel.scatter(dst, self._dst_np, src, self.src_start)
         else:
-            assert self._dst_np is not None and self._src_np is not None
+            assert self._src_np is not None
             row_kernel.gather_scatter(dst, self._dst_np, src, self._src_np)
 
     def __repr__(self) -> str:

@@ -1,7 +1,7 @@
-"""The CPU row kernel under the row plans: every slot pattern (runs of every
-length, reverse order, single slots, gaps, both sides scattered) moves exactly
-the named rows, bit for bit, against a plain ``index_select`` reference, through
-the numpy kernel (contiguous rows) and the torch fallback (strided rows) alike;
+"""Row ops on CPU tensors: every slot pattern (runs of every length, reverse
+order, single slots, gaps, both sides scattered) moves exactly the named rows,
+bit for bit, against a plain ``index_select`` reference, on contiguous rows
+(scatters through the numpy row kernel) and on strided rows (torch ops alike);
 an op whose rows do not fit the tensors moves nothing."""
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def test_every_pattern_is_bit_exact_on_both_paths(seed: int, dst_kind: str,
     src = _random_rows(int(s.max()) + 1, seed)
     dst = _random_rows(int(d.max()) + 3, seed + 100)
     want = _reference(dst, src, d, s)
-    # Contiguous rows: the numpy kernel.
+    # Contiguous rows: scatters and general ops run the numpy row kernel.
     assert row_kernel.row_array(dst) is not None and row_kernel.row_array(src) is not None
     fast = dst.clone()
     for op in ops:
