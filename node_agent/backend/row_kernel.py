@@ -38,7 +38,7 @@ def row_array(t: torch.Tensor) -> npt.NDArray[np.void] | None:
         return None
     if t.stride(1) != 1 or (t.shape[0] > 1 and t.stride(0) != t.shape[1]):
         return None
-    raw = t.view(torch.uint8).numpy()
+    raw = t.detach().view(torch.uint8).numpy()
     return raw.view(np.dtype((np.void, raw.shape[1]))).reshape(-1)
 
 
