@@ -59,9 +59,10 @@ def gather_scatter(dst: npt.NDArray[np.void], dst_index: Index, src: npt.NDArray
 
 
 def _staging(nbytes: int) -> npt.NDArray[np.uint8]:
-    """This thread's staging bytes, at least ``nbytes`` (grown by doubling, then reused)."""
+    """This thread's staging bytes, at least ``nbytes``: grown to the largest request
+    so far (one plane's rows of one op), then reused."""
     cur: npt.NDArray[np.uint8] | None = getattr(_local, "stage", None)
     if cur is None or len(cur) < nbytes:
-        cur = np.empty(max(nbytes, 2 * (0 if cur is None else len(cur))), dtype=np.uint8)
+        cur = np.empty(nbytes, dtype=np.uint8)
         _local.stage = cur
     return cur

@@ -4,7 +4,7 @@ A copy moves *rows* (one token, or one page of ``tpb`` tokens, of one plane)
 between an engine plane and a CPU tier region (or the SSD staging buffer).
 Which source row goes to which destination row is the same for every plane and
 rank of a task, so it is planned once per task (:func:`plan_rows`) and then
-applied plane by plane with a handful of torch ops, never a Python step per
+applied plane by plane with a handful of row ops, never a Python step per
 token or block:
 
 * runs where both sides advance by one become slice copies;
