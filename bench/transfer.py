@@ -10,7 +10,9 @@ block: 128 KiB per token) on CPU tensors. Rows (one JSON object each):
   ``round_ratios``, with the load average). Once with slot mappings of
   shuffled aligned pages (``slots: pages``, SGLang's allocation with
   ``page_size == tokens_per_block``; goal ratio >= 0.9), once with shuffled
-  single slots (``slots: tokens``, SGLang's page size 1; goal >= 0.8).
+  single slots (``slots: tokens``, SGLang's page size 1; goal >= 0.8), and
+  once with single slots spread over twice as many (``slots: sparse``, a
+  fragmented page-size-1 pool: loads become scatters; goal >= 0.8).
 * ``ssd_spill``: the ``put_match`` that spills ``--tokens`` tokens of CPU
   blocks to the SSD tier, versus one ``os.pwrite`` of the same bytes to a file
   in the same directory.
@@ -124,12 +126,16 @@ def engine_buffers(layout: KVLayout, num_slots: int) -> list[list[torch.Tensor]]
 
 
 def slot_mapping(style: str, lo: int, n: int, tpb: int, seed: int) -> np.ndarray:
-    """``n`` engine slots in ``[lo, lo + n)``: shuffled aligned pages of ``tpb`` slots
-    (SGLang with ``page_size == tokens_per_block``) or shuffled single slots."""
+    """``n`` engine slots from ``lo``: shuffled aligned pages of ``tpb`` slots in
+    ``[lo, lo + n)`` (SGLang with ``page_size == tokens_per_block``), shuffled single
+    slots in ``[lo, lo + n)`` (``tokens``) or shuffled single slots drawn from
+    ``[lo, lo + 2n)`` (``sparse``: a fragmented pool)."""
     rng = np.random.default_rng(seed)
     if style == "pages":
         pages = rng.permutation(n // tpb) + lo // tpb
         return (pages[:, None] * tpb + np.arange(tpb)).reshape(-1).astype(np.int64)
+    if style == "sparse":
+        return (rng.permutation(2 * n)[:n] + lo).astype(np.int64)
     return (rng.permutation(n) + lo).astype(np.int64)
 
 
@@ -141,11 +147,12 @@ def bench_cpu(args: argparse.Namespace, layout: KVLayout, style: str) -> None:
                                 worker_threads=args.workers, copy_lanes=args.lanes)
     backend = EmbeddedBackend(cfg)
     backend.start()
-    bufs = engine_buffers(layout, 2 * n)
+    spread = 2 if style == "sparse" else 1  # slots span `spread * n` engine slots
+    bufs = engine_buffers(layout, 2 * spread * n)
     backend.register_kv_buffers(0, bufs)
     tpb = layout.tokens_per_block
     src_slots = slot_mapping(style, 0, n, tpb, 1)
-    dst_slots = slot_mapping(style, n, n, tpb, 2)
+    dst_slots = slot_mapping(style, spread * n, n, tpb, 2)
     a = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
     b = torch.empty(nbytes, dtype=torch.uint8).fill_(2)
     rng = np.random.default_rng(0)
@@ -255,9 +262,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ssd-dir", default=None,
                    help="directory for the SSD tier (default: a temp dir)")
     p.add_argument("--skip-ssd", action="store_true")
-    p.add_argument("--slots", default="pages,tokens",
+    p.add_argument("--slots", default="pages,tokens,sparse",
                    help="slot mapping styles for the CPU rows: pages (shuffled aligned pages, "
-                        "as SGLang with page_size == tokens_per_block), tokens (shuffled slots)")
+                        "as SGLang with page_size == tokens_per_block), tokens (shuffled slots), "
+                        "sparse (shuffled slots spread over twice as many)")
     args = p.parse_args(argv)
     layout = layout_for(args)
     for style in args.slots.split(","):

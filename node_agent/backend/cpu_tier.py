@@ -4,8 +4,8 @@ The pool is one ``uint8`` tensor of ``num_blocks * bytes_per_block`` bytes, laid
 out *planar*: region ``k = stored_rank * num_planes + plane`` holds that plane of
 every block, block after block, so a run of consecutive blocks of one plane is
 one contiguous ``(run * tokens_per_block, row_elems)`` tensor. Copies between
-engine slots and a run of blocks are then a single ``index_select(out=...)`` /
-``index_copy_`` per plane, with no intermediate buffer.
+engine slots and a run of blocks are then a single gather / scatter per plane
+(``transfer.plan_rows``), with no intermediate buffer.
 """
 
 from __future__ import annotations

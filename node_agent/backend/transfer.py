@@ -4,17 +4,22 @@ A copy moves *rows* (one token, or one page of ``tpb`` tokens, of one plane)
 between an engine plane and a CPU tier region (or the SSD staging buffer).
 Which source row goes to which destination row is the same for every plane and
 rank of a task, so it is planned once per task (:func:`plan_rows`) and then
-applied plane by plane with a handful of torch ops, never a Python step per
+applied plane by plane with a handful of row ops, never a Python step per
 token or block:
 
-* runs where both sides advance by one become slice copies (``copy_``, the same
-  kernel as a plain tensor copy);
-* a contiguous destination fed from scattered rows becomes one gather
-  (``index_select(out=...)``, whose CPU kernel is one ``memcpy`` per row) straight
+* runs where both sides advance by one become slice copies;
+* a contiguous destination fed from scattered rows becomes one gather straight
   into place;
 * destinations scattered over more than :data:`MAX_SEGMENTS` runs become one
-  scatter (``index_copy_``) when the source rows are few runs, else one gather
-  into a temporary and one scatter.
+  scatter when the source rows are few runs, else one gather into a reused
+  staging buffer and one scatter.
+
+Slices are ``copy_`` and gathers ``index_select(out=...)``; between two CPU
+tensors of contiguous rows a scatter is one call of :mod:`.row_kernel` (numpy,
+one ``memmove`` per row, GIL released, no torch intra-op threads) and a move
+between two scattered sides goes through a reused staging buffer; CUDA or
+strided rows scatter with ``index_copy_``. Every op checks its rows against
+both tensors before any byte moves.
 
 Sorting by destination first means a load into any permutation of a dense slot
 range (SGLang with page size 1 hands out such sets) is a gather too.
@@ -50,6 +55,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from node_agent.backend import row_kernel
 from node_agent.backend.cpu_tier import CpuTier
 from node_agent.backend.lanes import run_items
 from node_agent.backend.planes import RegisteredBuffers
@@ -118,12 +124,17 @@ class OpKind(enum.Enum):
 
 class RowOp:
     """One vectorised row move, the same for every plane; index tensors are cached
-    per device."""
+    per device, and the rows each side touches are recorded once so that every
+    apply checks them against the tensors before any byte moves."""
 
     __slots__ = (
+        "_dst_hi",
         "_dst_index",
+        "_dst_np",
         "_on",
+        "_src_hi",
         "_src_index",
+        "_src_np",
         "dst_start",
         "kind",
         "length",
@@ -136,10 +147,12 @@ class RowOp:
         self.dst_start = dst_start
         self.src_start = src_start
         self.length = length
-        self._dst_index = None if dst_index is None else torch.from_numpy(
-            np.ascontiguousarray(dst_index, dtype=np.int64))
-        self._src_index = None if src_index is None else torch.from_numpy(
-            np.ascontiguousarray(src_index, dtype=np.int64))
+        self._dst_np = _index_array(dst_index, "dst")
+        self._src_np = _index_array(src_index, "src")
+        self._dst_hi = _rows_needed(self._dst_np, dst_start, length)
+        self._src_hi = _rows_needed(self._src_np, src_start, length)
+        self._dst_index = None if self._dst_np is None else torch.from_numpy(self._dst_np)
+        self._src_index = None if self._src_np is None else torch.from_numpy(self._src_np)
         self._on: dict[tuple[str, torch.device], torch.Tensor] = {}
 
     def index(self, which: str, device: torch.device) -> torch.Tensor:
@@ -155,9 +168,33 @@ class RowOp:
         return got
 
     def apply(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Move this op's rows from ``src`` into ``dst`` (2-D, rows first)."""
-        d, s, n = self.dst_start, self.src_start, self.length
+        """Move this op's rows from ``src`` into ``dst`` (2-D, rows first).
+
+        Raises ``IndexError`` when a row lies outside either tensor and
+        ``ValueError`` when their rows differ in dtype or width, in both cases
+        before any byte moves. A scatter or general op between two CPU
+        tensors of contiguous rows runs :mod:`.row_kernel` (one GIL-free numpy
+        call, on this thread only); everything else runs torch ops."""
+        if self._dst_hi > dst.shape[0] or self._src_hi > src.shape[0]:
+            raise IndexError(
+                f"{self!r} needs {self._dst_hi} destination and {self._src_hi} source rows, "
+                f"but the tensors hold {dst.shape[0]} and {src.shape[0]}; the row plan does "
+                "not fit these buffers (plan and copy them with the same slots and blocks)"
+            )
+        if dst.dtype != src.dtype or dst.shape[1:] != src.shape[1:]:
+            raise ValueError(
+                f"{self!r}: destination rows are {dst.dtype} x {tuple(dst.shape[1:])} but "
+                f"source rows are {src.dtype} x {tuple(src.shape[1:])}; both sides must view "
+                "their rows with the same dtype and width"
+            )
         kind = self.kind
+        if kind is OpKind.SCATTER or kind is OpKind.GENERAL:
+            d_rows = row_kernel.row_array(dst)
+            s_rows = row_kernel.row_array(src) if d_rows is not None else None
+            if d_rows is not None and s_rows is not None:
+                self._scatter_rows(d_rows, s_rows)
+                return
+        d, s, n = self.dst_start, self.src_start, self.length
         if kind is OpKind.SLICE:
             dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
         elif kind is OpKind.GATHER:
@@ -173,9 +210,39 @@ class RowOp:
             rows = src.index_select(0, self.index("src", src.device))
             dst.index_copy_(0, self.index("dst", dst.device), rows.to(dst.device))
 
+    def _scatter_rows(self, dst: npt.NDArray[np.void], src: npt.NDArray[np.void]) -> None:
+        """A scatter or general op on rows as numpy ``void`` elements (bounds checked)."""
+        assert self._dst_np is not None
+        if self.kind is OpKind.SCATTER:
+            row_kernel.scatter(dst, self._dst_np, src, self.src_start)
+        else:
+            assert self._src_np is not None
+            row_kernel.gather_scatter(dst, self._dst_np, src, self._src_np)
+
     def __repr__(self) -> str:
         return (f"RowOp({self.kind.value}, dst_start={self.dst_start}, "
                 f"src_start={self.src_start}, length={self.length})")
+
+
+def _index_array(index: Rows | None, which: str) -> Rows | None:
+    """``index`` as a contiguous int64 array (``ValueError`` naming a negative row)."""
+    if index is None:
+        return None
+    arr = np.ascontiguousarray(index, dtype=np.int64)
+    if len(arr) and int(arr.min()) < 0:
+        raise ValueError(f"row op {which} index holds negative row {int(arr.min())}; rows "
+                         "are numbered from 0")
+    return arr
+
+
+def _rows_needed(index: Rows | None, start: int, length: int) -> int:
+    """How many rows a side must hold: past its highest indexed row, or its slice's end."""
+    if index is not None:
+        return int(index.max()) + 1 if len(index) else 0
+    if start < 0:
+        raise ValueError(f"row op slice starts at negative row {start}; rows are numbered "
+                         "from 0")
+    return start + length
 
 
 def plan_rows(dst: Rows, src: Rows, max_ops: int = MAX_SEGMENTS,

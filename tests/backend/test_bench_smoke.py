@@ -34,14 +34,15 @@ def test_transfer_bench_rows(tmp_path: Path) -> None:
                 "--ssd-dir", str(tmp_path), tmp=tmp_path)
     assert [(r["row"], r.get("slots")) for r in rows] == [
         ("cpu_store", "pages"), ("cpu_load", "pages"), ("cpu_store", "tokens"),
-        ("cpu_load", "tokens"), ("ssd_spill", "pages"), ("ssd_load", "pages")]
+        ("cpu_load", "tokens"), ("cpu_store", "sparse"), ("cpu_load", "sparse"),
+        ("ssd_spill", "pages"), ("ssd_load", "pages")]
     for r in rows:
         assert r["bench"] == "transfer"
         assert {"gb_per_s", "baseline_gb_per_s", "ratio", "bytes"} <= set(r)
         assert float(r["ratio"]) > 0  # type: ignore[arg-type]
     assert rows[0]["goal_ratio"] == 0.9 and isinstance(rows[0]["goal_met"], bool)
-    assert rows[2]["goal_ratio"] == 0.8
-    for r in rows[:4]:  # interleaved rounds: one ratio per round, the median reported
+    assert rows[2]["goal_ratio"] == 0.8 and rows[4]["goal_ratio"] == 0.8
+    for r in rows[:6]:  # interleaved rounds: one ratio per round, the median reported
         ratios = r["round_ratios"]
         assert isinstance(ratios, list) and len(ratios) == 3
         assert r["ratio"] == ratios[1] and len(r["loadavg"]) == 3  # type: ignore[arg-type]
