@@ -338,12 +338,12 @@ class LeaderRole:
             return
         try:
             with self._state:
-                ready = [t for t in self._puts.values() if t.local is None and t.acks.done()]
-            if not ready:
-                return
-            for tid, resp in self.backend.try_wait([t.task_id for t in ready]).items():
-                t = next(p for p in ready if p.task_id == tid)
-                t.local, t.error = resp.status, resp.error
+                ready = [t for t in self._puts.values() if t.acks.done()]
+            live = [t.task_id for t in ready if t.local is None]
+            if live:
+                for tid, resp in self.backend.try_wait(live).items():
+                    t = next(p for p in ready if p.task_id == tid)
+                    t.local, t.error = resp.status, resp.error
             for t in ready:
                 if t.local is not None and self.newer_epoch is None:
                     self._finish_put(t, t.local is KVResponseStatus.SUCCESS
