@@ -2,8 +2,8 @@
 
 One I/O thread owns the socket: it receives, decodes and schema-checks every
 request (:mod:`.protocol`), answers the ``inline_ops`` (``ping``: no stage, no
-blocking) and the calls ``inline`` picks (a single-stage group's ``lookup`` and
-``release``: short locks only) itself, and hands every other call to a bounded
+blocking) and the calls ``inline`` picks (a single-stage group's ``lookup``,
+``store_kv`` and ``release``: short locks only) itself, and hands every other call to a bounded
 thread pool, because connector calls block (transfers, fan-out waits). A
 worker queues its reply and wakes the I/O thread through a pipe; the I/O
 thread sends it. Keeping the socket off the asyncio loop (shared with HTTP and

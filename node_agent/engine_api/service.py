@@ -29,8 +29,9 @@ Contract of the operations (``rank`` identifies the calling engine rank):
 
 :meth:`EngineService.inline` tells the server which calls its I/O thread may
 answer itself: those a stage lists in ``Stage.inline_ops`` (a single-stage
-group on the embedded backend lists ``lookup``, ``release`` and
-``poll_completed``, which wait on no peer, copy or timer).
+group on the embedded backend without a remote tier lists ``lookup``,
+``store_kv``, ``release`` and ``poll_completed``, which wait on no peer, copy,
+timer or network: a store only launches its copy).
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def wait_completed(conn: Coordinator, timeout_ms: int) -> list[str]:
     return [str(r) for r in conn.wait_completed(timeout_ms / 1000)]
 
 
-INLINE_CANDIDATES = frozenset({"lookup", "release", "poll_completed"})
+INLINE_CANDIDATES = frozenset({"lookup", "store_kv", "release", "poll_completed"})
 """Operations a stage may let the I/O thread answer (:attr:`Stage.inline_ops`)."""
 
 
@@ -206,8 +207,9 @@ class Stage:
     stage (its blocks are never seen by the other model)."""
     inline_ops: frozenset[str] = frozenset()
     """Operations of this stage that never wait on a peer, a copy or a timer
-    (a single-stage group's ``lookup``, ``release``, ``poll_completed`` on the
-    embedded backend): the engine socket's I/O thread answers them itself,
+    (a single-stage group's ``lookup``, ``store_kv``, ``release``,
+    ``poll_completed`` on the embedded backend without a remote tier; a store
+    launches its copy and returns): the engine socket's I/O thread answers them itself,
     without the two thread hops of a worker call (see :meth:`EngineService.inline`)."""
     traffic: StageTraffic | None = None
     """The stage's engine traffic (set by :class:`EngineService` when it adds the stage)."""
