@@ -6,7 +6,10 @@ blocking) and the calls ``inline`` picks (a single-stage group's ``lookup``,
 ``store_kv`` and ``release``: short locks only) itself, and hands every other call to a bounded
 thread pool, because connector calls block (transfers, fan-out waits). A
 worker queues its reply and wakes the I/O thread through a pipe; the I/O
-thread sends it. Keeping the socket off the asyncio loop (shared with HTTP and
+thread sends it. Calls that only wait for an event (``park``: a single-stage
+group's ``wait_completed``) are kept by the I/O thread without a worker and
+answered when :meth:`EngineServer.wake` (or their time bound) makes it poll
+them. Keeping the socket off the asyncio loop (shared with HTTP and
 the heartbeat) and off worker threads makes a ping cost about one pyzmq round
 trip plus decoding. The connector's own
 waits end every call inside ``engineCallSeconds`` (:mod:`.budget`);
