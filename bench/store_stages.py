@@ -82,6 +82,25 @@ def _agent(argv: list[str]) -> int:
         return out
 
     service.wait_completed = waited
+    park = service.EngineService.park
+
+    def parked(self: Any, req: Any) -> Any:
+        # A single-stage group's wait_completed is parked on the I/O thread:
+        # mark when its poll takes the rid, as ``waited`` does for a worker's wait.
+        p = park(self, req)
+        if p is not None:
+            poll = p.poll
+
+            def marked() -> Any:
+                out = poll()
+                if out:
+                    mark("wait_completed.got")
+                return out
+
+            p.poll = marked
+        return p
+
+    service.EngineService.park = parked  # type: ignore[method-assign]
 
     def dump() -> None:
         Path(os.environ["FLEXKV_STAGES_OUT"]).write_text(json.dumps(marks))
