@@ -40,7 +40,7 @@ def _agent(argv: list[str]) -> int:
     """The agent process: wrap the store path's stages, then run the agent."""
     from node_agent.__main__ import main
     from node_agent.backend import embedded, transfer
-    from node_agent.coordinator import leader
+    from node_agent.coordinator import leader, tracking
     from node_agent.engine_api import service
 
     marks: list[tuple[float, str]] = []
@@ -65,7 +65,24 @@ def _agent(argv: list[str]) -> int:
     wrap(embedded.EmbeddedBackend, "put_match", "put_match")
     wrap(embedded.EmbeddedBackend, "launch", "launch")
     wrap(transfer.BlockCopier, "store", "copy")
-    wrap(leader.LeaderRole, "_finish_put", "finish_put")
+    finish = leader.LeaderRole._finish_put
+
+    def finishing(self: Any, *args: Any, **kwargs: Any) -> Any:
+        mark("finish_put>")
+        return finish(self, *args, **kwargs)
+
+    leader.LeaderRole._finish_put = finishing  # type: ignore[method-assign]
+    queue = tracking.CompletedRids.add
+
+    def queued(self: Any, rids: Any) -> None:
+        # "finish_put<" is the rid being queued, before the engine can be told:
+        # a mark after _finish_put returns may land after the engine's answer.
+        rids = list(rids)
+        if rids:
+            mark("finish_put<")
+        queue(self, rids)
+
+    tracking.CompletedRids.add = queued  # type: ignore[method-assign]
     call = service.EngineService.__call__
 
     def serve(self: Any, req: Any) -> Any:
@@ -82,6 +99,25 @@ def _agent(argv: list[str]) -> int:
         return out
 
     service.wait_completed = waited
+    park = service.EngineService.park
+
+    def parked(self: Any, req: Any) -> Any:
+        # A single-stage group's wait_completed is parked on the I/O thread:
+        # mark when its poll takes the rid, as ``waited`` does for a worker's wait.
+        p = park(self, req)
+        if p is not None:
+            poll = p.poll
+
+            def marked() -> Any:
+                out = poll()
+                if out:
+                    mark("wait_completed.got")
+                return out
+
+            p.poll = marked
+        return p
+
+    service.EngineService.park = parked  # type: ignore[method-assign]
 
     def dump() -> None:
         Path(os.environ["FLEXKV_STAGES_OUT"]).write_text(json.dumps(marks))

@@ -219,7 +219,9 @@ class Agent:
         budget = call_budget(cfg.timeouts.engine_call_seconds, cfg.timeouts.fanout_wait_seconds)
         self.engine = EngineServer(cfg.engine_endpoint, self.service, self.metrics,
                                    budget.server_timeout_seconds, errors=self.errors,
-                                   inline_ops=frozenset({"ping"}), inline=self.service.inline)
+                                   inline_ops=frozenset({"ping"}), inline=self.service.inline,
+                                   park=self.service.park)
+        self.service.completion_wake = self.engine.wake
         period = cfg.heartbeat.retry_period_seconds
         self.groups: FileGroupSource | KubeGroupSource | None = None
         self.heartbeat: LeaseHeartbeat | None = None

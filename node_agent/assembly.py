@@ -20,9 +20,10 @@ reader; never the agent itself) and serves as the engine API's
   with ``tiers.remote`` each gets a :class:`RemoteTier` over the agent's one
   Mooncake client (docs/remote.md).
 
-A single-stage group on the embedded backend lets the engine socket's I/O
-thread answer its ``lookup``, ``release`` and ``poll_completed`` itself
-(``Stage.inline_ops``): they wait on no follower, copy or timer.
+A single-stage group on the embedded backend without a remote tier lets the
+engine socket's I/O thread answer its ``lookup``, ``store_kv``, ``release`` and
+``poll_completed`` itself (``Stage.inline_ops``): they wait on no follower,
+copy, timer or network (a store launches its copy and returns).
 
 Several stages on one agent (``maxStages``): each stage keeps its own
 coordinator and group view. The configured tier sizes are the node's budget,
@@ -285,10 +286,13 @@ def default_stage_builder(deps: StageDeps, rank: RankRef, layout: KVLayout) -> S
         keys=keys, metrics=metrics, server=server, cache_epoch=deps.key_epoch,
     ).start()
     # A single-stage group's leader never waits on a follower, and the embedded
-    # backend matches in memory: its lookups and releases take only short locks,
-    # so the engine socket's I/O thread answers them without a worker hop.
-    # FlexKV's manager may wait on its own server: its calls keep the workers.
-    inline = INLINE_CANDIDATES if rank.pp_size == 1 and cfg.backend != "flexkv" else frozenset()
+    # backend matches in memory: its lookups, stores (which launch their copy
+    # and return) and releases take only short locks, so the engine socket's
+    # I/O thread answers them without a worker hop. FlexKV's manager may wait
+    # on its own server, and a remote tier's lookup fetches over the network
+    # (bounded by its timeout, not by a lock): their calls keep the workers.
+    inline = INLINE_CANDIDATES if (rank.pp_size == 1 and cfg.backend != "flexkv"
+                                   and remote is None) else frozenset()
     return Stage(key=rank.stage, pp_size=rank.pp_size, group=group, layout=layout,
                  coordinator=coordinator, views=views, inline_ops=inline, model=rank.model,
                  cache_epoch=epoch, shared=joined[0] if joined else None)

@@ -97,6 +97,7 @@ class Coordinator:
         self._role: Role | None = None
         self._done = threading.Condition(threading.Lock())
         """Notified whenever some rid becomes reportable (``wait_completed``)."""
+        self._completion_hook: Callable[[], None] | None = None
         self._completed = CompletedRids(config.max_completed, self._stats.completed_dropped,
                                         self._notify_completed)
         """Rids of ended roles the engine has not polled yet (see ``_end_role``)."""
@@ -386,6 +387,16 @@ class Coordinator:
     def _notify_completed(self) -> None:
         with self._done:
             self._done.notify_all()
+        hook = self._completion_hook
+        if hook is not None:
+            hook()
+
+    def set_completion_hook(self, hook: Callable[[], None] | None) -> None:
+        """Call ``hook()`` (no lock held, from the thread that queued it) whenever
+        a rid becomes reportable by :meth:`poll_completed`, besides waking
+        :meth:`wait_completed`: the engine socket's notice to answer a parked
+        ``wait_completed``. It must be cheap and must not block."""
+        self._completion_hook = hook
 
     def reset(self) -> None:
         """Flush: the leader flushes the whole group; a follower its pending state."""

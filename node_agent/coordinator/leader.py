@@ -145,8 +145,11 @@ class LeaderRole:
         self._content_epoch = self._cache_epoch()
         """The cache epoch the group cache holds blocks of (set by each flush)."""
         self._wake = threading.Event()
-        # A copy that ends wakes the reaper at once (it also looks every few ms).
-        backend.set_completion_listener(self._wake.set)
+        self._reaping = threading.Lock()
+        """Held by whoever reaps puts (the reaper, or a finished copy's thread)."""
+        # A copy that ends finishes its put at once when it can (the reaper
+        # looks every few ms otherwise).
+        backend.set_completion_listener(self._on_copy_done)
         # Remote fetches run in lookup() before the decision lock is taken, so one
         # request's long fetch never holds up the other requests' decisions.
         backend.fetch_in_match = False
@@ -324,10 +327,39 @@ class LeaderRole:
                 self._wake.wait(0.05)
                 continue
             try:
-                self._reap(pending)
+                with self._reaping:
+                    self._reap(pending)
             except Exception:  # keep finishing the other puts; the deadline still holds
                 log.exception("Leader reaper step failed", extra={"group": self.cfg.group})
             self._wake.wait(0.002)
+
+    def _on_copy_done(self) -> None:
+        """A copy of this leader's backend ended (on the thread that ran it):
+        finish at once every put whose copy is terminal and whose followers all
+        acked (a single-stage group's put has no follower to wait for), saving
+        the hop to the reaper. Never blocks: when the reaper or a decision holds
+        what this needs (a flush waits for this very thread while holding the
+        decision lock), the woken reaper finishes the put instead."""
+        self._wake.set()
+        if self.newer_epoch is not None or not self._reaping.acquire(blocking=False):
+            return
+        try:
+            with self._state:
+                ready = [t for t in self._puts.values() if t.acks.done()]
+            live = [t.task_id for t in ready if t.local is None]
+            if live:
+                for tid, resp in self.backend.try_wait(live).items():
+                    t = next(p for p in ready if p.task_id == tid)
+                    t.local, t.error = resp.status, resp.error
+            for t in ready:
+                if t.local is not None and self.newer_epoch is None:
+                    self._finish_put(t, t.local is KVResponseStatus.SUCCESS
+                                     and t.acks.all_ok(), wait=False)
+        except Exception:  # the reaper finishes what this could not
+            log.exception("Finishing a put after its copy failed",
+                          extra={"group": self.cfg.group})
+        finally:
+            self._reaping.release()
 
     def _reap(self, pending: list[_Put]) -> None:
         live = [t.task_id for t in pending if t.local is None]
@@ -377,11 +409,16 @@ class LeaderRole:
                          "waited_seconds": timeout + STOP_WAIT_SECONDS})
         return None
 
-    def _finish_put(self, t: _Put, ok: bool) -> None:
-        with self._decide:
+    def _finish_put(self, t: _Put, ok: bool, wait: bool = True) -> None:
+        """Publish (``ok``) or discard put ``t``, broadcast its RESULT and report
+        its rid. With ``wait=False`` nothing happens when the decision lock is
+        taken (the reaper finishes the put later)."""
+        if not self._decide.acquire(blocking=wait):
+            return
+        try:
             with self._state:
-                if self._puts.pop(t.task_id, None) is None:
-                    return  # a flush already ended it
+                if t.task_id not in self._puts:
+                    return  # a flush or another finisher already ended it
             if ok:
                 try:
                     self.backend.publish(t.task_id)
@@ -399,10 +436,17 @@ class LeaderRole:
                 self._send_moves(moves, epoch if epoch == self._content_epoch
                                  else NO_CACHE_EPOCH)
             self.stream.broadcast(Op.RESULT, Result(t.rid, Kind.PUT, t.n, t.task_id, ok))
-        if ok:
-            self.counters.stores_published += 1
-        else:
-            self.counters.stores_discarded += 1
+            # One step under the state lock: status() never shows the put gone
+            # from the in-flight stores but not yet counted.
+            with self._state:
+                if self._puts.pop(t.task_id, None) is None:
+                    return  # take_unreported (after close) reported it
+                if ok:
+                    self.counters.stores_published += 1
+                else:
+                    self.counters.stores_discarded += 1
+        finally:
+            self._decide.release()
         with self._state:
             self._completed.add([t.rid])
 

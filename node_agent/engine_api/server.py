@@ -2,11 +2,14 @@
 
 One I/O thread owns the socket: it receives, decodes and schema-checks every
 request (:mod:`.protocol`), answers the ``inline_ops`` (``ping``: no stage, no
-blocking) and the calls ``inline`` picks (a single-stage group's ``lookup`` and
-``release``: short locks only) itself, and hands every other call to a bounded
+blocking) and the calls ``inline`` picks (a single-stage group's ``lookup``,
+``store_kv`` and ``release``: short locks only) itself, and hands every other call to a bounded
 thread pool, because connector calls block (transfers, fan-out waits). A
 worker queues its reply and wakes the I/O thread through a pipe; the I/O
-thread sends it. Keeping the socket off the asyncio loop (shared with HTTP and
+thread sends it. Calls that only wait for an event (``park``: a single-stage
+group's ``wait_completed``) are kept by the I/O thread without a worker and
+answered when :meth:`EngineServer.wake` (or their time bound) makes it poll
+them. Keeping the socket off the asyncio loop (shared with HTTP and
 the heartbeat) and off worker threads makes a ping cost about one pyzmq round
 trip plus decoding. The connector's own
 waits end every call inside ``engineCallSeconds`` (:mod:`.budget`);
@@ -101,6 +104,35 @@ def _error_type(exc: BaseException) -> str:
     return "InternalError"
 
 
+class Parked:
+    """How the I/O thread answers a call that waits for an event without a
+    worker (``wait_completed``): ``poll()`` returns the result once there is
+    one (None while there is none; it must not block, and what it returns is
+    sent at once), ``seconds`` bounds the wait, after which the answer is
+    ``expired``."""
+
+    __slots__ = ("expired", "poll", "seconds")
+
+    def __init__(self, poll: Callable[[], Any], seconds: float, expired: Any) -> None:
+        self.poll = poll
+        self.seconds = seconds
+        self.expired = expired
+
+
+class _Waiting:
+    """A parked call: who asked, what, since when, until when, and how to answer."""
+
+    __slots__ = ("deadline", "ident", "parked", "req", "start")
+
+    def __init__(self, ident: bytes, req: protocol.Request, start: float, deadline: float,
+                 parked: Parked) -> None:
+        self.ident = ident
+        self.req = req
+        self.start = start
+        self.deadline = deadline
+        self.parked = parked
+
+
 class _Call:
     """One request being served: who asked, what, and when it must be answered."""
 
@@ -122,7 +154,11 @@ class EngineServer:
     answers them itself, without the hop to a worker thread. ``inline(req)``,
     when given, picks further requests to answer there (the service knows
     which calls of which stage wait only for short locks); it must be cheap
-    and must not raise."""
+    and must not raise. ``park(req)``, when given, returns a :class:`Parked`
+    for requests that wait for an event (None for any other): the I/O thread
+    keeps them without a worker and polls them whenever it is woken
+    (:meth:`wake`, by whatever makes them answerable) or their time is up; it
+    must be cheap and must not raise."""
 
     name = "engine_api"
 
@@ -137,6 +173,7 @@ class EngineServer:
         max_inflight: int | None = None,
         inline_ops: frozenset[str] = frozenset(),
         inline: Callable[[protocol.Request], bool] | None = None,
+        park: Callable[[protocol.Request], Parked | None] | None = None,
     ) -> None:
         if not endpoint.startswith("ipc://"):
             raise ValueError(f"engine endpoint {endpoint!r} must be ipc://<path>")
@@ -148,6 +185,9 @@ class EngineServer:
         self._errors = errors
         self._inline_ops = inline_ops
         self._inline = inline
+        self._park = park
+        self._waiting: list[_Waiting] = []
+        """Parked calls (at most ``max_inflight``), answered by the I/O thread."""
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="engine-call")
         self.max_inflight = max_inflight if max_inflight is not None else 4 * max_workers
         self.refused_busy = 0
@@ -174,6 +214,11 @@ class EngineServer:
     def alive(self) -> bool:
         """True while the I/O thread runs."""
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def parked(self) -> int:
+        """Calls parked on the I/O thread (see ``park``), not answered yet."""
+        return len(self._waiting)
 
     @property
     def inflight(self) -> int:
@@ -213,6 +258,8 @@ class EngineServer:
                 if self._cut:
                     self._answer_cut_short()
                     return
+                if self._closing and self._waiting:
+                    self._answer_waiting(expire_all=True)
                 if self._closing and not self._calls and not self._done:
                     return
                 wait_ms = self._next_wait_ms()
@@ -223,15 +270,18 @@ class EngineServer:
                 self._send_done()
                 if listening and sock in events:
                     self._drain_requests(sock)
+                if self._waiting:
+                    self._answer_waiting()
                 self._expire_overruns()
         except zmq.ZMQError as exc:
             if not self._closing:
                 log.error("Engine API I/O thread stopped", extra={"error": str(exc)})
 
     def _next_wait_ms(self) -> int:
-        if not self._calls:
+        if not self._calls and not self._waiting:
             return 100
-        first = min(c.deadline for c in self._calls.values())
+        first = min([c.deadline for c in self._calls.values()]
+                    + [w.deadline for w in self._waiting])
         return max(0, min(100, math.ceil((first - time.monotonic()) * 1000)))
 
     def _drain_requests(self, sock: zmq.Socket[bytes]) -> None:
@@ -283,6 +333,13 @@ class EngineServer:
                 reply, outcome = self._error_reply(req.op, req.id, exc)
             self._finish(ident, req.op, req.id, start, reply, outcome)
             return
+        parked = self._park(req) if self._park is not None and \
+            len(self._waiting) < self.max_inflight else None
+        if parked is not None:
+            self._waiting.append(_Waiting(ident, req, start,
+                                          time.monotonic() + parked.seconds, parked))
+            self._answer_waiting()
+            return
         key = next(self._keys)
         self._calls[key] = _Call(ident, req.op, req.id, start,
                                  time.monotonic() + self._timeout)
@@ -295,6 +352,31 @@ class EngineServer:
         except Exception as exc:
             reply, outcome = self._error_reply(req.op, req.id, exc)
         self._done.append((key, reply, outcome))
+        self._wake()
+
+    def _answer_waiting(self, expire_all: bool = False) -> None:
+        """Answer every parked call that has its result, or whose time is up
+        (all of them with ``expire_all``: shutdown). Polled and sent on this
+        thread, so a result taken by ``poll()`` is always sent."""
+        now = time.monotonic()
+        keep: list[_Waiting] = []
+        for w in self._waiting:
+            try:
+                result = w.parked.poll()
+            except Exception as exc:
+                self._finish(w.ident, w.req.op, w.req.id, w.start,
+                             *self._error_reply(w.req.op, w.req.id, exc))
+                continue
+            if result is None and not expire_all and now < w.deadline:
+                keep.append(w)
+                continue
+            answer = w.parked.expired if result is None else result
+            self._finish(w.ident, w.req.op, w.req.id, w.start,
+                         protocol.encode_reply(w.req.id, answer), "ok")
+        self._waiting = keep
+
+    def wake(self) -> None:
+        """Make the I/O thread look at its parked calls now (any thread; cheap)."""
         self._wake()
 
     def _send_done(self) -> None:
@@ -323,6 +405,7 @@ class EngineServer:
     def _answer_cut_short(self) -> None:
         """Shutdown cut the remaining calls short: still tell their engines."""
         self._send_done()
+        self._answer_waiting(expire_all=True)
         calls, self._calls = list(self._calls.values()), {}
         if calls:
             log.warning("Engine calls cut short by shutdown", extra={"count": len(calls)})

@@ -29,8 +29,9 @@ Contract of the operations (``rank`` identifies the calling engine rank):
 
 :meth:`EngineService.inline` tells the server which calls its I/O thread may
 answer itself: those a stage lists in ``Stage.inline_ops`` (a single-stage
-group on the embedded backend lists ``lookup``, ``release`` and
-``poll_completed``, which wait on no peer, copy or timer).
+group on the embedded backend without a remote tier lists ``lookup``,
+``store_kv``, ``release`` and ``poll_completed``, which wait on no peer, copy,
+timer or network: a store only launches its copy).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from node_agent.engine_api import protocol
 from node_agent.engine_api.buffers import OpenedBuffer, open_buffer
 from node_agent.engine_api.identity import check_digest
 from node_agent.engine_api.protocol import layout_to_wire, parse_layout
-from node_agent.engine_api.server import NotReadyError
+from node_agent.engine_api.server import NotReadyError, Parked
 from node_agent.metrics import AgentMetrics
 from node_agent.vocab.layout import KVLayout
 
@@ -91,7 +92,7 @@ def wait_completed(conn: Coordinator, timeout_ms: int) -> list[str]:
     return [str(r) for r in conn.wait_completed(timeout_ms / 1000)]
 
 
-INLINE_CANDIDATES = frozenset({"lookup", "release", "poll_completed"})
+INLINE_CANDIDATES = frozenset({"lookup", "store_kv", "release", "poll_completed"})
 """Operations a stage may let the I/O thread answer (:attr:`Stage.inline_ops`)."""
 
 
@@ -206,8 +207,9 @@ class Stage:
     stage (its blocks are never seen by the other model)."""
     inline_ops: frozenset[str] = frozenset()
     """Operations of this stage that never wait on a peer, a copy or a timer
-    (a single-stage group's ``lookup``, ``release``, ``poll_completed`` on the
-    embedded backend): the engine socket's I/O thread answers them itself,
+    (a single-stage group's ``lookup``, ``store_kv``, ``release``,
+    ``poll_completed`` on the embedded backend without a remote tier; a store
+    launches its copy and returns): the engine socket's I/O thread answers them itself,
     without the two thread hops of a worker call (see :meth:`EngineService.inline`)."""
     traffic: StageTraffic | None = None
     """The stage's engine traffic (set by :class:`EngineService` when it adds the stage)."""
@@ -267,6 +269,9 @@ class EngineService:
         self._stale_after = stale_after
         self._lock = threading.Lock()
         self.stages: dict[StageKey, Stage] = {}
+        self.completion_wake: Callable[[], None] | None = None
+        """Wakes the engine socket's I/O thread to answer parked ``wait_completed``
+        calls (the server's ``wake``; set by the agent). None: nothing is parked."""
 
     def __call__(self, req: protocol.Request) -> Any:
         if req.op == "ping":
@@ -321,6 +326,41 @@ class EngineService:
             return False
         stage = self.stages.get(StageKey(replica, pp_rank))
         return stage is not None and req.op in stage.inline_ops
+
+    def park(self, req: protocol.Request) -> Parked | None:
+        """How the engine socket's I/O thread answers ``req`` without a worker,
+        or None (a worker serves it): a ``wait_completed`` of a stage whose
+        ``poll_completed`` is inline (it takes no lock a copy or a peer holds)
+        is parked there and answered with the rids once the stage's
+        coordinator reports some (its completion hook wakes the I/O thread),
+        or ``[]`` after ``timeoutMs``, like the worker's wait. Anything this
+        cannot accept cheaply (a bad rank, timeout or stage) goes to a worker,
+        where ``__call__`` raises the error."""
+        wake = self.completion_wake
+        if req.op != "wait_completed" or wake is None:
+            return None
+        timeout_ms = req.args.get("timeoutMs")
+        if type(timeout_ms) is not int or not 0 <= timeout_ms <= protocol.MAX_WAIT_MS:
+            return None
+        try:
+            rank = RankRef.parse(req.args["rank"])
+            stage = self._stage_of(rank)
+        except Exception:  # must not raise: the worker path names the error
+            return None
+        if rank.tp_rank != 0 or "poll_completed" not in stage.inline_ops:
+            return None
+        conn = stage.coordinator
+        hook = getattr(conn, "set_completion_hook", None)
+        if hook is None:
+            return None
+        hook(wake)
+        if stage.traffic is not None:
+            stage.traffic.call(req.op)
+
+        def poll() -> list[str] | None:
+            return [str(r) for r in conn.poll_completed()] or None
+
+        return Parked(poll, timeout_ms / 1000, [])
 
     def _stage_of(self, rank: RankRef) -> Stage:
         stage = self.stages.get(rank.stage)

@@ -99,10 +99,12 @@ async def test_single_stage_agent_http_surface(work: Path) -> None:
             [stage] = status["stages"]
             assert stage["replica"] == "solo-0" and stage["registeredRanks"] == [0]
             assert stage["connector"]["role"] == "leader"
-            # A single-stage group's lookups and releases wait on no follower:
-            # the engine socket's I/O thread answers them without a worker hop.
+            # A single-stage group's lookups, stores and releases wait on no
+            # follower: the engine socket's I/O thread answers them without a
+            # worker hop.
             [st] = ra.agent.service.stages.values()
-            assert st.inline_ops == INLINE_CANDIDATES == {"lookup", "release", "poll_completed"}
+            assert st.inline_ops == INLINE_CANDIDATES == {"lookup", "store_kv", "release",
+                                                          "poll_completed"}
             assert (stage["role"], stage["epoch"]) == ("leader", 0) and stage["seq"] >= 1
             assert any("kv_indices" in e["message"] for e in status["recentErrors"])
 

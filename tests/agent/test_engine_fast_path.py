@@ -19,7 +19,7 @@ import pytest
 
 from node_agent.client import EngineClient, RankInfo
 from node_agent.engine_api import protocol
-from node_agent.engine_api.server import EngineServer
+from node_agent.engine_api.server import EngineServer, Parked
 from node_agent.metrics import AgentMetrics
 from tests.support.waiting import wait_for_async
 
@@ -135,4 +135,65 @@ async def test_calls_the_service_picks_inline_are_answered_by_the_io_thread(
         gate.set()
         for c in (blocked, other, slow_client):
             c.close()
+        await server.stop(grace=2.0)
+
+
+async def test_parked_calls_are_answered_on_wake_or_expiry_without_a_worker(
+        sock_path: Path) -> None:
+    """``park`` keeps a waiting call on the I/O thread: it is answered when a
+    wake makes its poll return something (while the only worker is blocked),
+    with its ``expired`` value when its time is up, and at shutdown; every
+    result a poll took is sent."""
+    gate = threading.Event()
+    ready: list[str] = []
+    polled_on: set[str] = set()
+
+    def service(req: protocol.Request) -> Any:
+        if req.op == "release":
+            gate.wait(10)
+        return None
+
+    def park(req: protocol.Request) -> Parked | None:
+        if req.op != "wait_completed":
+            return None
+
+        def poll() -> list[str] | None:
+            polled_on.add(threading.current_thread().name)
+            out = list(ready)
+            ready.clear()
+            return out or None
+
+        return Parked(poll, req.args["timeoutMs"] / 1000, [])
+
+    server = EngineServer(f"ipc://{sock_path}", service, AgentMetrics(), call_timeout=20,
+                          max_workers=1, park=park)
+    await server.start()
+    blocked = EngineClient(sock_path, RANK, timeout=15)
+    waiter = EngineClient(sock_path, RANK, timeout=15)
+    try:
+        held = asyncio.create_task(asyncio.to_thread(blocked.release, "r"))
+        await wait_for_async(lambda: server.inflight == 1, "the blocking call in flight", 5)
+        # Expiry: nothing became ready; answered [] although no worker is free.
+        assert await asyncio.to_thread(waiter.wait_completed, 0.05) == []
+        # Wake: the waiting call is answered with what its poll returned.
+        got = asyncio.create_task(asyncio.to_thread(waiter.wait_completed, 10.0))
+        await asyncio.sleep(0.1)
+        assert not got.done()
+        ready.append("s1")
+        server.wake()
+        assert await asyncio.wait_for(got, 5) == ["s1"]
+        assert polled_on == {"engine-api-io"} and server.inflight == 1
+        assert not held.done()
+        # Shutdown answers a parked call with its expired value.
+        gate.set()
+        await held
+        last = asyncio.create_task(asyncio.to_thread(waiter._call, "wait_completed",
+                                                     {"rank": RANK.to_wire(), "timeoutMs": 1000}))
+        await asyncio.sleep(0.1)
+        await server.stop(grace=2.0)
+        assert await asyncio.wait_for(last, 5) == []
+    finally:
+        gate.set()
+        blocked.close()
+        waiter.close()
         await server.stop(grace=2.0)

@@ -16,6 +16,7 @@ import torch
 from node_agent.client import EngineClient, RankInfo, SharedKVBuffers
 from node_agent.engine_api import protocol
 from tests.agent.harness import LAYOUT, NUM_SLOTS, agent_mapping, cfg_of, running_agent
+from tests.support.waiting import wait_for_async
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -63,4 +64,32 @@ async def test_wait_completed_reports_a_store_and_times_out_empty(work: Path) ->
         finally:
             client.close()
             pinger.close()
+    bufs.close()
+
+
+async def test_a_single_stage_wait_is_parked_on_the_io_thread_and_woken_by_the_store(
+        work: Path) -> None:
+    """A single-stage group's ``wait_completed`` takes no worker thread while it
+    waits (the I/O thread parks it) and is answered as soon as the store it
+    waits for is terminal, long before its own timeout."""
+    cfg = cfg_of(agent_mapping(work, "solo"))
+    bufs = SharedKVBuffers.for_layout(LAYOUT, NUM_SLOTS)
+    async with running_agent(cfg) as ra:
+        client = EngineClient(cfg.engine_socket, RankInfo(replica="solo-0"), timeout=5)
+        waiter = EngineClient(cfg.engine_socket, RankInfo(replica="solo-0"), timeout=5)
+        try:
+            await asyncio.to_thread(client.register_kv_buffers, LAYOUT, bufs.handles)
+            engine = ra.agent.engine
+            wait = asyncio.create_task(asyncio.to_thread(waiter.wait_completed, 10.0))
+            await wait_for_async(lambda: engine.parked == 1, "the wait parked", 10)
+            assert not wait.done()
+            assert engine.inflight == 0  # no worker holds the wait
+            tokens = np.arange(7000, 7032, dtype=np.int64)
+            assert await asyncio.to_thread(client.store_kv, "p", tokens,
+                                           np.arange(32, dtype=np.int64)) >= 0
+            assert await asyncio.wait_for(wait, 30) == ["p"]
+            assert await asyncio.to_thread(client.lookup, "q", tokens) == 32
+        finally:
+            client.close()
+            waiter.close()
     bufs.close()
