@@ -334,6 +334,22 @@ def test_a_lookup_asks_for_the_rest_only_when_its_head_exists(
         assert remote.lookup(ids[:3] + other, 5.0) == 3 and len(calls) == 1  # ends in the head
         calls.clear()
         assert remote.lookup(ids[:4] + other, 5.0) == 4 and len(calls) == 2  # at its end
+
+        # Both calls of one lookup use the key epoch of its start: an epoch switch
+        # between them neither finds the old epoch's rest under new keys nor mixes.
+        epoch = [0]
+        bc, _ = backend(b, key_epoch=lambda: epoch[0])
+        assert bc.remote is not None
+        calls.clear()
+
+        def switching(op, fn, timeout):  # type: ignore[no-untyped-def]
+            out = counted(op, fn, timeout)
+            epoch[0] += 1  # after each call
+            return out
+
+        monkeypatch.setattr(b.pool, "call", switching)
+        assert bc.remote.lookup(ids, 5.0) == 10 and len(calls) == 2
+        assert bc.remote.lookup(ids, 5.0) == 0  # epoch 2: nothing of it is stored
     finally:
         a.close()
         b.close()
