@@ -693,7 +693,7 @@ class RemoteTier:
         """The block bytes of the first ``n`` objects of ``area`` (after each header),
         as a ``(object, region, segment)`` view of ``area`` (writes go to it)."""
         seg, obs = self.keyspace.layout.segment_bytes, self.object_bytes
-        buf = area[: n * obs].numpy()
+        buf = area[: max(1, n) * obs].numpy()  # the view's offset must lie inside it
         view = np.ndarray((n, cpu.num_regions, seg), dtype=np.uint8, buffer=buf,
                           offset=HEADER_BYTES, strides=(obs, seg, 1))
         return _wide(view)
