@@ -11,14 +11,15 @@ with an embedded backend, its own CPU tier and its own engine buffers:
   baseline is Mooncake's own contiguous ``batch_get_into`` of the same objects
   (same bytes) by B's client into one registered buffer. Timed alternately,
   best of ``--iters``; B's index is reset before every agent round so each one
-  fetches again. Goal: ratio >= 0.8.
+  fetches again. Goal: ratio >= 0.9.
 * ``remote_lookup_miss`` / ``remote_lookup_local_hit``: ``get_match`` latency for
   a ``--lookup-tokens`` prompt with the remote tier on, p50/p99 over
   ``--lookup-iters`` calls, with 16 and with 256 tokens per block (2048 and 128
-  objects for 32K tokens): a prompt cached nowhere (the local miss plus one
-  ``batch_is_exist`` of every block) and a prompt cached in the CPU tier (no
-  remote call). The baseline is the same miss on a backend without a remote
-  tier. Goal: p99 <= 2 ms.
+  objects for 32K tokens): a prompt cached nowhere (the local miss plus the
+  remote lookup: one ``batch_is_exist`` of the first blocks, docs/remote.md) and a
+  prompt cached in the CPU tier (no remote call). The baseline is the same miss on
+  a backend without a remote tier. Goal: p99 <= 1.5 ms for the miss, 2 ms for the
+  local hit.
 * ``remote_lookup_local_hit_during_fetch``: the p99 of a group leader's lookup
   (a single-stage connector, its decision lock included) of a ``--lookup-tokens``
   prompt cached in its CPU tier, while another request of the same group fetches
@@ -188,7 +189,7 @@ def bench_load(master: str, metadata: str, tokens_n: int, iters: int) -> dict[st
     return {"bench": "remote", "row": "remote_load", "tokens": tokens_n, "bytes": nbytes,
             "gbps": round(agent_gbs, 3), "baseline": "mooncake batch_get_into (contiguous)",
             "baseline_gbps": round(base_gbs, 3), "ratio": round(agent_gbs / base_gbs, 3),
-            "goal": ">= 0.8", "met": agent_gbs / base_gbs >= 0.8}
+            "goal": ">= 0.9", "met": agent_gbs / base_gbs >= 0.9}
 
 
 def _latencies(fn, iters: int) -> np.ndarray:  # type: ignore[no-untyped-def]
@@ -225,7 +226,8 @@ def bench_lookup(master: str, metadata: str, tokens_n: int, tpb: int,
         miss(off)
     base = _latencies(lambda: miss(off), iters)
     rows = []
-    for row, fn in (("remote_lookup_miss", lambda: miss(on)), ("remote_lookup_local_hit", hit)):
+    for row, fn, goal in (("remote_lookup_miss", lambda: miss(on), 1.5),
+                          ("remote_lookup_local_hit", hit, 2.0)):
         lat = _latencies(fn, iters)
         p99 = float(np.percentile(lat, 99))
         rows.append({
@@ -235,7 +237,7 @@ def bench_lookup(master: str, metadata: str, tokens_n: int, tpb: int,
             "baseline_p50_ms": round(float(np.percentile(base, 50)), 3),
             "baseline_p99_ms": round(float(np.percentile(base, 99)), 3),
             "ratio_p99": round(p99 / float(np.percentile(base, 99)), 3),
-            "goal": "p99 <= 2 ms", "met": p99 <= 2.0})
+            "goal": f"p99 <= {goal} ms", "met": p99 <= goal})
     assert pool is not None
     on.shutdown()
     off.shutdown()

@@ -577,7 +577,7 @@ class EmbeddedBackend(ReplicatedBackend):
     def _continue_on_remote(self, hashes: list[int]) -> None:
         """Extend the locally cached prefix of ``hashes`` from the remote tier.
 
-        One ``batch_is_exist`` for the blocks after the local prefix; the blocks
+        :meth:`RemoteTier.lookup` of the blocks after the local prefix; the blocks
         found (a run from the first) are reserved as pending CPU blocks, fetched
         outside the lock, and the contiguous run that arrived whole is published
         (with deferred visibility, as REMOTE -> CPU moves for the followers, queued

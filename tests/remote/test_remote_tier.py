@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from node_agent.backend.remote.objects import HEADER_BYTES
 from node_agent.backend.remote.settings import RemoteSettings
 from node_agent.backend.remote.tier import RemotePool
 from node_agent.pp import messages
@@ -292,6 +293,110 @@ def test_evict_policy_writes_blocks_leaving_the_cpu_tier_and_never_stale_bytes(
         assert hit % TPB == 0
         for want, got in zip(want_second, rows(bufs_b, DST), strict=True):
             assert torch.equal(want[:hit], got[:hit])
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_lookup_asks_for_the_rest_only_when_its_head_exists(
+        master: Master, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first ``batch_is_exist`` asks for the first ``LOOKUP_HEAD`` blocks; the
+    rest only when all of those exist. A prompt whose first block the pool lacks is
+    one call of the head; a run that ends past the head, at the head's end or
+    inside it is counted exactly."""
+    from node_agent.backend.remote import tier as tier_mod
+
+    monkeypatch.setattr(tier_mod, "LOOKUP_HEAD", 4)
+    a, b = node(master), node(master)
+    try:
+        ba, bufs_a = backend(a)
+        write_through(ba, bufs_a, TOKENS[: 10 * TPB], SRC[: 10 * TPB], seed=81)
+        bb, _ = backend(b)
+        remote = bb.remote
+        assert remote is not None
+        calls: list[int] = []
+        real = b.pool.call
+
+        def counted(op, fn, timeout):  # type: ignore[no-untyped-def]
+            if op == "lookup":
+                calls.append(0)
+            return real(op, fn, timeout)
+
+        monkeypatch.setattr(b.pool, "call", counted)
+        ids = [h & ((1 << 128) - 1) for h in bb._hasher.hashes(TOKENS)]
+        assert remote.lookup(ids, 5.0) == 10 and len(calls) == 2  # past the head
+        calls.clear()
+        assert remote.lookup(ids[:4], 5.0) == 4 and len(calls) == 1  # the head is all
+        calls.clear()
+        other = [h & ((1 << 128) - 1) for h in bb._hasher.hashes(TOKENS + 9_000)]
+        assert remote.lookup(other, 5.0) == 0 and len(calls) == 1  # cached nowhere
+        calls.clear()
+        assert remote.lookup(ids[:3] + other, 5.0) == 3 and len(calls) == 1  # ends in the head
+        calls.clear()
+        assert remote.lookup(ids[:4] + other, 5.0) == 4 and len(calls) == 2  # at its end
+
+        # Both calls of one lookup use the key epoch of its start: an epoch switch
+        # between them neither finds the old epoch's rest under new keys nor mixes.
+        epoch = [0]
+        bc, _ = backend(b, key_epoch=lambda: epoch[0])
+        assert bc.remote is not None
+        calls.clear()
+
+        def switching(op, fn, timeout):  # type: ignore[no-untyped-def]
+            out = counted(op, fn, timeout)
+            epoch[0] += 1  # after each call
+            return out
+
+        monkeypatch.setattr(b.pool, "call", switching)
+        assert bc.remote.lookup(ids, 5.0) == 10 and len(calls) == 2
+        assert bc.remote.lookup(ids, 5.0) == 0  # epoch 2: nothing of it is stored
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_fetch_in_many_chunks_into_scattered_cpu_blocks_is_bit_exact(
+        master: Master, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of three objects (the fetch's chunk size lowered: six gets, the two
+    staging areas alternating) into CPU blocks in no order, with consecutive runs
+    inside some chunks: every CPU block holds exactly its own block's bytes."""
+    from node_agent.backend.remote import tier as tier_mod
+
+    a, b = node(master), node(master)
+    try:
+        ba, bufs_a = backend(a)
+        write_through(ba, bufs_a, TOKENS, SRC, seed=91)
+        bb, _ = backend(b)
+        remote, index = bb.remote, ba._index
+        assert remote is not None and remote._cpu is not None and index is not None
+        assert ba.remote is not None and ba.remote._cpu is not None
+        monkeypatch.setattr(tier_mod, "FETCH_CHUNK_BYTES", 3 * remote.object_bytes)
+        gets: list[int] = []
+        submit = b.pool.submit
+
+        def tracked(op, fn, turn=0.0):  # type: ignore[no-untyped-def]
+            if op == "get":
+                gets.append(0)
+            return submit(op, fn, turn)
+
+        monkeypatch.setattr(b.pool, "submit", tracked)
+        hashes = ba._hasher.hashes(TOKENS)
+        ids = [h & ((1 << 128) - 1) for h in hashes]
+        targets = [90, 3, 4, 5, 77, 20, 21, 8, 60, 61, 62, 63, 1, 100, 30, 31]
+        assert remote.fetch(ids, targets, 5.0) == 16
+        assert len(gets) == 6  # 16 blocks in chunks of 3
+        held = index.locations(index.match(hashes, index.keys(hashes)))
+        for i, (loc, cpu_block) in enumerate(zip(held, targets, strict=True)):
+            assert remote._cpu.read_block(cpu_block) == ba.remote._cpu.read_block(loc.index), \
+                f"block {i} in CPU block {cpu_block} holds other bytes"
+        # The write path's copy out of scattered CPU blocks is the inverse.
+        area = torch.zeros(len(targets) * remote.object_bytes, dtype=torch.uint8)
+        remote._gather(remote._cpu, area, targets)
+        objs = area.numpy().reshape(len(targets), remote.object_bytes)
+        for i, cpu_block in enumerate(targets):
+            assert objs[i, HEADER_BYTES:].tobytes() == remote._cpu.read_block(cpu_block)
+        with pytest.raises(IndexError, match="outside"):
+            remote._gather(remote._cpu, area, [3, 1, 10_000])
     finally:
         a.close()
         b.close()

@@ -10,10 +10,13 @@ fetch half and a write half.
 Objects are a header (:mod:`.objects`: format, block digest, writer, checksum)
 and the whole block in *region order* (the SSD on-disk order:
 ``segments(0)[b] + segments(1)[b] + ...``), so a fetch is one ``batch_get_into``
-per staging-full of objects into the staging buffer, a check of every header,
-then one ``index_copy_`` per region into the CPU blocks; Mooncake's scatter into many buffers
-(``batch_get_into_multi_buffers``) is not used: it fails for 4 or more objects per
-batch on this Mooncake version.
+per chunk (:data:`FETCH_CHUNK_BYTES`, two staging areas: the next chunk arrives
+while this one is checked and copied) into the staging buffer, a check of every
+header, then one numpy copy per region into the CPU blocks. A lookup asks
+``batch_is_exist`` for the first :data:`LOOKUP_HEAD` blocks, and for the rest
+only when those all exist. Objects are not fetched straight into CPU rows
+(``batch_get_into_multi_buffers``): a get that overran its timeout still writes
+into its destination, and the rows of a failed fetch are released at once.
 
 Guarantees:
 
@@ -91,6 +94,17 @@ PREVIOUS_SEGMENT_WAIT = 15.0
 #: Checks before a ``setup`` (``master_address, metadata_server, local_hostname,
 #: timeout``); raises to refuse the join (:func:`.join.check_before_join`).
 PreJoin = Callable[[str, str, str, float], None]
+
+#: Most bytes of objects one ``batch_get_into`` of a fetch brings. The checks and
+#: the copy into the CPU tier of one chunk run while the next chunk arrives, so
+#: only the last chunk's checks and copy add to the fetch's time; a chunk this
+#: small is still in the CPU's cache when it is checked and copied.
+FETCH_CHUNK_BYTES = 8 << 20
+#: Blocks the first ``batch_is_exist`` of a lookup asks for: the hit is the run
+#: of existing objects from the first, so the rest is asked for (one more call)
+#: only when all of these exist. A prompt the pool does not hold costs a call
+#: of this many keys, not one of every block of the prompt.
+LOOKUP_HEAD = 32
 
 
 class RemotePool:
@@ -311,13 +325,13 @@ class RemotePool:
                         extra={"local": self.settings.local_hostname})
 
 
-def _wide(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (bytes, last dimension) viewed with the widest integer type that tiles its
-    rows: torch's index kernels copy element by element. Only bytes are reinterpreted."""
-    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-        if t.shape[-1] % size == 0:
-            return t.view(dtype)
-    return t
+def _wide(a: np.ndarray) -> np.ndarray:
+    """``a`` (bytes, contiguous last dimension) viewed with the widest integer type
+    that tiles its rows (fewer, wider element copies). Only bytes are reinterpreted."""
+    for dtype, size in ((np.int64, 8), (np.int32, 4), (np.int16, 2)):
+        if a.shape[-1] % size == 0:
+            return a.view(dtype)
+    return a
 
 
 def _consecutive(blocks: Sequence[int]) -> tuple[int, int] | None:
@@ -330,13 +344,13 @@ def _consecutive(blocks: Sequence[int]) -> tuple[int, int] | None:
     return None
 
 
-def _block_rows(cpu_blocks: Sequence[int]) -> tuple[tuple[int, int] | None, torch.Tensor]:
+def _block_rows(cpu_blocks: Sequence[int]) -> tuple[tuple[int, int] | None, np.ndarray]:
     """How to address ``cpu_blocks`` in a region: ``(start, stop)`` when they are
-    consecutive (a slice), else ``None`` and their indices as a tensor."""
+    consecutive (a slice), else ``None`` and their indices."""
     run = _consecutive(cpu_blocks)
     if run is not None:
-        return run, torch.empty(0, dtype=torch.int64)
-    return None, torch.as_tensor(np.asarray(cpu_blocks, np.int64))
+        return run, np.empty(0, dtype=np.int64)
+    return None, np.asarray(cpu_blocks, np.int64)
 
 
 def _getter(keys: list[str], ptrs: list[int],
@@ -447,11 +461,26 @@ class RemoteTier:
     # -- read path -----------------------------------------------------------------
 
     def lookup(self, digests: Sequence[int], timeout: float) -> int:
-        """How many of the blocks ``digests``, from the first, exist in the pool (one
-        ``batch_is_exist``); 0 when the tier is down or the call fails."""
-        if not digests:
+        """How many of the blocks ``digests``, from the first, exist in the pool: one
+        ``batch_is_exist`` of the first :data:`LOOKUP_HEAD` blocks and, when all of
+        them exist, one of the rest (both under the key epoch of the call's start);
+        0 when the tier is down or the first call fails, the head when the second
+        one does."""
+        n = len(digests)
+        if not n:
             return 0
-        keys = self.keyspace.keys(digests)
+        deadline = time.monotonic() + timeout
+        ks = self.keyspace  # one epoch for both calls
+        head = min(n, LOOKUP_HEAD)
+        found = self._exist(ks.keys(digests[:head]), timeout)
+        if found == head < n:
+            left = deadline - time.monotonic()
+            if left > 0:
+                found += self._exist(ks.keys(digests[head:]), left)
+        return found
+
+    def _exist(self, keys: list[str], timeout: float) -> int:
+        """How many of ``keys``, from the first, exist (one ``batch_is_exist``)."""
         codes = self.pool.call("lookup", lambda c: c.batch_is_exist(keys), timeout)
         if codes is None:
             return 0
@@ -505,7 +534,7 @@ class RemoteTier:
             # into the CPU tier (one area when the fetch half holds a single block:
             # then the next get starts only after the copy).
             nareas = 2 if self.half_blocks >= 2 else 1
-            q = self.half_blocks // nareas
+            q = max(1, min(self.half_blocks // nareas, FETCH_CHUNK_BYTES // obs))
             areas = [self._fetch_area[i * q * obs:(i + 1) * q * obs] for i in range(nareas)]
             chunks = [(s, min(q, n - s)) for s in range(0, n, q)]
 
@@ -654,34 +683,46 @@ class RemoteTier:
 
     # -- copies --------------------------------------------------------------------
 
-    def _regions(self, area: torch.Tensor, n: int, cpu: CpuTier) -> torch.Tensor:
+    # Copies between staging and the CPU tier are numpy copies: one thread each,
+    # without the GIL. torch splits a large copy over its intra-op threads, and
+    # while Mooncake's transfer threads (or another process) hold a core, every
+    # such copy waits for its slowest part: on two busy cores a 256 MiB scatter
+    # ran at a tenth of the speed of one thread.
+
+    def _regions(self, area: torch.Tensor, n: int, cpu: CpuTier) -> np.ndarray:
         """The block bytes of the first ``n`` objects of ``area`` (after each header),
-        as ``(object, region, segment)``."""
-        seg = self.keyspace.layout.segment_bytes
-        blocks = area[: n * self.object_bytes].view(n, self.object_bytes)[:, HEADER_BYTES:]
-        return _wide(blocks.reshape(n, cpu.num_regions, seg))
+        as a ``(object, region, segment)`` view of ``area`` (writes go to it)."""
+        seg, obs = self.keyspace.layout.segment_bytes, self.object_bytes
+        buf = area[: max(1, n) * obs].numpy()  # the view's offset must lie inside it
+        view = np.ndarray((n, cpu.num_regions, seg), dtype=np.uint8, buffer=buf,
+                          offset=HEADER_BYTES, strides=(obs, seg, 1))
+        return _wide(view)
 
     def _scatter(self, cpu: CpuTier, area: torch.Tensor, cpu_blocks: Sequence[int]) -> None:
         """Staged blocks (region order) into CPU blocks ``cpu_blocks``: one slice copy
-        per region when the blocks are consecutive, else one ``index_copy_``."""
+        per region when the blocks are consecutive, else one indexed copy."""
         staged = self._regions(area, len(cpu_blocks), cpu)
         run, idx = _block_rows(cpu_blocks)
         for k in range(cpu.num_regions):
-            segs = _wide(cpu.segments(k))
+            segs = _wide(cpu.segments(k).numpy())
             if run is not None:
-                segs[run[0]:run[1]].copy_(staged[:, k])
+                np.copyto(segs[run[0]:run[1]], staged[:, k])
             else:
-                segs.index_copy_(0, idx, staged[:, k])
+                segs[idx] = staged[:, k]
 
     def _gather(self, cpu: CpuTier, area: torch.Tensor, cpu_blocks: Sequence[int]) -> None:
+        """CPU blocks ``cpu_blocks`` into the staging ``area`` (region order, after
+        each object's header)."""
         staged = self._regions(area, len(cpu_blocks), cpu)
         run, idx = _block_rows(cpu_blocks)
+        if len(idx) and not (int(idx.min()) >= 0 and int(idx.max()) < cpu.num_blocks):
+            raise IndexError(f"CPU blocks {cpu_blocks!r} are outside 0..{cpu.num_blocks - 1}")
         for k in range(cpu.num_regions):
-            segs = _wide(cpu.segments(k))
+            segs = _wide(cpu.segments(k).numpy())
             if run is not None:
-                staged[:, k] = segs[run[0]:run[1]]
-            else:
-                staged[:, k] = segs.index_select(0, idx)
+                np.copyto(staged[:, k], segs[run[0]:run[1]])
+            else:  # "clip" copies without a temporary; the bounds are checked above
+                np.take(segs, idx, axis=0, out=staged[:, k], mode="clip")
 
     def status(self) -> dict[str, Any]:
         return {**self.pool.status(), "fingerprint": self.keyspace.fingerprint,
