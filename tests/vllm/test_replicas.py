@@ -201,7 +201,10 @@ def test_a_tp2_engine_loads_every_rank_in_one_call(world: World) -> None:
     tp = world.engines[TP]
     cold = tp.generate([ids(1)])
     assert cold["cached"] == [0]  # another layout (TP size) than the replicas that stored it
-    assert cold["outputs"][0] == world.results["a_cold"]  # the TP=1 engine's output
+    # The output is checked against this engine's own prefix-cache hit below, not
+    # against the TP=1 engine: a TP=2 all-reduce sums in another order, and on CPUs
+    # with other kernels (AMX, AVX512-FP16) the random-weight model's greedy tokens
+    # may then differ from TP=1's.
     own = tp.generate([ids(1)])
     assert own["cached"][0] >= FULL_HIT
     # Another prompt takes every block of the cache: none still holds the first
