@@ -437,7 +437,9 @@ class LeaderRole:
                                  else NO_CACHE_EPOCH)
             self.stream.broadcast(Op.RESULT, Result(t.rid, Kind.PUT, t.n, t.task_id, ok))
             # One step under the state lock: status() never shows the put gone
-            # from the in-flight stores but not yet counted.
+            # from the in-flight stores but not yet counted, and take_unreported
+            # (a close while a copy's thread finishes this put) finds its rid in
+            # the in-flight stores or in the reportable rids, never in neither.
             with self._state:
                 if self._puts.pop(t.task_id, None) is None:
                     return  # take_unreported (after close) reported it
@@ -445,10 +447,9 @@ class LeaderRole:
                     self.counters.stores_published += 1
                 else:
                     self.counters.stores_discarded += 1
+                self._completed.add([t.rid])
         finally:
             self._decide.release()
-        with self._state:
-            self._completed.add([t.rid])
 
     # -- load ------------------------------------------------------------------------------
 

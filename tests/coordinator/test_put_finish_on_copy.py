@@ -71,3 +71,60 @@ def test_a_copy_ending_while_the_decision_lock_is_held_never_blocks_its_thread(
     status = conn.status()
     assert status["inflightStores"] == 0
     assert status["counters"]["stores_published"] == 1
+
+
+class _PausingLock:
+    """The decision lock, but its release on ``thread_name``'s thread waits for
+    ``go`` after telling ``released``: a seam to run something in the gap
+    between a put finisher letting go of the decision lock and its next step."""
+
+    def __init__(self, inner: threading.Lock, thread_name: str) -> None:
+        self._inner = inner
+        self._name = thread_name
+        self.released = threading.Event()
+        self.go = threading.Event()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return self._inner.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._inner.release()
+        if threading.current_thread().name == self._name:
+            self.released.set()
+            assert self.go.wait(20)
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def test_a_put_a_copy_thread_finishes_is_reported_whenever_the_role_is_drained(
+        single) -> None:  # type: ignore[no-untyped-def]
+    """A copy's thread may still be finishing its put when the role is closed
+    (a shared backend's tenant leaving waits only for running copies): the
+    put's rid is in the in-flight stores or in the reportable rids at every
+    moment, so ``take_unreported`` never misses it."""
+    conn, bufs = single
+    role = _leader(conn)
+    _stop_reaper(role)
+    copied = threading.Event()
+    role.backend.set_completion_listener(copied.set)
+    tokens = np.arange(700, 732)
+    write_slots(bufs, np.arange(32), kv_content(0, tokens))
+    assert conn.store_kv("u", tokens, torch.arange(32)) >= 0
+    assert copied.wait(20)
+    lock = _PausingLock(role._decide, "copy-finisher")  # type: ignore[arg-type]
+    role._decide = lock  # type: ignore[assignment]
+    t = threading.Thread(target=role._on_copy_done, name="copy-finisher")
+    t.start()
+    try:
+        assert lock.released.wait(20)
+        # The finisher let go of the decision lock: the put is ended.
+        unreported = role.take_unreported()
+    finally:
+        lock.go.set()
+        t.join(20)
+    assert not t.is_alive()
+    assert unreported == ["u"]
