@@ -23,7 +23,9 @@ reader; never the agent itself) and serves as the engine API's
 A single-stage group on the embedded backend without a remote tier lets the
 engine socket's I/O thread answer its ``lookup``, ``store_kv``, ``release`` and
 ``poll_completed`` itself (``Stage.inline_ops``): they wait on no follower,
-copy, timer or network (a store launches its copy and returns).
+copy, timer or network (a store launches its copy and returns). With an SSD
+tier ``store_kv`` keeps the workers: a store whose match evicts writes the
+evicted blocks to SSD on the calling thread.
 
 Several stages on one agent (``maxStages``): each stage keeps its own
 coordinator and group view. The configured tier sizes are the node's budget,
@@ -291,8 +293,13 @@ def default_stage_builder(deps: StageDeps, rank: RankRef, layout: KVLayout) -> S
     # I/O thread answers them without a worker hop. FlexKV's manager may wait
     # on its own server, and a remote tier's lookup fetches over the network
     # (bounded by its timeout, not by a lock): their calls keep the workers.
+    # A store whose match evicts spills the evicted blocks to SSD on the calling
+    # thread: with an SSD tier ``store_kv`` keeps the workers, so no disk write
+    # (unbounded on a hung disk) ever runs on the I/O thread.
     inline = INLINE_CANDIDATES if (rank.pp_size == 1 and cfg.backend != "flexkv"
                                    and remote is None) else frozenset()
+    if cfg.tiers.ssd is not None:
+        inline = inline - {"store_kv"}
     return Stage(key=rank.stage, pp_size=rank.pp_size, group=group, layout=layout,
                  coordinator=coordinator, views=views, inline_ops=inline, model=rank.model,
                  cache_epoch=epoch, shared=joined[0] if joined else None)

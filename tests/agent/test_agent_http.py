@@ -6,8 +6,10 @@ from worker threads."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import subprocess
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from node_agent.pp.auth import CurveKeys
 from tests.agent.harness import (
     LAYOUT,
     NUM_SLOTS,
+    TPB,
     agent_mapping,
     cfg_of,
     running_agent,
@@ -281,3 +284,44 @@ async def test_tensor_parallel_ranks_register_and_rank0_moves_all(work: Path) ->
             c.close()
         for b in bufs:
             b.close()
+
+
+async def test_a_stage_with_an_ssd_tier_never_stores_on_the_io_thread(work: Path) -> None:
+    """A store whose match evicts writes the evicted blocks to SSD on the calling
+    thread; with an SSD tier ``store_kv`` therefore keeps the worker pool, and the
+    engine socket's I/O thread never writes to disk."""
+    block = LAYOUT.bytes_per_block
+    data = agent_mapping(work, "solo", tiers={
+        "cpu": {"size": block * 4, "pinned": False},  # a second prompt evicts the first
+        "ssd": {"size": block * 32, "paths": [str(work / "ssd")]}})
+    cfg = cfg_of(data)
+    bufs = SharedKVBuffers.for_layout(LAYOUT, NUM_SLOTS)
+    client = EngineClient(cfg.engine_socket, RankInfo(replica="solo-0"), timeout=10)
+    try:
+        async with running_agent(cfg) as ra:
+            await asyncio.to_thread(client.register_kv_buffers, LAYOUT, bufs.handles)
+            [stage] = ra.agent.service.stages.values()
+            assert stage.inline_ops == INLINE_CANDIDATES - {"store_kv"}
+            # The SSD tier writes a spill with one os.pwritev per run of blocks.
+            writers: list[str] = []
+            real_pwritev = os.pwritev
+
+            def noted_pwritev(fd: int, buffers: Any, offset: int, *flags: int) -> int:
+                writers.append(threading.current_thread().name)
+                return real_pwritev(fd, buffers, offset, *flags)
+
+            os.pwritev = noted_pwritev
+            try:
+                for i, rid in enumerate(("a", "b")):
+                    tokens = np.arange(1000 * (i + 1), 1000 * (i + 1) + 4 * TPB,
+                                       dtype=np.int64)
+                    assert await asyncio.to_thread(client.store_kv, rid, tokens,
+                                                   np.arange(4 * TPB)) >= 0
+                    await wait_stored(client, rid)
+            finally:
+                os.pwritev = real_pwritev
+            assert writers, "the second store evicted nothing to SSD"
+            assert "engine-api-io" not in writers
+    finally:
+        client.close()
+        bufs.close()
