@@ -14,7 +14,8 @@ records each index's range once and checks it against the tensors before any
 byte moves), because the kernels clip instead of raising (numpy's raising
 mode first copies the whole output, doubling the bytes moved). A move between
 two scattered sides goes through this thread's staging buffer, grown on demand
-and reused by later calls, so no call allocates row memory.
+up to ``STAGING_MAX_BYTES`` (larger moves go in pieces) and reused by later
+calls, so no call allocates row memory and no thread keeps more than that.
 """
 
 from __future__ import annotations
@@ -48,19 +49,29 @@ def scatter(dst: npt.NDArray[np.void], index: Index, src: npt.NDArray[np.void],
     np.put(dst, index, src[s:s + len(index)], mode="clip")
 
 
+#: The most staging bytes a thread keeps: a larger move goes through it in pieces,
+#: so no thread holds more than this outside the tiers' budgets.
+STAGING_MAX_BYTES = 16 << 20
+
+
 def gather_scatter(dst: npt.NDArray[np.void], dst_index: Index, src: npt.NDArray[np.void],
                    src_index: Index) -> None:
-    """``dst[dst_index] = src[src_index]`` through this thread's staging buffer."""
+    """``dst[dst_index] = src[src_index]`` through this thread's staging buffer, in
+    pieces of at most :data:`STAGING_MAX_BYTES` (a row larger than that is one piece)."""
     n = len(src_index)
-    nbytes = n * src.dtype.itemsize
-    stage = _staging(nbytes)[:nbytes].view(src.dtype)
-    np.take(src, src_index, out=stage, mode="clip")
-    np.put(dst, dst_index, stage, mode="clip")
+    row = src.dtype.itemsize
+    step = max(1, STAGING_MAX_BYTES // row)
+    stage = _staging(min(n, step) * row).view(src.dtype)
+    for a in range(0, n, step):
+        b = min(a + step, n)
+        part = stage[:b - a]
+        np.take(src, src_index[a:b], out=part, mode="clip")
+        np.put(dst, dst_index[a:b], part, mode="clip")
 
 
 def _staging(nbytes: int) -> npt.NDArray[np.uint8]:
     """This thread's staging bytes, at least ``nbytes``: grown to the largest request
-    so far (one plane's rows of one op), then reused."""
+    so far (one piece of one plane's rows, see :func:`gather_scatter`), then reused."""
     cur: npt.NDArray[np.uint8] | None = getattr(_local, "stage", None)
     if cur is None or len(cur) < nbytes:
         cur = np.empty(nbytes, dtype=np.uint8)

@@ -156,3 +156,25 @@ def test_rows_of_different_widths_are_refused_before_any_byte_moves() -> None:
 def test_duplicate_slots_are_refused_before_any_plan() -> None:
     with pytest.raises(ValueError, match="holds slot 7 2 times"):
         validate_slot_mapping(np.array([3, 7, 1, 7]), 4, 16)
+
+
+def test_a_move_larger_than_the_staging_cap_goes_in_pieces_and_stays_exact(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A general move of more bytes than a thread may keep is staged piece by piece
+    (here a cap of 7 rows, with a last partial piece): bit-exact, and the thread
+    keeps no more staging than the cap."""
+    from node_agent.backend import row_kernel
+
+    rng = np.random.default_rng(11)
+    n = 100
+    src, dst = _random_rows(4 * n, 6), _random_rows(4 * n, 7)
+    row_bytes = src[0].numel() * src.element_size()
+    monkeypatch.setattr(row_kernel, "STAGING_MAX_BYTES", 7 * row_bytes)
+    monkeypatch.setattr(row_kernel._local, "stage", None, raising=False)
+    d, s = rng.permutation(4 * n)[:n], rng.permutation(4 * n)[:n]
+    [op] = plan_rows(d, s, max_ops=1)
+    assert op.kind is OpKind.GENERAL
+    want = _reference(dst, src, d.astype(np.int64), s.astype(np.int64))
+    op.apply(dst, src)
+    assert dst.equal(want)
+    assert len(row_kernel._local.stage) == 7 * row_bytes
