@@ -636,13 +636,38 @@ def _body_error(op: Op, raw: bytes, exc: msgspec.ValidationError) -> MalformedMe
             f"{op.name} body must be an array of {list(names)}: {exc}"
         )
     i = int(at.group(1))
-    value = msgspec.msgpack.decode(raw)[i]
+    try:  # the typed decode stops at the bad field, before a truncation after it
+        value = msgspec.msgpack.decode(raw)[i]
+    except msgspec.DecodeError as bad:
+        return MalformedMessage(f"{op.name} body is not valid MessagePack: {bad}")
     want = _EXPECTED.get(names[i], "an integer >= 0")
     return MalformedMessage(f"Field {names[i]!r} of {op.name} must be {want}, got {value!r}")
 
 
+def _array_length(raw: bytes) -> int | None:
+    """The element count a MessagePack array declares at the start of ``raw``
+    (None when ``raw`` does not start with an array)."""
+    if not raw:
+        return None
+    b = raw[0]
+    if 0x90 <= b <= 0x9F:
+        return b & 0x0F
+    if b == 0xDC and len(raw) >= 3:
+        return int.from_bytes(raw[1:3], "big")
+    if b == 0xDD and len(raw) >= 5:
+        return int.from_bytes(raw[1:5], "big")
+    return None
+
+
 def _decode_fields(op: Op, raw: bytes) -> _Body:
-    """The op's body from its MessagePack section; raises :class:`MalformedMessage`."""
+    """The op's body from its MessagePack section; raises :class:`MalformedMessage`.
+    Every field must travel, also one with a default (msgspec would fill an
+    omitted trailing field with it)."""
+    names = _BODY_TYPES[op].__struct_fields__
+    count = _array_length(raw)
+    if count is not None and count != len(names):
+        raise MalformedMessage(
+            f"{op.name} body must be an array of {list(names)}: got {count} elements")
     try:
         return _DECODERS[op].decode(raw)
     except msgspec.ValidationError as exc:

@@ -371,3 +371,31 @@ def test_span_masks_decode_exactly_and_read_only(length: int, start: int, stop: 
     assert got.body.mask.shape == (length,) and got.body.mask.dtype == np.bool_
     with pytest.raises(ValueError):
         got.body.mask[0] = not got.body.mask[0]  # no decoder output can be changed in place
+
+
+@pytest.mark.parametrize("op, body", [(Op.RELEASE, b"\x92\x05"), (Op.ACK, b"\x97\x01\x05"),
+                                      (Op.SYNC, b"\x92\xa1x")])
+def test_a_truncated_body_with_a_wrong_first_field_is_malformed(op: Op, body: bytes) -> None:
+    """The typed decode stops at the bad field before it sees the truncation: the
+    error is still :class:`MalformedMessage` (anything else kills the receiver)."""
+    frames = _frames(Op.RELEASE, Release("r", 2))
+    header = frames[0][:4] + bytes([int(op)]) + frames[0][5:]
+    with pytest.raises(MalformedMessage, match=op.name):
+        decode_sections([header, frames[1], body])
+    [out] = decode_many([pack([header, frames[1], body])])
+    assert isinstance(out, MalformedMessage)
+
+
+@pytest.mark.parametrize("op, body, dropped", [
+    (Op.RELEASE, Release("r", 3), 1),
+    (Op.ACK, Ack(1, "r", Kind.PUT, 0, 4, True, "boom"), 1),
+])
+def test_a_body_missing_a_trailing_field_is_refused_even_when_it_has_a_default(
+        op: Op, body: object, dropped: int) -> None:
+    """Every field travels: a RELEASE without its life (or an ACK without its
+    error) is malformed, not read with the Python default."""
+    frames = _frames(op, body)
+    fields = msgspec.msgpack.decode(frames[2])
+    short = msgspec.msgpack.encode(fields[:-dropped])
+    with pytest.raises(MalformedMessage, match=rf"{op.name} body must be an array of"):
+        decode_sections([frames[0], frames[1], short])

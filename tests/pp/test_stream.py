@@ -21,7 +21,9 @@ from node_agent.pp.messages import (
     Reset,
     decode,
     encode,
+    encode_sections,
     is_batch,
+    pack,
     pack_batch,
     unpack_batch,
 )
@@ -330,6 +332,33 @@ def test_a_malformed_message_inside_a_batch_is_dropped_and_counted(pair: Pair) -
     finally:
         rogue.close()
     assert _seqs(pair) == [seq + 1]
+
+
+def test_a_body_that_fails_its_type_check_and_is_truncated_leaves_the_receiver_running(
+        pair: Pair) -> None:
+    """A body whose first field has the wrong type and whose data ends early is
+    dropped as malformed, alone and in a batch; later messages are still applied."""
+    target = pair.leader.peer(1)
+    assert target is not None
+    seq = pair.follower.last_seq
+    inc = pair.leader.incarnation
+    good = [encode(Envelope(Op.RELEASE, GROUP, 5, seq + i, incarnation=inc),
+                   Release(f"x{i}"))[0] for i in (1, 2)]
+    sections = encode_sections(Envelope(Op.RELEASE, GROUP, 5, seq + 1, incarnation=inc),
+                               Release("x1"))
+    bad = pack([sections[0], sections[1], b"\x92\x05"])  # [5, <truncated>]
+    rogue = Sender(target.endpoint, pair.keys)
+    try:
+        rogue.send([bad])
+        wait_for(lambda: pair.dropped("malformed") == 1, "pair.dropped('malformed') == 1")
+        rogue.send([pack_batch([bad, good[0]])])
+        wait_for(lambda: pair.dropped("malformed") == 2 and len(pair.applied) == 1,
+                 "pair.dropped('malformed') == 2 and len(pair.applied) == 1")
+        rogue.send([good[1]])
+        wait_for(lambda: len(pair.applied) == 2, "len(pair.applied) == 2")
+    finally:
+        rogue.close()
+    assert _seqs(pair) == [seq + 1, seq + 2]
 
 
 

@@ -400,3 +400,28 @@ def test_a_fetch_in_many_chunks_into_scattered_cpu_blocks_is_bit_exact(
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("targets", [[5, -1], [-2, -1], [3, 1, 10_000]])
+def test_a_fetch_into_a_cpu_block_outside_the_tier_moves_no_byte(
+        master: Master, targets: list[int]) -> None:
+    """CPU blocks outside the tier (negative ones too, which numpy would read
+    from the end) are refused with ``IndexError`` before any byte moves: no
+    other CPU block is overwritten and nothing is counted as fetched."""
+    a, b = node(master), node(master)
+    try:
+        ba, bufs_a = backend(a)
+        write_through(ba, bufs_a, TOKENS, SRC, seed=92)
+        bb, _ = backend(b)
+        remote = bb.remote
+        assert remote is not None and remote._cpu is not None
+        ids = [h & ((1 << 128) - 1) for h in ba._hasher.hashes(TOKENS)][:len(targets)]
+        cpu = remote._cpu
+        before = [cpu.read_block(i) for i in range(cpu.num_blocks)]
+        with pytest.raises(IndexError):
+            remote.fetch(ids, targets, 5.0)
+        assert [cpu.read_block(i) for i in range(cpu.num_blocks)] == before
+        assert remote.fetched_blocks == 0
+    finally:
+        a.close()
+        b.close()

@@ -344,13 +344,23 @@ def _consecutive(blocks: Sequence[int]) -> tuple[int, int] | None:
     return None
 
 
-def _block_rows(cpu_blocks: Sequence[int]) -> tuple[tuple[int, int] | None, np.ndarray]:
-    """How to address ``cpu_blocks`` in a region: ``(start, stop)`` when they are
-    consecutive (a slice), else ``None`` and their indices."""
+def _block_rows(cpu_blocks: Sequence[int],
+                num_blocks: int) -> tuple[tuple[int, int] | None, np.ndarray]:
+    """How to address ``cpu_blocks`` in a region of ``num_blocks`` blocks:
+    ``(start, stop)`` when they are consecutive (a slice), else ``None`` and their
+    indices. ``IndexError`` naming them when one is outside the region (numpy
+    would read a negative index from the end, and cut a slice short)."""
     run = _consecutive(cpu_blocks)
+    idx = np.empty(0, dtype=np.int64) if run is not None else np.asarray(cpu_blocks, np.int64)
     if run is not None:
-        return run, np.empty(0, dtype=np.int64)
-    return None, np.asarray(cpu_blocks, np.int64)
+        lo, hi = run
+    elif len(idx):
+        lo, hi = int(idx.min()), int(idx.max()) + 1
+    else:
+        lo = hi = 0
+    if lo < 0 or hi > num_blocks:
+        raise IndexError(f"CPU blocks {list(cpu_blocks)!r} are outside 0..{num_blocks - 1}")
+    return run, idx
 
 
 def _getter(keys: list[str], ptrs: list[int],
@@ -515,13 +525,15 @@ class RemoteTier:
         undefined bytes. ``between_chunks`` (tests) is called with the blocks
         copied so far before every chunk after the first. ``resets`` is
         :attr:`resets` read when ``cpu_blocks`` were reserved (default: now): after
-        a later reset nothing is copied."""
+        a later reset nothing is copied. ``IndexError`` naming them, before any
+        block changes, when a CPU block is outside the tier."""
         assert self._cpu is not None and self._fetch_area is not None
         n = min(len(digests), len(cpu_blocks))
         if n == 0:
             return 0
         deadline = time.monotonic() + timeout
         obs, cpu = self.object_bytes, self._cpu
+        _block_rows(cpu_blocks[:n], cpu.num_blocks)  # IndexError before anything changes
         ks = self.keyspace  # one epoch for the whole prefix
         if resets is None:
             resets = self._resets
@@ -700,9 +712,10 @@ class RemoteTier:
 
     def _scatter(self, cpu: CpuTier, area: torch.Tensor, cpu_blocks: Sequence[int]) -> None:
         """Staged blocks (region order) into CPU blocks ``cpu_blocks``: one slice copy
-        per region when the blocks are consecutive, else one indexed copy."""
+        per region when the blocks are consecutive, else one indexed copy.
+        ``IndexError`` before any byte moves when a block is outside the tier."""
         staged = self._regions(area, len(cpu_blocks), cpu)
-        run, idx = _block_rows(cpu_blocks)
+        run, idx = _block_rows(cpu_blocks, cpu.num_blocks)
         for k in range(cpu.num_regions):
             segs = _wide(cpu.segments(k).numpy())
             if run is not None:
@@ -714,9 +727,7 @@ class RemoteTier:
         """CPU blocks ``cpu_blocks`` into the staging ``area`` (region order, after
         each object's header)."""
         staged = self._regions(area, len(cpu_blocks), cpu)
-        run, idx = _block_rows(cpu_blocks)
-        if len(idx) and not (int(idx.min()) >= 0 and int(idx.max()) < cpu.num_blocks):
-            raise IndexError(f"CPU blocks {cpu_blocks!r} are outside 0..{cpu.num_blocks - 1}")
+        run, idx = _block_rows(cpu_blocks, cpu.num_blocks)
         for k in range(cpu.num_regions):
             segs = _wide(cpu.segments(k).numpy())
             if run is not None:
