@@ -553,7 +553,6 @@ class LeaderRole:
                 log.warning("Leader load failed", extra={"group": self.cfg.group, "rid": rid,
                                                          "error": str(exc)})
                 ok = False
-            ok = ok and not self._verdict_late(rid, g)
         else:
             log.warning("Not every follower loaded, the retrieve is a miss",
                         extra={"group": self.cfg.group, "rid": rid, "missing": g.acks.missing(),
@@ -561,7 +560,8 @@ class LeaderRole:
         # Every follower answered and one could not load (say, its fetch of the
         # blocks from the remote tier failed): the next lookup that loads those
         # blocks fetches them again on the followers, so it can hit.
-        self._end_get(rid, g, ok, refetch=not ok and g.acks.done() and bool(g.acks.failed()))
+        ok = self._end_get(rid, g, ok,
+                           refetch=not ok and g.acks.done() and bool(g.acks.failed()))
         if not ok:
             self.counters.retrieve_misses += 1
         return g.hit if ok else 0
@@ -590,8 +590,13 @@ class LeaderRole:
                            "since_ack_seconds": round(late, 3), "follower_wait_seconds": wait})
         return True
 
-    def _end_get(self, rid: str, g: _Get, ok: bool, refetch: bool = False) -> None:
+    def _end_get(self, rid: str, g: _Get, ok: bool, refetch: bool = False) -> bool:
+        """Send ``rid``'s verdict and forget its get; returns the verdict sent. An ok
+        verdict is checked once more for lateness with the decision lock held: a
+        flush or another decision may have held that lock past the followers' wait."""
         with self._decide:
+            if ok and self._verdict_late(rid, g):
+                ok = False
             if refetch:
                 self.backend.refetch_failed(g.task_id)
             if not ok:
@@ -600,6 +605,7 @@ class LeaderRole:
         with self._state:
             if self._gets.get(rid) is g:
                 del self._gets[rid]
+        return ok
 
     # -- lifecycle -------------------------------------------------------------------------
 
