@@ -31,7 +31,8 @@ Contract of the operations (``rank`` identifies the calling engine rank):
 answer itself: those a stage lists in ``Stage.inline_ops`` (a single-stage
 group on the embedded backend without a remote tier lists ``lookup``,
 ``store_kv``, ``release`` and ``poll_completed``, which wait on no peer, copy,
-timer or network: a store only launches its copy).
+timer or network: a store only launches its copy; with an SSD tier ``store_kv``
+is left out, because a store that evicts writes the spilled blocks to disk).
 """
 
 from __future__ import annotations
@@ -209,7 +210,8 @@ class Stage:
     """Operations of this stage that never wait on a peer, a copy or a timer
     (a single-stage group's ``lookup``, ``store_kv``, ``release``,
     ``poll_completed`` on the embedded backend without a remote tier; a store
-    launches its copy and returns): the engine socket's I/O thread answers them itself,
+    launches its copy and returns, and is left out with an SSD tier, where it
+    may spill to disk): the engine socket's I/O thread answers them itself,
     without the two thread hops of a worker call (see :meth:`EngineService.inline`)."""
     traffic: StageTraffic | None = None
     """The stage's engine traffic (set by :class:`EngineService` when it adds the stage)."""
