@@ -142,20 +142,21 @@ class FanoutServer:
             return
         self._ready.set()
         try:
+            # One blocking receive per message (bounded, so close() is noticed): a
+            # poll, then non-blocking receives until one raised Again, cost a
+            # poller, extra ZeroMQ calls and an exception per wake-up, which made
+            # a paced decision's one-way latency measurably longer (docs/pp.md).
+            sock.rcvtimeo = 50
             while not self._stop.is_set():
-                if not sock.poll(50):
+                try:
+                    frames = sock.recv_multipart()
+                except zmq.Again:
                     continue
-                # Drain what is queued (bounded) before polling again.
-                for _ in range(1024):
-                    try:
-                        frames = sock.recv_multipart(flags=zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self.received += 1
-                    if len(frames) == 1 and is_batch(frames[0]):
-                        self._dispatch_batch(frames[0])
-                    else:
-                        self._dispatch(frames)
+                self.received += 1
+                if len(frames) == 1 and is_batch(frames[0]):
+                    self._dispatch_batch(frames[0])
+                else:
+                    self._dispatch(frames)
         finally:
             sock.close(0)
 
