@@ -178,6 +178,8 @@ class SchedulerSide:
         self._loads: queue.Queue[_Load | None] = queue.Queue()
         self._load_ended = threading.Event()
         self._stores: queue.Queue[_Store | str | None] = queue.Queue()
+        self._closing = threading.Event()
+        """Set by :meth:`close`: no queued load, store or lookup is started after it."""
         self._threads = [
             threading.Thread(target=self._load_loop, name="flexkv-load", daemon=True),
             threading.Thread(target=self._store_loop, name="flexkv-store", daemon=True),
@@ -275,7 +277,7 @@ class SchedulerSide:
     def _lookup_loop(self) -> None:
         while True:
             job = self._lookup_jobs.get()
-            if job is None:
+            if job is None or self._closing.is_set():
                 return
             rid, ids, local, limit = job
             hit = self._call_lookup(rid, ids, local, limit)
@@ -424,7 +426,7 @@ class SchedulerSide:
     def _load_loop(self) -> None:
         while True:
             job = self._loads.get()
-            if job is None:
+            if job is None or self._closing.is_set():
                 return
             ok = False
             try:
@@ -455,7 +457,7 @@ class SchedulerSide:
                 job = self._stores.get(timeout=POLL_SECONDS if inflight else None)
             except queue.Empty:
                 job = ""
-            if job is None:
+            if job is None or self._closing.is_set():
                 return
             if isinstance(job, _Store):
                 self._start_store(job, inflight)
@@ -542,10 +544,18 @@ class SchedulerSide:
         return out
 
     def close(self) -> None:
-        """Stop the threads (bounded) and close the sockets."""
-        self._loads.put(None)
-        self._stores.put(None)
-        self._lookup_jobs.put(None)
+        """Stop the threads (bounded by the call each one is making) and close the
+        sockets. Queued loads, stores, releases and lookups are dropped, never made:
+        vLLM shuts its workers down (freeing their KV caches) before it shuts the
+        scheduler's connector down, so a load or store started now would write or
+        read memory the engine no longer owns (a store would publish whatever it
+        read as the prompt's KV). A call already in flight still ends; the agent
+        forgets the dropped rids' matches after ``unlaunchedMatchSeconds``."""
+        self._closing.set()
+        for q in (self._loads, self._stores, self._lookup_jobs):
+            with q.mutex:
+                q.queue.clear()
+            q.put(None)  # type: ignore[arg-type]
         self.health.close()
         for t in self._threads:
             t.join(timeout=self.cfg.call_timeout_seconds)
