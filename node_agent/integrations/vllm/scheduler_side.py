@@ -555,7 +555,7 @@ class SchedulerSide:
         for q in (self._loads, self._stores, self._lookup_jobs):
             with q.mutex:
                 q.queue.clear()
-            q.put(None)  # type: ignore[arg-type]
+            q.put(None)
         self.health.close()
         for t in self._threads:
             t.join(timeout=self.cfg.call_timeout_seconds)
