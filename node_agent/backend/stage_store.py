@@ -18,7 +18,7 @@ import torch
 from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.cpu_tier import CpuTier
 from node_agent.backend.planes import RegisteredBuffers, register_buffers
-from node_agent.backend.replication import StageStore
+from node_agent.backend.replication import CopyStillRunningError, StageStore
 from node_agent.backend.slots import validate_slot_mapping
 from node_agent.backend.ssd_format import HASH_BYTES, tier_identity
 from node_agent.backend.ssd_tier import SsdTier
@@ -195,7 +195,8 @@ class TierStore(StageStore):
         ``TimeoutError`` is raised, so nothing writes the plan's slots or blocks
         afterwards. Only when the copy does not stop within ``STOP_SECONDS`` (a hung
         device) does it keep running: its blocks then stay *fenced* (a later plan or
-        move touching them first waits for it) and the error says so."""
+        move touching them first waits for it) and the error is a
+        :class:`~.replication.CopyStillRunningError`."""
         deadline = time.monotonic() + timeout
         self.check_plan(plan)
         slots = validate_slot_mapping(
@@ -236,7 +237,7 @@ class TierStore(StageStore):
             log.error("Aborted copy still running", extra={
                 "direction": plan.direction.value, "blocks": len(plan.blocks),
                 "stop_seconds": STOP_SECONDS})
-            raise TimeoutError(
+            raise CopyStillRunningError(
                 f"{what} and did not stop within {STOP_SECONDS} s of the abort (hung "
                 f"device?); it may still write; {consequence}"
             )

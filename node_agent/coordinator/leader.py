@@ -34,7 +34,7 @@ import numpy.typing as npt
 from node_agent.backend.base import KVResponseStatus
 from node_agent.backend.replication import ReplicatedBackend
 from node_agent.coordinator.config import CoordinatorConfig
-from node_agent.coordinator.errors import UnknownRequestError
+from node_agent.coordinator.errors import SlotsStillWrittenError, UnknownRequestError
 from node_agent.coordinator.inputs import LookupInput, StoreInput, prepare_slots
 from node_agent.coordinator.tracking import AckCollector, CompletedRids, DecisionNumbers, RidLives
 from node_agent.pp.auth import CurveKeys
@@ -100,6 +100,8 @@ class LeaderCounters:
     degraded_refusals: int = 0
     cache_epoch_refusals: int = 0
     stepped_down_refusals: int = 0
+    loads_still_writing: int = 0
+    """Retrieves answered ``SlotsInUse``: their load copy did not stop."""
     late_verdict_misses: int = 0
     """Retrieves answered a miss because a follower may have stopped waiting
     for their verdict (``LeaderRole._verdict_late``)."""
@@ -517,7 +519,10 @@ class LeaderRole:
 
     def retrieve(self, rid: str, slot_mapping: object) -> int:
         """Load the looked-up span into ``slot_mapping`` on every stage; the hit
-        tokens when every stage loaded, else 0 (a miss, never wrong data)."""
+        tokens when every stage loaded, else 0 (a miss, never wrong data).
+        Raises :class:`SlotsStillWrittenError` (after the group's verdict, a miss)
+        when this stage's copy did not stop after its timeout and cancel: it may
+        still write the slots, so the engine must not reuse them."""
         with self._state:
             g = self._gets.get(rid)
             if g is None:
@@ -544,11 +549,13 @@ class LeaderRole:
             raise
         ok = g.acks.wait(self.cfg.fanout_wait_seconds + self.cfg.transfer_seconds)
         ok = ok and self.newer_epoch is None and not self._verdict_late(rid, g)
+        still_writing = False
         if ok:
             try:
                 ids = self.backend.launch([g.task_id], [slots])
-                ok = all(self._end_copy(rid, tid, self.cfg.transfer_seconds)
-                         is KVResponseStatus.SUCCESS for tid in ids)
+                ends = [self._end_copy(rid, tid, self.cfg.transfer_seconds) for tid in ids]
+                still_writing = any(e is None for e in ends)
+                ok = all(e is KVResponseStatus.SUCCESS for e in ends)
             except Exception as exc:
                 log.warning("Leader load failed", extra={"group": self.cfg.group, "rid": rid,
                                                          "error": str(exc)})
@@ -564,6 +571,14 @@ class LeaderRole:
                            refetch=not ok and g.acks.done() and bool(g.acks.failed()))
         if not ok:
             self.counters.retrieve_misses += 1
+        if still_writing:
+            # Not a miss: a miss lets the engine recompute into (or reuse) the slots
+            # this copy may still write.
+            self.counters.loads_still_writing += 1
+            raise SlotsStillWrittenError(
+                rid, f"the leader (pp rank {self.cfg.pp_rank})",
+                f"transfer_seconds={self.cfg.transfer_seconds:g}s, then "
+                f"{STOP_WAIT_SECONDS:g}s after its cancel")
         return g.hit if ok else 0
 
     def _verdict_late(self, rid: str, g: _Get) -> bool:

@@ -1,9 +1,13 @@
-"""The vLLM scheduler side's shutdown, without vLLM: a real agent on loopback, the
-connector's scheduler half against it (vLLM-free: runs in the main venv).
+"""The vLLM scheduler side where the agent could touch blocks vLLM no longer gave
+it, without vLLM: a real agent on loopback, the connector's scheduler half against
+it (vLLM-free: runs in the main venv).
 
-vLLM shuts its workers down (freeing their KV caches) before the scheduler's
-connector: a store or load still queued when ``SchedulerSide.close`` runs would
-copy from or into memory the engine no longer owns, so none may be started."""
+* Shutdown: vLLM shuts its workers down (freeing their KV caches) before the
+  scheduler's connector, so a store or load still queued when
+  ``SchedulerSide.close`` runs would copy from or into memory the engine no longer
+  owns: none may be started.
+* A load the agent could not stop (``SlotsInUse``): its blocks are never handed
+  back to vLLM (neither recomputed into nor freed)."""
 
 from __future__ import annotations
 
@@ -17,7 +21,9 @@ import numpy as np
 import pytest
 import torch
 
+import node_agent.coordinator.leader as leader_mod
 from node_agent.client import EngineClient, RankInfo, SharedKVBuffers
+from node_agent.coordinator.leader import LeaderRole
 from node_agent.integrations.vllm.config import AgentConnectorConfig
 from node_agent.integrations.vllm.scheduler_side import SchedulerSide, block_slots
 from tests.agent.harness import (
@@ -30,6 +36,7 @@ from tests.agent.harness import (
     short_dir,
     wait_http,
 )
+from tests.coordinator.test_stuck_load import hang_loads
 from tests.support.waiting import wait_for_async
 
 pytestmark = pytest.mark.timeout(120)
@@ -107,6 +114,66 @@ async def test_close_starts_no_queued_store(work: Path) -> None:
                     "a store queued when close ran was made after it"
             finally:
                 probe.close()
+    finally:
+        if sched is not None:
+            sched.close()
+        reg.close()
+        bufs.close()
+
+
+async def test_a_load_the_agent_could_not_stop_never_gives_its_blocks_back(
+        work: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent answers ``SlotsInUse`` (its load copy ignores its abort, like a hung
+    device): the blocks are not sent back for recompute, the load is never reported
+    finished, and when the request ends its blocks stay held."""
+    monkeypatch.setattr(leader_mod, "STOP_WAIT_SECONDS", 0.05)
+    cfg = cfg_of(agent_mapping(work, "solo", timeouts={"engineCallSeconds": 2,
+                                                        "fanoutWaitSeconds": 1}))
+    bufs = SharedKVBuffers.for_layout(LAYOUT, NUM_SLOTS)
+    reg = EngineClient(cfg.engine_socket, RankInfo(REPLICA, pp_rank=0, pp_size=1), timeout=10)
+    conn = AgentConnectorConfig(engine_socket=cfg.engine_socket, replica=REPLICA,
+                                call_timeout_seconds=30.0, lookup_timeout_seconds=10.0,
+                                retry_seconds=0.5)
+    sched: SchedulerSide | None = None
+    try:
+        async with running_agent(cfg) as ra:
+            await asyncio.to_thread(reg.register_kv_buffers, LAYOUT, bufs.handles)
+            await wait_http(ra, "/readyz", 200, 30)
+            sched = SchedulerSide(conn, TPB, tp_size=1)
+            prompt = _prompt(100)
+            assert sched.finished("src", prompt, len(prompt) - 1, [1, 2]) is True
+            sent: set[str] = set()
+
+            def stored() -> bool:
+                assert sched is not None
+                sent.update(sched.completions(set())[1])
+                return "src" in sent
+
+            await wait_for_async(stored, "the source store completed", 30)
+            assert sched.lookup("dst", prompt, 0) == 2 * TPB
+            [stage] = ra.agent.service.stages.values()
+            role = stage.coordinator._role
+            assert isinstance(role, LeaderRole)
+            started, release = hang_loads(role.backend._store)  # type: ignore[attr-defined]
+            try:
+                sched.after_alloc("dst", [5, 6], 2 * TPB)
+
+                def load_ended() -> bool:
+                    assert sched is not None
+                    return sched.take_counters()["load_failures"] == 1
+
+                await wait_for_async(load_ended, "the load answered", 30)
+            finally:
+                release.set()  # the hung copy ends before the agent stops
+            assert started.is_set()
+            report = sched.step_report()
+            assert "dst" not in report.failed, "blocks the agent may still write were " \
+                "sent back to vLLM for recompute"
+            recv, _ = sched.completions(set())
+            assert "dst" not in recv, "a load the agent could not stop was reported finished"
+            assert sched.finished("dst", prompt, 0, [5, 6]) is True, \
+                "vLLM would free blocks the agent may still write"
+            assert "dst" not in sched.completions(set())[1]
     finally:
         if sched is not None:
             sched.close()

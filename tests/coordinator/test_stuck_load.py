@@ -1,0 +1,108 @@
+"""A load copy that does not stop after its timeout and abort (a hung device) may
+still write the engine's slots: ``retrieve`` must not answer a miss (0), which
+lets the engine recompute into or reuse those slots, but raise
+``SlotsStillWrittenError`` (error type ``SlotsInUse`` on the engine API);
+docs/agent.md "Call deadlines".
+
+The stuck copy is a copy that waits for an event the test sets only at the end
+(it ignores its abort, like a hung device): deterministic, no timing asserted.
+Real embedded backends, real stage stores and real fan-out sockets on loopback."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import node_agent.backend.stage_store as stage_store
+import node_agent.coordinator.leader as leader_mod
+from node_agent.coordinator import SlotsStillWrittenError
+from node_agent.coordinator.follower import FollowerRole
+from node_agent.coordinator.leader import LeaderRole
+from node_agent.vocab.placement import Direction, TransferPlan
+from tests.coordinator.harness import LAYOUT, kv_content, read_slots, wait_completed
+from tests.coordinator.pairs import InProcessGroup
+from tests.coordinator.test_leader_copy_end import Single
+
+TPB = LAYOUT.tokens_per_block
+TOKENS = np.arange(100, 100 + 2 * TPB)
+TIMEOUTS = {"engine_call_seconds": 2.0, "fanout_wait_seconds": 0.6, "transfer_seconds": 0.3}
+
+
+def hang_loads(store: Any) -> tuple[threading.Event, threading.Event]:
+    """Make ``store``'s LOAD copies hang (ignoring their abort) until the returned
+    ``release`` is set; ``started`` is set when one began. Stores copy normally."""
+    started, release = threading.Event(), threading.Event()
+    copy = store.copy
+
+    def hung_copy(plan: TransferPlan, slots: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        if plan.direction is Direction.LOAD:
+            started.set()
+            assert release.wait(60), "the test never released the hung copy"
+        copy(plan, slots, *args, **kwargs)
+
+    store.copy = hung_copy
+    return started, release
+
+
+@pytest.fixture
+def single(monkeypatch: pytest.MonkeyPatch) -> Iterator[Single]:
+    monkeypatch.setattr(leader_mod, "STOP_WAIT_SECONDS", 0.05)
+    s = Single(engine_call_seconds=1.0, fanout_wait_seconds=0.3, transfer_seconds=0.2)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def test_a_leader_load_that_does_not_stop_is_not_answered_as_a_miss(single: Single) -> None:
+    assert single.store("src", TOKENS, np.arange(len(TOKENS))) >= 0
+    wait_completed(single.conn, "src")
+    assert single.conn.lookup("dst", TOKENS) == len(TOKENS)
+    leader = single.leader
+    started, release = hang_loads(leader.backend._store)  # type: ignore[attr-defined]
+    try:
+        with pytest.raises(SlotsStillWrittenError, match=r"retrieve 'dst'.*keep those slots "
+                           r"out of use") as caught:
+            single.conn.retrieve("dst", torch.arange(100, 100 + len(TOKENS)))
+        assert started.is_set()
+        assert caught.value.wire_type == "SlotsInUse"
+        assert leader.counters.loads_still_writing == 1
+        assert leader.counters.retrieve_misses == 1
+    finally:
+        release.set()
+    # Once the copy ended, the group serves the prefix again.
+    wait_completed_copy = single.conn.lookup("again", TOKENS)
+    assert wait_completed_copy == len(TOKENS)
+
+
+def test_a_follower_load_that_does_not_stop_is_not_answered_as_a_miss(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stage_store, "STOP_SECONDS", 0.05)
+    with InProcessGroup(2, **TIMEOUTS) as g:
+        g.store_everywhere("s", TOKENS)
+        hits = [g.call(r, lambda c: c.lookup("q", TOKENS)).result(30) for r in (0, 1)]
+        assert hits == [len(TOKENS), len(TOKENS)]
+        follower = g.conns[1]._role
+        assert isinstance(follower, FollowerRole)
+        started, release = hang_loads(follower.store)
+        try:
+            dst = np.arange(300, 300 + len(TOKENS))
+            follower_call = g.retrieve(1, "q", dst)
+            leader_call = g.retrieve(0, "q", dst)
+            with pytest.raises(SlotsStillWrittenError, match=r"PP stage 1 did not stop"):
+                follower_call.result(30)
+            assert started.is_set()
+            # Every other stage answers a miss (the follower acked a failure), and
+            # the leader's slots were not written.
+            assert leader_call.result(30) == 0
+            leader = g.conns[0]._role
+            assert isinstance(leader, LeaderRole)
+            assert not np.array_equal(read_slots(g.bufs[0], dst), kv_content(0, TOKENS))
+            assert follower.counters.loads_still_writing == 1
+        finally:
+            release.set()
