@@ -74,6 +74,8 @@ class FollowerCounters:
     retrieve_misses: int = 0
     loads_still_writing: int = 0
     """Retrieves answered ``SlotsInUse``: their load copy did not stop."""
+    late_load_verdicts: int = 0
+    """Ok load verdicts that came after this stage's retrieve answered 0."""
     moves_applied: int = 0
     resets: int = 0
     cache_epoch_refusals: int = 0
@@ -514,7 +516,15 @@ class FollowerRole:
             if not self._fence():
                 self.stream.request_resync("a copy did not end after its discard")
         if r.kind is Kind.GET:
-            self._results.put(key, r)
+            if not self._results.put(key, r) and r.ok:
+                # This stage's retrieve already answered 0 (its verdict wait ran
+                # out): the leader's engine keeps the prefix this one recomputes.
+                # Not closable by one more message (its own could be late too);
+                # counted so the disagreement is visible (docs/pp.md, "Loads").
+                self.counters.late_load_verdicts += 1
+                log.warning("Leader's ok load verdict came after this stage answered a "
+                            "miss; the stages disagree on this load",
+                            extra={"group": self.cfg.group, "rid": r.rid, "n": r.n})
             return
         with self._state:
             if self._stored.pop(key, None) is not None:
