@@ -61,7 +61,8 @@ class StageStore(abc.ABC):
         """Capacity of ``tier`` in blocks (0 when the tier is not configured)."""
 
     @abc.abstractmethod
-    def execute(self, plan: TransferPlan, slot_mapping: SlotArray, timeout: float) -> None:
+    def execute(self, plan: TransferPlan, slot_mapping: SlotArray, timeout: float,
+                stop_timeout: float | None = None) -> None:
         """Copy between this stage's registered engine buffers and ``plan``'s blocks.
 
         Validates ``slot_mapping`` first (1-D integer, length
@@ -78,7 +79,9 @@ class StageStore(abc.ABC):
         :class:`CopyStillRunningError` (a ``TimeoutError``) and the copy may still
         write the slots. After a LOAD timed out the slots hold undefined
         data and must not be used; after a STORE timed out the blocks are not
-        stored (the leader discards the put).
+        stored (the leader discards the put). ``stop_timeout``: how long to wait
+        for an aborted copy to stop (None: the store's own bound), so a caller
+        answering an engine keeps the whole call within its budget.
         """
 
     @abc.abstractmethod

@@ -229,7 +229,7 @@ class FollowerRole:
         self._call.buffers_gen = self._buffers_gen
 
     def _execute(self, key: Key, gen: int, d: Decision,
-                 slots: npt.NDArray[np.int64]) -> str | None:
+                 slots: npt.NDArray[np.int64], stop_timeout: float | None = None) -> str | None:
         """Run ``d`` (delivered under stream generation ``gen``) with ``slots``;
         None on success, else the error (a :class:`_StillWriting` when the copy did
         not stop after its abort and may still touch ``slots``). Refused when a reset or resync came
@@ -251,7 +251,8 @@ class FollowerRole:
                         "its slots name buffers that are gone")
             plan = d.plan
             assert plan is not None
-            self.store.execute(plan, slots, timeout=self.cfg.transfer_seconds)
+            self.store.execute(plan, slots, timeout=self.cfg.transfer_seconds,
+                               stop_timeout=stop_timeout)
             return None
         except CopyStillRunningError as exc:
             timed_out = True
@@ -399,7 +400,13 @@ class FollowerRole:
         except ValueError as exc:
             self._ack(inc, Kind.GET, rid, n, d.task_id, False, str(exc))
             raise
-        error = self._execute(key, gen, d, slots)
+        # An aborted copy may take the verdict wait's share of the call budget to
+        # stop (it waits for no verdict then): copy lock + copy + stop stay within
+        # fanout + 3 x transfer, so the engine is answered before the server's
+        # last resort and learns that the slots may still be written.
+        error = self._execute(key, gen, d, slots,
+                              stop_timeout=self.cfg.fanout_wait_seconds
+                              + self.cfg.transfer_seconds)
         self._ack(inc, Kind.GET, rid, n, d.task_id, error is None, error)
         if isinstance(error, _StillWriting):
             # Not a miss: a miss lets the engine recompute into (or reuse) the

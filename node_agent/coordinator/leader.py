@@ -57,7 +57,8 @@ from node_agent.vocab.placement import Direction, TierMove, TransferPlan
 log = logging.getLogger(__name__)
 
 STOP_WAIT_SECONDS = 2.0
-"""How long a timed-out copy gets to end after its cancel before the leader gives up."""
+"""How long a timed-out copy gets to end after its cancel before the leader gives up
+(at most; never longer than the copy's own wait, ``LeaderRole._end_copy``)."""
 VERDICT_MARGIN_FRACTION = 0.1
 VERDICT_MARGIN_SECONDS = 0.05
 """The part of a follower's verdict wait a leader's ok verdict leaves for the
@@ -392,7 +393,11 @@ class LeaderRole:
 
     def _end_copy(self, rid: str, task_id: int, timeout: float) -> KVResponseStatus | None:
         """Wait up to ``timeout`` for the launched ``task_id``; when it is still
-        running, cancel it and wait up to :data:`STOP_WAIT_SECONDS` more.
+        running, cancel it and wait up to ``timeout`` more (at most
+        :data:`STOP_WAIT_SECONDS`): a retrieve's chain of waits (acks, copy, stop)
+        then stays within the call budget (``fanout + 3 x transfer``), so its
+        engine is answered before the server's last resort, also when the copy
+        did not stop.
 
         Returns the terminal status, or None when the copy may still touch the
         engine's slots (the caller must not answer the engine / report the rid
@@ -402,13 +407,14 @@ class LeaderRole:
         if last is not None and last.status not in _RUNNING:
             return last.status
         self.backend.cancel([task_id])
-        last = self.backend.wait([task_id], timeout=STOP_WAIT_SECONDS,
+        stop_wait = min(STOP_WAIT_SECONDS, timeout)
+        last = self.backend.wait([task_id], timeout=stop_wait,
                                  completely=True).get(task_id)
         if last is not None and last.status not in _RUNNING:
             return last.status
         log.error("A copy did not end after its cancel",
                   extra={"group": self.cfg.group, "rid": rid, "task_id": task_id,
-                         "waited_seconds": timeout + STOP_WAIT_SECONDS})
+                         "waited_seconds": timeout + stop_wait})
         return None
 
     def _finish_put(self, t: _Put, ok: bool, wait: bool = True) -> None:
@@ -578,7 +584,7 @@ class LeaderRole:
             raise SlotsStillWrittenError(
                 rid, f"the leader (pp rank {self.cfg.pp_rank})",
                 f"transfer_seconds={self.cfg.transfer_seconds:g}s, then "
-                f"{STOP_WAIT_SECONDS:g}s after its cancel")
+                f"{min(STOP_WAIT_SECONDS, self.cfg.transfer_seconds):g}s after its cancel")
         return g.hit if ok else 0
 
     def _verdict_late(self, rid: str, g: _Get) -> bool:

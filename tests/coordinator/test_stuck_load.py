@@ -6,12 +6,17 @@ docs/agent.md "Call deadlines".
 
 The stuck copy is a copy that waits for an event the test sets only at the end
 (it ignores its abort, like a hung device): deterministic, no timing asserted.
-Real embedded backends, real stage stores and real fan-out sockets on loopback."""
+The stores' own stop bounds are raised to 600 s: the answer must still come
+within the call budget (the stop wait takes its share of it, not the store's
+bound), or the engine would get the server's last-resort timeout first and take
+the slots for free. Real embedded backends, real stage stores and real fan-out
+sockets on loopback."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -31,6 +36,8 @@ from tests.coordinator.test_leader_copy_end import Single
 TPB = LAYOUT.tokens_per_block
 TOKENS = np.arange(100, 100 + 2 * TPB)
 TIMEOUTS = {"engine_call_seconds": 2.0, "fanout_wait_seconds": 0.6, "transfer_seconds": 0.3}
+HUNG = 600.0
+"""A stop bound no call may wait out (the test's futures give up after 60 s)."""
 
 
 def hang_loads(store: Any) -> tuple[threading.Event, threading.Event]:
@@ -51,7 +58,7 @@ def hang_loads(store: Any) -> tuple[threading.Event, threading.Event]:
 
 @pytest.fixture
 def single(monkeypatch: pytest.MonkeyPatch) -> Iterator[Single]:
-    monkeypatch.setattr(leader_mod, "STOP_WAIT_SECONDS", 0.05)
+    monkeypatch.setattr(leader_mod, "STOP_WAIT_SECONDS", HUNG)
     s = Single(engine_call_seconds=1.0, fanout_wait_seconds=0.3, transfer_seconds=0.2)
     try:
         yield s
@@ -66,9 +73,11 @@ def test_a_leader_load_that_does_not_stop_is_not_answered_as_a_miss(single: Sing
     leader = single.leader
     started, release = hang_loads(leader.backend._store)  # type: ignore[attr-defined]
     try:
-        with pytest.raises(SlotsStillWrittenError, match=r"retrieve 'dst'.*keep those slots "
-                           r"out of use") as caught:
-            single.conn.retrieve("dst", torch.arange(100, 100 + len(TOKENS)))
+        with ThreadPoolExecutor(1) as pool:
+            call = pool.submit(single.conn.retrieve, "dst", torch.arange(100, 100 + len(TOKENS)))
+            with pytest.raises(SlotsStillWrittenError, match=r"retrieve 'dst'.*keep those "
+                               r"slots out of use") as caught:
+                call.result(60)  # within the call budget, not STOP_WAIT_SECONDS
         assert started.is_set()
         assert caught.value.wire_type == "SlotsInUse"
         assert leader.counters.loads_still_writing == 1
@@ -76,13 +85,12 @@ def test_a_leader_load_that_does_not_stop_is_not_answered_as_a_miss(single: Sing
     finally:
         release.set()
     # Once the copy ended, the group serves the prefix again.
-    wait_completed_copy = single.conn.lookup("again", TOKENS)
-    assert wait_completed_copy == len(TOKENS)
+    assert single.conn.lookup("again", TOKENS) == len(TOKENS)
 
 
 def test_a_follower_load_that_does_not_stop_is_not_answered_as_a_miss(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(stage_store, "STOP_SECONDS", 0.05)
+    monkeypatch.setattr(stage_store, "STOP_SECONDS", HUNG)
     with InProcessGroup(2, **TIMEOUTS) as g:
         g.store_everywhere("s", TOKENS)
         hits = [g.call(r, lambda c: c.lookup("q", TOKENS)).result(30) for r in (0, 1)]
@@ -95,7 +103,7 @@ def test_a_follower_load_that_does_not_stop_is_not_answered_as_a_miss(
             follower_call = g.retrieve(1, "q", dst)
             leader_call = g.retrieve(0, "q", dst)
             with pytest.raises(SlotsStillWrittenError, match=r"PP stage 1 did not stop"):
-                follower_call.result(30)
+                follower_call.result(60)  # within the call budget, not STOP_SECONDS
             assert started.is_set()
             # Every other stage answers a miss (the follower acked a failure), and
             # the leader's slots were not written.
