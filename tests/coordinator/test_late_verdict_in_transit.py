@@ -13,7 +13,6 @@ import threading
 
 import numpy as np
 
-from node_agent.coordinator.follower import FollowerRole
 from node_agent.pp.channel import FaultPlan
 from node_agent.pp.messages import Op, decode, is_batch, unpack_batch
 from tests.coordinator.harness import LAYOUT
@@ -44,10 +43,8 @@ class HoldResults(FaultPlan):
 def test_an_ok_verdict_late_in_transit_is_refused_and_counted() -> None:
     with InProcessGroup(2, **TIMEOUTS) as g:
         g.store_everywhere("s", TOKENS)
-        hits = [g.call(r, lambda c: c.lookup("q", TOKENS)).result(30) for r in (0, 1)]
-        assert hits == [len(TOKENS), len(TOKENS)]
-        follower = g.conns[1]._role
-        assert isinstance(follower, FollowerRole)
+        assert g.lookup_everywhere("q", TOKENS) == [len(TOKENS), len(TOKENS)]
+        follower = g.follower(1)
         sender = g.conns[0]._role.stream.peer(1)  # type: ignore[union-attr]
         assert sender is not None
         plan = HoldResults()

@@ -26,7 +26,6 @@ import torch
 import node_agent.backend.stage_store as stage_store
 import node_agent.coordinator.leader as leader_mod
 from node_agent.coordinator import SlotsStillWrittenError
-from node_agent.coordinator.follower import FollowerRole
 from node_agent.coordinator.leader import LeaderRole
 from node_agent.vocab.placement import Direction, TransferPlan
 from tests.coordinator.harness import LAYOUT, kv_content, read_slots, wait_completed
@@ -93,10 +92,8 @@ def test_a_follower_load_that_does_not_stop_is_not_answered_as_a_miss(
     monkeypatch.setattr(stage_store, "STOP_SECONDS", HUNG)
     with InProcessGroup(2, **TIMEOUTS) as g:
         g.store_everywhere("s", TOKENS)
-        hits = [g.call(r, lambda c: c.lookup("q", TOKENS)).result(30) for r in (0, 1)]
-        assert hits == [len(TOKENS), len(TOKENS)]
-        follower = g.conns[1]._role
-        assert isinstance(follower, FollowerRole)
+        assert g.lookup_everywhere("q", TOKENS) == [len(TOKENS), len(TOKENS)]
+        follower = g.follower(1)
         started, release = hang_loads(follower.store)
         try:
             dst = np.arange(300, 300 + len(TOKENS))
