@@ -93,6 +93,17 @@ class EngineAPIError(RuntimeError):
         self.error_type = error_type
 
 
+class SlotsInUseError(EngineAPIError):
+    """A ``retrieve`` whose load copy did not stop after its timeout and abort (a
+    hung device): the agent may still write the call's slots at any later time.
+    Not a miss: keep those slots out of use (fail or hold the request, never
+    recompute into them nor give them to another request) until the agent
+    restarts. Not a sign that the agent is down (:func:`agent_down` is False)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("SlotsInUse", message)
+
+
 class AgentUnavailableError(ConnectionError):
     """No agent is listening on the engine socket."""
 
@@ -423,6 +434,8 @@ class EngineClient:
             raise ValueError(msg)
         if etype == "TimeoutError":
             raise AgentTimeoutError(msg)
+        if etype == "SlotsInUse":
+            raise SlotsInUseError(msg)
         raise EngineAPIError(etype, msg)
 
     # -- the engine API ------------------------------------------------------

@@ -35,6 +35,13 @@ if TYPE_CHECKING:
     import torch
 
 
+class CopyStillRunningError(TimeoutError):
+    """:meth:`StageStore.execute` timed out and its copy did not stop after its
+    abort (a hung device): it may still write the plan's engine slots (a LOAD) or
+    read them (a STORE) at any later time; the store keeps the plan's blocks fenced
+    until it ends."""
+
+
 class StageStore(abc.ABC):
     """Index-free storage of one PP stage, addressed by physical block.
 
@@ -54,7 +61,8 @@ class StageStore(abc.ABC):
         """Capacity of ``tier`` in blocks (0 when the tier is not configured)."""
 
     @abc.abstractmethod
-    def execute(self, plan: TransferPlan, slot_mapping: SlotArray, timeout: float) -> None:
+    def execute(self, plan: TransferPlan, slot_mapping: SlotArray, timeout: float,
+                stop_timeout: float | None = None) -> None:
         """Copy between this stage's registered engine buffers and ``plan``'s blocks.
 
         Validates ``slot_mapping`` first (1-D integer, length
@@ -66,9 +74,14 @@ class StageStore(abc.ABC):
         ``execute`` requests it to stop, waits until it has stopped (it checks
         between run / plane copies), and only then raises ``TimeoutError``. After
         ``execute`` returns or raises, nothing writes the engine slots or the
-        plan's blocks any more. After a LOAD timed out the slots hold undefined
+        plan's blocks any more, except when the copy does not stop within the
+        store's own bound after its abort (a hung device): then it raises
+        :class:`CopyStillRunningError` (a ``TimeoutError``) and the copy may still
+        write the slots. After a LOAD timed out the slots hold undefined
         data and must not be used; after a STORE timed out the blocks are not
-        stored (the leader discards the put).
+        stored (the leader discards the put). ``stop_timeout``: how long to wait
+        for an aborted copy to stop (None: the store's own bound), so a caller
+        answering an engine keeps the whole call within its budget.
         """
 
     @abc.abstractmethod

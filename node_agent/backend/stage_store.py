@@ -18,7 +18,7 @@ import torch
 from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.cpu_tier import CpuTier
 from node_agent.backend.planes import RegisteredBuffers, register_buffers
-from node_agent.backend.replication import StageStore
+from node_agent.backend.replication import CopyStillRunningError, StageStore
 from node_agent.backend.slots import validate_slot_mapping
 from node_agent.backend.ssd_format import HASH_BYTES, tier_identity
 from node_agent.backend.ssd_tier import SsdTier
@@ -189,13 +189,16 @@ class TierStore(StageStore):
         else:
             self.copier.load(bufs, plan.blocks, slots, abort)
 
-    def execute(self, plan: TransferPlan, slot_mapping: object, timeout: float) -> None:
+    def execute(self, plan: TransferPlan, slot_mapping: object, timeout: float,
+                stop_timeout: float | None = None) -> None:
         """See :meth:`StageStore.execute`. On timeout the copy's abort flag is set and
         its thread joined (it stops within one run / plane copy) before
         ``TimeoutError`` is raised, so nothing writes the plan's slots or blocks
-        afterwards. Only when the copy does not stop within ``STOP_SECONDS`` (a hung
-        device) does it keep running: its blocks then stay *fenced* (a later plan or
-        move touching them first waits for it) and the error says so."""
+        afterwards. Only when the copy does not stop within ``stop_timeout``
+        (``STOP_SECONDS`` when None; a hung device) does it keep running: its
+        blocks then stay *fenced* (a later plan or
+        move touching them first waits for it) and the error is a
+        :class:`~.replication.CopyStillRunningError`."""
         deadline = time.monotonic() + timeout
         self.check_plan(plan)
         slots = validate_slot_mapping(
@@ -221,7 +224,8 @@ class TierStore(StageStore):
             self._count(plan)
             return
         abort.set()
-        worker.join(STOP_SECONDS)
+        stop = STOP_SECONDS if stop_timeout is None else max(0.0, stop_timeout)
+        worker.join(stop)
         what = (f"{plan.direction.value} of {len(plan.blocks)} blocks "
                 f"({_describe(plan.blocks)}) did not finish in {timeout} s")
         if plan.direction is Direction.LOAD:
@@ -235,9 +239,9 @@ class TierStore(StageStore):
                     self._fences[loc] = worker
             log.error("Aborted copy still running", extra={
                 "direction": plan.direction.value, "blocks": len(plan.blocks),
-                "stop_seconds": STOP_SECONDS})
-            raise TimeoutError(
-                f"{what} and did not stop within {STOP_SECONDS} s of the abort (hung "
+                "stop_seconds": stop})
+            raise CopyStillRunningError(
+                f"{what} and did not stop within {stop:g} s of the abort (hung "
                 f"device?); it may still write; {consequence}"
             )
         raise TimeoutError(f"{what}; the copy was stopped; {consequence}")

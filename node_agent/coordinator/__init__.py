@@ -6,12 +6,13 @@ The group leader decides; followers execute its physical plans (docs/pp.md).
 
 from node_agent.coordinator.config import CoordinatorConfig
 from node_agent.coordinator.coordinator import BackendFactory, Coordinator, StoreFactory
-from node_agent.coordinator.errors import UnknownRequestError
+from node_agent.coordinator.errors import SlotsStillWrittenError, UnknownRequestError
 
 __all__ = [
     "BackendFactory",
     "Coordinator",
     "CoordinatorConfig",
+    "SlotsStillWrittenError",
     "StoreFactory",
     "UnknownRequestError",
 ]

@@ -339,7 +339,11 @@ class Coordinator:
         Raises ``ValueError`` for a bad slot mapping (with a paged layout, also
         slots that are not whole, aligned pages), before anything is loaded; its
         lookup ends as a miss.
-        Raises ``UnknownRequestError`` when ``rid`` has no open lookup."""
+        Raises ``UnknownRequestError`` when ``rid`` has no open lookup.
+        Raises :class:`SlotsStillWrittenError` when this stage's load copy did not
+        stop after its timeout and abort (a hung device): it may still write
+        ``slot_mapping``'s slots, which the engine must keep out of use (every
+        other stage answers a miss)."""
         role = self._role
         with self._lock:
             asked = self._lookups.pop(rid, _ABSENT)

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from node_agent.backend.replication import StageStore
+from node_agent.backend.replication import CopyStillRunningError, StageStore
 from node_agent.coordinator.config import CoordinatorConfig
-from node_agent.coordinator.errors import UnknownRequestError
+from node_agent.coordinator.errors import SlotsStillWrittenError, UnknownRequestError
 from node_agent.coordinator.inputs import LookupInput, StoreInput, prepare_slots
 from node_agent.coordinator.tracking import CompletedRids, DecisionBook, Key, Mailbox, Taken
 from node_agent.pp.auth import CurveKeys
@@ -54,6 +54,11 @@ Stamped = tuple[int, int, Decision]
 """A decision as delivered: (stream generation, leader incarnation, decision)."""
 
 
+class _StillWriting(str):
+    """The error of a copy that did not stop after its abort: it may still touch
+    the engine's slots (:meth:`FollowerRole._execute`)."""
+
+
 @dataclass
 class FollowerCounters:
     """Totals reported in ``status()``."""
@@ -67,6 +72,10 @@ class FollowerCounters:
     lookups: int = 0
     retrieves: int = 0
     retrieve_misses: int = 0
+    loads_still_writing: int = 0
+    """Retrieves answered ``SlotsInUse``: their load copy did not stop."""
+    late_load_verdicts: int = 0
+    """Ok load verdicts that came after this stage's retrieve answered 0."""
     moves_applied: int = 0
     resets: int = 0
     cache_epoch_refusals: int = 0
@@ -150,7 +159,8 @@ class FollowerRole:
              error: str | None = None) -> None:
         """Answer a decision of leader incarnation ``inc`` (only that process
         counts the ack, whatever this stage follows by the time it is sent)."""
-        self.stream.send_ack(Ack(self.cfg.pp_rank, rid, kind, n, task_id, ok, error), inc)
+        self.stream.send_ack(Ack(self.cfg.pp_rank, rid, kind, n, task_id, ok,
+                                 None if error is None else str(error)), inc)  # a plain str
 
     def _refuse_unpaired(self, values: list[Stamped]) -> None:
         """Decisions no call of this stage will take: never applied; a failure
@@ -219,9 +229,10 @@ class FollowerRole:
         self._call.buffers_gen = self._buffers_gen
 
     def _execute(self, key: Key, gen: int, d: Decision,
-                 slots: npt.NDArray[np.int64]) -> str | None:
+                 slots: npt.NDArray[np.int64], stop_timeout: float | None = None) -> str | None:
         """Run ``d`` (delivered under stream generation ``gen``) with ``slots``;
-        None on success, else the error. Refused when a reset or resync came
+        None on success, else the error (a :class:`_StillWriting` when the copy did
+        not stop after its abort and may still touch ``slots``). Refused when a reset or resync came
         after the decision, the leader cancelled it, or an engine rank registered
         its buffers since this thread's call began (:meth:`_begin_call`)."""
         if not self._exec.acquire(timeout=self.cfg.transfer_seconds):
@@ -240,8 +251,12 @@ class FollowerRole:
                         "its slots name buffers that are gone")
             plan = d.plan
             assert plan is not None
-            self.store.execute(plan, slots, timeout=self.cfg.transfer_seconds)
+            self.store.execute(plan, slots, timeout=self.cfg.transfer_seconds,
+                               stop_timeout=stop_timeout)
             return None
+        except CopyStillRunningError as exc:
+            timed_out = True
+            return _StillWriting(exc)
         except TimeoutError as exc:
             timed_out = True
             return str(exc)
@@ -362,7 +377,9 @@ class FollowerRole:
         return int(np.count_nonzero(d.mask))
 
     def retrieve(self, rid: str, slot_mapping: object) -> int:
-        """Load this stage's layers; the hit when every stage loaded, else 0."""
+        """Load this stage's layers; the hit when every stage loaded, else 0.
+        Raises :class:`SlotsStillWrittenError` when the copy did not stop after its
+        timeout and abort: it may still write the slots (a miss on the other stages)."""
         self._begin_call()
         with self._state:
             entry = self._gets.pop(rid, None)
@@ -383,8 +400,21 @@ class FollowerRole:
         except ValueError as exc:
             self._ack(inc, Kind.GET, rid, n, d.task_id, False, str(exc))
             raise
-        error = self._execute(key, gen, d, slots)
+        # An aborted copy may take the verdict wait's share of the call budget to
+        # stop (it waits for no verdict then): copy lock + copy + stop stay within
+        # fanout + 3 x transfer, so the engine is answered before the server's
+        # last resort and learns that the slots may still be written.
+        error = self._execute(key, gen, d, slots,
+                              stop_timeout=self.cfg.fanout_wait_seconds
+                              + self.cfg.transfer_seconds)
         self._ack(inc, Kind.GET, rid, n, d.task_id, error is None, error)
+        if isinstance(error, _StillWriting):
+            # Not a miss: a miss lets the engine recompute into (or reuse) the
+            # slots this copy may still write. The failure ack makes it a miss on
+            # every other stage.
+            self.counters.retrieve_misses += 1
+            self.counters.loads_still_writing += 1
+            raise SlotsStillWrittenError(rid, f"PP stage {self.cfg.pp_rank}", error)
         verdict = None
         if error is None:
             verdict = self._results.take(key, self.cfg.fanout_wait_seconds
@@ -493,7 +523,15 @@ class FollowerRole:
             if not self._fence():
                 self.stream.request_resync("a copy did not end after its discard")
         if r.kind is Kind.GET:
-            self._results.put(key, r)
+            if not self._results.put(key, r) and r.ok:
+                # This stage's retrieve already answered 0 (its verdict wait ran
+                # out): the leader's engine keeps the prefix this one recomputes.
+                # Not closable by one more message (its own could be late too);
+                # counted so the disagreement is visible (docs/pp.md, "Loads").
+                self.counters.late_load_verdicts += 1
+                log.warning("Leader's ok load verdict came after this stage answered a "
+                            "miss; the stages disagree on this load",
+                            extra={"group": self.cfg.group, "rid": r.rid, "n": r.n})
             return
         with self._state:
             if self._stored.pop(key, None) is not None:

@@ -34,7 +34,7 @@ import numpy.typing as npt
 from node_agent.backend.base import KVResponseStatus
 from node_agent.backend.replication import ReplicatedBackend
 from node_agent.coordinator.config import CoordinatorConfig
-from node_agent.coordinator.errors import UnknownRequestError
+from node_agent.coordinator.errors import SlotsStillWrittenError, UnknownRequestError
 from node_agent.coordinator.inputs import LookupInput, StoreInput, prepare_slots
 from node_agent.coordinator.tracking import AckCollector, CompletedRids, DecisionNumbers, RidLives
 from node_agent.pp.auth import CurveKeys
@@ -57,7 +57,8 @@ from node_agent.vocab.placement import Direction, TierMove, TransferPlan
 log = logging.getLogger(__name__)
 
 STOP_WAIT_SECONDS = 2.0
-"""How long a timed-out copy gets to end after its cancel before the leader gives up."""
+"""How long a timed-out copy gets to end after its cancel before the leader gives up
+(at most; never longer than the copy's own wait, ``LeaderRole._end_copy``)."""
 VERDICT_MARGIN_FRACTION = 0.1
 VERDICT_MARGIN_SECONDS = 0.05
 """The part of a follower's verdict wait a leader's ok verdict leaves for the
@@ -100,6 +101,8 @@ class LeaderCounters:
     degraded_refusals: int = 0
     cache_epoch_refusals: int = 0
     stepped_down_refusals: int = 0
+    loads_still_writing: int = 0
+    """Retrieves answered ``SlotsInUse``: their load copy did not stop."""
     late_verdict_misses: int = 0
     """Retrieves answered a miss because a follower may have stopped waiting
     for their verdict (``LeaderRole._verdict_late``)."""
@@ -390,7 +393,11 @@ class LeaderRole:
 
     def _end_copy(self, rid: str, task_id: int, timeout: float) -> KVResponseStatus | None:
         """Wait up to ``timeout`` for the launched ``task_id``; when it is still
-        running, cancel it and wait up to :data:`STOP_WAIT_SECONDS` more.
+        running, cancel it and wait up to ``timeout`` more (at most
+        :data:`STOP_WAIT_SECONDS`): a retrieve's chain of waits (acks, copy, stop)
+        then stays within the call budget (``fanout + 3 x transfer``), so its
+        engine is answered before the server's last resort, also when the copy
+        did not stop.
 
         Returns the terminal status, or None when the copy may still touch the
         engine's slots (the caller must not answer the engine / report the rid
@@ -400,13 +407,14 @@ class LeaderRole:
         if last is not None and last.status not in _RUNNING:
             return last.status
         self.backend.cancel([task_id])
-        last = self.backend.wait([task_id], timeout=STOP_WAIT_SECONDS,
+        stop_wait = min(STOP_WAIT_SECONDS, timeout)
+        last = self.backend.wait([task_id], timeout=stop_wait,
                                  completely=True).get(task_id)
         if last is not None and last.status not in _RUNNING:
             return last.status
         log.error("A copy did not end after its cancel",
                   extra={"group": self.cfg.group, "rid": rid, "task_id": task_id,
-                         "waited_seconds": timeout + STOP_WAIT_SECONDS})
+                         "waited_seconds": timeout + stop_wait})
         return None
 
     def _finish_put(self, t: _Put, ok: bool, wait: bool = True) -> None:
@@ -517,7 +525,10 @@ class LeaderRole:
 
     def retrieve(self, rid: str, slot_mapping: object) -> int:
         """Load the looked-up span into ``slot_mapping`` on every stage; the hit
-        tokens when every stage loaded, else 0 (a miss, never wrong data)."""
+        tokens when every stage loaded, else 0 (a miss, never wrong data).
+        Raises :class:`SlotsStillWrittenError` (after the group's verdict, a miss)
+        when this stage's copy did not stop after its timeout and cancel: it may
+        still write the slots, so the engine must not reuse them."""
         with self._state:
             g = self._gets.get(rid)
             if g is None:
@@ -544,11 +555,13 @@ class LeaderRole:
             raise
         ok = g.acks.wait(self.cfg.fanout_wait_seconds + self.cfg.transfer_seconds)
         ok = ok and self.newer_epoch is None and not self._verdict_late(rid, g)
+        still_writing = False
         if ok:
             try:
                 ids = self.backend.launch([g.task_id], [slots])
-                ok = all(self._end_copy(rid, tid, self.cfg.transfer_seconds)
-                         is KVResponseStatus.SUCCESS for tid in ids)
+                ends = [self._end_copy(rid, tid, self.cfg.transfer_seconds) for tid in ids]
+                still_writing = any(e is None for e in ends)
+                ok = all(e is KVResponseStatus.SUCCESS for e in ends)
             except Exception as exc:
                 log.warning("Leader load failed", extra={"group": self.cfg.group, "rid": rid,
                                                          "error": str(exc)})
@@ -564,6 +577,14 @@ class LeaderRole:
                            refetch=not ok and g.acks.done() and bool(g.acks.failed()))
         if not ok:
             self.counters.retrieve_misses += 1
+        if still_writing:
+            # Not a miss: a miss lets the engine recompute into (or reuse) the slots
+            # this copy may still write.
+            self.counters.loads_still_writing += 1
+            raise SlotsStillWrittenError(
+                rid, f"the leader (pp rank {self.cfg.pp_rank})",
+                f"transfer_seconds={self.cfg.transfer_seconds:g}s, then "
+                f"{min(STOP_WAIT_SECONDS, self.cfg.transfer_seconds):g}s after its cancel")
         return g.hit if ok else 0
 
     def _verdict_late(self, rid: str, g: _Get) -> bool:

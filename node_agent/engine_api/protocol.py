@@ -53,8 +53,11 @@ _DTYPES: Final = {"int64": np.dtype("<i8"), "bool": np.dtype("?")}
 
 #: Error types a reply may carry; the client re-raises the matching Python type.
 ERROR_TYPES: Final = frozenset(
-    {"ValueError", "TimeoutError", "ProtocolError", "NotReady", "KeyError", "InternalError"}
+    {"ValueError", "TimeoutError", "ProtocolError", "NotReady", "KeyError", "InternalError",
+     "SlotsInUse"}
 )
+"""``SlotsInUse``: a ``retrieve`` whose load copy did not stop may still write the
+call's slots; the engine must keep them out of use (docs/agent.md "Call deadlines")."""
 
 
 class ProtocolError(ValueError):

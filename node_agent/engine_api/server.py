@@ -91,6 +91,9 @@ class ErrorSink(Protocol):
 
 
 def _error_type(exc: BaseException) -> str:
+    wire = getattr(exc, "wire_type", None)  # an error that names its own reply type
+    if isinstance(wire, str) and wire in protocol.ERROR_TYPES:
+        return wire
     if isinstance(exc, protocol.ProtocolError):
         return "ProtocolError"
     if isinstance(exc, ValueError | HandleError):

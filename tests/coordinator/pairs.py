@@ -21,6 +21,7 @@ import numpy.typing as npt
 import torch
 
 from node_agent.coordinator import Coordinator
+from node_agent.coordinator.follower import FollowerRole
 from node_agent.metrics import AgentMetrics
 from node_agent.pp.channel import FaultPlan
 from node_agent.pp.group import GroupViewSource
@@ -204,14 +205,24 @@ class InProcessGroup:
         want = kv_content(rank, np.asarray(tokens, dtype=np.int64))[:loaded]
         return bool(np.array_equal(read_slots(self.bufs[rank], sl), want))
 
+    def lookup_everywhere(self, rid: str, tokens: npt.ArrayLike) -> list[int]:
+        """``lookup`` on every stage at once; returns each stage's answer."""
+        return [f.result(30) for f in
+                [self.call(r, lambda c: c.lookup(rid, np.asarray(tokens)))
+                 for r in range(len(self.conns))]]
+
+    def follower(self, rank: int) -> FollowerRole:
+        """Stage ``rank``'s current role, which must be a follower."""
+        role = self.conns[rank]._role
+        assert isinstance(role, FollowerRole), f"stage {rank} is not a follower: {role!r}"
+        return role
+
     def load_everywhere(self, rid: str, tokens: npt.ArrayLike,
                         base_slot: int = 400) -> list[int]:
         """lookup + retrieve on every stage at once; asserts each stage loaded
         its own KV of exactly these tokens; returns the retrieve answers."""
         n = len(np.asarray(tokens))
-        hits = [f.result(30) for f in
-                [self.call(r, lambda c: c.lookup(rid, np.asarray(tokens)))
-                 for r in range(len(self.conns))]]
+        hits = self.lookup_everywhere(rid, tokens)
         assert len(set(hits)) == 1, f"stages disagree on the hit: {hits}"
         dst = np.arange(base_slot, base_slot + hits[0])
         got = [f.result(30) for f in [self.retrieve(r, rid, dst)

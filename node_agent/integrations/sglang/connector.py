@@ -17,7 +17,10 @@ attempt_id)``; the agent sees ``"<rid>:<attempt_id>"``):
   for ``retrieve_kv``. Any failure (no agent, timeout, error) is a miss ``(-1, 0)``.
 * ``retrieve_kv(handle, slot_mapping) -> loaded``: all or nothing. It returns
   ``len(slot_mapping)`` (the held hit) or 0; never a value in between, so SGLang's
-  ``0 < loaded < promised`` ``RuntimeError`` cannot happen.
+  ``0 < loaded < promised`` ``RuntimeError`` cannot happen. One exception,
+  :data:`SLOTS_IN_USE` (-1): the agent's load copy did not stop (a hung device)
+  and may still write the slots; they must never be freed or reused
+  (``FlexKVAgentRadixCache`` keeps them allocated for the process's life).
 * ``release_pending(handle)``: no load will follow; the agent drops the lookup.
 * ``store_kv(handle, token_ids, kv_indices) -> task id | -1``: different lengths
   raise ``ValueError("store_kv: token_ids has N entries but kv_indices has M
@@ -51,11 +54,22 @@ from typing import Any, Protocol, TypeVar, cast
 
 import numpy as np
 
-from node_agent.client import AGENT_ERRORS, AgentHealth, AgentTimeoutError, AgentUnavailableError
+from node_agent.client import (
+    AGENT_ERRORS,
+    AgentHealth,
+    AgentTimeoutError,
+    AgentUnavailableError,
+    SlotsInUseError,
+)
 from node_agent.vocab.layout import KVLayout
 from node_agent.vocab.tokens import int64_array
 
 log = logging.getLogger(__name__)
+
+SLOTS_IN_USE = -1
+"""``retrieve_kv``'s answer when the agent's load copy did not stop after its
+timeout and abort (error type ``SlotsInUse``): it may still write the slots, which
+must never be freed or reused (docs/agent.md "Call deadlines")."""
 T = TypeVar("T")
 
 #: Bound on the ``ping`` that probes a suspended agent before calls resume.
@@ -315,7 +329,9 @@ class AgentKVConnector:
 
         Returns ``len(slot_mapping)`` when every stage of the group loaded, else 0
         (the slots hold garbage and may be freed at once: the agent answered, or
-        the client's timeout, which exceeds the agent's call bound, ran out). With
+        the client's timeout, which exceeds the agent's call bound, ran out), or
+        :data:`SLOTS_IN_USE` when the agent's copy did not stop and may still write
+        the slots: the caller must never free or reuse them. With
         TP, rank 0's slot mapping is used for every TP rank (SGLang's TP ranks
         allocate the same slots)."""
         with self._lock:
@@ -344,6 +360,11 @@ class AgentKVConnector:
         except ValueError as exc:
             self._refused("retrieve", exc)
             return 0
+        except SlotsInUseError as exc:
+            log.error("The agent's load copy may still write the request's slots; they "
+                      "are kept out of use", extra={"rid": rid, "slots": len(slots),
+                                                    "error": str(exc)})
+            return SLOTS_IN_USE
         except AGENT_ERRORS as exc:
             self._degraded("retrieve", exc)
             return 0

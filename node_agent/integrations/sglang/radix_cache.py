@@ -14,7 +14,8 @@ flexkv_radix_cache.py``, synchronous "MP" mode), against
   ``MatchResult.host_hit_length`` and the key is snapshotted for the load.
 * ``init_load_back``: allocates ``host_hit_length`` slots, ``retrieve_kv``; a
   full load becomes a new tree node, anything else frees the slots and loads 0
-  (the connector never returns a partial load).
+  (the connector never returns a partial load), except a load the agent could
+  not stop (``SLOTS_IN_USE``): its slots are never freed (``slots_in_use``).
 * ``checkpoint`` of a finished request: ``store_kv`` of the committed tokens
   that the tree holds after SGLang's own ``checkpoint`` (the slots of its
   matched node: with EAGLE's bigram keys, one token less than committed, cut to
@@ -48,7 +49,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 from sglang.srt.runtime_context import get_spec
 
-from node_agent.integrations.sglang.connector import AgentKVConnector
+from node_agent.integrations.sglang.connector import SLOTS_IN_USE, AgentKVConnector
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ class AgentRadixCache(RadixCache):
         self._held: dict[Hashable, tuple[Any, int]] = {}
         self._store_nodes: dict[Hashable, Any] = {}
         self._nodes_lock = threading.Lock()
+        self.slots_in_use = 0
+        """Slots of loads the agent could not stop: allocated, never freed."""
         self.flexkv_connector = connector_factory(self.token_to_kv_pool_allocator.get_kvcache())
 
     # -- lookup -------------------------------------------------------------------------
@@ -115,6 +118,13 @@ class AgentRadixCache(RadixCache):
             return 0, last_node
         loaded = self.flexkv_connector.retrieve_kv(req.cache_request_handle,
                                                    slots.to(torch.int64))
+        if loaded == SLOTS_IN_USE:
+            # The agent's copy may still write these slots: never free them (they
+            # stay allocated, out of every tree and free list, until the process ends).
+            self.slots_in_use += want
+            log.error("Slots of a load the agent could not stop are kept out of use",
+                      extra={"rid": req.rid, "slots": want, "total": self.slots_in_use})
+            return 0, last_node
         if loaded != want:  # 0: the connector never answers a partial load
             allocator.free(slots)
             return 0, last_node

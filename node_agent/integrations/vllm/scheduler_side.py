@@ -18,7 +18,10 @@ Flow of one request (``rid`` = vLLM's request id):
 * after allocation, a ``retrieve`` into the request's newly allocated blocks runs
   on the load thread; success -> ``finished_recving``; failure -> the blocks are
   sent to the workers, which report them as ``invalid_block_ids`` in the same
-  step their metadata names the rid, and vLLM recomputes them;
+  step their metadata names the rid, and vLLM recomputes them; ``SlotsInUse``
+  (the agent's copy did not stop and may still write the blocks) -> the load is
+  never reported and the blocks are never freed (the request waits until vLLM
+  aborts it; ``request_finished`` then holds its blocks for the engine's life);
 * when it finishes, its computed whole blocks are stored (store thread); the
   blocks stay with the connector (``request_finished`` -> ``(True, None)``) until
   the agent reports the store complete, or failed, or the agent is gone.
@@ -59,6 +62,7 @@ from node_agent.client import (
     AgentHealth,
     EngineClient,
     RankInfo,
+    SlotsInUseError,
     agent_down,
 )
 from node_agent.integrations.vllm.config import AgentConnectorConfig
@@ -167,6 +171,7 @@ class SchedulerSide:
         self._recv_failed: dict[str, list[int]] = {}     # failed, blocks to send to workers
         self._recv_failed_sent: set[str] = set()         # blocks sent, rid to report
         self._storing: set[str] = set()
+        self._quarantined: set[str] = set()              # loads the agent could not stop
         self._sent: set[str] = set()                     # stores done, to report
         self._stage_ops: list[StageOp] = []              # calls for the other PP stages
         self._awaiting: dict[str, tuple[set[int], float]] = {}  # loads the stages still make
@@ -178,6 +183,8 @@ class SchedulerSide:
         self._loads: queue.Queue[_Load | None] = queue.Queue()
         self._load_ended = threading.Event()
         self._stores: queue.Queue[_Store | str | None] = queue.Queue()
+        self._closing = threading.Event()
+        """Set by :meth:`close`: no queued load, store or lookup is started after it."""
         self._threads = [
             threading.Thread(target=self._load_loop, name="flexkv-load", daemon=True),
             threading.Thread(target=self._store_loop, name="flexkv-store", daemon=True),
@@ -275,7 +282,7 @@ class SchedulerSide:
     def _lookup_loop(self) -> None:
         while True:
             job = self._lookup_jobs.get()
-            if job is None:
+            if job is None or self._closing.is_set():
                 return
             rid, ids, local, limit = job
             hit = self._call_lookup(rid, ids, local, limit)
@@ -404,6 +411,9 @@ class SchedulerSide:
             self._lookup_answers.pop(rid, None)
             busy = rid in self._loading
             self._no_lookup.discard(rid)
+            quarantined = rid in self._quarantined
+        if quarantined:
+            return True  # never reported: the agent's copy may still write its blocks
         if busy:
             self._stores.put(rid)  # release (cancels the load if it has not started)
             return False  # its blocks are held by the load until it is reported
@@ -424,13 +434,16 @@ class SchedulerSide:
     def _load_loop(self) -> None:
         while True:
             job = self._loads.get()
-            if job is None:
+            if job is None or self._closing.is_set():
                 return
             ok = False
             try:
                 loaded = self._load_client.retrieve(job.rid, job.slots)
                 ok = loaded == len(job.slots)
                 self.health.succeeded()
+            except SlotsInUseError as exc:
+                self._quarantine(job, exc)
+                continue
             except AGENT_ERRORS as exc:
                 self.health.failed("retrieve", exc)
             except Exception as exc:
@@ -448,6 +461,21 @@ class SchedulerSide:
             else:
                 self._count(load_failures=1)
 
+    def _quarantine(self, job: _Load, exc: SlotsInUseError) -> None:
+        """The agent's copy of ``job`` did not stop and may still write its blocks:
+        they must never be recomputed into nor given to another request. The load
+        is never reported (the request waits until vLLM aborts it) and
+        :meth:`finished` holds its blocks for the engine's life."""
+        log.error("FlexKV load of %s could not be stopped by the agent; its %s blocks "
+                  "are kept out of use for the engine's life: %s", job.rid,
+                  len(job.blocks), exc)
+        with self._lock:
+            self._quarantined.add(job.rid)
+            self._loading.discard(job.rid)
+            self._awaiting.pop(job.rid, None)
+        self._count(load_failures=1)
+        self._load_ended.set()
+
     def _store_loop(self) -> None:
         inflight: dict[str, _Store] = {}
         while True:
@@ -455,7 +483,7 @@ class SchedulerSide:
                 job = self._stores.get(timeout=POLL_SECONDS if inflight else None)
             except queue.Empty:
                 job = ""
-            if job is None:
+            if job is None or self._closing.is_set():
                 return
             if isinstance(job, _Store):
                 self._start_store(job, inflight)
@@ -542,10 +570,18 @@ class SchedulerSide:
         return out
 
     def close(self) -> None:
-        """Stop the threads (bounded) and close the sockets."""
-        self._loads.put(None)
-        self._stores.put(None)
-        self._lookup_jobs.put(None)
+        """Stop the threads (bounded by the call each one is making) and close the
+        sockets. Queued loads, stores, releases and lookups are dropped, never made:
+        vLLM shuts its workers down (freeing their KV caches) before it shuts the
+        scheduler's connector down, so a load or store started now would write or
+        read memory the engine no longer owns (a store would publish whatever it
+        read as the prompt's KV). A call already in flight still ends; the agent
+        forgets the dropped rids' matches after ``unlaunchedMatchSeconds``."""
+        self._closing.set()
+        for q in (self._loads, self._stores, self._lookup_jobs):
+            with q.mutex:
+                q.queue.clear()
+            q.put(None)
         self.health.close()
         for t in self._threads:
             t.join(timeout=self.cfg.call_timeout_seconds)
