@@ -70,6 +70,8 @@ log = logging.getLogger(__name__)
 STORE_GIVE_UP_SECONDS = 120.0
 #: Longest wait of an empty engine step for a load to end (see ``idle_wait``).
 IDLE_WAIT_SECONDS = 0.005
+#: Longest wait of ``after_alloc`` for an idle load thread to take a new load.
+LOAD_HANDOFF_SECONDS = 0.002
 #: Poll period of the store thread while stores are in flight.
 POLL_SECONDS = 0.005
 #: A waiting request's lookup is answered again without a call for this long; then
@@ -177,6 +179,10 @@ class SchedulerSide:
         self._lookup_jobs: queue.Queue[tuple[str, np.ndarray, int, int] | None] = queue.Queue()
         self._loads: queue.Queue[_Load | None] = queue.Queue()
         self._load_ended = threading.Event()
+        self._load_taken = threading.Event()
+        self._load_idle = False
+        """The load thread waits for a job (set and read without the lock: a stale
+        value only costs or saves one bounded hand-off wait)."""
         self._stores: queue.Queue[_Store | str | None] = queue.Queue()
         self._threads = [
             threading.Thread(target=self._load_loop, name="flexkv-load", daemon=True),
@@ -320,7 +326,13 @@ class SchedulerSide:
                 deadline = time.monotonic() + 2 * self.cfg.call_timeout_seconds
                 self._awaiting[rid] = (set(range(1, self.pp_size)), deadline)
         self._mirror(StageOp("retrieve", rid, blocks=tuple(blocks)))
+        handoff = self._load_idle
+        self._load_taken.clear()
         self._loads.put(_Load(rid, blocks, block_slots(blocks, bs)))
+        if handoff:
+            # Let the idle load thread take the GIL and send the call now, not once
+            # vLLM's step (Python, holding the GIL) lets go of it.
+            self._load_taken.wait(LOAD_HANDOFF_SECONDS)
 
     # -- per step --------------------------------------------------------------
 
@@ -347,9 +359,12 @@ class SchedulerSide:
                 self._stage_ops.append(op)
 
     def idle_wait(self, seconds: float = IDLE_WAIT_SECONDS) -> None:
-        """Called on a step that schedules nothing: while loads are in flight, wait
-        up to ``seconds`` for one to end instead of letting vLLM spin empty steps,
-        which on a small machine take the CPU the agent's copy needs."""
+        """Called once a step that scheduled nothing has run, before its completions
+        are taken: while loads are in flight, wait up to ``seconds`` for one to end
+        instead of letting vLLM spin empty steps, which on a small machine take the
+        CPU the agent's copy needs. Waiting after the step rather than before it
+        lets the step's own work overlap the copy, and a load ending in the wait is
+        reported by that same step (:meth:`completions`), not by the next one."""
         with self._lock:
             waiting = ((bool(self._loading) or bool(self._lookup_asked))
                        and not self._recv_ok and not self._recv_failed)
@@ -423,7 +438,10 @@ class SchedulerSide:
 
     def _load_loop(self) -> None:
         while True:
+            self._load_idle = True
             job = self._loads.get()
+            self._load_idle = False
+            self._load_taken.set()
             if job is None:
                 return
             ok = False
