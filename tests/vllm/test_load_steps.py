@@ -8,17 +8,13 @@ request waits for a load, each step schedules nothing and the connector waits in
 from __future__ import annotations
 
 import asyncio
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 
 from node_agent.client import EngineClient, RankInfo, SharedKVBuffers
 from node_agent.integrations.vllm.config import AgentConnectorConfig
-from node_agent.integrations.vllm.scheduler_side import SchedulerSide, block_slots
+from node_agent.integrations.vllm.scheduler_side import SchedulerSide
 from tests.agent.harness import (
     LAYOUT,
     NUM_SLOTS,
@@ -26,34 +22,14 @@ from tests.agent.harness import (
     agent_mapping,
     cfg_of,
     running_agent,
-    short_dir,
     wait_http,
 )
 from tests.support.waiting import wait_for_async
+from tests.vllm.test_pp_stage_calls import PROMPT, REPLICA, SRC_BLOCKS, _all, _fill, work
+
+__all__ = ["work"]  # the fixture, shared with the PP module
 
 pytestmark = pytest.mark.timeout(180)
-REPLICA = "rep"
-PROMPT = [int(t) for t in np.arange(900, 900 + 4 * TPB + 1)]  # 4 whole blocks + 1 token
-SRC_BLOCKS = [1, 2, 3, 4]
-
-
-@pytest.fixture()
-def work() -> Iterator[Path]:
-    d = short_dir("loadsteps")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-def _fill(bufs: SharedKVBuffers, blocks: list[int], value: float) -> None:
-    slots = torch.as_tensor(block_slots(blocks, TPB))
-    for group in bufs.tensors:
-        for t in group:
-            t[slots] = value
-
-
-def _all(bufs: SharedKVBuffers, blocks: list[int], value: float) -> bool:
-    slots = torch.as_tensor(block_slots(blocks, TPB))
-    return all(bool(torch.all(t[slots] == value)) for g in bufs.tensors for t in g)
 
 
 async def test_a_load_ending_in_an_empty_steps_wait_is_reported_by_that_step(
