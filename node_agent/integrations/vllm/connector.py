@@ -196,6 +196,8 @@ class FlexKVAgentConnector(KVConnectorBase_V1):
         self._alloc: SharedKVAllocation | None = None
         self._stage: StageCaller | None = None
         self._pp_rank = 0
+        self._empty_step = False
+        """The last step :meth:`build_connector_meta` built scheduled no tokens."""
         if role == KVConnectorRole.SCHEDULER:
             self._check_agent_present()
             self._sched = SchedulerSide(self.cfg, self.block_size, self.tp_size,
@@ -316,8 +318,10 @@ class FlexKVAgentConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._sched is not None
-        if not getattr(scheduler_output, "total_num_scheduled_tokens", 1):
-            self._sched.idle_wait()
+        # A step that schedules nothing waits for a load to end once it ran (in
+        # update_connector_output): the step's own work overlaps the copy, and a
+        # load that ends in the wait is reported in the same step.
+        self._empty_step = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
         report = self._sched.step_report()
         return AgentConnectorMetadata(pending=report.pending, failed=report.failed,
                                       stage_ops=self._sched.take_stage_ops())
@@ -329,6 +333,9 @@ class FlexKVAgentConnector(KVConnectorBase_V1):
         ended: set[tuple[int, str]] = set()
         if isinstance(worker_meta, AgentWorkerMetadata):
             echoed, ended = worker_meta.failed_rids, worker_meta.loads_ended
+        if self._empty_step:
+            self._empty_step = False
+            self._sched.idle_wait()
         recv, sent = self._sched.completions(set(echoed), ended)
         if recv:
             connector_output.finished_recving = set(connector_output.finished_recving or ()) | recv

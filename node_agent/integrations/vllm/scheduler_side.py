@@ -354,9 +354,12 @@ class SchedulerSide:
                 self._stage_ops.append(op)
 
     def idle_wait(self, seconds: float = IDLE_WAIT_SECONDS) -> None:
-        """Called on a step that schedules nothing: while loads are in flight, wait
-        up to ``seconds`` for one to end instead of letting vLLM spin empty steps,
-        which on a small machine take the CPU the agent's copy needs."""
+        """Called once a step that scheduled nothing has run, before its completions
+        are taken: while loads are in flight, wait up to ``seconds`` for one to end
+        instead of letting vLLM spin empty steps, which on a small machine take the
+        CPU the agent's copy needs. Waiting after the step rather than before it
+        lets the step's own work overlap the copy, and a load ending in the wait is
+        reported by that same step (:meth:`completions`), not by the next one."""
         with self._lock:
             waiting = ((bool(self._loading) or bool(self._lookup_asked))
                        and not self._recv_ok and not self._recv_failed)
