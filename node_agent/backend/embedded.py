@@ -51,7 +51,7 @@ from node_agent.backend.planes import RegisteredBuffers, register_buffers
 from node_agent.backend.remote.keys import block_digest
 from node_agent.backend.remote.tier import RemoteTier
 from node_agent.backend.replication import ReplicatedBackend
-from node_agent.backend.slots import validate_slot_mapping
+from node_agent.backend.slots import launch_slots
 from node_agent.backend.ssd_format import DROP_REASONS
 from node_agent.backend.ssd_recovery import Recovery, RecoveryStopped
 from node_agent.backend.ssd_tier import SsdTier
@@ -760,7 +760,7 @@ class EmbeddedBackend(ReplicatedBackend):
             slots = []
             for t, mapping in zip(tasks, slot_mappings, strict=True):
                 assert t.mask is not None
-                slots.append(validate_slot_mapping(
+                slots.append(launch_slots(
                     mapping, int(t.mask.sum()), num_slots, f"slot mapping of task {t.id}"
                 ))
             if len(slots) > 1:
