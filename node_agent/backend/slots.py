@@ -71,8 +71,10 @@ class CheckedSlots(np.ndarray):
 
     Only :meth:`of` and :meth:`select` make a checked one: every other array numpy
     derives from it (a slice, fancy indexing that may repeat a slot, arithmetic)
-    is an unchecked instance, validated in full like any array. The array must
-    not be written to after :meth:`of` (nothing in the agent does)."""
+    is an unchecked instance, validated in full like any array. A checked array
+    owns its memory (:meth:`of` copies), so a caller that changes its own slot
+    array after the check (say, while a retrieve waits for the followers) cannot
+    change what is launched; nothing in the agent writes to a checked one."""
 
     checked: bool = False
     hi: int = -1
@@ -83,8 +85,9 @@ class CheckedSlots(np.ndarray):
 
     @classmethod
     def of(cls, validated: torch.Tensor) -> CheckedSlots:
-        """The output of :func:`validate_slot_mapping` (no copy)."""
-        out = validated.numpy().view(cls)
+        """A copy of the output of :func:`validate_slot_mapping` (which may share
+        the caller's memory), checked."""
+        out = validated.numpy().copy().view(cls)
         out.checked = True
         out.hi = int(out.max()) if len(out) else -1
         return out
@@ -93,6 +96,7 @@ class CheckedSlots(np.ndarray):
         """The slots where the bool ``mask`` (one flag per slot) is True, still
         checked: a subset of distinct, in-range slots is distinct and in range.
         Unchecked when this one is (or ``mask`` is not such a mask)."""
+        mask = np.asarray(mask)
         out = np.ndarray.__getitem__(self, mask).view(CheckedSlots)
         if self.checked and mask.dtype == np.bool_ and mask.shape == self.shape:
             out.checked, out.hi = True, self.hi

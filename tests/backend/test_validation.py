@@ -205,3 +205,10 @@ def test_a_launch_of_checked_slots_still_checks_count_range_and_derived_arrays(
         assert b.wait([w])[w].status is KVResponseStatus.SUCCESS
     finally:
         b.shutdown()
+
+
+def test_checked_slots_own_their_memory() -> None:
+    mine = np.arange(2 * TPB, dtype=np.int64)
+    c = _checked(mine)
+    mine[:] = 0  # the caller reuses its array after the check
+    assert c.tolist() == list(range(2 * TPB))
