@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -51,7 +51,7 @@ from node_agent.backend.planes import RegisteredBuffers, register_buffers
 from node_agent.backend.remote.keys import block_digest
 from node_agent.backend.remote.tier import RemoteTier
 from node_agent.backend.replication import ReplicatedBackend
-from node_agent.backend.slots import validate_slot_mapping
+from node_agent.backend.slots import launch_slots
 from node_agent.backend.ssd_format import DROP_REASONS
 from node_agent.backend.ssd_recovery import Recovery, RecoveryStopped
 from node_agent.backend.ssd_tier import SsdTier
@@ -148,6 +148,8 @@ class EmbeddedBackend(ReplicatedBackend):
         self._stopping = threading.Event()
         self._closed = False
         self._listeners: dict[int, Callable[[], None]] = {}
+        self._children: dict[tuple[object, ...], Any] = {}
+        """Labelled metric children by (metric, label values) (:meth:`_child`)."""
         # Several stages on these tiers (node_agent.backend.shared): tenant -> the
         # replica it serves, and per tenant its lookups, hits and hits on blocks
         # another replica stored.
@@ -487,9 +489,10 @@ class EmbeddedBackend(ReplicatedBackend):
                 self._count_tenant_hits_locked(tenant, span, on_ssd)
             if self._metrics is not None:
                 if on_ssd:
-                    self._metrics.hit_tokens.labels(tier="ssd").inc(on_ssd * tpb)
+                    self._child(self._metrics.hit_tokens, tier="ssd").inc(on_ssd * tpb)
                 if len(locs) - on_ssd:
-                    self._metrics.hit_tokens.labels(tier="cpu").inc((len(locs) - on_ssd) * tpb)
+                    self._child(self._metrics.hit_tokens, tier="cpu").inc(
+                        (len(locs) - on_ssd) * tpb)
             task = self._new_task_locked(
                 Direction.LOAD, span_mask(len(tokens), first * tpb, last * tpb), span,
                 TransferPlan(Direction.LOAD, locs), tenant,
@@ -760,7 +763,7 @@ class EmbeddedBackend(ReplicatedBackend):
             slots = []
             for t, mapping in zip(tasks, slot_mappings, strict=True):
                 assert t.mask is not None
-                slots.append(validate_slot_mapping(
+                slots.append(launch_slots(
                     mapping, int(t.mask.sum()), num_slots, f"slot mapping of task {t.id}"
                 ))
             if len(slots) > 1:
@@ -1128,7 +1131,7 @@ class EmbeddedBackend(ReplicatedBackend):
         if self._metrics is not None:
             for m in moves:
                 if m.dst is None or m.dst.tier is not Tier.REMOTE:
-                    self._metrics.evictions.labels(tier=m.src.tier.value).inc()
+                    self._child(self._metrics.evictions, tier=m.src.tier.value).inc()
 
     def _run(self, task: Task, slots: torch.Tensor) -> None:
         """Worker: run one task's copy, then record its outcome.
@@ -1165,13 +1168,15 @@ class EmbeddedBackend(ReplicatedBackend):
                 log.exception("Completion listener failed", extra={"task_id": task.id})
         if self._metrics is not None and task.plan is not None:
             d = task.plan.direction.value
-            self._metrics.transfer_seconds.labels(direction=d).observe(time.perf_counter() - t0)
+            self._child(self._metrics.transfer_seconds, direction=d).observe(
+                time.perf_counter() - t0)
             if status is KVResponseStatus.SUCCESS:
                 bpb = self.config.layout.bytes_per_block
                 for tier in (Tier.CPU, Tier.SSD):
                     k = sum(1 for b in task.plan.blocks if b.tier is tier)
                     if k:
-                        self._metrics.transfer_bytes.labels(direction=d, tier=tier.value).inc(
+                        self._child(self._metrics.transfer_bytes, direction=d,
+                                    tier=tier.value).inc(
                             k * bpb)
 
     def _finish_locked(self, task: Task, status: KVResponseStatus, error: str | None) -> None:
@@ -1271,7 +1276,17 @@ class EmbeddedBackend(ReplicatedBackend):
 
     def _observe_match(self, op: str, t0: float) -> None:
         if self._metrics is not None:
-            self._metrics.match_seconds.labels(op=op).observe(time.perf_counter() - t0)
+            self._child(self._metrics.match_seconds, op=op).observe(time.perf_counter() - t0)
+
+    def _child(self, metric: Any, **labels: str) -> Any:
+        """``metric.labels(**labels)``, kept: prometheus_client's ``labels`` takes a
+        lock and validates the names on every call (about 3-10 us), too much for
+        every match and copy. The agent never removes these label sets."""
+        key = (id(metric), *labels.values())
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(**labels)
+        return child
 
     def _count_spill_failures_locked(self) -> None:
         """Add the index's new spill failures (SSD writes that failed; the block was

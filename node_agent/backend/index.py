@@ -60,7 +60,7 @@ import numpy.typing as npt
 
 from node_agent.backend.block_ring import BlockRing
 from node_agent.backend.key_table import ZERO_STANDIN, Keys, KeyTable, as_keys
-from node_agent.vocab.placement import BlockLocation, Tier, TierMove
+from node_agent.vocab.placement import BlockLocation, Tier, TierMove, block_locations
 
 log = logging.getLogger(__name__)
 
@@ -216,9 +216,9 @@ class BlockIndex:
         tiers = self._tier.take(ids)
         if tiers.any():
             flat += tiers.astype(np.int64) * self.capacity[Tier.CPU]
-        if not self._made.take(flat).all():
-            for k in flat.tolist():
-                self._location(k)
+        made = self._made.take(flat)
+        if not made.all():
+            self._make_locations(flat[~made])
         keys = flat.tolist()
         if len(keys) == 1:
             loc = self._locs[keys[0]]
@@ -600,6 +600,20 @@ class BlockIndex:
             self._locs[flat] = loc
             self._made[flat] = True
         return loc
+
+    def _make_locations(self, flat: NodeIds) -> None:
+        """Build and cache the location of each flat block number of ``flat``
+        (CPU blocks, then SSD blocks, as :meth:`_location` numbers them) at once."""
+        cpu = self.capacity[Tier.CPU]
+        ssd = flat >= cpu
+        for tier, sel in ((Tier.CPU, flat[~ssd]), (Tier.SSD, flat[ssd])):
+            if not len(sel):
+                continue
+            ks = sel.tolist()
+            base = 0 if tier is Tier.CPU else cpu
+            for k, loc in zip(ks, block_locations(tier, [k - base for k in ks]), strict=True):
+                self._locs[k] = loc
+        self._made[flat] = True
 
     def _evict_one(self, tier: Tier, moves: list[TierMove]) -> bool:
         """Free one block of ``tier``; False when every block there is pinned or interior."""

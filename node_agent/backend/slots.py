@@ -63,6 +63,56 @@ def validate_slot_mapping(
     return torch.from_numpy(np.ascontiguousarray(arr))
 
 
+class CheckedSlots(np.ndarray):
+    """A 1-D int64 slot mapping that :func:`validate_slot_mapping` accepted (non-negative,
+    no slot twice) and that holds no slot above :attr:`hi`, so a later launch of it
+    only checks its count and ``hi`` against the registered buffers
+    (:func:`launch_slots`) instead of validating it again.
+
+    Only :meth:`of` and :meth:`select` make a checked one: every other array numpy
+    derives from it (a slice, fancy indexing that may repeat a slot, arithmetic)
+    is an unchecked instance, validated in full like any array. A checked array
+    owns its memory (:meth:`of` copies), so a caller that changes its own slot
+    array after the check (say, while a retrieve waits for the followers) cannot
+    change what is launched; nothing in the agent writes to a checked one."""
+
+    checked: bool = False
+    hi: int = -1
+
+    def __array_finalize__(self, obj: object) -> None:
+        self.checked = False
+        self.hi = -1
+
+    @classmethod
+    def of(cls, validated: torch.Tensor) -> CheckedSlots:
+        """A copy of the output of :func:`validate_slot_mapping` (which may share
+        the caller's memory), checked."""
+        out = validated.numpy().copy().view(cls)
+        out.checked = True
+        out.hi = int(out.max()) if len(out) else -1
+        return out
+
+    def select(self, mask: np.ndarray) -> CheckedSlots:
+        """The slots where the bool ``mask`` (one flag per slot) is True, still
+        checked: a subset of distinct, in-range slots is distinct and in range.
+        Unchecked when this one is (or ``mask`` is not such a mask)."""
+        mask = np.asarray(mask)
+        out = np.ndarray.__getitem__(self, mask).view(CheckedSlots)
+        if self.checked and mask.dtype == np.bool_ and mask.shape == self.shape:
+            out.checked, out.hi = True, self.hi
+        return out
+
+
+def launch_slots(value: object, expected_len: int, num_slots: int,
+                 what: str = "slot_mapping") -> torch.Tensor:
+    """:func:`validate_slot_mapping`, but a :class:`CheckedSlots` (validated
+    already) is only checked for its count and its largest slot."""
+    if isinstance(value, CheckedSlots) and value.checked and len(value) == expected_len \
+            and value.hi < num_slots and value.ndim == 1:
+        return torch.from_numpy(np.ascontiguousarray(value, dtype=np.int64))
+    return validate_slot_mapping(value, expected_len, num_slots, what)
+
+
 _BITMAP_SPREAD = 64
 """Largest (max - min + 1) / entries for which :func:`_distinct` uses a bitmap."""
 

@@ -19,7 +19,7 @@ from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.cpu_tier import CpuTier
 from node_agent.backend.planes import RegisteredBuffers, register_buffers
 from node_agent.backend.replication import CopyStillRunningError, StageStore
-from node_agent.backend.slots import validate_slot_mapping
+from node_agent.backend.slots import launch_slots
 from node_agent.backend.ssd_format import HASH_BYTES, tier_identity
 from node_agent.backend.ssd_tier import SsdTier
 from node_agent.backend.transfer import BlockCopier
@@ -201,7 +201,7 @@ class TierStore(StageStore):
         :class:`~.replication.CopyStillRunningError`."""
         deadline = time.monotonic() + timeout
         self.check_plan(plan)
-        slots = validate_slot_mapping(
+        slots = launch_slots(
             slot_mapping, len(plan.blocks) * self.layout.tokens_per_block, self.num_slots()
         )
         self._await_fences(plan.blocks, deadline)

@@ -316,7 +316,7 @@ class FollowerRole:
                 # Registered before the copy: a RESULT that ends the task while
                 # the copy runs reports the rid (after its fence waited for it).
                 self._stored[key] = rid
-            error = self._execute(key, gen, d, inp.slots[d.mask])
+            error = self._execute(key, gen, d, inp.slots.select(d.mask))
         if error is None and gen != self._gen:
             error = "the stream was reset or resynced while the copy ran"
         with self._state:

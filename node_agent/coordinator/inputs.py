@@ -29,7 +29,7 @@ import torch
 import xxhash
 
 from node_agent.backend.inputs import mask_span
-from node_agent.backend.slots import check_whole_pages, validate_slot_mapping
+from node_agent.backend.slots import CheckedSlots, check_whole_pages, validate_slot_mapping
 from node_agent.vocab.tokens import holds_bool, int64_array
 
 IntArray = npt.NDArray[np.int64]
@@ -157,7 +157,9 @@ class StoreInput:
     """A validated, page-aligned store request (``aligned`` tokens, maybe 0)."""
 
     tokens: IntArray
-    slots: IntArray
+    slots: CheckedSlots
+    """Validated: a launch of them (or of a :meth:`CheckedSlots.select`) skips a
+    second validation."""
     digest: int
 
     @property
@@ -187,13 +189,14 @@ def prepare_store(
         raise ValueError(f"store_kv: token_ids has {n} entries but kv_indices has {m} entries")
     aligned = (n // tokens_per_block) * tokens_per_block
     if aligned == 0:
-        return StoreInput(tokens[:0], np.zeros(0, dtype=np.int64), token_digest(tokens[:0]))
+        return StoreInput(tokens[:0], CheckedSlots.of(torch.zeros(0, dtype=torch.int64)),
+                          token_digest(tokens[:0]))
     idx = kv_indices if isinstance(kv_indices, torch.Tensor) else \
         _as_array(kv_indices, "store_kv: kv_indices")
-    slots = validate_slot_mapping(
+    slots = CheckedSlots.of(validate_slot_mapping(
         idx[:aligned], aligned, num_slots if num_slots is not None else 1 << 62,
         what="store_kv: kv_indices",
-    ).numpy()
+    ))
     if whole_pages is not None:
         check_whole_pages(slots, whole_pages, "store_kv: kv_indices")
     return StoreInput(tokens[:aligned], slots, token_digest(tokens[:aligned]))
@@ -205,13 +208,14 @@ def prepare_slots(
     expected: int,
     num_slots: int | None,
     whole_pages: int | None = None,
-) -> IntArray:
+) -> CheckedSlots:
     """Validate a ``retrieve`` slot mapping: one slot per hit token (whole,
-    aligned pages of ``whole_pages`` slots when set)."""
-    slots = validate_slot_mapping(
+    aligned pages of ``whole_pages`` slots when set); a launch of the answer
+    skips a second validation."""
+    slots = CheckedSlots.of(validate_slot_mapping(
         slot_mapping, expected, num_slots if num_slots is not None else 1 << 62,
         what="retrieve: slot_mapping",
-    ).numpy()
+    ))
     if whole_pages is not None:
         check_whole_pages(slots, whole_pages, "retrieve: slot_mapping")
     return slots

@@ -291,7 +291,7 @@ class LeaderRole:
                                                                  plan, inp.digest,
                                                                  cache_epoch=epoch))
         try:
-            self.backend.launch([task_id], [inp.slots[mask]])
+            self.backend.launch([task_id], [inp.slots.select(mask)])
         except Exception as exc:
             self.counters.manager_errors += 1
             log.warning("Leader launch failed, the store will be discarded",

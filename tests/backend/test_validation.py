@@ -9,6 +9,7 @@ import torch
 from node_agent.backend.base import KVResponseStatus
 from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.embedded import EmbeddedBackend
+from node_agent.backend.slots import CheckedSlots, validate_slot_mapping
 from tests.backend.backend_helpers import TPB, config, small_layout, started, store, tokens
 
 
@@ -164,3 +165,50 @@ def test_wait_refuses_a_task_id_that_is_not_an_integer(bad: object) -> None:
         b.cancel([tid])
     finally:
         b.shutdown()
+
+
+def _checked(values: np.ndarray) -> CheckedSlots:
+    return CheckedSlots.of(validate_slot_mapping(values, len(values), 1 << 20))
+
+
+def test_checked_slots_stay_checked_only_through_a_bool_selection() -> None:
+    c = _checked(np.arange(100, 100 + 2 * TPB, dtype=np.int64))
+    assert c.checked and c.hi == 100 + 2 * TPB - 1
+    mask = np.zeros(2 * TPB, dtype=bool)
+    mask[TPB:] = True
+    sub = c.select(mask)
+    assert sub.checked and sub.tolist() == list(range(100 + TPB, 100 + 2 * TPB))
+    # Anything else numpy derives may repeat or move a slot: validated in full again.
+    assert not c[[0, 0]].checked
+    assert not (c + 1).checked
+    assert not c[TPB:].checked
+    assert not c.select(np.arange(TPB)).checked  # an index array, not a bool mask
+
+
+@pytest.mark.parametrize(("mapping", "needle"), [
+    (_checked(np.arange(60, 60 + 2 * TPB, dtype=np.int64)),
+     "outside the registered buffers' 64 slots"),
+    (_checked(np.arange(2 * TPB + 1, dtype=np.int64)), f"has {2 * TPB + 1} entries"),
+    (_checked(np.arange(2 * TPB, dtype=np.int64))[[0] * (2 * TPB)], f"slot 0 {2 * TPB} times"),
+])
+def test_a_launch_of_checked_slots_still_checks_count_range_and_derived_arrays(
+    mapping: np.ndarray, needle: str
+) -> None:
+    b, [bufs] = started(config(small_layout(), cpu_blocks=16), num_slots=64)
+    try:
+        tid, _ = b.put_match(tokens(2 * TPB))
+        before = _snapshot(b, bufs)
+        with pytest.raises(ValueError, match=needle):
+            b.launch([tid], [mapping])
+        assert _same(before, _snapshot(b, bufs))
+        [w] = b.launch([tid], [_checked(GOOD)])  # a checked mapping in range launches
+        assert b.wait([w])[w].status is KVResponseStatus.SUCCESS
+    finally:
+        b.shutdown()
+
+
+def test_checked_slots_own_their_memory() -> None:
+    mine = np.arange(2 * TPB, dtype=np.int64)
+    c = _checked(mine)
+    mine[:] = 0  # the caller reuses its array after the check
+    assert c.tolist() == list(range(2 * TPB))
