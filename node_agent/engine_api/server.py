@@ -16,7 +16,10 @@ waits end every call inside ``engineCallSeconds`` (:mod:`.budget`);
 ``call_timeout`` is a last resort behind them (``engineCallSeconds`` plus a
 margin): when it runs out the engine gets a ``TimeoutError`` reply and the
 overrun is logged as an internal error, because the worker thread cannot be
-stopped and may still touch the slots. A malformed message of any kind gets an
+stopped and may still touch the slots. A ``retrieve`` whose worker still runs
+then (or at shutdown) is answered ``SlotsInUse`` instead (a timeout is a miss to
+the engine, which would recompute into the slots that worker may still write),
+and a call answered before a worker took it is never run. A malformed message of any kind gets an
 error reply (with the request id when it could be read) and the server keeps
 serving.
 
@@ -83,6 +86,13 @@ class _Overran(Exception):
         )
 
 
+def _still_writing(op: str, why: str) -> str:
+    """The ``SlotsInUse`` message of a slot-writing call answered while it runs."""
+    return (f"{op} {why} and its worker still runs: it may still write the call's slots; "
+            "keep them out of use (never recompute into them nor reuse them) until the "
+            "agent restarts, and report this agent bug")
+
+
 class ErrorSink(Protocol):
     """Where the server reports request failures (the agent's recent-error log)."""
 
@@ -136,10 +146,21 @@ class _Waiting:
         self.parked = parked
 
 
-class _Call:
-    """One request being served: who asked, what, and when it must be answered."""
+_WRITES_SLOTS: frozenset[str] = frozenset({"retrieve"})
+"""Ops whose worker writes the engine's slots: answered ``SlotsInUse``, never a
+timeout (which engines read as a miss), when the server answers while it runs."""
 
-    __slots__ = ("deadline", "ident", "op", "req_id", "start")
+
+class _Call:
+    """One request being served: who asked, what, and when it must be answered.
+
+    ``started`` (a worker runs the service) and ``answered`` (the I/O thread
+    answered without the worker's result: last resort or shutdown) change only
+    under the server's claim lock, so exactly one of them wins: a call answered
+    before a worker took it is never run, and one answered while it runs is
+    known to be running (:meth:`EngineServer._settle`)."""
+
+    __slots__ = ("answered", "deadline", "ident", "op", "req_id", "start", "started")
 
     def __init__(self, ident: bytes, op: str, req_id: int | None, start: float,
                  deadline: float) -> None:
@@ -148,6 +169,8 @@ class _Call:
         self.req_id = req_id
         self.start = start
         self.deadline = deadline
+        self.started = False
+        self.answered = False
 
 
 class EngineServer:
@@ -199,6 +222,8 @@ class EngineServer:
         self._thread: threading.Thread | None = None
         self._calls: dict[int, _Call] = {}
         """Calls handed to a worker and not answered yet, by a server-local key."""
+        self._claim = threading.Lock()
+        """Guards every ``_Call.started`` / ``_Call.answered`` change."""
         self._keys = itertools.count()
         self._done: deque[tuple[int, list[bytes], str]] = deque()
         """(call key, reply frames, outcome) from workers, sent by the I/O thread."""
@@ -344,12 +369,21 @@ class EngineServer:
             self._answer_waiting()
             return
         key = next(self._keys)
-        self._calls[key] = _Call(ident, req.op, req.id, start,
-                                 time.monotonic() + self._timeout)
-        self._pool.submit(self._work, key, req)
+        call = _Call(ident, req.op, req.id, start, time.monotonic() + self._timeout)
+        self._calls[key] = call
+        self._pool.submit(self._work, key, call, req)
 
-    def _work(self, key: int, req: protocol.Request) -> None:
-        """Worker thread: run the service, queue the reply, wake the I/O thread."""
+    def _work(self, key: int, call: _Call, req: protocol.Request) -> None:
+        """Worker thread: run the service, queue the reply, wake the I/O thread.
+        A call the server answered before this worker took it (its last resort ran
+        out while it was queued) is never run: its engine was told it failed and may
+        have reused the call's slots."""
+        with self._claim:
+            if call.answered:
+                log.warning("Engine call answered before a worker took it; not run",
+                            extra={"op": req.op, "request_id": req.id})
+                return
+            call.started = True
         try:
             reply, outcome = protocol.encode_reply(req.id, self._service(req)), "ok"
         except Exception as exc:
@@ -398,12 +432,28 @@ class EngineServer:
             call = self._calls.pop(key)
             # The connector's own waits should have ended the call first: its worker
             # thread still runs, so this answer cannot promise the slots are idle.
+            running = self._settle(call)
             msg = str(_Overran(call.op, self._timeout))
             self._record(call.op, "InternalError", msg)
             log.error("Engine call overran the server's last-resort bound", extra={
-                "op": call.op, "request_id": call.req_id, "timeout_seconds": self._timeout})
-            self._finish(call.ident, call.op, call.req_id, call.start,
-                         protocol.encode_error(call.req_id, "TimeoutError", msg), "timeout")
+                "op": call.op, "request_id": call.req_id, "timeout_seconds": self._timeout,
+                "running": running})
+            if running and call.op in _WRITES_SLOTS:
+                # A timeout is a miss to the engine, which then recomputes into (or
+                # frees) the slots this worker may still write.
+                reply = protocol.encode_error(call.req_id, "SlotsInUse", _still_writing(
+                    call.op, f"did not finish within {self._timeout:g}s (engineCallSeconds "
+                             "plus margin)"))
+            else:
+                reply = protocol.encode_error(call.req_id, "TimeoutError", msg)
+            self._finish(call.ident, call.op, call.req_id, call.start, reply, "timeout")
+
+    def _settle(self, call: _Call) -> bool:
+        """Mark ``call`` answered by the server itself; True when a worker already
+        runs it (it may still touch the slots), False when none will."""
+        with self._claim:
+            call.answered = True
+            return call.started
 
     def _answer_cut_short(self) -> None:
         """Shutdown cut the remaining calls short: still tell their engines."""
@@ -413,6 +463,10 @@ class EngineServer:
         if calls:
             log.warning("Engine calls cut short by shutdown", extra={"count": len(calls)})
         for call in calls:
+            if self._settle(call) and call.op in _WRITES_SLOTS:
+                self._send(call.ident, protocol.encode_error(call.req_id, "SlotsInUse",
+                           _still_writing(call.op, "was cut short by the agent's shutdown")))
+                continue
             self._send(call.ident, protocol.encode_error(
                 call.req_id, "NotReady", "agent is shutting down; retry after restart"))
 

@@ -14,12 +14,14 @@ import shutil
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
 from node_agent.client import EngineClient, RankInfo, SharedKVBuffers
+from node_agent.coordinator.follower import FollowerRole
 from node_agent.integrations.vllm.config import AgentConnectorConfig
 from node_agent.integrations.vllm.scheduler_side import SchedulerSide, block_slots
 from node_agent.integrations.vllm.stage_calls import StageCaller, StageOp
@@ -28,6 +30,7 @@ from tests.agent.harness import (
     LAYOUT,
     NUM_SLOTS,
     TPB,
+    RunningAgent,
     agent_mapping,
     cfg_of,
     running_agent,
@@ -35,6 +38,7 @@ from tests.agent.harness import (
     wait_http,
     write_group_file,
 )
+from tests.coordinator.test_stuck_load import hang_loads
 from tests.support.waiting import wait_for_async
 
 pytestmark = pytest.mark.timeout(180)
@@ -71,6 +75,7 @@ class Steps:
         self.recv: set[str] = set()
         self.sent: set[str] = set()
         self.failed: set[str] = set()
+        self.ended: set[str] = set()
 
     def step(self, ship: bool = True) -> None:
         """One step: the workers echo its failed loads' blocks in the same step."""
@@ -79,7 +84,9 @@ class Steps:
         if ship:
             self.stage.submit(self.sched.take_stage_ops())
         ended = {(1, rid) for rid in self.stage.take_loads_ended()}
-        recv, sent = self.sched.completions(set(report.failed), ended)
+        stuck = {(1, rid) for rid in self.stage.take_loads_stuck()}
+        recv, sent = self.sched.completions(set(report.failed), ended, stuck)
+        self.ended |= {rid for _, rid in ended}
         self.recv |= recv
         self.sent |= sent
 
@@ -107,11 +114,14 @@ class Steps:
 
 
 @contextlib.asynccontextmanager
-async def group(work: Path) -> AsyncIterator[tuple[list[SharedKVBuffers], AgentConnectorConfig]]:
+async def group(work: Path, agents: list[RunningAgent] | None = None, **extra: Any,
+                ) -> AsyncIterator[tuple[list[SharedKVBuffers], AgentConnectorConfig]]:
     """Two agents forming the replica's PP group (stage 0's leads), each stage's KV
-    buffers registered; yields the buffers and the connector's config."""
+    buffers registered; yields the buffers and the connector's config. ``agents``,
+    when given, receives the two running agents; ``extra`` goes to both agents'
+    configuration."""
     CurveKeys.generate().write(work / "curve")
-    maps = [agent_mapping(work, f"node-{r}", groupViewFile=str(work / "groups.yaml"))
+    maps = [agent_mapping(work, f"node-{r}", groupViewFile=str(work / "groups.yaml"), **extra)
             for r in (0, 1)]
     write_group_file(work / "groups.yaml", "tp", REPLICA,
                      {r: m["ports"]["fanout"] for r, m in enumerate(maps)})
@@ -128,6 +138,8 @@ async def group(work: Path) -> AsyncIterator[tuple[list[SharedKVBuffers], AgentC
                 await asyncio.to_thread(c.register_kv_buffers, LAYOUT, b.handles)
             for ra in (lead, foll):
                 await wait_http(ra, "/readyz", 200, 30)
+            if agents is not None:
+                agents += [lead, foll]
             yield bufs, conn
     finally:
         for c in regs:
@@ -178,6 +190,59 @@ async def test_a_load_is_reported_only_once_every_stage_ended_it_and_never_half_
             assert _all(bufs[0], ok, 1.0) and _all(bufs[1], ok, 2.0)
             assert sched.take_counters()["loads"] == 1
     finally:
+        if sched is not None:
+            sched.close()
+        if stage is not None:
+            stage.close()
+
+
+async def test_a_load_another_stage_could_not_stop_never_gives_its_blocks_back(
+        work: Path) -> None:
+    """Stage 1's agent answers its ``retrieve`` ``SlotsInUse`` (its copy ignores its
+    abort, like a hung device, and may write stage 1's blocks later): stage 0's
+    miss must not be reported (vLLM would recompute into the blocks, on every
+    stage), neither once stage 1's call ended; the request's blocks stay held."""
+    sched: SchedulerSide | None = None
+    stage: StageCaller | None = None
+    agents: list[RunningAgent] = []
+    release: threading.Event | None = None
+    try:
+        async with group(work, agents, timeouts={"engineCallSeconds": 2,
+                                                 "fanoutWaitSeconds": 1}) as (bufs, conn):
+            sched = SchedulerSide(conn, TPB, tp_size=1, pp_size=2)
+            stage = StageCaller(conn.socket_for(1), RankInfo(REPLICA, pp_rank=1, pp_size=2),
+                                TPB, timeout=60.0, retry_seconds=0.5)
+            steps = Steps(sched, stage)
+            for r, b in enumerate(bufs):
+                _fill(b, SRC_BLOCKS, 1.0 + r)
+            assert sched.finished("s", PROMPT, len(PROMPT), SRC_BLOCKS) is True
+            await steps.until(lambda: "s" in steps.sent, "the store completed on every stage")
+
+            [follower_stage] = agents[1].agent.service.stages.values()
+            role = follower_stage.coordinator._role
+            assert isinstance(role, FollowerRole)
+            started, release = hang_loads(role.store)
+            stuck = [10, 11, 12, 13]
+            try:
+                assert await steps.lookup("stuck") == 4 * TPB
+                sched.after_alloc("stuck", stuck, 4 * TPB)
+                await steps.until(lambda: "stuck" in steps.ended,
+                                  "stage 1's retrieve answered")
+                await steps.until(lambda: sched.take_counters()["load_failures"] == 1,
+                                  "stage 0's retrieve answered")
+                steps.step()
+            finally:
+                release.set()  # the hung copy ends before the agents stop
+            assert started.is_set()
+            assert role.counters.loads_still_writing == 1
+            assert "stuck" not in steps.recv, (
+                "a load whose stage-1 copy may still write its blocks was reported "
+                "finished: vLLM recomputes into them or gives them to another request")
+            assert sched.finished("stuck", PROMPT, 0, stuck) is True, \
+                "vLLM would free blocks stage 1's copy may still write"
+    finally:
+        if release is not None:
+            release.set()
         if sched is not None:
             sched.close()
         if stage is not None:

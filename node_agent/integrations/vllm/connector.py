@@ -82,15 +82,18 @@ class AgentConnectorMetadata(KVConnectorMetadata):
 @dataclass
 class AgentWorkerMetadata(KVConnectorWorkerMetadata):
     """Workers -> scheduler: the failed loads whose blocks this step reported invalid,
-    and (PP stages 1..N-1) the ``(pp_rank, rid)`` of each ``retrieve`` that returned."""
+    and (PP stages 1..N-1) the ``(pp_rank, rid)`` of each ``retrieve`` that returned,
+    and of each answered ``SlotsInUse`` (its copy may still write the blocks)."""
 
     failed_rids: set[str] = field(default_factory=set)
     loads_ended: set[tuple[int, str]] = field(default_factory=set)
+    loads_stuck: set[tuple[int, str]] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, AgentWorkerMetadata)
         return AgentWorkerMetadata(self.failed_rids | other.failed_rids,
-                                   self.loads_ended | other.loads_ended)
+                                   self.loads_ended | other.loads_ended,
+                                   self.loads_stuck | other.loads_stuck)
 
 
 @dataclass
@@ -290,11 +293,16 @@ class FlexKVAgentConnector(KVConnectorBase_V1):
             self._registrar.check()
         meta = self._meta()
         ended: set[tuple[int, str]] = set()
+        stuck: set[tuple[int, str]] = set()
         if self._stage is not None:
+            # Ended first: a stuck rid is recorded before its end, so it is never
+            # reported ended in an earlier step than stuck.
             ended = {(self._pp_rank, rid) for rid in self._stage.take_loads_ended()}
-        if not ended and (meta is None or not (meta.pending or meta.failed)):
+            stuck = {(self._pp_rank, rid) for rid in self._stage.take_loads_stuck()}
+        if not ended and not stuck and (meta is None or not (meta.pending or meta.failed)):
             return None
-        return AgentWorkerMetadata(set(meta.failed) if meta is not None else set(), ended)
+        return AgentWorkerMetadata(set(meta.failed) if meta is not None else set(), ended,
+                                   stuck)
 
     # ============================== scheduler side ==============================
 
@@ -331,12 +339,14 @@ class FlexKVAgentConnector(KVConnectorBase_V1):
         worker_meta = connector_output.kv_connector_worker_meta
         echoed: set[str] = set()
         ended: set[tuple[int, str]] = set()
+        stuck: set[tuple[int, str]] = set()
         if isinstance(worker_meta, AgentWorkerMetadata):
             echoed, ended = worker_meta.failed_rids, worker_meta.loads_ended
+            stuck = worker_meta.loads_stuck
         if self._empty_step:
             self._empty_step = False
             self._sched.idle_wait()
-        recv, sent = self._sched.completions(set(echoed), ended)
+        recv, sent = self._sched.completions(set(echoed), ended, stuck)
         if recv:
             connector_output.finished_recving = set(connector_output.finished_recving or ()) | recv
         if sent:

@@ -21,7 +21,8 @@ Flow of one request (``rid`` = vLLM's request id):
   step their metadata names the rid, and vLLM recomputes them; ``SlotsInUse``
   (the agent's copy did not stop and may still write the blocks) -> the load is
   never reported and the blocks are never freed (the request waits until vLLM
-  aborts it; ``request_finished`` then holds its blocks for the engine's life);
+  aborts it; ``request_finished`` then holds its blocks for the engine's life),
+  also when another PP stage's ``retrieve`` answered it (``loads_stuck``);
 * when it finishes, its computed whole blocks are stored (store thread); the
   blocks stay with the connector (``request_finished`` -> ``(True, None)``) until
   the agent reports the store complete, or failed, or the agent is gone.
@@ -369,13 +370,20 @@ class SchedulerSide:
 
     def completions(self, failed_echoed: set[str],
                     loads_ended: Iterable[tuple[int, str]] = (),
+                    loads_stuck: Iterable[tuple[int, str]] = (),
                     ) -> tuple[set[str], set[str]]:
         """``(finished_recving, finished_sending)`` to add to this step's output.
         ``failed_echoed``: failed loads whose blocks the workers reported invalid;
         ``loads_ended``: ``(pp_rank, rid)`` of the other PP stages' ``retrieve``
-        calls that returned. A load ended here is held until every stage ended it."""
+        calls that returned. A load ended here is held until every stage ended it.
+        ``loads_stuck``: those of them answered ``SlotsInUse`` (that stage's copy may
+        still write the blocks): the load is quarantined like one stage 0's agent
+        could not stop, never reported (:meth:`_quarantine`)."""
         now = time.monotonic()
+        stuck = {rid for _, rid in loads_stuck}
         with self._lock:
+            for rid in stuck:
+                self._quarantine_locked(rid)
             for pp_rank, rid in loads_ended:
                 waiting = self._awaiting.get(rid)
                 if waiting is not None:
@@ -385,6 +393,7 @@ class SchedulerSide:
             echoed = failed_echoed & self._recv_failed_sent
             self._recv_failed_sent -= echoed
             recv |= echoed
+            recv -= self._quarantined
             self._held = set()
             for rid in list(recv):
                 waiting = self._awaiting.get(rid)
@@ -452,7 +461,9 @@ class SchedulerSide:
             except Exception as exc:
                 log.warning("FlexKV load of %s failed, recomputing: %s", job.rid, exc)
             with self._lock:
-                if ok:
+                if job.rid in self._quarantined:
+                    pass  # another PP stage's copy may still write its blocks
+                elif ok:
                     self._recv_ok.add(job.rid)
                 else:
                     self._recv_failed[job.rid] = job.blocks
@@ -473,11 +484,21 @@ class SchedulerSide:
                   "are kept out of use for the engine's life: %s", job.rid,
                   len(job.blocks), exc)
         with self._lock:
-            self._quarantined.add(job.rid)
-            self._loading.discard(job.rid)
-            self._awaiting.pop(job.rid, None)
+            self._quarantine_locked(job.rid)
         self._count(load_failures=1)
         self._load_ended.set()
+
+    def _quarantine_locked(self, rid: str) -> None:
+        """Never report ``rid``'s load nor send its blocks back (``_lock`` held):
+        a stage's copy may still write them. Its blocks are held from
+        :meth:`finished` on, for the engine's life."""
+        self._quarantined.add(rid)
+        self._loading.discard(rid)
+        self._awaiting.pop(rid, None)
+        self._recv_ok.discard(rid)
+        self._held.discard(rid)
+        self._recv_failed.pop(rid, None)
+        self._recv_failed_sent.discard(rid)
 
     def _store_loop(self) -> None:
         inflight: dict[str, _Store] = {}

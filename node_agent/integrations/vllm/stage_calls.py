@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from node_agent.client import AGENT_ERRORS, AgentHealth, EngineClient, RankInfo
+from node_agent.client import AGENT_ERRORS, AgentHealth, EngineClient, RankInfo, SlotsInUseError
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,10 @@ class StageCaller:
 
     ``submit`` queues a step's ops and never blocks; a thread makes the calls, each
     bounded by ``timeout``. :meth:`take_loads_ended` returns the rids whose
-    ``retrieve`` returned since the last call (also when it failed or was skipped).
+    ``retrieve`` returned since the last call (also when it failed or was skipped);
+    :meth:`take_loads_stuck` those of them answered ``SlotsInUse`` (the agent's copy
+    did not stop and may still write the blocks: the scheduler must never hand them
+    back to vLLM).
     While the agent is down (a call failed because of it) no call is made until a
     probe, every ``retry_seconds``, is answered."""
 
@@ -88,6 +91,7 @@ class StageCaller:
         self._ops: queue.Queue[StageOp | None] = queue.Queue()
         self._lock = threading.Lock()
         self._ended: set[str] = set()
+        self._stuck: set[str] = set()
         self._stores: dict[str, float] = {}  # rid -> when its store started
         self._closing = threading.Event()
         self.calls = 0
@@ -105,6 +109,13 @@ class StageCaller:
         with self._lock:
             ended, self._ended = self._ended, set()
         return ended
+
+    def take_loads_stuck(self) -> set[str]:
+        """The rids whose ``retrieve`` on this stage answered ``SlotsInUse`` since the
+        last call: this stage's copy may still write their blocks at any later time."""
+        with self._lock:
+            stuck, self._stuck = self._stuck, set()
+        return stuck
 
     def _loop(self) -> None:
         while True:
@@ -126,6 +137,12 @@ class StageCaller:
                 self.calls += 1
                 self._make(op)
                 self.health.succeeded()
+        except SlotsInUseError as exc:
+            log.error("FlexKV load of %s could not be stopped by the agent of PP stage %s; "
+                      "its %s blocks are kept out of use for the engine's life: %s", op.rid,
+                      self.rank.pp_rank, len(op.blocks), exc)
+            with self._lock:
+                self._stuck.add(op.rid)
         except AGENT_ERRORS as exc:
             self.health.failed(op.kind, exc)
         except Exception as exc:
