@@ -207,16 +207,17 @@ class Agent:
         self.group_views: dict[str, GroupView] = {}
         self._views_lock = threading.RLock()
         self._builder = stage_builder
+        # The connector's waits end inside engineCallSeconds (vocab/budget.py);
+        # the server's bound is only a last resort behind them.
+        budget = call_budget(cfg.timeouts.engine_call_seconds, cfg.timeouts.fanout_wait_seconds)
         self.service = EngineService(self._build_stage, cfg.tokens_per_block, status=self.status,
                                      max_stages=cfg.max_stages,
                                      stale_after=cfg.heartbeat.lease_duration_seconds,
                                      on_stage=self.attach_stage, metrics=self.metrics,
                                      tier_shares=cfg.tier_shares,
                                      backend_of=lambda rank, layout: backend_key(
-                                         self.stage_deps, rank, layout))
-        # The connector's waits end inside engineCallSeconds (vocab/budget.py);
-        # the server's bound is only a last resort behind them.
-        budget = call_budget(cfg.timeouts.engine_call_seconds, cfg.timeouts.fanout_wait_seconds)
+                                         self.stage_deps, rank, layout),
+                                     call_seconds=budget.server_timeout_seconds)
         self.engine = EngineServer(cfg.engine_endpoint, self.service, self.metrics,
                                    budget.server_timeout_seconds, errors=self.errors,
                                    inline_ops=frozenset({"ping"}), inline=self.service.inline,

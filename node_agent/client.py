@@ -21,11 +21,14 @@ after an agent restart (one deadline per call). Errors:
   example ``store_kv: token_ids has 3 entries but kv_indices has 2 entries``);
 * :class:`EngineAPIError` for anything else the agent reports.
 
-A client is thread-safe (one call in flight at a time). Its ``timeout`` should
-exceed the agent's ``engineCallSeconds`` (default 10) so that the agent's own
-timeout answer arrives first; the default is 15 s. After an engine restart,
-create a client and call :meth:`EngineClient.register_kv_buffers` again: the
-agent swaps in the new buffers and keeps its cached blocks.
+A client is thread-safe (one call in flight at a time). Its ``timeout`` must
+exceed the agent's ``engineCallSeconds`` plus margin (11 s by default) so that the
+agent's own timeout answer arrives first; the default is 15 s, and
+:meth:`EngineClient.register_kv_buffers` logs a warning when the agent's
+``register`` reply names a bound (``callSeconds``) the timeout is not above.
+After an engine restart, create a client and call
+:meth:`EngineClient.register_kv_buffers` again: the agent swaps in the new
+buffers and keeps its cached blocks.
 
 :class:`SharedKVBuffers` allocates KV buffers in POSIX shared memory so that CPU
 engines (tests, the demo) can share them with the agent.
@@ -57,6 +60,8 @@ from node_agent.engine_api.buffers import CREATED_HERE, cuda_handle, dtype_name
 from node_agent.engine_api.protocol import array_length, bool_array, layout_to_wire
 from node_agent.vocab.layout import KVLayout, LayoutName
 from node_agent.vocab.tokens import int64_array
+
+log = logging.getLogger(__name__)
 
 _NOBLOCK = int(zmq.NOBLOCK)
 _RCVMORE = int(zmq.RCVMORE)
@@ -475,7 +480,26 @@ class EngineClient:
         args = {"rank": self.rank.to_wire(), "layout": wire_layout, "buffers": handles}
         result: dict[str, Any] = self._call("register", args)
         self._registration = args
+        self._check_timeout(result.get("callSeconds"))
         return result
+
+    def _check_timeout(self, agent_seconds: object) -> None:
+        """Warn when the client timeout is not above the agent's last-resort answer
+        time (``callSeconds`` of a ``register`` reply; absent from older agents).
+
+        Below it, the client can give up on a ``retrieve`` whose copy still runs,
+        and an engine that then treats the load as a miss recomputes into (or
+        reuses) slots that copy may still write."""
+        if isinstance(agent_seconds, bool) or not isinstance(agent_seconds, (int, float)):
+            return
+        if self.timeout <= agent_seconds:
+            log.warning(
+                "Client timeout is not above the agent's call bound: a load the client gives "
+                "up on could still write its slots after the engine reused them; raise the "
+                "client timeout (vLLM callTimeoutSeconds, SGLang FLEXKV_AGENT_TIMEOUT) or lower "
+                "the agent's timeouts.engineCallSeconds",
+                extra={"client_timeout_seconds": self.timeout,
+                       "agent_call_seconds": agent_seconds, "socket": str(self.socket_path)})
 
     def lookup(self, rid: str, token_ids: Sequence[int] | npt.ArrayLike,
                token_mask: npt.ArrayLike | None = None) -> int:

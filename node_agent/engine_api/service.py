@@ -252,8 +252,12 @@ class EngineService:
                  max_stages: int = 1, stale_after: float = 15.0,
                  on_stage: Callable[[Stage], None] | None = None,
                  metrics: AgentMetrics | None = None, tier_shares: int | None = None,
-                 backend_of: Callable[[RankRef, KVLayout], Hashable] | None = None) -> None:
-        """``max_stages``: stages served at once (a further one is refused unless one
+                 backend_of: Callable[[RankRef, KVLayout], Hashable] | None = None,
+                 call_seconds: float | None = None) -> None:
+        """``call_seconds``: when the engine socket answers a call at the latest
+        (``engineCallSeconds`` plus margin), sent in every ``register`` reply so that
+        a client whose own timeout is not above it refuses to run (None: not sent).
+        ``max_stages``: stages served at once (a further one is refused unless one
         was idle for ``stale_after`` seconds); ``metrics``: where each replica's
         traffic is counted (``flexkv_agent_replica_*``). ``tier_shares``: backends
         served at once, each on one share of the tiers (None: ``max_stages``);
@@ -271,6 +275,7 @@ class EngineService:
         self._stale_after = stale_after
         self._lock = threading.Lock()
         self.stages: dict[StageKey, Stage] = {}
+        self.call_seconds = call_seconds
         self.completion_wake: Callable[[], None] | None = None
         """Wakes the engine socket's I/O thread to answer parked ``wait_completed``
         calls (the server's ``wake``; set by the agent). None: nothing is parked."""
@@ -423,9 +428,12 @@ class EngineService:
         log.info("Engine rank registered", extra={
             "replica": rank.replica, "pp_rank": rank.pp_rank, "tp_rank": rank.tp_rank,
             "buffers": len(opened), "again": stage.registrations > 1})
-        return {"stage": f"{rank.replica}/pp{rank.pp_rank}",
-                "registrations": stage.registrations,
-                "tokensPerBlock": layout.tokens_per_block}
+        reply: dict[str, Any] = {"stage": f"{rank.replica}/pp{rank.pp_rank}",
+                                 "registrations": stage.registrations,
+                                 "tokensPerBlock": layout.tokens_per_block}
+        if self.call_seconds is not None:
+            reply["callSeconds"] = self.call_seconds
+        return reply
 
     def _stage_for(self, rank: RankRef, layout: KVLayout) -> Stage:
         stage = self.stages.get(rank.stage)
