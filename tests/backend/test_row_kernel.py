@@ -178,3 +178,51 @@ def test_a_move_larger_than_the_staging_cap_goes_in_pieces_and_stays_exact(
     op.apply(dst, src)
     assert dst.equal(want)
     assert len(row_kernel._local.stage) == 7 * row_bytes
+
+
+
+KERNEL_OF = {OpKind.SCATTER: "scatter", OpKind.GENERAL: "gather_scatter"}
+
+
+@pytest.mark.parametrize("kind", list(OpKind))
+def test_each_kind_takes_its_path_bit_exact_for_bf16_nan_payloads(
+        kind: OpKind, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between contiguous CPU rows scatters and general ops run the numpy kernel,
+    slices and gathers torch; strided rows never reach the kernel; every path is
+    bit-exact against torch indexing for bf16 rows of random bits (NaNs with
+    payloads, infinities, subnormals, -0.0), whose values a float copy could
+    change."""
+    calls: list[str] = []
+    for name in KERNEL_OF.values():
+        real = getattr(row_kernel, name)
+
+        def counted(*args: object, _real: object = real, _name: str = name) -> None:
+            calls.append(_name)
+            _real(*args)  # type: ignore[operator]
+        monkeypatch.setattr(row_kernel, name, counted)
+    rng = np.random.default_rng(5)
+    d, s = {
+        OpKind.SLICE: (np.arange(30, 230), np.arange(7, 207)),
+        OpKind.GATHER: (np.arange(200), rng.permutation(600)[:200]),
+        OpKind.SCATTER: (rng.permutation(600)[:200], np.arange(200)),
+        OpKind.GENERAL: (rng.permutation(600)[:200], rng.permutation(600)[:200]),
+    }[kind]
+    d, s = d.astype(np.int64), s.astype(np.int64)
+    [op] = plan_rows(d, s, max_ops=1)
+    assert op.kind is kind
+    src = _random_rows(600, 21).view(torch.bfloat16).view(600, -1)
+    dst = _random_rows(600, 22).view(torch.bfloat16).view(600, -1)
+    assert bool(src.isnan().any())
+    orig = dst.clone()
+    want = _reference(dst.view(torch.uint8), src.view(torch.uint8), d, s)
+    op.apply(dst, src)
+    assert calls == ([KERNEL_OF[kind]] if kind in KERNEL_OF else [])
+    assert dst.view(torch.uint8).equal(want)
+    calls.clear()
+    wide_src = torch.zeros(1200, src.shape[1], dtype=torch.bfloat16)
+    wide_src[::2] = src
+    wide_dst = torch.zeros(1200, src.shape[1], dtype=torch.bfloat16)
+    wide_dst[::2] = orig
+    op.apply(wide_dst[::2], wide_src[::2])
+    assert calls == []
+    assert wide_dst[::2].contiguous().view(torch.uint8).equal(want)
