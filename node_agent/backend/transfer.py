@@ -188,11 +188,12 @@ class RowOp:
                 "their rows with the same dtype and width"
             )
         kind = self.kind
-        if kind is OpKind.SCATTER or kind is OpKind.GENERAL:
+        if (kind is OpKind.SCATTER or kind is OpKind.GENERAL
+                or (kind is OpKind.GATHER and row_kernel.NATIVE)):
             d_rows = row_kernel.row_array(dst)
             s_rows = row_kernel.row_array(src) if d_rows is not None else None
             if d_rows is not None and s_rows is not None:
-                self._scatter_rows(d_rows, s_rows)
+                self._kernel_rows(d_rows, s_rows)
                 return
         d, s, n = self.dst_start, self.src_start, self.length
         if kind is OpKind.SLICE:
@@ -210,8 +211,13 @@ class RowOp:
             rows = src.index_select(0, self.index("src", src.device))
             dst.index_copy_(0, self.index("dst", dst.device), rows.to(dst.device))
 
-    def _scatter_rows(self, dst: npt.NDArray[np.void], src: npt.NDArray[np.void]) -> None:
-        """A scatter or general op on rows as numpy ``void`` elements (bounds checked)."""
+    def _kernel_rows(self, dst: npt.NDArray[np.void], src: npt.NDArray[np.void]) -> None:
+        """A gather, scatter or general op on rows as numpy ``void`` elements (bounds
+        checked)."""
+        if self.kind is OpKind.GATHER:
+            assert self._src_np is not None
+            row_kernel.gather(dst, self.dst_start, src, self._src_np)
+            return
         assert self._dst_np is not None
         if self.kind is OpKind.SCATTER:
             row_kernel.scatter(dst, self._dst_np, src, self.src_start)
