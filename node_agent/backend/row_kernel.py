@@ -143,7 +143,9 @@ def gather_scatter(dst: npt.NDArray[np.void], dst_index: Index, src: npt.NDArray
                                        _addr(src_index), n, row)
         return
     step = max(1, STAGING_MAX_BYTES // row)
-    stage = _staging(min(n, step) * row).view(src.dtype)
+    size = min(n, step) * row
+    # Exactly `size` bytes: the buffer may have grown for rows of another width.
+    stage = _staging(size)[:size].view(src.dtype)
     for a in range(0, n, step):
         b = min(a + step, n)
         part = stage[:b - a]

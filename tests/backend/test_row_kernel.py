@@ -160,6 +160,25 @@ def test_duplicate_slots_are_refused_before_any_plan() -> None:
         validate_slot_mapping(np.array([3, 7, 1, 7]), 4, 16)
 
 
+def test_staging_serves_rows_of_another_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thread's staging buffer grown for 40-byte rows serves 64-byte rows next (two
+    stages of different layouts on one worker thread): exact, no dtype error."""
+    monkeypatch.setattr(row_kernel, "_native", None)
+    monkeypatch.setattr(row_kernel, "NATIVE", False)
+    monkeypatch.setattr(row_kernel._local, "stage", None, raising=False)
+    rng = np.random.default_rng(12)
+    for width, n in ((40, 9), (64, 5), (40, 3)):  # 360 staged bytes, then 320, then 120
+        src = torch.randint(0, 256, (4 * n, width), dtype=torch.uint8)
+        dst = torch.randint(0, 256, (4 * n, width), dtype=torch.uint8)
+        d = rng.permutation(4 * n)[:n].astype(np.int64)
+        s = rng.permutation(4 * n)[:n].astype(np.int64)
+        [op] = plan_rows(d, s, max_ops=1)
+        assert op.kind is OpKind.GENERAL
+        want = _reference(dst, src, d, s)
+        op.apply(dst, src)
+        assert dst.equal(want)
+
+
 def test_a_move_larger_than_the_staging_cap_goes_in_pieces_and_stays_exact(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A general move of more bytes than a thread may keep is staged piece by piece
