@@ -7,7 +7,12 @@ block: 128 KiB per token) on CPU tensors. Rows (one JSON object each):
   get) of ``--tokens`` tokens against the CPU tier, versus ``dst.copy_(src)``
   of the same number of bytes, interleaved round by round (``--cpu-rounds``);
   ``ratio`` is the median of the per-round ratios (every one is listed in
-  ``round_ratios``, with the load average). Once with slot mappings of
+  ``round_ratios``, with the load average); ``cpu_ratio`` is the same
+  median over process CPU seconds (every thread of the process: the copy
+  lanes, the workers, torch's own threads), which a loaded machine disturbs
+  far less than wall-clock time (more threads win a larger share of busy cores
+  without moving bytes faster): with both sides keeping both cores busy it
+  reads close to, a few hundredths above, the quiet-machine wall ratio. Once with slot mappings of
   shuffled aligned pages (``slots: pages``, SGLang's allocation with
   ``page_size == tokens_per_block``; goal ratio >= 0.9), once with shuffled
   single slots (``slots: tokens``, SGLang's page size 1; goal >= 0.8), and
@@ -53,8 +58,12 @@ def _best(fn: Callable[[], float], repeat: int) -> float:
     return min(fn() for _ in range(repeat))
 
 
-def _paired(fn: Callable[[], float], base: Callable[[], float], repeat: int,
-            ) -> tuple[list[float], list[float]]:
+Clocked = tuple[float, float]
+"""Wall-clock seconds and process CPU seconds of one call."""
+
+
+def _paired(fn: Callable[[], Clocked], base: Callable[[], Clocked], repeat: int,
+            ) -> tuple[list[Clocked], list[Clocked]]:
     """``repeat`` rounds of ``fn`` and ``base`` (after one warm-up each), interleaved
     round by round (which goes first alternates) so that both see the same
     background load on a shared machine; returns both lists of durations."""
@@ -77,6 +86,14 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
+def _clocked(fn: Callable[[], object]) -> Clocked:
+    """Wall-clock and process CPU seconds of one call of ``fn``."""
+    c0 = time.process_time()
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
 def _row(name: str, nbytes: int, seconds: float, base_seconds: float, goal: float | None,
          **extra: object) -> None:
     gbps = nbytes / seconds / 1e9
@@ -92,12 +109,16 @@ def _row(name: str, nbytes: int, seconds: float, base_seconds: float, goal: floa
     print(json.dumps(row), flush=True)
 
 
-def _paired_row(name: str, nbytes: int, ours: list[float], base: list[float], goal: float,
-                **extra: object) -> None:
+def _paired_row(name: str, nbytes: int, ours_clocked: list[Clocked],
+                base_clocked: list[Clocked], goal: float, **extra: object) -> None:
     """One row from interleaved rounds: medians of both, the median of the per-round
-    ratios (``ratio``, what the goal is judged on), every round's ratio and the
-    load average."""
+    ratios (``ratio``, what the goal is judged on), every round's ratio, the median
+    per-round ratio of process CPU seconds (``cpu_ratio``) and the load average."""
+    ours = [w for w, _ in ours_clocked]
+    base = [w for w, _ in base_clocked]
     ratios = sorted(b / a for a, b in zip(ours, base, strict=True))
+    cpu = [b[1] / a[1] for a, b in zip(ours_clocked, base_clocked, strict=True)
+           if a[1] > 0 and b[1] > 0]
     row: dict[str, object] = {
         "bench": "transfer", "row": name, "bytes": nbytes,
         "gb_per_s": round(nbytes / statistics.median(ours) / 1e9, 3),
@@ -105,6 +126,7 @@ def _paired_row(name: str, nbytes: int, ours: list[float], base: list[float], go
         "ratio": round(statistics.median(ratios), 3),
         "ratio_best_of": round(min(base) / min(ours), 3),
         "round_ratios": [round(r, 3) for r in ratios],
+        "cpu_ratio": round(statistics.median(cpu), 3) if cpu else None,
         "goal_ratio": goal, "goal_met": statistics.median(ratios) >= goal,
         "loadavg": [round(x, 2) for x in os.getloadavg()],
     }
@@ -157,17 +179,18 @@ def bench_cpu(args: argparse.Namespace, layout: KVLayout, style: str) -> None:
     b = torch.empty(nbytes, dtype=torch.uint8).fill_(2)
     rng = np.random.default_rng(0)
 
-    def copy_once() -> float:
-        return _timed(lambda: b.copy_(a))
+    def copy_once() -> Clocked:
+        return _clocked(lambda: b.copy_(a))
 
-    def store_once() -> float:
+    def store_once() -> Clocked:
         backend.reset()
         toks = rng.integers(0, 100_000, n, dtype=np.int64)
         tid, mask = backend.put_match(toks)
-        t0 = time.perf_counter()
-        [w] = backend.launch([tid], [src_slots[mask]])
-        assert backend.wait([w], timeout=120)[w].status.value == "success"
-        return time.perf_counter() - t0
+
+        def run() -> None:
+            [w] = backend.launch([tid], [src_slots[mask]])
+            assert backend.wait([w], timeout=120)[w].status.value == "success"
+        return _clocked(run)
 
     goal = 0.9 if style == "pages" else 0.8
     store, base = _paired(store_once, copy_once, args.cpu_rounds)
@@ -179,12 +202,13 @@ def bench_cpu(args: argparse.Namespace, layout: KVLayout, style: str) -> None:
     [w] = backend.launch([tid], [src_slots[mask]])
     backend.wait([w], timeout=120)
 
-    def load_once() -> float:
+    def load_once() -> Clocked:
         tid, mask = backend.get_match(toks)
-        t0 = time.perf_counter()
-        [w] = backend.launch([tid], [dst_slots[mask]])
-        assert backend.wait([w], timeout=120)[w].status.value == "success"
-        return time.perf_counter() - t0
+
+        def run() -> None:
+            [w] = backend.launch([tid], [dst_slots[mask]])
+            assert backend.wait([w], timeout=120)[w].status.value == "success"
+        return _clocked(run)
 
     load, base = _paired(load_once, copy_once, args.cpu_rounds)
     _paired_row("cpu_load", nbytes, load, base, goal, tokens=n, slots=style, lanes=args.lanes)

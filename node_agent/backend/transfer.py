@@ -188,11 +188,12 @@ class RowOp:
                 "their rows with the same dtype and width"
             )
         kind = self.kind
-        if kind is OpKind.SCATTER or kind is OpKind.GENERAL:
+        if (kind is OpKind.SCATTER or kind is OpKind.GENERAL
+                or (kind is OpKind.GATHER and row_kernel.NATIVE)):
             d_rows = row_kernel.row_array(dst)
             s_rows = row_kernel.row_array(src) if d_rows is not None else None
             if d_rows is not None and s_rows is not None:
-                self._scatter_rows(d_rows, s_rows)
+                self._kernel_rows(d_rows, s_rows)
                 return
         d, s, n = self.dst_start, self.src_start, self.length
         if kind is OpKind.SLICE:
@@ -210,8 +211,13 @@ class RowOp:
             rows = src.index_select(0, self.index("src", src.device))
             dst.index_copy_(0, self.index("dst", dst.device), rows.to(dst.device))
 
-    def _scatter_rows(self, dst: npt.NDArray[np.void], src: npt.NDArray[np.void]) -> None:
-        """A scatter or general op on rows as numpy ``void`` elements (bounds checked)."""
+    def _kernel_rows(self, dst: npt.NDArray[np.void], src: npt.NDArray[np.void]) -> None:
+        """A gather, scatter or general op on rows as numpy ``void`` elements (bounds
+        checked)."""
+        if self.kind is OpKind.GATHER:
+            assert self._src_np is not None
+            row_kernel.gather(dst, self.dst_start, src, self._src_np)
+            return
         assert self._dst_np is not None
         if self.kind is OpKind.SCATTER:
             row_kernel.scatter(dst, self._dst_np, src, self.src_start)
@@ -295,9 +301,16 @@ def plan_rows(dst: Rows, src: Rows, max_ops: int = MAX_SEGMENTS,
     return [RowOp(OpKind.GENERAL, length=n, dst_index=dst, src_index=src)]
 
 
-def _plan_of(dst: Rows, src: Rows, dst_subset: Rows | None = None) -> list[RowOp]:
-    """:func:`plan_rows` of ``dst`` (restricted to ``dst_subset`` when given) and ``src``."""
-    return plan_rows(dst if dst_subset is None else dst[dst_subset], src)
+def _store_plan(blocks: Sequence[int], units: int, idx: Rows) -> list[RowOp]:
+    """The row plan of a store: engine rows ``idx`` into the rows of tier ``blocks``."""
+    return plan_rows(unit_rows(blocks, units), idx)
+
+
+def _load_plan(idx: Rows, blocks: Sequence[int], positions: Sequence[int],
+               units: int) -> list[RowOp]:
+    """The row plan of a CPU load: the rows of tier ``blocks`` into the engine rows of
+    ``idx`` at ``positions`` (block positions within the task)."""
+    return plan_rows(idx[unit_rows(positions, units)], unit_rows(blocks, units))
 
 
 def _apply(ops: Sequence[RowOp], dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -424,8 +437,7 @@ class BlockCopier:
                 for p in range(lay.num_planes):
                     src, idx, u = units.pick(_widest_view(buf.planes[p]), buf.paged)
                     region = self._region(r, p, src.dtype, u)
-                    ops = units.plan("store", u, functools.partial(
-                        _plan_of, unit_rows(blocks, u), idx))
+                    ops = units.plan("store", u, functools.partial(_store_plan, blocks, u, idx))
                     items.append(functools.partial(_apply, ops, region, src))
             self._run(items, devices, len(blocks) * lay.bytes_per_block, abort)
         finally:
@@ -476,7 +488,7 @@ class BlockCopier:
                 dst, idx, u = units.pick(_widest_view(buf.planes[p]), buf.paged)
                 region = self._region(sr, p, dst.dtype, u)
                 ops = units.plan("load_cpu", u, functools.partial(
-                    _plan_of, idx, unit_rows(blocks, u), unit_rows(positions, u)))
+                    _load_plan, idx, blocks, positions, u))
                 items.append(functools.partial(_apply, ops, dst, region))
         nbytes = len(blocks) * lay.bytes_per_block * (len(buffers) if lay.is_mla else 1)
         self._run(items, {b.device for b in buffers.values()}, nbytes, abort)

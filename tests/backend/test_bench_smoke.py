@@ -46,6 +46,8 @@ def test_transfer_bench_rows(tmp_path: Path) -> None:
         ratios = r["round_ratios"]
         assert isinstance(ratios, list) and len(ratios) == 3
         assert r["ratio"] == ratios[1] and len(r["loadavg"]) == 3  # type: ignore[arg-type]
+        # Process CPU seconds per round, baseline over ours (None when a clock read 0).
+        assert r["cpu_ratio"] is None or float(r["cpu_ratio"]) > 0  # type: ignore[arg-type]
 
 
 def test_match_bench_rows(tmp_path: Path) -> None:

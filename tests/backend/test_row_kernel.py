@@ -6,6 +6,8 @@ an op whose rows do not fit the tensors moves nothing."""
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 import torch
@@ -158,6 +160,25 @@ def test_duplicate_slots_are_refused_before_any_plan() -> None:
         validate_slot_mapping(np.array([3, 7, 1, 7]), 4, 16)
 
 
+def test_staging_serves_rows_of_another_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thread's staging buffer grown for 40-byte rows serves 64-byte rows next (two
+    stages of different layouts on one worker thread): exact, no dtype error."""
+    monkeypatch.setattr(row_kernel, "_native", None)
+    monkeypatch.setattr(row_kernel, "NATIVE", False)
+    monkeypatch.setattr(row_kernel._local, "stage", None, raising=False)
+    rng = np.random.default_rng(12)
+    for width, n in ((40, 9), (64, 5), (40, 3)):  # 360 staged bytes, then 320, then 120
+        src = torch.randint(0, 256, (4 * n, width), dtype=torch.uint8)
+        dst = torch.randint(0, 256, (4 * n, width), dtype=torch.uint8)
+        d = rng.permutation(4 * n)[:n].astype(np.int64)
+        s = rng.permutation(4 * n)[:n].astype(np.int64)
+        [op] = plan_rows(d, s, max_ops=1)
+        assert op.kind is OpKind.GENERAL
+        want = _reference(dst, src, d, s)
+        op.apply(dst, src)
+        assert dst.equal(want)
+
+
 def test_a_move_larger_than_the_staging_cap_goes_in_pieces_and_stays_exact(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A general move of more bytes than a thread may keep is staged piece by piece
@@ -169,6 +190,8 @@ def test_a_move_larger_than_the_staging_cap_goes_in_pieces_and_stays_exact(
     n = 100
     src, dst = _random_rows(4 * n, 6), _random_rows(4 * n, 7)
     row_bytes = src[0].numel() * src.element_size()
+    monkeypatch.setattr(row_kernel, "_native", None)  # staging is the numpy kernel's
+    monkeypatch.setattr(row_kernel, "NATIVE", False)
     monkeypatch.setattr(row_kernel, "STAGING_MAX_BYTES", 7 * row_bytes)
     monkeypatch.setattr(row_kernel._local, "stage", None, raising=False)
     d, s = rng.permutation(4 * n)[:n], rng.permutation(4 * n)[:n]
@@ -178,3 +201,158 @@ def test_a_move_larger_than_the_staging_cap_goes_in_pieces_and_stays_exact(
     op.apply(dst, src)
     assert dst.equal(want)
     assert len(row_kernel._local.stage) == 7 * row_bytes
+
+
+
+
+NEEDS_LIBRARY = pytest.mark.skipif(
+    not row_kernel.NATIVE, reason="the _rowcopy library is not built here (reinstall the "
+    "package with a C compiler: pip install -e .)")
+
+
+@pytest.fixture(params=["library", "library-sse2", "library-memcpy", "numpy"])
+def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test with the streaming-store library at each level this CPU runs
+    (its best, SSE2, plain ``memcpy``) and with numpy."""
+    param = str(request.param)
+    if param.startswith("library"):
+        lib = row_kernel._native
+        if lib is None:
+            pytest.skip("the _rowcopy library is not built here (reinstall the package "
+                        "with a C compiler: pip install -e .)")
+        cap = ctypes.c_int.in_dll(lib, "rowcopy_max_level")
+        want = {"library": -1, "library-sse2": 1, "library-memcpy": 0}[param]
+        if want > 0 and lib.rowcopy_level() < want:
+            pytest.skip(f"this CPU has no level {want} copy")
+        old = cap.value
+        cap.value = want
+        request.addfinalizer(lambda: setattr(cap, "value", old))
+        if want >= 0:
+            assert lib.rowcopy_level() == want
+    else:
+        monkeypatch.setattr(row_kernel, "_native", None)
+        monkeypatch.setattr(row_kernel, "NATIVE", False)
+    return param
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("dst_kind", KINDS)
+@pytest.mark.parametrize("src_kind", KINDS)
+@pytest.mark.parametrize("row_bytes", [40, 64, 2048])
+def test_both_kernels_are_bit_exact_for_every_pattern(kernel: str, seed: int, dst_kind: str,
+                                                      src_kind: str, row_bytes: int) -> None:
+    """Rows of 40 bytes (copied with ``memcpy``), 64 and 2048 bytes (streaming stores
+    where the destination is aligned), every slot pattern, against torch indexing."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 300))
+    d = _pattern(dst_kind, rng, n)
+    s = _pattern(src_kind, rng, n)
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(0, 256, (int(s.max()) + 1, row_bytes), dtype=torch.uint8, generator=g)
+    dst = torch.randint(0, 256, (int(d.max()) + 3, row_bytes), dtype=torch.uint8, generator=g)
+    want = _reference(dst, src, d, s)
+    for op in plan_rows(d, s):
+        op.apply(dst, src)
+    assert dst.equal(want)
+
+
+@pytest.mark.parametrize("offset", [8, 16])
+def test_the_library_writes_rows_at_unaligned_destinations(kernel: str, offset: int) -> None:
+    """A destination row not aligned for the streaming stores (128-byte rows from
+    byte 8, or byte 16 of a buffer: aligned for SSE2, not for AVX2) is copied with
+    ``memcpy`` and stays exact; nothing outside the rows is written."""
+    rng = np.random.default_rng(9)
+    raw_dst = torch.zeros(128 * 100 + offset, dtype=torch.uint8)
+    dst = raw_dst[offset:].view(100, 128)
+    src = torch.randint(0, 256, (300, 128), dtype=torch.uint8)
+    d, s = rng.permutation(100)[:60].astype(np.int64), rng.permutation(300)[:60].astype(np.int64)
+    for kind_d, kind_s in ((np.arange(60), s), (d, np.arange(60)), (d, s)):
+        dst.zero_()
+        want = _reference(dst, src, kind_d.astype(np.int64), kind_s)
+        for op in plan_rows(kind_d, kind_s):
+            op.apply(dst, src)
+        assert dst.equal(want) and not raw_dst[:offset].any()
+
+
+def test_overlapping_arrays_are_left_to_numpy() -> None:
+    """Rows moved within one tensor are not given to the library (it assumes the two
+    sides apart); numpy's result matches torch indexing."""
+    t = torch.randint(0, 256, (200, 64), dtype=torch.uint8)
+    rows = row_kernel.row_array(t)
+    assert rows is not None
+    assert not row_kernel._use_native(rows, rows, np.arange(3, dtype=np.int64))
+    d = np.random.default_rng(4).permutation(np.arange(100, 150)).astype(np.int64)
+    want = t.clone()
+    want[torch.from_numpy(d)] = t[120:170].clone()
+    row_kernel.scatter(rows, d, rows, 120)  # source rows 120..169 overlap the destination
+    assert t.equal(want)
+    g = np.arange(110, 160, dtype=np.int64)[::-1].copy()
+    want2 = t.clone()
+    want2[130:180] = t[torch.from_numpy(g)].clone()
+    row_kernel.gather(rows, 130, rows, g)
+    assert t.equal(want2)
+
+
+@NEEDS_LIBRARY
+def test_the_library_is_loaded_unless_numpy_is_asked_for(tmp_path: object) -> None:
+    """``FLEXKV_ROW_KERNEL=numpy`` turns the library off in a fresh process."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from node_agent.backend import row_kernel; print(row_kernel.NATIVE)"
+    for env, want in (({}, "True"), ({"FLEXKV_ROW_KERNEL": "numpy"}, "False")):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env={**os.environ, **env}, check=True)
+        assert out.stdout.strip() == want
+
+
+KERNEL_OF = {OpKind.SCATTER: "scatter", OpKind.GENERAL: "gather_scatter",
+             OpKind.GATHER: "gather"}
+
+
+@pytest.mark.parametrize("kind", list(OpKind))
+def test_each_kind_takes_its_path_bit_exact_for_bf16_nan_payloads(
+        kind: OpKind, kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between contiguous CPU rows scatters and general ops run the row kernel,
+    gathers too when the library is loaded (torch's gather is as fast as numpy's),
+    slices torch; strided rows never reach the kernel; every path is
+    bit-exact against torch indexing for bf16 rows of random bits (NaNs with
+    payloads, infinities, subnormals, -0.0), whose values a float copy could
+    change."""
+    calls: list[str] = []
+    for name in KERNEL_OF.values():
+        real = getattr(row_kernel, name)
+
+        def counted(*args: object, _real: object = real, _name: str = name) -> None:
+            calls.append(_name)
+            _real(*args)  # type: ignore[operator]
+        monkeypatch.setattr(row_kernel, name, counted)
+    rng = np.random.default_rng(5)
+    d, s = {
+        OpKind.SLICE: (np.arange(30, 230), np.arange(7, 207)),
+        OpKind.GATHER: (np.arange(200), rng.permutation(600)[:200]),
+        OpKind.SCATTER: (rng.permutation(600)[:200], np.arange(200)),
+        OpKind.GENERAL: (rng.permutation(600)[:200], rng.permutation(600)[:200]),
+    }[kind]
+    d, s = d.astype(np.int64), s.astype(np.int64)
+    [op] = plan_rows(d, s, max_ops=1)
+    assert op.kind is kind
+    src = _random_rows(600, 21).view(torch.bfloat16).view(600, -1)
+    dst = _random_rows(600, 22).view(torch.bfloat16).view(600, -1)
+    assert bool(src.isnan().any())
+    orig = dst.clone()
+    want = _reference(dst.view(torch.uint8), src.view(torch.uint8), d, s)
+    op.apply(dst, src)
+    kernel_kinds = {OpKind.SCATTER, OpKind.GENERAL} | (
+        {OpKind.GATHER} if kernel.startswith("library") else set())
+    assert calls == ([KERNEL_OF[kind]] if kind in kernel_kinds else [])
+    assert dst.view(torch.uint8).equal(want)
+    calls.clear()
+    wide_src = torch.zeros(1200, src.shape[1], dtype=torch.bfloat16)
+    wide_src[::2] = src
+    wide_dst = torch.zeros(1200, src.shape[1], dtype=torch.bfloat16)
+    wide_dst[::2] = orig
+    op.apply(wide_dst[::2], wide_src[::2])
+    assert calls == []
+    assert wide_dst[::2].contiguous().view(torch.uint8).equal(want)
