@@ -106,8 +106,10 @@ def _use_native(dst: npt.NDArray[np.void], src: npt.NDArray[np.void],
 
 def gather(dst: npt.NDArray[np.void], d: int, src: npt.NDArray[np.void],
            index: Index) -> None:
-    """``dst[d:d+len(index)] = src[index]``, straight into place."""
+    """``dst[d:d+len(index)] = src[index]``, straight into place (``IndexError`` when
+    that slice is not inside ``dst``; the caller bounds ``index``)."""
     n = len(index)
+    _check_run("gather destination", d, n, len(dst))
     if _native is None or not _use_native(dst, src, index):
         np.take(src, index, out=dst[d:d + n], mode="clip")
         return
@@ -117,13 +119,23 @@ def gather(dst: npt.NDArray[np.void], d: int, src: npt.NDArray[np.void],
 
 def scatter(dst: npt.NDArray[np.void], index: Index, src: npt.NDArray[np.void],
             s: int) -> None:
-    """``dst[index] = src[s:s+len(index)]`` (``index`` must not repeat a row)."""
+    """``dst[index] = src[s:s+len(index)]`` (``index`` must not repeat a row;
+    ``IndexError`` when that slice is not inside ``src``; the caller bounds ``index``)."""
     n = len(index)
+    _check_run("scatter source", s, n, len(src))
     if _native is None or not _use_native(dst, src, index):
         np.put(dst, index, src[s:s + n], mode="clip")
         return
     row = dst.dtype.itemsize
     _native.rowcopy_scatter(_addr(dst), _addr(index), _addr(src) + s * row, n, row)
+
+
+def _check_run(what: str, start: int, n: int, rows: int) -> None:
+    """Refuse a run of ``n`` rows from ``start`` that is not inside ``rows`` rows: the
+    library would copy past the array where numpy refused the shape."""
+    if start < 0 or start + n > rows:
+        raise IndexError(f"{what} rows {start}..{start + n} lie outside its {rows} rows; "
+                         "plan the move with the buffers it copies")
 
 
 #: The most staging bytes a thread keeps: a larger move goes through it in pieces,
@@ -135,8 +147,12 @@ def gather_scatter(dst: npt.NDArray[np.void], dst_index: Index, src: npt.NDArray
                    src_index: Index) -> None:
     """``dst[dst_index] = src[src_index]``: one pass with the library, else through
     this thread's staging buffer, in pieces of at most :data:`STAGING_MAX_BYTES` (a
-    row larger than that is one piece)."""
+    row larger than that is one piece). ``ValueError`` when the two indices differ
+    in length; the caller bounds them."""
     n = len(src_index)
+    if len(dst_index) != n:
+        raise ValueError(f"gather_scatter: {len(dst_index)} destination rows for {n} "
+                         "source rows; give one destination row per source row")
     row = src.dtype.itemsize
     if _native is not None and _use_native(dst, src, dst_index, src_index):
         _native.rowcopy_gather_scatter(_addr(dst), _addr(dst_index), _addr(src),

@@ -356,3 +356,24 @@ def test_each_kind_takes_its_path_bit_exact_for_bf16_nan_payloads(
     op.apply(wide_dst[::2], wide_src[::2])
     assert calls == []
     assert wide_dst[::2].contiguous().view(torch.uint8).equal(want)
+
+
+def test_a_run_outside_its_array_or_unpaired_indices_move_nothing(kernel: str) -> None:
+    """The kernel's own entry points refuse a slice run past an array's end and
+    indices of different lengths before any byte moves, whichever kernel runs (the
+    library would copy past the array where numpy refused the shape)."""
+    src_t = torch.arange(8 * 64, dtype=torch.int64).reshape(8, 64).to(torch.uint8)
+    dst_t = torch.zeros(6, 64, dtype=torch.uint8)
+    src, dst = row_kernel.row_array(src_t), row_kernel.row_array(dst_t)
+    assert src is not None and dst is not None
+    before = dst_t.clone()
+    four = np.arange(4, dtype=np.int64)
+    with pytest.raises(IndexError, match=r"gather destination rows 3\.\.7 lie outside its 6 rows"):
+        row_kernel.gather(dst, 3, src, four)
+    with pytest.raises(IndexError, match=r"scatter source rows 6\.\.10 lie outside its 8 rows"):
+        row_kernel.scatter(dst, four, src, 6)
+    with pytest.raises(ValueError, match="3 destination rows for 4 source rows"):
+        row_kernel.gather_scatter(dst, np.arange(3, dtype=np.int64), src, four)
+    assert dst_t.equal(before)
+    row_kernel.gather(dst, 2, src, four)  # the largest run that fits
+    assert dst_t[2:6].equal(src_t[:4])
