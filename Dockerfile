@@ -75,6 +75,19 @@ ENV PATH=/opt/venv/bin:${PATH}
 RUN pip install --no-cache-dir ${TORCH_INDEX_URL:+--index-url "${TORCH_INDEX_URL}"} \
       ${TORCH_FIND_LINKS:+--find-links "${TORCH_FIND_LINKS}"} "torch==${TORCH_VERSION}"
 
+# The CPU row kernel's streaming-store library (node_agent/backend/_rowcopy.c)
+# is compiled by the install below when a C compiler is present; without one the
+# install still succeeds and rows are copied with numpy (docs/backend.md). The
+# compiler stays in this build stage. A base without apt-get and without gcc
+# (CI's mmdebstrap base) builds without the library.
+# DL3008: build tools come from the base image's distribution at its versions.
+# hadolint ignore=DL3008
+RUN if ! command -v gcc >/dev/null && command -v apt-get >/dev/null; then \
+      apt-get update \
+      && apt-get install -y --no-install-recommends gcc libc6-dev \
+      && rm -rf /var/lib/apt/lists/*; \
+    fi
+
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY node_agent/ node_agent/
