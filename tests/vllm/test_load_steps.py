@@ -18,7 +18,6 @@ import pytest
 from node_agent.client import EngineClient, RankInfo, SharedKVBuffers
 from node_agent.integrations.vllm.config import AgentConnectorConfig
 from node_agent.integrations.vllm.scheduler_side import SchedulerSide
-from node_agent.integrations.vllm.stage_calls import StageCaller
 from tests.agent.harness import (
     LAYOUT,
     NUM_SLOTS,
@@ -33,10 +32,9 @@ from tests.vllm.test_pp_stage_calls import (
     PROMPT,
     REPLICA,
     SRC_BLOCKS,
-    Steps,
     _all,
     _fill,
-    group,
+    stored_group,
     work,
 )
 
@@ -127,46 +125,29 @@ def test_an_empty_step_whose_workers_echo_a_failed_load_reports_it_without_waiti
 
 async def test_an_empty_step_whose_workers_report_the_last_stages_load_reports_it_without_waiting(
         work: Path) -> None:
-    sched: SchedulerSide | None = None
-    stage: StageCaller | None = None
-    try:
-        async with group(work) as (bufs, conn):
-            sched = SchedulerSide(conn, TPB, tp_size=1, pp_size=2)
-            stage = StageCaller(conn.socket_for(1), RankInfo(REPLICA, pp_rank=1, pp_size=2),
-                                TPB, timeout=60.0, retry_seconds=0.5)
-            s, st = sched, stage
-            steps = Steps(s, st)
-            for r, b in enumerate(bufs):
-                _fill(b, SRC_BLOCKS, 1.0 + r)  # each stage's own KV
-            assert s.finished("s", PROMPT, len(PROMPT), SRC_BLOCKS) is True
-            await steps.until(lambda: "s" in steps.sent, "the store completed on every stage")
+    async with stored_group(work) as (bufs, steps):
+        s, st = steps.sched, steps.stage
+        dst = [20, 21, 22, 23]
+        assert await steps.lookup("r") == 4 * TPB
+        s.after_alloc("r", dst, 4 * TPB)
+        st.submit(s.take_stage_ops())  # stage 1's retrieve; its end is kept back below
+        ended: set[tuple[int, str]] = set()
+        loads = [0]
 
-            dst = [20, 21, 22, 23]
-            assert await steps.lookup("r") == 4 * TPB
-            s.after_alloc("r", dst, 4 * TPB)
-            st.submit(s.take_stage_ops())  # stage 1's retrieve; its end is kept back below
-            ended: set[tuple[int, str]] = set()
-            loads = [0]
+        def both_ended() -> bool:
+            ended.update((1, rid) for rid in st.take_loads_ended())
+            loads[0] += s.take_counters()["loads"]
+            return (1, "r") in ended and loads[0] == 1
 
-            def both_ended() -> bool:
-                ended.update((1, rid) for rid in st.take_loads_ended())
-                loads[0] += s.take_counters()["loads"]
-                return (1, "r") in ended and loads[0] == 1
-
-            await wait_for_async(lambda: asyncio.to_thread(both_ended),
-                                 "both stages' retrieves ended", 60)
-            # An empty step without stage 1's report: stage 0's load is held.
-            report = s.step_report()
-            recv, _ = await asyncio.to_thread(s.step_output, set(report.failed), set(), True)
-            assert "r" not in recv, "a load was reported before stage 1's retrieve ended"
-            # The empty step whose workers report it: the load is reported at once.
-            s._load_ended = _NoWait()
-            report = s.step_report()
-            recv, _ = s.step_output(set(report.failed), ended, empty=True)
-            assert recv == {"r"}
-            assert _all(bufs[0], dst, 1.0) and _all(bufs[1], dst, 2.0)
-    finally:
-        if sched is not None:
-            sched.close()
-        if stage is not None:
-            stage.close()
+        await wait_for_async(lambda: asyncio.to_thread(both_ended),
+                             "both stages' retrieves ended", 60)
+        # An empty step without stage 1's report: stage 0's load is held.
+        report = s.step_report()
+        recv, _ = await asyncio.to_thread(s.step_output, set(report.failed), set(), True)
+        assert "r" not in recv, "a load was reported before stage 1's retrieve ended"
+        # The empty step whose workers report it: the load is reported at once.
+        s._load_ended = _NoWait()
+        report = s.step_report()
+        recv, _ = s.step_output(set(report.failed), ended, empty=True)
+        assert recv == {"r"}
+        assert _all(bufs[0], dst, 1.0) and _all(bufs[1], dst, 2.0)
