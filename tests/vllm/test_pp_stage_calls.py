@@ -148,8 +148,11 @@ async def group(work: Path, agents: list[RunningAgent] | None = None, **extra: A
             b.close()
 
 
-async def test_a_load_is_reported_only_once_every_stage_ended_it_and_never_half_loaded(
-        work: Path) -> None:
+@contextlib.asynccontextmanager
+async def stored_group(work: Path) -> AsyncIterator[tuple[list[SharedKVBuffers], Steps]]:
+    """:func:`group` with stage 0's scheduler side and stage 1's caller, played by
+    :class:`Steps`, once a finished request's blocks (``SRC_BLOCKS``, each stage's
+    own KV: 1.0 on stage 0, 2.0 on stage 1) are stored on both stages."""
     sched: SchedulerSide | None = None
     stage: StageCaller | None = None
     try:
@@ -160,40 +163,44 @@ async def test_a_load_is_reported_only_once_every_stage_ended_it_and_never_half_
             steps = Steps(sched, stage)
             for r, b in enumerate(bufs):
                 _fill(b, SRC_BLOCKS, 1.0 + r)  # each stage's own KV
-
-            # A finished request's blocks are stored on both stages.
             assert sched.finished("s", PROMPT, len(PROMPT), SRC_BLOCKS) is True
             await steps.until(lambda: "s" in steps.sent, "the store completed on every stage")
-
-            # A load whose stage-1 retrieve comes late: the leader gives up on stage 1,
-            # stage 0's load fails, and the failed load is held (vLLM would recompute
-            # into blocks stage 1's call may still name) until stage 1 reported it.
-            late = [10, 11, 12, 13]
-            for b in bufs:
-                _fill(b, late, -7.0)
-            assert await steps.lookup("late") == 4 * TPB
-            sched.after_alloc("late", late, 4 * TPB)
-            await steps.until(lambda: "late" in steps.failed,
-                              "stage 0's load of the late request failed", ship=False)
-            steps.step(ship=False)  # its failed blocks were echoed, stage 1 not called yet
-            assert "late" not in steps.recv, "load reported before stage 1's retrieve ended"
-            await steps.until(lambda: "late" in steps.recv, "the late load reported")
-            assert _all(bufs[0], late, -7.0) and _all(bufs[1], late, -7.0), \
-                "a stage's blocks were written by a load that failed"
-            sched.finished("late", PROMPT, 0, late)
-
-            # A load whose stages call in step: both stages' blocks hold their own KV.
-            ok = [20, 21, 22, 23]
-            assert await steps.lookup("ok") == 4 * TPB
-            sched.after_alloc("ok", ok, 4 * TPB)
-            await steps.until(lambda: "ok" in steps.recv, "the load reported")
-            assert _all(bufs[0], ok, 1.0) and _all(bufs[1], ok, 2.0)
-            assert sched.take_counters()["loads"] == 1
+            yield bufs, steps
     finally:
         if sched is not None:
             sched.close()
         if stage is not None:
             stage.close()
+
+
+async def test_a_load_is_reported_only_once_every_stage_ended_it_and_never_half_loaded(
+        work: Path) -> None:
+    async with stored_group(work) as (bufs, steps):
+        sched = steps.sched
+        # A load whose stage-1 retrieve comes late: the leader gives up on stage 1,
+        # stage 0's load fails, and the failed load is held (vLLM would recompute
+        # into blocks stage 1's call may still name) until stage 1 reported it.
+        late = [10, 11, 12, 13]
+        for b in bufs:
+            _fill(b, late, -7.0)
+        assert await steps.lookup("late") == 4 * TPB
+        sched.after_alloc("late", late, 4 * TPB)
+        await steps.until(lambda: "late" in steps.failed,
+                          "stage 0's load of the late request failed", ship=False)
+        steps.step(ship=False)  # its failed blocks were echoed, stage 1 not called yet
+        assert "late" not in steps.recv, "load reported before stage 1's retrieve ended"
+        await steps.until(lambda: "late" in steps.recv, "the late load reported")
+        assert _all(bufs[0], late, -7.0) and _all(bufs[1], late, -7.0), \
+            "a stage's blocks were written by a load that failed"
+        sched.finished("late", PROMPT, 0, late)
+
+        # A load whose stages call in step: both stages' blocks hold their own KV.
+        ok = [20, 21, 22, 23]
+        assert await steps.lookup("ok") == 4 * TPB
+        sched.after_alloc("ok", ok, 4 * TPB)
+        await steps.until(lambda: "ok" in steps.recv, "the load reported")
+        assert _all(bufs[0], ok, 1.0) and _all(bufs[1], ok, 2.0)
+        assert sched.take_counters()["loads"] == 1
 
 
 async def test_a_load_another_stage_could_not_stop_never_gives_its_blocks_back(

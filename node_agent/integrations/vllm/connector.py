@@ -327,8 +327,9 @@ class FlexKVAgentConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._sched is not None
         # A step that schedules nothing waits for a load to end once it ran (in
-        # update_connector_output): the step's own work overlaps the copy, and a
-        # load that ends in the wait is reported in the same step.
+        # update_connector_output, when its worker report completed none): the
+        # step's own work overlaps the copy, and a load that ends in the wait is
+        # reported in the same step.
         self._empty_step = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
         report = self._sched.step_report()
         return AgentConnectorMetadata(pending=report.pending, failed=report.failed,
@@ -343,10 +344,9 @@ class FlexKVAgentConnector(KVConnectorBase_V1):
         if isinstance(worker_meta, AgentWorkerMetadata):
             echoed, ended = worker_meta.failed_rids, worker_meta.loads_ended
             stuck = worker_meta.loads_stuck
-        if self._empty_step:
-            self._empty_step = False
-            self._sched.idle_wait()
-        recv, sent = self._sched.completions(set(echoed), ended, stuck)
+        empty, self._empty_step = self._empty_step, False
+        recv, sent = self._sched.step_output(set(echoed), ended, empty=empty,
+                                             loads_stuck=stuck)
         if recv:
             connector_output.finished_recving = set(connector_output.finished_recving or ()) | recv
         if sent:

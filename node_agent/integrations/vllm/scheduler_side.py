@@ -355,18 +355,37 @@ class SchedulerSide:
                 self._stage_ops.append(op)
 
     def idle_wait(self, seconds: float = IDLE_WAIT_SECONDS) -> None:
-        """Called once a step that scheduled nothing has run, before its completions
-        are taken: while loads are in flight, wait up to ``seconds`` for one to end
-        instead of letting vLLM spin empty steps, which on a small machine take the
-        CPU the agent's copy needs. Waiting after the step rather than before it
-        lets the step's own work overlap the copy, and a load ending in the wait is
-        reported by that same step (:meth:`completions`), not by the next one."""
+        """Called once a step that scheduled nothing has run and had nothing to
+        report (:meth:`step_output`): while loads are in flight, wait up to
+        ``seconds`` for one to end instead of letting vLLM spin empty steps, which
+        on a small machine take the CPU the agent's copy needs. Waiting after the
+        step rather than before it lets the step's own work overlap the copy, and a
+        load ending in the wait is reported by that same step (:meth:`completions`),
+        not by the next one."""
         with self._lock:
             waiting = ((bool(self._loading) or bool(self._lookup_asked))
                        and not self._recv_ok and not self._recv_failed)
         if waiting:
             self._load_ended.wait(seconds)
         self._load_ended.clear()
+
+    def step_output(self, failed_echoed: set[str],
+                    loads_ended: Iterable[tuple[int, str]] = (), empty: bool = False,
+                    loads_stuck: Iterable[tuple[int, str]] = (),
+                    ) -> tuple[set[str], set[str]]:
+        """``(finished_recving, finished_sending)`` of a step that ran, its worker
+        report (``failed_echoed``, ``loads_ended``, ``loads_stuck``, as for
+        :meth:`completions`) in
+        hand. A step that scheduled nothing (``empty``) and has nothing to report
+        waits (:meth:`idle_wait`) for a load to end, then reports what ended in the
+        wait. It never waits when its own worker report completes a load (a failed
+        load's blocks echoed, the last PP stage's ``retrieve`` ended): that load is
+        reported at once."""
+        recv, sent = self.completions(failed_echoed, loads_ended, loads_stuck)
+        if empty and not recv and not sent:
+            self.idle_wait()
+            recv, sent = self.completions(set())
+        return recv, sent
 
     def completions(self, failed_echoed: set[str],
                     loads_ended: Iterable[tuple[int, str]] = (),
