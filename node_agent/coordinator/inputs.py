@@ -54,6 +54,18 @@ def _value_errors(what: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
     return wrap
 
 
+def _private(value: object) -> object:
+    """A copy of an array-like slot mapping, its dtype kept, that no caller holds:
+    what is validated is what :class:`CheckedSlots` then marks checked, whatever
+    the caller's thread does to its own array meanwhile. Anything else is returned
+    as it is, for :func:`validate_slot_mapping` to refuse."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    return value  # a sequence: validate_slot_mapping builds a new array from it
+
+
 def _as_array(value: object, what: str) -> npt.NDArray[np.generic]:
     """``value`` (sequence, numpy array, CPU or device tensor) as a numpy array, with
     every conversion failure as ``ValueError`` naming ``what``."""
@@ -194,7 +206,7 @@ def prepare_store(
     idx = kv_indices if isinstance(kv_indices, torch.Tensor) else \
         _as_array(kv_indices, "store_kv: kv_indices")
     slots = CheckedSlots.of(validate_slot_mapping(
-        idx[:aligned], aligned, num_slots if num_slots is not None else 1 << 62,
+        _private(idx[:aligned]), aligned, num_slots if num_slots is not None else 1 << 62,
         what="store_kv: kv_indices",
     ))
     if whole_pages is not None:
@@ -213,7 +225,7 @@ def prepare_slots(
     aligned pages of ``whole_pages`` slots when set); a launch of the answer
     skips a second validation."""
     slots = CheckedSlots.of(validate_slot_mapping(
-        slot_mapping, expected, num_slots if num_slots is not None else 1 << 62,
+        _private(slot_mapping), expected, num_slots if num_slots is not None else 1 << 62,
         what="retrieve: slot_mapping",
     ))
     if whole_pages is not None:
