@@ -15,11 +15,13 @@ token or block:
   staging buffer and one scatter.
 
 Slices are ``copy_`` and gathers ``index_select(out=...)``; between two CPU
-tensors of contiguous rows a scatter is one call of :mod:`.row_kernel` (numpy,
-one ``memmove`` per row, GIL released, no torch intra-op threads) and a move
-between two scattered sides goes through a reused staging buffer; CUDA or
-strided rows scatter with ``index_copy_``. Every op checks its rows against
-both tensors before any byte moves.
+tensors of contiguous rows a scatter, a general op (and, with the ``_rowcopy``
+library, a gather) is one call of :mod:`.row_kernel` (GIL released, no torch
+intra-op threads); CUDA or strided rows scatter with ``index_copy_``. With the
+library, a plan of several ops between two CPU tensors of contiguous rows runs
+as one general kernel call over all its rows instead (:class:`RowPlan`): a
+load of scattered whole pages is otherwise one torch ``copy_`` per page. Every
+plan checks all its rows against both tensors before any byte moves.
 
 Sorting by destination first means a load into any permutation of a dense slot
 range (SGLang with page size 1 hands out such sets) is a gather too.
