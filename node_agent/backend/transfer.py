@@ -15,11 +15,13 @@ token or block:
   staging buffer and one scatter.
 
 Slices are ``copy_`` and gathers ``index_select(out=...)``; between two CPU
-tensors of contiguous rows a scatter is one call of :mod:`.row_kernel` (numpy,
-one ``memmove`` per row, GIL released, no torch intra-op threads) and a move
-between two scattered sides goes through a reused staging buffer; CUDA or
-strided rows scatter with ``index_copy_``. Every op checks its rows against
-both tensors before any byte moves.
+tensors of contiguous rows a scatter, a general op (and, with the ``_rowcopy``
+library, a gather) is one call of :mod:`.row_kernel` (GIL released, no torch
+intra-op threads); CUDA or strided rows scatter with ``index_copy_``. With the
+library, a plan of several ops between two CPU tensors of contiguous rows runs
+as one general kernel call over all its rows instead (:class:`RowPlan`): a
+load of scattered whole pages is otherwise one torch ``copy_`` per page. Every
+plan checks all its rows against both tensors before any byte moves.
 
 Sorting by destination first means a load into any permutation of a dense slot
 range (SGLang with page size 1 hands out such sets) is a gather too.
@@ -175,18 +177,7 @@ class RowOp:
         before any byte moves. A scatter or general op between two CPU
         tensors of contiguous rows runs :mod:`.row_kernel` (one GIL-free numpy
         call, on this thread only); everything else runs torch ops."""
-        if self._dst_hi > dst.shape[0] or self._src_hi > src.shape[0]:
-            raise IndexError(
-                f"{self!r} needs {self._dst_hi} destination and {self._src_hi} source rows, "
-                f"but the tensors hold {dst.shape[0]} and {src.shape[0]}; the row plan does "
-                "not fit these buffers (plan and copy them with the same slots and blocks)"
-            )
-        if dst.dtype != src.dtype or dst.shape[1:] != src.shape[1:]:
-            raise ValueError(
-                f"{self!r}: destination rows are {dst.dtype} x {tuple(dst.shape[1:])} but "
-                f"source rows are {src.dtype} x {tuple(src.shape[1:])}; both sides must view "
-                "their rows with the same dtype and width"
-            )
+        _check_fit(self, self._dst_hi, self._src_hi, dst, src)
         kind = self.kind
         if (kind is OpKind.SCATTER or kind is OpKind.GENERAL
                 or (kind is OpKind.GATHER and row_kernel.NATIVE)):
@@ -211,6 +202,15 @@ class RowOp:
             rows = src.index_select(0, self.index("src", src.device))
             dst.index_copy_(0, self.index("dst", dst.device), rows.to(dst.device))
 
+    def rows(self) -> tuple[Rows, Rows]:
+        """``(destination rows, source rows)`` this op moves, one pair per row."""
+        n = self.length
+        d = self._dst_np if self._dst_np is not None else np.arange(
+            self.dst_start, self.dst_start + n, dtype=np.int64)
+        s = self._src_np if self._src_np is not None else np.arange(
+            self.src_start, self.src_start + n, dtype=np.int64)
+        return d, s
+
     def _kernel_rows(self, dst: npt.NDArray[np.void], src: npt.NDArray[np.void]) -> None:
         """A gather, scatter or general op on rows as numpy ``void`` elements (bounds
         checked)."""
@@ -228,6 +228,24 @@ class RowOp:
     def __repr__(self) -> str:
         return (f"RowOp({self.kind.value}, dst_start={self.dst_start}, "
                 f"src_start={self.src_start}, length={self.length})")
+
+
+def _check_fit(what: object, dst_hi: int, src_hi: int, dst: torch.Tensor,
+               src: torch.Tensor) -> None:
+    """Raise ``IndexError`` unless ``dst`` holds ``dst_hi`` rows and ``src`` ``src_hi``,
+    and ``ValueError`` unless their rows have one dtype and width."""
+    if dst_hi > dst.shape[0] or src_hi > src.shape[0]:
+        raise IndexError(
+            f"{what!r} needs {dst_hi} destination and {src_hi} source rows, "
+            f"but the tensors hold {dst.shape[0]} and {src.shape[0]}; the row plan does "
+            "not fit these buffers (plan and copy them with the same slots and blocks)"
+        )
+    if dst.dtype != src.dtype or dst.shape[1:] != src.shape[1:]:
+        raise ValueError(
+            f"{what!r}: destination rows are {dst.dtype} x {tuple(dst.shape[1:])} but "
+            f"source rows are {src.dtype} x {tuple(src.shape[1:])}; both sides must view "
+            "their rows with the same dtype and width"
+        )
 
 
 def _index_array(index: Rows | None, which: str) -> Rows | None:
@@ -301,21 +319,62 @@ def plan_rows(dst: Rows, src: Rows, max_ops: int = MAX_SEGMENTS,
     return [RowOp(OpKind.GENERAL, length=n, dst_index=dst, src_index=src)]
 
 
-def _store_plan(blocks: Sequence[int], units: int, idx: Rows) -> list[RowOp]:
+class RowPlan:
+    """The row ops of one plan (:func:`plan_rows`), applied to every plane of a task.
+
+    With the row kernel's library (``row_kernel.NATIVE``) a plan of several ops also
+    holds one general op over all their rows (``fused``): between two CPU tensors of
+    contiguous rows it moves the whole plan in one GIL-free call with streaming
+    stores, where the ops would be one torch ``copy_`` per slice (a load of scattered
+    whole pages, vLLM's paged layout, is one single-page slice per page). Both give
+    the same bytes. Other tensors (CUDA, strided rows) run the ops. Either way every
+    row of the whole plan is checked against both tensors, and their row dtype and
+    width, before any byte moves (so a plan that does not fit moves nothing, not
+    the ops before the one that does not fit)."""
+
+    __slots__ = ("_dst_hi", "_src_hi", "fused", "ops")
+
+    def __init__(self, ops: list[RowOp]) -> None:
+        self.ops = ops
+        self.fused = _fuse(ops) if row_kernel.NATIVE and len(ops) > 1 else None
+        self._dst_hi = max((op._dst_hi for op in ops), default=0)
+        self._src_hi = max((op._src_hi for op in ops), default=0)
+
+    def apply(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Move the plan's rows from ``src`` into ``dst`` (see :meth:`RowOp.apply`;
+        the same errors, raised for the whole plan before any byte moves)."""
+        _check_fit(self, self._dst_hi, self._src_hi, dst, src)
+        fused = self.fused
+        if (fused is not None and row_kernel.row_array(dst) is not None
+                and row_kernel.row_array(src) is not None):
+            fused.apply(dst, src)
+            return
+        for op in self.ops:
+            op.apply(dst, src)
+
+
+    def __repr__(self) -> str:
+        return f"RowPlan({len(self.ops)} ops, fused={self.fused is not None})"
+
+
+def _fuse(ops: Sequence[RowOp]) -> RowOp:
+    """One general op moving every row of ``ops`` (whose destinations do not repeat)."""
+    pairs = [op.rows() for op in ops]
+    return RowOp(OpKind.GENERAL, length=sum(len(d) for d, _ in pairs),
+                 dst_index=np.concatenate([d for d, _ in pairs]),
+                 src_index=np.concatenate([s for _, s in pairs]))
+
+
+def _store_plan(blocks: Sequence[int], units: int, idx: Rows) -> RowPlan:
     """The row plan of a store: engine rows ``idx`` into the rows of tier ``blocks``."""
-    return plan_rows(unit_rows(blocks, units), idx)
+    return RowPlan(plan_rows(unit_rows(blocks, units), idx))
 
 
 def _load_plan(idx: Rows, blocks: Sequence[int], positions: Sequence[int],
-               units: int) -> list[RowOp]:
+               units: int) -> RowPlan:
     """The row plan of a CPU load: the rows of tier ``blocks`` into the engine rows of
     ``idx`` at ``positions`` (block positions within the task)."""
-    return plan_rows(idx[unit_rows(positions, units)], unit_rows(blocks, units))
-
-
-def _apply(ops: Sequence[RowOp], dst: torch.Tensor, src: torch.Tensor) -> None:
-    for op in ops:
-        op.apply(dst, src)
+    return RowPlan(plan_rows(idx[unit_rows(positions, units)], unit_rows(blocks, units)))
 
 
 def _widest_view(t: torch.Tensor) -> torch.Tensor:
@@ -349,7 +408,7 @@ class _Units:
         self.tpb = tpb
         self.tokens = slots.numpy()
         self.pages = pages.numpy() if pages is not None else None
-        self._plans: dict[tuple[str, int], list[RowOp]] = {}
+        self._plans: dict[tuple[str, int], RowPlan] = {}
 
     def pick(self, plane: torch.Tensor, paged: bool = False,
              ) -> tuple[torch.Tensor, Rows, int]:
@@ -363,7 +422,7 @@ class _Units:
             return plane[: n * self.tpb].view(n, -1), self.pages, 1
         return plane, self.tokens, self.tpb
 
-    def plan(self, key: str, units: int, build: Callable[[], list[RowOp]]) -> list[RowOp]:
+    def plan(self, key: str, units: int, build: Callable[[], RowPlan]) -> RowPlan:
         """The row plan ``key`` for ``units`` rows per block, built once."""
         got = self._plans.get((key, units))
         if got is None:
@@ -437,8 +496,8 @@ class BlockCopier:
                 for p in range(lay.num_planes):
                     src, idx, u = units.pick(_widest_view(buf.planes[p]), buf.paged)
                     region = self._region(r, p, src.dtype, u)
-                    ops = units.plan("store", u, functools.partial(_store_plan, blocks, u, idx))
-                    items.append(functools.partial(_apply, ops, region, src))
+                    plan = units.plan("store", u, functools.partial(_store_plan, blocks, u, idx))
+                    items.append(functools.partial(plan.apply, region, src))
             self._run(items, devices, len(blocks) * lay.bytes_per_block, abort)
         finally:
             _synchronize(devices)
@@ -487,9 +546,9 @@ class BlockCopier:
             for p in range(lay.num_planes):
                 dst, idx, u = units.pick(_widest_view(buf.planes[p]), buf.paged)
                 region = self._region(sr, p, dst.dtype, u)
-                ops = units.plan("load_cpu", u, functools.partial(
+                plan = units.plan("load_cpu", u, functools.partial(
                     _load_plan, idx, blocks, positions, u))
-                items.append(functools.partial(_apply, ops, dst, region))
+                items.append(functools.partial(plan.apply, dst, region))
         nbytes = len(blocks) * lay.bytes_per_block * (len(buffers) if lay.is_mla else 1)
         self._run(items, {b.device for b in buffers.values()}, nbytes, abort)
 
@@ -549,7 +608,7 @@ class BlockCopier:
         arr = staging.numpy()
         for j, b in enumerate(blocks):
             self.ssd.read(b, [arr[k, j].data for k in range(self.cpu.num_regions)])
-        plans: dict[int, list[RowOp]] = {}  # this chunk's plans (positions differ per chunk)
+        plans: dict[int, RowPlan] = {}  # this chunk's plans (positions differ per chunk)
         for rank, buf in buffers.items():
             sr = 0 if lay.is_mla else rank
             for p in range(lay.num_planes):
@@ -557,10 +616,10 @@ class BlockCopier:
                 k = sr * lay.num_planes + p
                 data = staging[k, : len(blocks)].view(dst.dtype).view(len(blocks) * u, -1)
                 if u not in plans:
-                    plans[u] = plan_rows(idx[unit_rows(positions, u)],
-                                         np.arange(len(blocks) * u, dtype=np.int64))
+                    plans[u] = RowPlan(plan_rows(idx[unit_rows(positions, u)],
+                                                 np.arange(len(blocks) * u, dtype=np.int64)))
                 self._checkpoint(abort)
-                _apply(plans[u], dst, data)
+                plans[u].apply(dst, data)
 
     def _staging(self, blocks: int) -> torch.Tensor:
         """This worker thread's reusable staging tensor ``(regions, >= blocks, segment_bytes)``

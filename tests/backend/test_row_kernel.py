@@ -2,7 +2,8 @@
 order, single slots, gaps, both sides scattered) moves exactly the named rows,
 bit for bit, against a plain ``index_select`` reference, on contiguous rows
 (scatters through the numpy row kernel) and on strided rows (torch ops alike);
-an op whose rows do not fit the tensors moves nothing."""
+an op whose rows do not fit the tensors moves nothing. A plan of several ops
+runs as one fused kernel call with the library (same bytes, same refusals)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 from node_agent.backend import row_kernel
 from node_agent.backend.slots import validate_slot_mapping
-from node_agent.backend.transfer import OpKind, RowOp, plan_rows
+from node_agent.backend.transfer import OpKind, RowOp, RowPlan, plan_rows
 
 ROW_BYTES = 40  # not a multiple of 16: rows are copied as bytes, never as wider elements
 
@@ -377,3 +378,86 @@ def test_a_run_outside_its_array_or_unpaired_indices_move_nothing(kernel: str) -
     assert dst_t.equal(before)
     row_kernel.gather(dst, 2, src, four)  # the largest run that fits
     assert dst_t[2:6].equal(src_t[:4])
+
+
+def _pages(n_blocks: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """A paged load: ``n_blocks`` scattered engine pages fed from scattered tier
+    pages (one single-page slice op per page without fusing)."""
+    d = 2 * rng.permutation(2 * n_blocks)[:n_blocks].astype(np.int64)  # no two adjacent
+    s = 2 * rng.permutation(n_blocks).astype(np.int64)
+    return d, s
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("dst_kind", [*KINDS, "pages"])
+@pytest.mark.parametrize("src_kind", KINDS)
+@pytest.mark.parametrize("row_bytes", [40, 64, 2048])
+def test_plans_are_bit_exact_fused_or_op_by_op(kernel: str, seed: int, dst_kind: str,
+                                               src_kind: str, row_bytes: int) -> None:
+    """A :class:`RowPlan` moves exactly the named rows whichever way it runs: fused
+    into one general op (library, several ops), op by op (numpy, or one op), and on
+    strided rows (never fused), against torch indexing."""
+    rng = np.random.default_rng(seed)
+    if dst_kind == "pages":
+        d, s = _pages(int(rng.integers(2, 40)), rng)
+    else:
+        n = int(rng.integers(1, 300))
+        d, s = _pattern(dst_kind, rng, n), _pattern(src_kind, rng, n)
+    ops = plan_rows(d, s)
+    plan = RowPlan(ops)
+    assert (plan.fused is not None) == (kernel != "numpy" and len(ops) > 1)
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(0, 256, (int(s.max()) + 1, row_bytes), dtype=torch.uint8, generator=g)
+    dst = torch.randint(0, 256, (int(d.max()) + 3, row_bytes), dtype=torch.uint8, generator=g)
+    want = _reference(dst, src, d, s)
+    wide_dst = torch.zeros(dst.shape[0], 2 * row_bytes, dtype=torch.uint8)
+    wide_dst[:, :row_bytes] = dst
+    plan.apply(dst, src)
+    assert dst.equal(want)
+    plan.apply(wide_dst[:, :row_bytes], src)  # strided rows: op by op
+    assert wide_dst[:, :row_bytes].equal(want) and not wide_dst[:, row_bytes:].any()
+
+
+@NEEDS_LIBRARY
+def test_a_plan_of_page_slices_is_one_kernel_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scattered whole pages (vLLM's paged layout) plan as one slice per page; with
+    the library the plan moves them in one ``gather_scatter`` call, bit-exact for bf16
+    rows of random bits."""
+    calls: list[int] = []
+    real = row_kernel.gather_scatter
+
+    def counted(dst: np.ndarray, di: np.ndarray, src: np.ndarray, si: np.ndarray) -> None:
+        calls.append(len(di))
+        real(dst, di, src, si)
+    monkeypatch.setattr(row_kernel, "gather_scatter", counted)
+    d, s = _pages(12, np.random.default_rng(3))
+    ops = plan_rows(d, s)
+    assert len(ops) == 12 and {op.kind for op in ops} == {OpKind.SLICE}
+    plan = RowPlan(ops)
+    src = _random_rows(24, 31).view(torch.bfloat16).view(24, -1)
+    dst = _random_rows(48, 32).view(torch.bfloat16).view(48, -1)
+    want = _reference(dst.view(torch.uint8), src.view(torch.uint8), d, s)
+    plan.apply(dst, src)
+    assert calls == [12]
+    assert dst.view(torch.uint8).equal(want)
+
+
+def test_a_fused_plan_refuses_rows_outside_the_tensors_or_other_widths(kernel: str) -> None:
+    """A plan checks all its rows against both tensors, and their row dtype and
+    width, before any byte moves, fused or op by op (ops before the one that does
+    not fit move nothing either)."""
+    d, s = _pages(10, np.random.default_rng(4))
+    plan = RowPlan(plan_rows(d, s))
+    src = _random_rows(int(s.max()) + 1, 41)
+    dst = _random_rows(int(d.max()), 42)  # one row short of the highest page
+    before = dst.clone()
+    with pytest.raises(IndexError, match=r"needs \d+ destination and \d+ source rows, but the "
+                                         r"tensors hold"):
+        plan.apply(dst, src)
+    assert dst.equal(before)
+    dst = _random_rows(int(d.max()) + 1, 43)
+    before = dst.clone()
+    with pytest.raises(ValueError, match=r"destination rows are torch.uint8 x \(40,\) but "
+                                         r"source rows are torch.uint8 x \(80,\)"):
+        plan.apply(dst, torch.zeros(int(s.max()) + 1, 80, dtype=torch.uint8))
+    assert dst.equal(before)
