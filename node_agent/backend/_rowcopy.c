@@ -105,6 +105,11 @@ void rowcopy_scatter(char *dst, const int64_t *idx, const char *src, int64_t n, 
     rows(dst, idx, src, NULL, n, row);
 }
 
+/* dst[i] = src[i] for i in [0, n): one run of rows, as one flat streaming copy */
+void rowcopy_run(char *dst, const char *src, int64_t n, int64_t row) {
+    rows(dst, NULL, src, NULL, 1, n * row);
+}
+
 /* dst[didx[i]] = src[sidx[i]] for i in [0, n): no staging, one pass */
 void rowcopy_gather_scatter(char *dst, const int64_t *didx, const char *src,
                             const int64_t *sidx, int64_t n, int64_t row) {

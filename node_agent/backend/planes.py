@@ -35,6 +35,7 @@ every rank.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -57,6 +58,30 @@ class RegisteredBuffers:
     device: torch.device
     paged: bool = False
     """Planes are ``(num_blocks, page_elems)`` rows of whole pages (copied by page only)."""
+
+    @functools.cached_property
+    def wide_planes(self) -> tuple[torch.Tensor, ...]:
+        """``planes`` viewed with the widest element that tiles their rows
+        (:func:`widest_view`), built on first use and kept with the registration."""
+        return tuple(widest_view(p) for p in self.planes)
+
+
+
+def widest_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (2-D, unit stride in dim 1) viewed with the widest element that tiles its rows.
+
+    Index kernels copy element by element; 16-byte elements make a row copy
+    close to ``memcpy`` speed. Only the bytes are reinterpreted, never the values,
+    so copies stay bit-exact.
+    """
+    row_bytes = t.shape[1] * t.element_size()
+    for wide in (torch.complex128, torch.int64, torch.int32):
+        size = wide.itemsize
+        if (row_bytes % size == 0 and (t.stride(0) * t.element_size()) % size == 0
+                and (t.storage_offset() * t.element_size()) % size == 0
+                and t.data_ptr() % size == 0):
+            return t.view(wide)
+    return t
 
 
 def register_buffers(

@@ -1,7 +1,7 @@
 """The CPU row kernel: rows written to scattered destination rows between CPU tensors.
 
 A *row* is one unit of a plane (one token, or one page): a dense run of bytes.
-:func:`gather`, :func:`scatter` and :func:`gather_scatter` move rows between
+:func:`gather`, :func:`scatter`, :func:`gather_scatter` and :func:`copy_run` move rows between
 two C-contiguous CPU tensors viewed as numpy arrays with one opaque ``void``
 element per row, so each row is one copy whatever the dtype (torch's
 ``index_copy_`` copies element by element), on the calling thread only (no
@@ -65,7 +65,9 @@ def _load_native() -> ctypes.CDLL | None:
     lib.rowcopy_gather.argtypes = [p, p, p, i64, i64]
     lib.rowcopy_scatter.argtypes = [p, p, p, i64, i64]
     lib.rowcopy_gather_scatter.argtypes = [p, p, p, p, i64, i64]
-    for fn in (lib.rowcopy_gather, lib.rowcopy_scatter, lib.rowcopy_gather_scatter):
+    lib.rowcopy_run.argtypes = [p, p, i64, i64]
+    for fn in (lib.rowcopy_gather, lib.rowcopy_scatter, lib.rowcopy_gather_scatter,
+               lib.rowcopy_run):
         fn.restype = None
     lib.rowcopy_level.argtypes = []
     lib.rowcopy_level.restype = ctypes.c_int
@@ -128,6 +130,21 @@ def scatter(dst: npt.NDArray[np.void], index: Index, src: npt.NDArray[np.void],
         return
     row = dst.dtype.itemsize
     _native.rowcopy_scatter(_addr(dst), _addr(index), _addr(src) + s * row, n, row)
+
+
+def copy_run(dst: npt.NDArray[np.void], d: int, src: npt.NDArray[np.void], s: int,
+             n: int) -> None:
+    """``dst[d:d+n] = src[s:s+n]``: with the library, one flat copy with streaming
+    stores (a store into cold tier rows does not read them first); else numpy's
+    ``copyto``, which also copies overlapping runs correctly. ``IndexError`` when
+    either run is not inside its array, before any byte moves."""
+    _check_run("run destination", d, n, len(dst))
+    _check_run("run source", s, n, len(src))
+    if _native is None or not _use_native(dst, src):
+        np.copyto(dst[d:d + n], src[s:s + n])
+        return
+    row = dst.dtype.itemsize
+    _native.rowcopy_run(_addr(dst) + d * row, _addr(src) + s * row, n, row)
 
 
 def _check_run(what: str, start: int, n: int, rows: int) -> None:

@@ -174,13 +174,13 @@ class RowOp:
 
         Raises ``IndexError`` when a row lies outside either tensor and
         ``ValueError`` when their rows differ in dtype or width, in both cases
-        before any byte moves. A scatter or general op between two CPU
-        tensors of contiguous rows runs :mod:`.row_kernel` (one GIL-free numpy
-        call, on this thread only); everything else runs torch ops."""
+        before any byte moves. Between two CPU tensors of contiguous rows, a
+        scatter or general op runs :mod:`.row_kernel` (one GIL-free call, on this
+        thread only), and so do a slice and a gather where its streaming-store
+        library is built (``row_kernel.NATIVE``); everything else runs torch ops."""
         _check_fit(self, self._dst_hi, self._src_hi, dst, src)
         kind = self.kind
-        if (kind is OpKind.SCATTER or kind is OpKind.GENERAL
-                or (kind is OpKind.GATHER and row_kernel.NATIVE)):
+        if kind is OpKind.SCATTER or kind is OpKind.GENERAL or row_kernel.NATIVE:
             d_rows = row_kernel.row_array(dst)
             s_rows = row_kernel.row_array(src) if d_rows is not None else None
             if d_rows is not None and s_rows is not None:
@@ -212,8 +212,10 @@ class RowOp:
         return d, s
 
     def _kernel_rows(self, dst: npt.NDArray[np.void], src: npt.NDArray[np.void]) -> None:
-        """A gather, scatter or general op on rows as numpy ``void`` elements (bounds
-        checked)."""
+        """This op on rows as numpy ``void`` elements (bounds checked)."""
+        if self.kind is OpKind.SLICE:
+            row_kernel.copy_run(dst, self.dst_start, src, self.src_start, self.length)
+            return
         if self.kind is OpKind.GATHER:
             assert self._src_np is not None
             row_kernel.gather(dst, self.dst_start, src, self._src_np)
@@ -377,23 +379,6 @@ def _load_plan(idx: Rows, blocks: Sequence[int], positions: Sequence[int],
     return RowPlan(plan_rows(idx[unit_rows(positions, units)], unit_rows(blocks, units)))
 
 
-def _widest_view(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (2-D, unit stride in dim 1) viewed with the widest element that tiles its rows.
-
-    Index kernels copy element by element; 16-byte elements make a row copy
-    close to ``memcpy`` speed. Only the bytes are reinterpreted, never the values,
-    so copies stay bit-exact.
-    """
-    row_bytes = t.shape[1] * t.element_size()
-    for wide in (torch.complex128, torch.int64, torch.int32):
-        size = wide.itemsize
-        if (row_bytes % size == 0 and (t.stride(0) * t.element_size()) % size == 0
-                and (t.storage_offset() * t.element_size()) % size == 0
-                and t.data_ptr() % size == 0):
-            return t.view(wide)
-    return t
-
-
 def _synchronize(devices: set[torch.device]) -> None:
     for d in devices:
         if d.type == "cuda":
@@ -442,6 +427,7 @@ class BlockCopier:
         self.ssd = ssd
         self.lanes = lanes
         self._local = threading.local()
+        self._regions: dict[tuple[int, int, torch.dtype, int], torch.Tensor] = {}
         #: Called with the copy's abort event (or None) at every checkpoint, before
         #: the event is checked: a seam for tests that need a copy paused mid-way.
         self.checkpoint_hook: Callable[[threading.Event | None], None] | None = None
@@ -467,9 +453,14 @@ class BlockCopier:
 
     def _region(self, stored_rank: int, plane: int, dtype: torch.dtype, units: int,
                 ) -> torch.Tensor:
-        """The CPU region of ``plane`` as rows of one unit (``units`` rows per block)."""
-        region = self.cpu.region(stored_rank, plane).view(dtype)
-        return region.view(self.cpu.num_blocks * units, -1)
+        """The CPU region of ``plane`` as rows of one unit (``units`` rows per block):
+        a view of the tier's pool, which never moves, so each one is built once."""
+        key = (stored_rank, plane, dtype, units)
+        got = self._regions.get(key)
+        if got is None:
+            region = self.cpu.region(stored_rank, plane).view(dtype)
+            got = self._regions[key] = region.view(self.cpu.num_blocks * units, -1)
+        return got
 
     def _run(self, items: list[Callable[[], None]], devices: set[torch.device],
              nbytes: int, abort: threading.Event | None) -> None:
@@ -493,8 +484,9 @@ class BlockCopier:
         try:
             for r in range(lay.stored_ranks):
                 buf = buffers[r]
+                wide = buf.wide_planes
                 for p in range(lay.num_planes):
-                    src, idx, u = units.pick(_widest_view(buf.planes[p]), buf.paged)
+                    src, idx, u = units.pick(wide[p], buf.paged)
                     region = self._region(r, p, src.dtype, u)
                     plan = units.plan("store", u, functools.partial(_store_plan, blocks, u, idx))
                     items.append(functools.partial(plan.apply, region, src))
@@ -543,8 +535,9 @@ class BlockCopier:
         items: list[Callable[[], None]] = []
         for rank, buf in buffers.items():
             sr = 0 if lay.is_mla else rank
+            wide = buf.wide_planes
             for p in range(lay.num_planes):
-                dst, idx, u = units.pick(_widest_view(buf.planes[p]), buf.paged)
+                dst, idx, u = units.pick(wide[p], buf.paged)
                 region = self._region(sr, p, dst.dtype, u)
                 plan = units.plan("load_cpu", u, functools.partial(
                     _load_plan, idx, blocks, positions, u))
@@ -611,8 +604,9 @@ class BlockCopier:
         plans: dict[int, RowPlan] = {}  # this chunk's plans (positions differ per chunk)
         for rank, buf in buffers.items():
             sr = 0 if lay.is_mla else rank
+            wide = buf.wide_planes
             for p in range(lay.num_planes):
-                dst, idx, u = units.pick(_widest_view(buf.planes[p]), buf.paged)
+                dst, idx, u = units.pick(wide[p], buf.paged)
                 k = sr * lay.num_planes + p
                 data = staging[k, : len(blocks)].view(dst.dtype).view(len(blocks) * u, -1)
                 if u not in plans:

@@ -267,7 +267,8 @@ def test_the_library_writes_rows_at_unaligned_destinations(kernel: str, offset: 
     dst = raw_dst[offset:].view(100, 128)
     src = torch.randint(0, 256, (300, 128), dtype=torch.uint8)
     d, s = rng.permutation(100)[:60].astype(np.int64), rng.permutation(300)[:60].astype(np.int64)
-    for kind_d, kind_s in ((np.arange(60), s), (d, np.arange(60)), (d, s)):
+    for kind_d, kind_s in ((np.arange(60), s), (d, np.arange(60)), (d, s),
+                           (np.arange(30, 90), np.arange(200, 260))):  # one slice
         dst.zero_()
         want = _reference(dst, src, kind_d.astype(np.int64), kind_s)
         for op in plan_rows(kind_d, kind_s):
@@ -292,6 +293,11 @@ def test_overlapping_arrays_are_left_to_numpy() -> None:
     want2[130:180] = t[torch.from_numpy(g)].clone()
     row_kernel.gather(rows, 130, rows, g)
     assert t.equal(want2)
+    for d0, s0 in ((40, 10), (10, 40)):  # overlapping runs, moved forward and back
+        want3 = t.clone()
+        want3[d0:d0 + 60] = t[s0:s0 + 60].clone()
+        row_kernel.copy_run(rows, d0, rows, s0, 60)
+        assert t.equal(want3)
 
 
 @NEEDS_LIBRARY
@@ -375,7 +381,16 @@ def test_a_run_outside_its_array_or_unpaired_indices_move_nothing(kernel: str) -
         row_kernel.scatter(dst, four, src, 6)
     with pytest.raises(ValueError, match="3 destination rows for 4 source rows"):
         row_kernel.gather_scatter(dst, np.arange(3, dtype=np.int64), src, four)
+    with pytest.raises(IndexError, match=r"run destination rows 3\.\.7 lie outside its 6 rows"):
+        row_kernel.copy_run(dst, 3, src, 0, 4)
+    with pytest.raises(IndexError, match=r"run source rows 5\.\.9 lie outside its 8 rows"):
+        row_kernel.copy_run(dst, 0, src, 5, 4)
+    with pytest.raises(IndexError, match=r"run source rows -1\.\.3 lie outside its 8 rows"):
+        row_kernel.copy_run(dst, 0, src, -1, 4)
     assert dst_t.equal(before)
+    row_kernel.copy_run(dst, 2, src, 4, 4)  # the largest run that fits
+    assert dst_t[2:6].equal(src_t[4:8]) and dst_t[:2].equal(before[:2])
+    dst_t.copy_(before)
     row_kernel.gather(dst, 2, src, four)  # the largest run that fits
     assert dst_t[2:6].equal(src_t[:4])
 
