@@ -360,7 +360,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="fkv-bench-"))
     proc, sock, _ = start_agent(work, layout, cpu_bytes)
     bufs = SharedKVBuffers.for_layout(layout, 2 * tokens)
-    client = EngineClient(sock, RankInfo("bench-0"), timeout=30)
+    client = EngineClient(sock, RankInfo("bench-0"), timeout=45)  # above the call bound
     try:
         client.register_kv_buffers(layout, bufs.handles)
         for planes in planes_of(bufs):

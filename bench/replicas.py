@@ -111,7 +111,8 @@ def engine_main(cfg: dict[str, Any]) -> int:
     me, n, tokens, prefixes = cfg["index"], cfg["engines"], cfg["tokens"], cfg["prefixes"]
     suffix = layout.tokens_per_block
     digest = ModelIdentity(served_name=MODEL, model=f"/models/{MODEL}").digest()
-    client = EngineClient(cfg["socket"], RankInfo(f"rep-{me}", model=digest), timeout=60)
+    client = EngineClient(cfg["socket"], RankInfo(f"rep-{me}", model=digest),
+                          timeout=75)  # above the agent's call bound
     num_slots = 2 * (tokens + suffix)
     bufs = SharedKVBuffers.for_layout(layout, num_slots)
     planes = [t.view(num_slots, -1) for group in bufs.tensors for t in group]

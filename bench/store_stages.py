@@ -158,7 +158,7 @@ def _engine(args: argparse.Namespace) -> None:
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise RuntimeError(f"the agent did not start; see {work / 'agent.log'}")
             time.sleep(0.1)
-        client = EngineClient(sock, RankInfo("stages-0"), timeout=30)
+        client = EngineClient(sock, RankInfo("stages-0"), timeout=45)  # above the call bound
         client.register_kv_buffers(layout, bufs.handles)
         for group in bufs.tensors:
             for t in group:
