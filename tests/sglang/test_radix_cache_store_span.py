@@ -15,105 +15,21 @@ outside the tree.
 
 SGLang's ``RadixCache`` module cannot be imported here (it pulls in its CUDA
 kernels), so the SGLang names the plugin imports are stood in for by
-:class:`_Tree`, which models only what this test needs from 0.5.23's
-``sglang/srt/mem_cache/radix_cache.py``: ``checkpoint`` inserts the page-aligned
-(bigram under EAGLE) key, ``match_prefix`` answers the matched page-aligned
-length of the (bigram) key, and ``inc_lock_ref`` / ``dec_lock_ref`` lock a
-node's path. ``tests/sglang/test_sglang_api_surface.py`` checks the plugin's use
-of those names against the real wheel.
+``tests/sglang/tree_stand_in.py`` (the ``radix_cache`` fixture).
 """
 
 from __future__ import annotations
 
-import importlib
-import sys
 import types
-from collections.abc import Iterator
-from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
+from tests.sglang.tree_stand_in import Tree
+
 PAGE = 16
-
-
-@dataclass
-class _Key:
-    """SGLang's ``RadixKey``: raw tokens; a bigram key is one shorter."""
-
-    token_ids: list[int]
-    extra_key: Any = None
-    is_bigram: bool = False
-    cache_salt: Any = None
-
-    def __len__(self) -> int:
-        n = len(self.token_ids)
-        return max(n - 1, 0) if self.is_bigram else n
-
-
-@dataclass
-class _Node:
-    length: int
-    """Tokens on the node's path from the root (the slots its lock protects)."""
-
-
-@dataclass
-class _MatchPrefixParams:
-    key: _Key
-    req: Any = None
-
-
-@dataclass
-class _MatchResult:
-    device_prefix_len: int
-    last_device_node: Any
-    last_host_node: Any = None
-    best_match_node: Any = None
-    host_hit_length: int = 0
-
-
-class _Tree:
-    """Stand-in of SGLang 0.5.23's ``RadixCache`` (see module docstring)."""
-
-    def __init__(self, params: Any) -> None:
-        self.page_size = params.page_size
-        self.is_eagle = params.is_eagle
-        self.disable = False
-        self.token_to_kv_pool_allocator = params.allocator
-        self.req_to_token_pool = params.req_to_token_pool
-        self.cached: list[int] = []
-        self.locked: dict[int, int] = {}
-
-    def reset(self) -> None:
-        self.cached = []
-
-    def _aligned(self, key: _Key) -> int:
-        return len(key) // self.page_size * self.page_size
-
-    def checkpoint(self, req: Any, *, up_to: int) -> None:
-        tokens = (req.origin_input_ids + req.output_ids)[:up_to]
-        key = _Key(tokens, is_bigram=self.is_eagle)
-        self.cached = tokens[:self._aligned(key) + (1 if self.is_eagle else 0)]
-
-    def match_prefix(self, params: _MatchPrefixParams) -> _MatchResult:
-        key = params.key
-        key.is_bigram = self.is_eagle  # SGLang's maybe_to_bigram_view
-        common = 0
-        for a, b in zip(key.token_ids, self.cached, strict=False):
-            if a != b:
-                break
-            common += 1
-        matched = min(common - 1 if self.is_eagle else common, len(key))
-        matched = max(matched, 0) // self.page_size * self.page_size
-        return _MatchResult(matched, _Node(matched))
-
-    def inc_lock_ref(self, node: _Node) -> None:
-        self.locked[id(node)] = node.length
-
-    def dec_lock_ref(self, node: _Node) -> None:
-        self.locked.pop(id(node))
 
 
 class _Connector:
@@ -130,46 +46,13 @@ class _Connector:
         return []
 
 
-def _module(name: str, **members: Any) -> types.ModuleType:
-    mod = types.ModuleType(name)
-    for key, value in members.items():
-        setattr(mod, key, value)
-    return mod
-
-
-@pytest.fixture
-def radix_cache(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
-    """``node_agent.integrations.sglang.radix_cache`` imported against the stand-ins."""
-    spec = SimpleNamespace(speculative_eagle_topk=1)
-    stand_ins = {
-        "sglang": _module("sglang"),
-        "sglang.srt": _module("sglang.srt"),
-        "sglang.srt.mem_cache": _module("sglang.srt.mem_cache"),
-        "sglang.srt.mem_cache.base_prefix_cache": _module(
-            "sglang.srt.mem_cache.base_prefix_cache", EvictParams=object, EvictResult=object,
-            InitLoadBackParams=object, MatchPrefixParams=_MatchPrefixParams,
-            MatchResult=_MatchResult),
-        "sglang.srt.mem_cache.radix_cache": _module(
-            "sglang.srt.mem_cache.radix_cache", RadixCache=_Tree, RadixKey=_Key, TreeNode=_Node),
-        "sglang.srt.runtime_context": _module("sglang.srt.runtime_context",
-                                              get_spec=lambda: spec),
-    }
-    for name, mod in stand_ins.items():
-        monkeypatch.setitem(sys.modules, name, mod)
-    name = "node_agent.integrations.sglang.radix_cache"
-    monkeypatch.delitem(sys.modules, name, raising=False)
-    module = importlib.import_module(name)
-    yield module
-    sys.modules.pop(name, None)
-
-
 def _checkpoint(module: types.ModuleType, *, eagle: bool, page: int,
-                committed: int) -> tuple[_Tree, _Connector]:
+                committed: int) -> tuple[Tree, _Connector]:
     connector = _Connector()
     rows = torch.arange(1000, 1000 + 4 * PAGE, dtype=torch.int64).reshape(1, -1)
     params = SimpleNamespace(
         page_size=page, is_eagle=eagle,
-        allocator=SimpleNamespace(get_kvcache=lambda: None),
+        allocator=SimpleNamespace(get_kvcache=lambda: None, clear=lambda: None),
         req_to_token_pool=SimpleNamespace(req_to_token=rows))
     cache = module.AgentRadixCache(params, lambda _pool: connector)
     req = SimpleNamespace(

@@ -59,7 +59,8 @@ def test_overridden_and_used_members_are_sglangs(sglang_root: Path) -> None:
     base = _class(mem / "base_prefix_cache.py", "BasePrefixCache")
     sglang_methods = _methods(radix) | _methods(base)
     plugin_cls = _class(PLUGIN, "AgentRadixCache")
-    overrides = _methods(plugin_cls) - {"__init__", "_unlock"}
+    helpers = {"__init__", "_unlock", "_withhold_stuck_slots_on_clear", "_withhold_stuck_slots"}
+    overrides = _methods(plugin_cls) - helpers
     # hicache_storage_pass_prefix_keys is read by the scheduler's storage prefetch path
     # (sglang/srt/managers/scheduler.py) with getattr-free access; SGLang's FlexKV
     # radix cache defines it the same way.
@@ -71,10 +72,31 @@ def test_overridden_and_used_members_are_sglangs(sglang_root: Path) -> None:
     used = {n.attr for n in ast.walk(plugin_cls)
             if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
             and n.value.id == "self"}
-    own = {"flexkv_connector", "_held", "_store_nodes", "_nodes_lock", "_unlock", "slots_in_use"}
+    own = {"flexkv_connector", "_held", "_store_nodes", "_nodes_lock", "_unlock", "slots_in_use",
+           "_stuck"} | helpers
     radix_src = (mem / "radix_cache.py").read_text() + (mem / "base_prefix_cache.py").read_text()
     for name in sorted(used - own - overrides):
         assert f"self.{name}" in radix_src or f"def {name}" in radix_src, name
+
+
+def test_the_allocator_members_a_flush_relies_on(sglang_root: Path) -> None:
+    """The plugin's allocator ``clear`` wrapper (stuck slots kept out after a flush)
+    relies on: ``flush_cache`` resets the tree before it clears the allocator; the
+    token and paged allocators' ``clear`` put every page id in a ``free_pages``
+    tensor; the base allocator has ``page_size`` and ``clear``."""
+    scheduler = (sglang_root / "srt" / "managers" / "scheduler.py").read_text()
+    flush = scheduler[scheduler.index("def flush_cache("):]
+    assert (flush.index("self.tree_cache.reset()")
+            < flush.index("self.token_to_kv_pool_allocator.clear()"))
+    alloc = sglang_root / "srt" / "mem_cache" / "allocator"
+    base = _class(alloc / "base.py", "BaseTokenToKVPoolAllocator")
+    assert {"clear", "alloc", "free", "available_size"} <= _methods(base)
+    assert "self.page_size = page_size" in ast.unparse(base)
+    for path, name in ((alloc / "token.py", "TokenToKVPoolAllocator"),
+                       (alloc / "paged.py", "PagedTokenToKVPoolAllocator")):
+        clear = next(n for n in _class(path, name).body
+                     if isinstance(n, ast.FunctionDef) and n.name == "clear")
+        assert "self.free_pages = torch.arange(" in ast.unparse(clear), name
 
 
 def test_fields_the_plugin_passes_and_reads(sglang_root: Path) -> None:

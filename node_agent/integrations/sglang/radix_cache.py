@@ -15,7 +15,9 @@ flexkv_radix_cache.py``, synchronous "MP" mode), against
 * ``init_load_back``: allocates ``host_hit_length`` slots, ``retrieve_kv``; a
   full load becomes a new tree node, anything else frees the slots and loads 0
   (the connector never returns a partial load), except a load the agent could
-  not stop (``SLOTS_IN_USE``): its slots are never freed (``slots_in_use``).
+  not stop (``SLOTS_IN_USE``): its slots are never freed (``slots_in_use``), and
+  a cache flush, which clears the whole allocator, takes them back out of its
+  free list.
 * ``checkpoint`` of a finished request: ``store_kv`` of the committed tokens
   that the tree holds after SGLang's own ``checkpoint`` (the slots of its
   matched node: with EAGLE's bigram keys, one token less than committed, cut to
@@ -65,7 +67,9 @@ class AgentRadixCache(RadixCache):
         self._nodes_lock = threading.Lock()
         self.slots_in_use = 0
         """Slots of loads the agent could not stop: allocated, never freed."""
+        self._stuck: list[torch.Tensor] = []
         self.flexkv_connector = connector_factory(self.token_to_kv_pool_allocator.get_kvcache())
+        self._withhold_stuck_slots_on_clear()
 
     # -- lookup -------------------------------------------------------------------------
 
@@ -122,6 +126,7 @@ class AgentRadixCache(RadixCache):
             # The agent's copy may still write these slots: never free them (they
             # stay allocated, out of every tree and free list, until the process ends).
             self.slots_in_use += want
+            self._stuck.append(slots.detach().to(torch.int64).clone())
             log.error("Slots of a load the agent could not stop are kept out of use",
                       extra={"rid": req.rid, "slots": want, "total": self.slots_in_use})
             return 0, last_node
@@ -215,6 +220,40 @@ class AgentRadixCache(RadixCache):
             self.flexkv_connector.reset()
             with self._nodes_lock:
                 self._store_nodes.clear()
+
+    def _withhold_stuck_slots_on_clear(self) -> None:
+        """Make the allocator's ``clear`` keep the slots of stuck loads out of its free
+        list. SGLang's ``flush_cache`` resets this tree, then clears the whole
+        token-to-KV allocator, which would hand those slots to the next request while
+        the agent's copy may still write them; the tree's ``reset`` runs before that
+        clear, so only the clear itself can take them back out."""
+        allocator = self.token_to_kv_pool_allocator
+        clear = allocator.clear
+
+        def clear_withholding_stuck_slots() -> None:
+            clear()
+            self._withhold_stuck_slots(allocator)
+
+        allocator.clear = clear_withholding_stuck_slots
+
+    def _withhold_stuck_slots(self, allocator: Any) -> None:
+        """Remove the pages of stuck loads from a just-cleared ``allocator``'s free list
+        (SGLang 0.5.23's token and paged allocators: ``free_pages``, page ids, every
+        page free after ``clear``)."""
+        if not self._stuck:
+            return
+        free = getattr(allocator, "free_pages", None)
+        page = int(getattr(allocator, "page_size", 1) or 1)
+        if not isinstance(free, torch.Tensor) or free.dim() != 1:
+            log.error("Cache flush returned the slots of loads the agent could not stop to "
+                      "the allocator; restart the engine and the agent before serving more",
+                      extra={"allocator": type(allocator).__name__,
+                             "slots": self.slots_in_use})
+            return
+        pages = torch.unique(torch.cat(self._stuck) // page).to(free.device)
+        allocator.free_pages = free[~torch.isin(free, pages)]
+        log.warning("Cache flush kept the slots of loads the agent could not stop out of use",
+                    extra={"slots": self.slots_in_use, "pages": len(pages)})
 
     def shutdown(self) -> None:
         if hasattr(self, "flexkv_connector"):
