@@ -66,7 +66,6 @@ class RegisteredBuffers:
         return tuple(widest_view(p) for p in self.planes)
 
 
-
 def widest_view(t: torch.Tensor) -> torch.Tensor:
     """``t`` (2-D, unit stride in dim 1) viewed with the widest element that tiles its rows.
 

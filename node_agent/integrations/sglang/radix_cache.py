@@ -65,11 +65,15 @@ class AgentRadixCache(RadixCache):
         self._held: dict[Hashable, tuple[Any, int]] = {}
         self._store_nodes: dict[Hashable, Any] = {}
         self._nodes_lock = threading.Lock()
-        self.slots_in_use = 0
-        """Slots of loads the agent could not stop: allocated, never freed."""
         self._stuck: list[torch.Tensor] = []
+        """The slots of each load the agent could not stop: allocated, never freed."""
         self.flexkv_connector = connector_factory(self.token_to_kv_pool_allocator.get_kvcache())
         self._withhold_stuck_slots_on_clear()
+
+    @property
+    def slots_in_use(self) -> int:
+        """Slots of loads the agent could not stop (kept out of use for the engine's life)."""
+        return sum(len(s) for s in self._stuck)
 
     # -- lookup -------------------------------------------------------------------------
 
@@ -125,7 +129,6 @@ class AgentRadixCache(RadixCache):
         if loaded == SLOTS_IN_USE:
             # The agent's copy may still write these slots: never free them (they
             # stay allocated, out of every tree and free list, until the process ends).
-            self.slots_in_use += want
             self._stuck.append(slots.detach().to(torch.int64).clone())
             log.error("Slots of a load the agent could not stop are kept out of use",
                       extra={"rid": req.rid, "slots": want, "total": self.slots_in_use})
