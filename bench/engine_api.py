@@ -13,6 +13,10 @@ through :class:`node_agent.client.EngineClient` and then measures
   the median of the per-round ratios (see ``bench_bandwidth``);
 * ``load``: ``lookup`` plus ``retrieve`` of a cached prompt into other slots,
   GB/s; baseline: the plain ``copy_`` of the same bytes back into the planes;
+* ``load_engine_copy``: the same load copied by this process from the agent's
+  shared CPU tier (``lookup``, ``claim_load``, the copy, ``commit_load``:
+  :class:`node_agent.engine_loads.EngineLoads`), same baseline; the slots it
+  filled are checked bit for bit against the stored ones;
 * ``lookup``: p50/p99 of a fully hit ``lookup`` + ``release`` through the
   socket; baseline: the same calls on an in-process connector holding the same
   blocks (what the engine would pay with the connector linked in);
@@ -57,6 +61,7 @@ from node_agent.backend.stage_store import TierStore
 from node_agent.client import EngineClient, RankInfo, SharedKVBuffers
 from node_agent.coordinator import Coordinator, CoordinatorConfig
 from node_agent.engine_api import protocol
+from node_agent.engine_loads import EngineLoads
 from node_agent.pp.group import GroupViewSource
 from node_agent.vocab.group_view import GroupMember, GroupView
 from node_agent.vocab.layout import KVDtype, KVLayout
@@ -149,9 +154,10 @@ def bench_bandwidth(client: EngineClient, bufs: SharedKVBuffers, layout: KVLayou
         for st in staging:
             st.fill_(1)  # touch the pages before timing
     warm = ring[0]
-    ours: dict[str, list[float]] = {"store": [], "load": []}
-    base: dict[str, list[float]] = {"store": [], "load": []}
-    warm_base: dict[str, list[float]] = {"store": [], "load": []}
+    ours: dict[str, list[float]] = {"store": [], "load": [], "load_engine_copy": []}
+    base: dict[str, list[float]] = {"store": [], "load": [], "load_engine_copy": []}
+    warm_base: dict[str, list[float]] = {"store": [], "load": [], "load_engine_copy": []}
+    loads = EngineLoads(client, layout, bufs.tensors)
 
     def run_ours(r: int, ids: np.ndarray) -> None:
         t0 = time.perf_counter()
@@ -167,11 +173,24 @@ def bench_bandwidth(client: EngineClient, bufs: SharedKVBuffers, layout: KVLayou
         client.release(f"l{r}")
         if loaded != tokens:
             raise RuntimeError(f"loaded {loaded} of {tokens} tokens")
+        for p in planes:
+            p[dst0:dst0 + tokens].zero_()
+        t0 = time.perf_counter()
+        hit = client.lookup(f"e{r}", ids)
+        copied = loads.load(f"e{r}", dst[:hit])
+        ours["load_engine_copy"].append(time.perf_counter() - t0)
+        if copied != tokens:
+            raise RuntimeError(f"engine copy loaded {copied} of {tokens} tokens (None: the "
+                               "agent did not hand the load out)")
+        for p in planes:
+            if not torch.equal(p[dst0:dst0 + tokens], p[src0:src0 + tokens]):
+                raise RuntimeError("the engine copy's slots differ from the stored KV")
 
     def run_base(r: int) -> None:
         pairs = list(zip(planes, ring[r % COLD_RING], strict=True))
         base["store"].append(timed(lambda: [s.copy_(p[src0:src0 + tokens]) for p, s in pairs]))
         base["load"].append(timed(lambda: [p[dst0:dst0 + tokens].copy_(s) for p, s in pairs]))
+        base["load_engine_copy"].append(base["load"][-1])
         wp = list(zip(planes, warm, strict=True))
         warm_base["store"].append(min(
             timed(lambda: [s.copy_(p[src0:src0 + tokens]) for p, s in wp]),
@@ -181,6 +200,7 @@ def bench_bandwidth(client: EngineClient, bufs: SharedKVBuffers, layout: KVLayou
             timed(lambda: [p[dst0:dst0 + tokens].copy_(s) for p, s in wp]),
             timed(lambda: [np.copyto(p[dst0:dst0 + tokens].numpy(), s.numpy())
                            for p, s in wp])))
+        warm_base["load_engine_copy"].append(warm_base["load"][-1])
 
     for r in range(rounds):
         ids = rng.integers(0, 1 << 30, tokens, dtype=np.int64)
@@ -191,7 +211,8 @@ def bench_bandwidth(client: EngineClient, bufs: SharedKVBuffers, layout: KVLayou
             run_ours(r, ids)
             run_base(r)
     load = [round(x, 2) for x in os.getloadavg()]
-    for name in ("store", "load"):
+    loads.close()
+    for name in ("store", "load", "load_engine_copy"):
         o, b, w = ours[name], base[name], warm_base[name]
         ratios = sorted(bb / oo for oo, bb in zip(o, b, strict=True))
         ours_gbps = nbytes / statistics.median(o) / 1e9

@@ -35,6 +35,7 @@ from fastapi import FastAPI
 
 from node_agent import __version__
 from node_agent.assembly import SharedFanout, StageBuilder, StageDeps, backend_key
+from node_agent.backend.cpu_tier import segment_prefix, sweep_segments
 from node_agent.backend.remote.join import StorePortInUse, store_ports_problem
 from node_agent.backend.remote.mooncake_client import MooncakeUnavailable, check_available
 from node_agent.backend.remote.settings import RemoteSettings
@@ -248,9 +249,12 @@ class Agent:
         """The backends shared by the single-stage replicas of one model."""
         self.kv_events = build_kv_events(cfg, self.metrics)
         """The KV-event publisher for routers (None unless ``kvEvents`` is set)."""
+        tier_prefix = segment_prefix(cfg.engine_socket)
+        sweep_segments(tier_prefix)  # a killed predecessor's shared CPU tiers
         self.stage_deps = StageDeps(cfg=cfg, metrics=self.metrics, remote_pool=self.remote_pool,
                                     key_epoch=lambda: self.key_epoch, fanout=self.fanout,
-                                    shared=self.shared, events=self.kv_events)
+                                    shared=self.shared, events=self.kv_events,
+                                    tier_prefix=tier_prefix)
         """What the stage builder gets: never the agent itself."""
         if cfg.max_stages > 1:
             self._export_tier_totals()

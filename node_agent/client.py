@@ -516,6 +516,22 @@ class EngineClient:
                               {"slot_mapping": int64_array("retrieve: slot_mapping",
                                                            slot_mapping)}))
 
+    def claim_load(self, rid: str) -> dict[str, Any] | None:
+        """Claim the last ``lookup`` of ``rid`` to copy it here, from the agent's
+        shared CPU tier: ``{"hit": tokens, "blocks": [tier block per hit block],
+        "tier": handle}``, the blocks pinned until :meth:`commit_load`; ``hit`` 0
+        for a miss. None when the agent cannot hand this load out: call
+        :meth:`retrieve`. :class:`~node_agent.engine_loads.EngineLoads` does the
+        whole sequence."""
+        result = self._call("claim_load", {"rid": rid, "rank": self._rank_wire})
+        return None if result is None else dict(result)
+
+    def commit_load(self, rid: str) -> bool:
+        """End ``rid``'s claimed load: True when its blocks stayed pinned until now
+        (the copy read the cached KV), False when the claim had ended first (a miss:
+        the copied slots hold undefined data)."""
+        return bool(self._call("commit_load", {"rid": rid, "rank": self._rank_wire}))
+
     def store_kv(self, rid: str, token_ids: Sequence[int] | npt.ArrayLike,
                  kv_indices: Sequence[int] | npt.ArrayLike) -> int:
         """Store the KV of ``token_ids`` held in slots ``kv_indices`` (parallel arrays).

@@ -135,6 +135,8 @@ class EmbeddedBackend(ReplicatedBackend):
         self._unpublished: dict[int, list[NodeIds]] = {}
         self._unpublished_by: dict[int, int] = {}  # put (or batch) id -> its tenant
         self._unlaunched: deque[Task] = deque()
+        self._claimed: deque[Task] = deque()
+        """Gets an engine copies itself (:meth:`claim_rows`), oldest claim first."""
         self._moves: list[TierMove] = []
         self._pending_buffers: dict[tuple[int, int], RegisteredBuffers] = {}
         """(tenant, rank) -> buffers registered before ``start``."""
@@ -862,10 +864,72 @@ class EmbeddedBackend(ReplicatedBackend):
             self._finish_locked(t, KVResponseStatus.CANCELLED, reason)
             del self._tasks[task_id]
             return
+        if t.state is TaskState.CLAIMED:
+            # The engine copies; its end_claim answers False from now on, so the
+            # blocks are free to reuse at once.
+            self._finish_locked(t, KVResponseStatus.CANCELLED, reason)
+            return
         if discard:
             for m in t.members or [t]:
                 m.discarded = True
         self._abort_locked(t)
+
+    # -- engine-side loads --------------------------------------------------------
+
+    def tier_handle(self) -> dict[str, Any] | None:
+        store = self._store
+        return None if store is None else store.cpu.handle()
+
+    def claim_rows(self, task_id: int, lease: float, tenant: int = 0) -> list[int] | None:
+        """See :meth:`ReplicatedBackend.claim_rows`; ``tenant``: the stage claiming
+        (a task another tenant matched is refused like an unknown one)."""
+        with self._lock:
+            self._expire_locked()
+            store = self._store
+            t = self._tasks.get(task_id)
+            if t is None or t.state is not TaskState.MATCHED or t.members or t.is_put \
+                    or t.tenant != tenant or t.plan is None:
+                raise TaskNotFoundError(
+                    f"task {task_id} is not a live, un-launched get (unknown, expired, "
+                    "cancelled, a put or already launched or claimed); match again"
+                )
+            if store is None or store.cpu.shared_name is None \
+                    or any(b.tier is not Tier.CPU for b in t.plan.blocks):
+                return None
+            try:
+                store.check_plan(t.plan)
+            except ValueError:
+                return None  # launching it reports why
+            t.state = TaskState.CLAIMED
+            t.deadline = self._clock() + lease
+            self._claimed.append(t)
+            return [b.index for b in t.plan.blocks]
+
+    def end_claim(self, task_id: int) -> bool:
+        """See :meth:`ReplicatedBackend.end_claim`."""
+        with self._cond:
+            self._expire_locked()
+            t = self._tasks.get(task_id)
+            if t is None:
+                return False
+            if t.state is not TaskState.CLAIMED:
+                if t.status is None:
+                    raise TaskNotFoundError(
+                        f"task {task_id} was not claimed ({t.state.value}); end_claim only "
+                        "ends what claim_rows handed out"
+                    )
+                self._reap_locked(t)
+                return False
+            held = t.status is None
+            if held:
+                self._finish_locked(t, KVResponseStatus.SUCCESS, None)
+            self._reap_locked(t)
+            self._cond.notify_all()
+        if held and self._metrics is not None and t.plan is not None:
+            self._child(self._metrics.transfer_bytes, direction=Direction.LOAD.value,
+                        tier=Tier.CPU.value).inc(
+                len(t.plan.blocks) * self.config.layout.bytes_per_block)
+        return held
 
     # -- replication (PP leader) -------------------------------------------------
 
@@ -1252,6 +1316,17 @@ class EmbeddedBackend(ReplicatedBackend):
                                     f"{self.config.unlaunched_match_seconds} s")
                 expired = True
                 log.warning("Un-launched match expired", extra={"task_id": t.id})
+        c = self._claimed
+        while c and (c[0].state is not TaskState.CLAIMED or c[0].status is not None
+                     or c[0].deadline <= now):
+            t = c.popleft()
+            if t.state is TaskState.CLAIMED and t.status is None:
+                # Unpinned: its blocks may be reused, and end_claim answers False.
+                self._finish_locked(t, KVResponseStatus.CANCELLED,
+                                    "the engine's copy did not end within its claim")
+                expired = True
+                log.warning("Claimed load expired before the engine ended it",
+                            extra={"task_id": t.id})
         if expired:
             self._cond.notify_all()
 

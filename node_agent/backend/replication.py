@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from node_agent.backend.base import BoolMask, KVBackend, SlotArray, TokenArray
 from node_agent.vocab.placement import Tier, TierMove, TransferPlan
@@ -151,6 +151,29 @@ class ReplicatedBackend(KVBackend):
         an advisory snapshot that a concurrent store or eviction may or may not be
         in. None when the backend cannot answer so (the default)."""
         return None
+
+    def tier_handle(self) -> dict[str, Any] | None:
+        """The shared CPU tier an engine may map read-only to copy claimed loads
+        itself (:meth:`claim_rows`), or None when loads are only copied here (the
+        default)."""
+        return None
+
+    def claim_rows(self, task_id: int, lease: float) -> list[int] | None:
+        """Hand an un-launched get's copy to the engine: the CPU tier block of each
+        matched block, in token order, which stay pinned (never evicted or
+        rewritten) until :meth:`end_claim` or until ``lease`` seconds passed. None
+        (the task still un-launched: launch it instead) when the engine cannot copy
+        it itself: no shared tier, or a block on another tier. The default: None.
+        Raises ``TaskNotFoundError`` for a task that is not a live, un-launched get."""
+        return None
+
+    def end_claim(self, task_id: int) -> bool:
+        """The engine's copy of a claimed get ended: True when the blocks stayed
+        pinned for the whole claim (the bytes it read are the cached KV), False when
+        the claim had already ended (lease expired, reset, stage left: the blocks
+        may have been rewritten, so the engine must treat its slots as not loaded).
+        The task is forgotten either way."""
+        return False
 
     def refetch_failed(self, task_id: int) -> None:
         """A load task some other stage could not execute (say, its fetch of the

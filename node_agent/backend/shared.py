@@ -259,6 +259,15 @@ class SharedStageBackend(ReplicatedBackend):
     def refetch_failed(self, task_id: int) -> None:
         self.backend.refetch_failed(task_id)
 
+    def tier_handle(self) -> dict[str, Any] | None:
+        return self.backend.tier_handle()
+
+    def claim_rows(self, task_id: int, lease: float) -> list[int] | None:
+        return self.backend.claim_rows(task_id, lease, tenant=self.tenant)
+
+    def end_claim(self, task_id: int) -> bool:
+        return self.backend.end_claim(task_id)
+
     def peek(self, token_ids: TokenArray) -> dict[str, int] | None:
         """The shared index's read-only answer; nothing while the cache epoch moved
         and the shared backend is not flushed yet (its blocks are the old epoch's)."""

@@ -13,10 +13,12 @@ from node_agent.vocab.placement import Direction, TransferPlan
 
 
 class TaskState(enum.Enum):
-    """Lifecycle: MATCHED -> LAUNCHED -> DONE, or MATCHED -> DONE (cancelled, expired)."""
+    """Lifecycle: MATCHED -> LAUNCHED -> DONE, MATCHED -> CLAIMED -> DONE (a get the
+    engine copies itself), or MATCHED -> DONE (cancelled, expired)."""
 
     MATCHED = "matched"
     LAUNCHED = "launched"
+    CLAIMED = "claimed"
     DONE = "done"
 
 

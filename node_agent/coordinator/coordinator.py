@@ -107,6 +107,8 @@ class Coordinator:
         self._num_slots: int | None = None
         self._lookups: OrderedDict[str, Role | None] = OrderedDict()
         """rid -> the role that answered its last lookup, until its retrieve."""
+        self._claims: OrderedDict[str, LeaderRole] = OrderedDict()
+        """rid -> the role that handed out its claimed load (:meth:`claim_load`)."""
         self._server: FanoutServer | None = server
         self._own_server = server is None
         self._leader_rank: int | None = None
@@ -353,11 +355,59 @@ class Coordinator:
             raise UnknownRequestError(rid, "retrieve", "the group has no leader right now")
         return role.retrieve(rid, slot_mapping)
 
+    def claim_load(self, rid: str) -> tuple[int, list[int], dict[str, Any]] | None:
+        """Hand the span found by ``lookup(rid)`` to the engine to copy itself from
+        the shared CPU tier: ``(hit tokens, the tier block of each hit block in
+        token order, the tier's handle)``; the blocks stay pinned until
+        :meth:`commit_load` (or ``transfer_seconds``). ``(0, [], {})`` for a miss,
+        also when the role that answered the lookup ended since. None when this
+        stage cannot hand it out (followers, tensor parallelism, a backend without
+        a shared tier, a block not on the CPU tier): call :meth:`retrieve`.
+        Raises ``UnknownRequestError`` when ``rid`` has no open lookup."""
+        role = self._role
+        with self._lock:
+            asked = self._lookups.get(rid, _ABSENT)
+        if asked is not _ABSENT and (asked is None or asked is not role):
+            with self._lock:
+                self._lookups.pop(rid, None)
+            return 0, [], {}
+        if role is None:
+            raise UnknownRequestError(rid, "claim_load", "the group has no leader right now")
+        if not isinstance(role, LeaderRole) or self.cfg.expected_ranks != 1:
+            return None
+        handle = role.backend.tier_handle()
+        if handle is None:
+            return None
+        got = role.claim_load(rid)
+        if got is None:
+            return None
+        with self._lock:
+            self._lookups.pop(rid, None)
+            if got[1]:
+                self._claims[rid] = role
+                while len(self._claims) > self.cfg.max_pending:
+                    self._claims.popitem(last=False)
+        return got[0], got[1], handle if got[1] else {}
+
+    def commit_load(self, rid: str) -> bool:
+        """The engine's copy of ``rid``'s claimed load ended: True when the blocks
+        it read stayed pinned throughout (the slots hold the cached KV); False when
+        the claim ended first or its role did (a miss: the slots hold undefined
+        data). Raises ``UnknownRequestError`` when ``rid`` has no claim."""
+        with self._lock:
+            claimer = self._claims.pop(rid, None)
+        if claimer is None:
+            raise UnknownRequestError(rid, "commit_load", "call claim_load first")
+        if claimer is not self._role:
+            return False  # its backend ended with it
+        return claimer.commit_load(rid)
+
     def release(self, rid: str) -> None:
         """The engine is done with ``rid``: ends everything of it on this stage
         (an un-used lookup, decisions no call took); a reused rid starts clean."""
         with self._lock:
             self._lookups.pop(rid, None)
+            self._claims.pop(rid, None)
         role = self._role
         if role is not None:
             role.release(rid)

@@ -84,6 +84,8 @@ class _Get:
     hit: int
     acks: AckCollector
     used: bool = False
+    claimed: bool = False
+    """The engine copies this get itself (:meth:`LeaderRole.claim_load`)."""
 
 
 @dataclass
@@ -97,6 +99,10 @@ class LeaderCounters:
     hit_tokens: int = 0
     retrieves: int = 0
     retrieve_misses: int = 0
+    claimed_loads: int = 0
+    """Loads the engine copied itself (``claim_load``)."""
+    claims_expired: int = 0
+    """Claimed loads whose claim ended before the engine committed (a miss)."""
     manager_errors: int = 0
     degraded_refusals: int = 0
     cache_epoch_refusals: int = 0
@@ -515,9 +521,14 @@ class LeaderRole:
                 self._gets.popitem(last=False)
 
     def _cancel_get(self, rid: str) -> None:
-        """Cancel ``rid``'s un-used load task (a second lookup, or a release)."""
+        """Cancel ``rid``'s un-used load task (a second lookup, or a release); a
+        claimed one the engine did not commit ends its claim (a later commit
+        answers False)."""
         with self._state:
             g = self._gets.pop(rid, None)
+        if g is not None and g.claimed:
+            self.backend.end_claim(g.task_id)
+            return
         if g is not None and g.task_id >= 0 and not g.used:
             with self._decide:
                 self.backend.cancel([g.task_id])
@@ -586,6 +597,66 @@ class LeaderRole:
                 f"transfer_seconds={self.cfg.transfer_seconds:g}s, then "
                 f"{min(STOP_WAIT_SECONDS, self.cfg.transfer_seconds):g}s after its cancel")
         return g.hit if ok else 0
+
+    def claim_load(self, rid: str) -> tuple[int, list[int]] | None:
+        """Hand ``rid``'s looked-up load to the engine to copy itself: ``(hit
+        tokens, the CPU tier block of each hit block in token order)``, pinned for
+        ``transfer_seconds`` or until :meth:`commit_load`; ``(0, [])`` for a miss.
+        None when the engine cannot copy it (a group with followers, whose stages
+        each load their own layers; no shared tier; a block not on the CPU tier):
+        the lookup stays open for :meth:`retrieve`."""
+        if self._expected():
+            return None
+        with self._state:
+            g = self._gets.get(rid)
+            if g is None:
+                raise UnknownRequestError(rid, "claim_load", "call lookup first")
+            if g.used:
+                raise UnknownRequestError(rid, "claim_load", "its lookup was already "
+                                          "retrieved or claimed; call lookup again")
+            if g.task_id < 0:
+                del self._gets[rid]
+                self.counters.retrieves += 1
+                return 0, []
+            g.used = True
+        self.counters.retrieves += 1
+        if self.newer_epoch is not None:
+            self._end_get(rid, g, ok=False)
+            self.counters.retrieve_misses += 1
+            return 0, []
+        try:
+            rows = self.backend.claim_rows(g.task_id, self.cfg.transfer_seconds)
+        except Exception as exc:  # expired or cancelled since the lookup: a miss
+            log.warning("Leader could not claim a load, answering a miss",
+                        extra={"group": self.cfg.group, "rid": rid, "error": str(exc)})
+            self._end_get(rid, g, ok=False)
+            self.counters.retrieve_misses += 1
+            return 0, []
+        with self._state:
+            if rows is None:
+                g.used = False
+                self.counters.retrieves -= 1  # counted by the retrieve that follows
+                return None
+            g.claimed = True
+        self.counters.claimed_loads += 1
+        return g.hit, rows
+
+    def commit_load(self, rid: str) -> bool:
+        """The engine's copy of ``rid``'s claimed load ended: True when its blocks
+        stayed pinned throughout (the engine's slots hold the cached KV), False when
+        the claim ended first (its lease, a flush, a release): the slots hold
+        undefined data, a miss. Raises ``UnknownRequestError`` for a rid with no
+        claim."""
+        with self._state:
+            g = self._gets.get(rid)
+            if g is None or not g.claimed:
+                raise UnknownRequestError(rid, "commit_load", "call claim_load first")
+            del self._gets[rid]
+        ok = self.backend.end_claim(g.task_id)
+        if not ok:
+            self.counters.retrieve_misses += 1
+            self.counters.claims_expired += 1
+        return ok
 
     def _verdict_late(self, rid: str, g: _Get) -> bool:
         """Whether an ok verdict for ``g`` could reach a follower after it gave up.

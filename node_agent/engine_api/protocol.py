@@ -87,6 +87,8 @@ OPS: Final[Mapping[str, OpSchema]] = {
         args={"rid": "str", "rank": "json"},
         arrays={"token_ids": ("int64", True), "kv_indices": ("int64", True)},
     ),
+    "claim_load": OpSchema(args={"rid": "str", "rank": "json"}),
+    "commit_load": OpSchema(args={"rid": "str", "rank": "json"}),
     "poll_completed": OpSchema(args={"rank": "json"}),
     "wait_completed": OpSchema(args={"rank": "json", "timeoutMs": "int"}),
     "release": OpSchema(args={"rid": "str", "rank": "json"}),

@@ -61,6 +61,8 @@ class Coordinator(Protocol):
     def store_kv(self, rid: str, token_ids: Any, kv_indices: Any) -> int: ...
     def lookup(self, rid: str, token_ids: Any, token_mask: Any = None) -> int: ...
     def retrieve(self, rid: str, slot_mapping: Any) -> int: ...
+    def claim_load(self, rid: str) -> tuple[int, list[int], dict[str, Any]] | None: ...
+    def commit_load(self, rid: str) -> bool: ...
     def release(self, rid: str) -> None: ...
     def poll_completed(self) -> list[str]: ...
     def wait_completed(self, timeout: float) -> list[str]: ...
@@ -93,7 +95,8 @@ def wait_completed(conn: Coordinator, timeout_ms: int) -> list[str]:
     return [str(r) for r in conn.wait_completed(timeout_ms / 1000)]
 
 
-INLINE_CANDIDATES = frozenset({"lookup", "store_kv", "release", "poll_completed"})
+INLINE_CANDIDATES = frozenset({"lookup", "store_kv", "release", "poll_completed",
+                               "claim_load", "commit_load"})
 """Operations a stage may let the I/O thread answer (:attr:`Stage.inline_ops`)."""
 
 
@@ -307,6 +310,14 @@ class EngineService:
             return hit
         if req.op == "retrieve":
             return int(conn.retrieve(req.args["rid"], a["slot_mapping"]))
+        if req.op == "claim_load":
+            got = conn.claim_load(req.args["rid"])
+            if got is None:
+                return None
+            hit, blocks, tier = got
+            return {"hit": hit, "blocks": blocks, "tier": tier}
+        if req.op == "commit_load":
+            return bool(conn.commit_load(req.args["rid"]))
         if req.op == "store_kv":
             return int(conn.store_kv(req.args["rid"], a["token_ids"], a["kv_indices"]))
         if req.op == "poll_completed":

@@ -1,0 +1,108 @@
+"""Loads an engine rank copies itself, from its agent's shared CPU tier.
+
+Where the agent's CPU tier is a shared-memory segment (an unpinned tier of a
+single-stage group, docs/agent.md "Engine-side loads"), an engine on the node
+maps it read-only and copies a hit straight into its own KV buffers, with the
+agent's own copy code (:class:`~node_agent.backend.transfer.BlockCopier`), while
+the agent keeps the index, the pins and the ordering:
+
+1. ``lookup`` (as always) matches and pins the hit blocks;
+2. ``claim_load`` hands out the tier block of each hit block; they stay pinned
+   (never evicted, never rewritten) until ``commit_load`` or the claim's lease
+   (the agent's transfer budget) ends;
+3. the engine copies;
+4. ``commit_load`` answers whether the claim still held when the copy ended. Only
+   then are the slots the cached KV; on False (lease over, a flush, the agent
+   restarted) they hold undefined data and the load is a miss.
+
+The tier mapping is read-only, so an engine can never change a cached block, and
+the fence is the commit: a block can be reused only after its claim ended, and a
+copy that may have read a reused block is never reported as loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from node_agent.backend.cpu_tier import MappedTier, map_shared_tier
+from node_agent.backend.planes import RegisteredBuffers, register_buffers
+from node_agent.backend.slots import launch_slots
+from node_agent.backend.transfer import BlockCopier
+from node_agent.client import EngineClient
+from node_agent.vocab.layout import KVLayout
+from node_agent.vocab.placement import Tier, block_locations
+
+log = logging.getLogger(__name__)
+
+
+class EngineLoads:
+    """One engine rank's loads by its own copy (see module docstring).
+
+    ``buffers``: the rank's KV buffers as registered with the agent (the same
+    tensors, arranged as ``layout`` names them); checked here as the agent checks
+    them. ``lanes``: threads sharing one large copy. Not thread-safe: one load at a
+    time (the client serialises its calls anyway)."""
+
+    def __init__(self, client: EngineClient, layout: KVLayout,
+                 buffers: Sequence[Sequence[torch.Tensor]], lanes: int = 2) -> None:
+        self.client = client
+        self.layout = layout
+        self.lanes = lanes
+        self._reg: RegisteredBuffers = register_buffers(layout, client.rank.tp_rank, buffers)
+        self._tier: MappedTier | None = None
+        self._copier: BlockCopier | None = None
+        self.loads = 0
+        """Loads copied here and committed."""
+        self.misses = 0
+        """Claims whose commit answered False (their slots were not loaded)."""
+
+    def load(self, rid: str, slot_mapping: Any) -> int | None:
+        """Load what the last ``lookup`` of ``rid`` hit into ``slot_mapping`` (one
+        slot per hit token) by copying it here. Returns the tokens loaded (0: a
+        miss; the slots hold undefined data), or None when the agent cannot hand
+        this load out (the lookup stays open: call ``client.retrieve``). Raises
+        ``ValueError`` for a bad slot mapping (the claim is ended first: a miss)."""
+        got = self.client.claim_load(rid)
+        if got is None:
+            return None
+        hit, blocks = int(got["hit"]), list(got["blocks"])
+        if not blocks:
+            return 0
+        try:
+            slots = launch_slots(slot_mapping, hit, self._reg.num_slots,
+                                 "claim_load: slot_mapping")
+            copier = self._copier_for(got["tier"])
+            copier.load({self._reg.rank: self._reg}, block_locations(Tier.CPU, blocks), slots)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.client.commit_load(rid)  # ends the claim; the load is a miss
+            raise
+        if self.client.commit_load(rid):
+            self.loads += 1
+            return hit
+        self.misses += 1
+        log.warning("Claimed load ended before its copy did; the load is a miss",
+                    extra={"rid": rid, "hit_tokens": hit})
+        return 0
+
+    def _copier_for(self, handle: Any) -> BlockCopier:
+        """The copier over the tier ``handle`` names, mapping it (again, when the
+        agent's tier changed: a restarted agent or a new stage)."""
+        name = handle.get("name") if isinstance(handle, dict) else None
+        if self._copier is None or self._tier is None or self._tier.name != name:
+            self.close()
+            self._tier = map_shared_tier(self.layout, handle)
+            self._copier = BlockCopier(self.layout, self._tier.tier, None, self.lanes)
+        return self._copier
+
+    def close(self) -> None:
+        """Drop the tier mapping (a later load maps it again)."""
+        self._copier = None
+        tier, self._tier = self._tier, None
+        if tier is not None:
+            tier.close()
