@@ -14,7 +14,7 @@ through :class:`node_agent.client.EngineClient` and then measures
 * ``load``: ``lookup`` plus ``retrieve`` of a cached prompt into other slots,
   GB/s; baseline: the plain ``copy_`` of the same bytes back into the planes;
 * ``load_engine_copy``: the same load copied by this process from the agent's
-  shared CPU tier (``lookup``, ``claim_load``, the copy, ``commit_load``:
+  shared CPU tier (``lookup_claim``, the copy, ``commit_load``:
   :class:`node_agent.engine_loads.EngineLoads`), same baseline; the slots it
   filled are checked bit for bit against the stored ones;
 * ``lookup``: p50/p99 of a fully hit ``lookup`` + ``release`` through the
@@ -148,7 +148,8 @@ def bench_bandwidth(client: EngineClient, bufs: SharedKVBuffers, layout: KVLayou
     rng = np.random.default_rng(0)
     src = np.arange(tokens, dtype=np.int64)
     dst = np.arange(tokens, 2 * tokens, dtype=np.int64)
-    src0, dst0 = int(src[0]), int(dst[0])
+    eng = np.arange(2 * tokens, 3 * tokens, dtype=np.int64)  # the engine copy's slots
+    src0, dst0, eng0 = int(src[0]), int(dst[0]), int(eng[0])
     ring = [[torch.empty_like(p[:tokens]) for p in planes] for _ in range(COLD_RING)]
     for staging in ring:
         for st in staging:
@@ -173,18 +174,19 @@ def bench_bandwidth(client: EngineClient, bufs: SharedKVBuffers, layout: KVLayou
         client.release(f"l{r}")
         if loaded != tokens:
             raise RuntimeError(f"loaded {loaded} of {tokens} tokens")
-        for p in planes:
-            p[dst0:dst0 + tokens].zero_()
         t0 = time.perf_counter()
-        hit = client.lookup(f"e{r}", ids)
-        copied = loads.load(f"e{r}", dst[:hit])
+        hit = loads.lookup(f"e{r}", ids)
+        copied = loads.load(f"e{r}", eng[:hit])
         ours["load_engine_copy"].append(time.perf_counter() - t0)
         if copied != tokens:
             raise RuntimeError(f"engine copy loaded {copied} of {tokens} tokens (None: the "
                                "agent did not hand the load out)")
         for p in planes:
-            if not torch.equal(p[dst0:dst0 + tokens], p[src0:src0 + tokens]):
+            if not torch.equal(p[eng0:eng0 + tokens], p[src0:src0 + tokens]):
                 raise RuntimeError("the engine copy's slots differ from the stored KV")
+            # Zeroed for the next round's check; the copies before it evict these
+            # lines again, so the next copy writes memory as cold as this one did.
+            p[eng0:eng0 + tokens].zero_()
 
     def run_base(r: int) -> None:
         pairs = list(zip(planes, ring[r % COLD_RING], strict=True))
@@ -380,7 +382,7 @@ def main() -> int:
     cpu_bytes = (rounds + 4) * tokens * layout.bytes_per_token
     work = Path(tempfile.mkdtemp(prefix="fkv-bench-"))
     proc, sock, _ = start_agent(work, layout, cpu_bytes)
-    bufs = SharedKVBuffers.for_layout(layout, 2 * tokens)
+    bufs = SharedKVBuffers.for_layout(layout, 3 * tokens)
     client = EngineClient(sock, RankInfo("bench-0"), timeout=45)  # above the call bound
     try:
         client.register_kv_buffers(layout, bufs.handles)

@@ -15,6 +15,9 @@ every engine's share is the same), then, all engines at once, phase by phase
   ``retrieve`` + ``release``), timing every ``lookup``; aggregate load GB/s is
   the KV bytes all engines loaded over the phase's wall time (first start to
   last end);
+* ``load_engine``: the same loads, each copied by the engine itself from the
+  agent's shared CPU tier (:class:`node_agent.engine_loads.EngineLoads`):
+  aggregate GB/s against N = 1 of this phase and against the ``load`` phase;
 * ``lookups``: each engine looks its own prompts up ``--rounds`` times without
   loading them (``lookup`` + ``release``, every ``lookup`` timed): the lookup's
   latency with N engines but no copies in the agent, and the lookups per second
@@ -39,6 +42,8 @@ Every loaded token is checked bit-exactly against the KV the prompt's tokens
 stand for (a function of token id, position and plane, the same for every
 replica of the model). One JSON object per result: ``replicas_load`` (aggregate
 GB/s, ratio against N = 1 in the same run, goal >= 0.8),
+``replicas_load_engine_copy`` (the same for ``load_engine``, and its ratio over
+``replicas_load`` at the same N),
 ``replicas_lookup`` (p50/p99 ms during the load phase, ratio against N = 1, goal
 p99 <= 2x), ``replicas_lookup_only`` (the same in the ``lookups`` phase, with the lookups
 per second the agent answered), ``replicas_lookup_paced`` (the same in the
@@ -106,6 +111,7 @@ def engine_main(cfg: dict[str, Any]) -> int:
     from node_agent.demo.workload import kv_values
     from node_agent.engine_api.identity import ModelIdentity
     from node_agent.engine_api.protocol import parse_layout
+    from node_agent.engine_loads import EngineLoads
 
     layout = parse_layout(cfg["layout"])
     me, n, tokens, prefixes = cfg["index"], cfg["engines"], cfg["tokens"], cfg["prefixes"]
@@ -178,6 +184,28 @@ def engine_main(cfg: dict[str, Any]) -> int:
                 bad += mismatched(prompt(me, prefixes - 1, tokens), dst[:tokens])
                 say(phase="load", start=t_start, end=t_end, loaded_tokens=loaded_tokens,
                     lookup_s=lookups)
+            elif phase == "load_engine":
+                # The same loads, each copied by this engine from the agent's shared
+                # CPU tier (lookup_claim, the copy, commit_load).
+                loads = EngineLoads(client, layout, bufs.tensors)
+                for p in planes:
+                    p[int(dst[0]):].zero_()
+                loaded_tokens = 0
+                t_start = time.monotonic()
+                for r in range(cfg["rounds"]):
+                    for k in range(prefixes):
+                        ids, rid = prompt(me, k, tokens), f"e{r}-{k}"
+                        hit = loads.lookup(rid, ids)
+                        got = loads.load(rid, dst[:hit]) if hit else 0
+                        if got is None:
+                            raise RuntimeError("the agent did not hand the load out")
+                        if got != tokens:
+                            raise RuntimeError(f"engine copy loaded {got} of {tokens} tokens")
+                        loaded_tokens += got
+                t_end = time.monotonic()
+                loads.close()
+                bad += mismatched(prompt(me, prefixes - 1, tokens), dst[:tokens])
+                say(phase="load_engine", start=t_start, end=t_end, loaded_tokens=loaded_tokens)
             elif phase == "lookups":
                 lookups = []
                 t_start = time.monotonic()
@@ -342,6 +370,7 @@ def measure(args: argparse.Namespace, n: int) -> dict[str, Any]:
     try:
         run.phase("store")
         loads = run.phase("load")
+        engine_loads = run.phase("load_engine")
         only = run.phase("lookups")
         # One start time for all engines (CLOCK_MONOTONIC is system-wide), far
         # enough ahead for every engine to have read its line.
@@ -359,7 +388,10 @@ def measure(args: argparse.Namespace, n: int) -> dict[str, Any]:
     if bad:
         raise RuntimeError(f"{bad} loaded tokens of N = {n} engines hold wrong KV")
     others = sum(r["other_prompt_tokens"] for r in shared)
+    ewall = max(r["end"] for r in engine_loads) - min(r["start"] for r in engine_loads)
+    eloaded = sum(r["loaded_tokens"] for r in engine_loads) * run.bytes_per_token
     return {"gbps": loaded / wall / 1e9, "bytes": loaded, "seconds": wall,
+            "engine_gbps": eloaded / ewall / 1e9,
             "bytes_per_token": run.bytes_per_token,
             "p50_ms": float(np.percentile(lookups, 50)),
             "p99_ms": float(np.percentile(lookups, 99)), "lookups": len(lookups),
@@ -415,6 +447,12 @@ def main() -> int:
              gbps=round(got["gbps"], 3), baseline="1_engine",
              baseline_gbps=round(base["gbps"], 3), ratio=round(got["gbps"] / base["gbps"], 3),
              goal_ratio=0.8, loadavg=load)
+        emit(bench="replicas_load_engine_copy", engines=n, tokens=args.tokens,
+             prefixes=args.prefixes, rounds=args.rounds, gbps=round(got["engine_gbps"], 3),
+             baseline="1_engine", baseline_gbps=round(base["engine_gbps"], 3),
+             ratio=round(got["engine_gbps"] / base["engine_gbps"], 3),
+             agent_copy_gbps=round(got["gbps"], 3),
+             over_agent_copy=round(got["engine_gbps"] / got["gbps"], 3), loadavg=load)
         for name, pre, count in (("replicas_lookup", "", "lookups"),
                                  ("replicas_lookup_only", "only_", "only_lookups"),
                                  ("replicas_lookup_paced", "paced_", "paced_lookups")):

@@ -516,6 +516,17 @@ class EngineClient:
                               {"slot_mapping": int64_array("retrieve: slot_mapping",
                                                            slot_mapping)}))
 
+    def lookup_claim(self, rid: str, token_ids: Sequence[int] | npt.ArrayLike,
+                     token_mask: npt.ArrayLike | None = None) -> dict[str, Any]:
+        """:meth:`lookup` and :meth:`claim_load` in one round trip: ``{"hit",
+        "blocks", "tier"}``; ``blocks`` None when the hit cannot be claimed (the
+        lookup stays open: call :meth:`retrieve`)."""
+        arrays: dict[str, Any] = {"token_ids": int64_array("lookup_claim: token_ids",
+                                                           token_ids)}
+        if token_mask is not None:
+            arrays["token_mask"] = bool_array("lookup_claim: token_mask", token_mask)
+        return dict(self._call("lookup_claim", {"rid": rid, "rank": self._rank_wire}, arrays))
+
     def claim_load(self, rid: str) -> dict[str, Any] | None:
         """Claim the last ``lookup`` of ``rid`` to copy it here, from the agent's
         shared CPU tier: ``{"hit": tokens, "blocks": [tier block per hit block],

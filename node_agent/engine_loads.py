@@ -9,7 +9,8 @@ the agent keeps the index, the pins and the ordering:
 1. ``lookup`` (as always) matches and pins the hit blocks;
 2. ``claim_load`` hands out the tier block of each hit block; they stay pinned
    (never evicted, never rewritten) until ``commit_load`` or the claim's lease
-   (the agent's transfer budget) ends;
+   (the agent's transfer budget) ends; ``lookup_claim`` makes steps 1 and 2 in
+   one round trip (:meth:`EngineLoads.lookup`);
 3. the engine copies;
 4. ``commit_load`` answers whether the claim still held when the copy ended. Only
    then are the slots the cached KV; on False (lease over, a flush, the agent
@@ -56,18 +57,37 @@ class EngineLoads:
         self._reg: RegisteredBuffers = register_buffers(layout, client.rank.tp_rank, buffers)
         self._tier: MappedTier | None = None
         self._copier: BlockCopier | None = None
+        self._claims: dict[str, dict[str, Any]] = {}
+        """rid -> what its ``lookup_claim`` handed out, until its load or release."""
         self.loads = 0
         """Loads copied here and committed."""
         self.misses = 0
         """Claims whose commit answered False (their slots were not loaded)."""
 
+    def lookup(self, rid: str, token_ids: Any, token_mask: Any = None) -> int:
+        """``client.lookup`` that also claims the hit (``lookup_claim``): the hit
+        tokens; :meth:`load` then copies them without another claim call. The
+        claim's lease runs from now, so load soon; a claim left unused is ended by
+        :meth:`release`."""
+        got = self.client.lookup_claim(rid, token_ids, token_mask)
+        self._claims.pop(rid, None)
+        if got.get("blocks"):
+            self._claims[rid] = got
+        return int(got["hit"])
+
+    def release(self, rid: str) -> None:
+        """``client.release``: ends ``rid``'s lookup and an unused claim of it."""
+        self._claims.pop(rid, None)
+        self.client.release(rid)
+
     def load(self, rid: str, slot_mapping: Any) -> int | None:
-        """Load what the last ``lookup`` of ``rid`` hit into ``slot_mapping`` (one
-        slot per hit token) by copying it here. Returns the tokens loaded (0: a
-        miss; the slots hold undefined data), or None when the agent cannot hand
-        this load out (the lookup stays open: call ``client.retrieve``). Raises
-        ``ValueError`` for a bad slot mapping (the claim is ended first: a miss)."""
-        got = self.client.claim_load(rid)
+        """Load what the last lookup of ``rid`` hit into ``slot_mapping`` (one
+        slot per hit token) by copying it here: the claim :meth:`lookup` made, else
+        one ``claim_load`` now. Returns the tokens loaded (0: a miss; the slots hold
+        undefined data), or None when the agent cannot hand this load out (the
+        lookup stays open: call ``client.retrieve``). Raises ``ValueError`` for a
+        bad slot mapping (the claim is ended first: a miss)."""
+        got = self._claims.pop(rid, None) or self.client.claim_load(rid)
         if got is None:
             return None
         hit, blocks = int(got["hit"]), list(got["blocks"])

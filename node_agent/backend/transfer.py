@@ -52,6 +52,7 @@ import enum
 import functools
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -61,9 +62,11 @@ from node_agent.backend import row_kernel
 from node_agent.backend.cpu_tier import CpuTier
 from node_agent.backend.lanes import run_items
 from node_agent.backend.planes import RegisteredBuffers
-from node_agent.backend.ssd_tier import SsdTier
 from node_agent.vocab.layout import KVLayout
 from node_agent.vocab.placement import BlockLocation, Tier
+
+if TYPE_CHECKING:  # an engine's copier (node_agent.engine_loads) has no SSD tier
+    from node_agent.backend.ssd_tier import SsdTier
 
 #: At most this many slice / gather ops per plane; beyond, one vectorised scatter.
 MAX_SEGMENTS = 16

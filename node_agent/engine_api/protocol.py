@@ -87,6 +87,10 @@ OPS: Final[Mapping[str, OpSchema]] = {
         args={"rid": "str", "rank": "json"},
         arrays={"token_ids": ("int64", True), "kv_indices": ("int64", True)},
     ),
+    "lookup_claim": OpSchema(
+        args={"rid": "str", "rank": "json"},
+        arrays={"token_ids": ("int64", True), "token_mask": ("bool", False)},
+    ),
     "claim_load": OpSchema(args={"rid": "str", "rank": "json"}),
     "commit_load": OpSchema(args={"rid": "str", "rank": "json"}),
     "poll_completed": OpSchema(args={"rank": "json"}),

@@ -96,7 +96,7 @@ def wait_completed(conn: Coordinator, timeout_ms: int) -> list[str]:
 
 
 INLINE_CANDIDATES = frozenset({"lookup", "store_kv", "release", "poll_completed",
-                               "claim_load", "commit_load"})
+                               "lookup_claim", "claim_load", "commit_load"})
 """Operations a stage may let the I/O thread answer (:attr:`Stage.inline_ops`)."""
 
 
@@ -310,6 +310,15 @@ class EngineService:
             return hit
         if req.op == "retrieve":
             return int(conn.retrieve(req.args["rid"], a["slot_mapping"]))
+        if req.op == "lookup_claim":
+            # lookup, then claim_load in the same call (one round trip less)
+            hit = int(conn.lookup(req.args["rid"], a["token_ids"], a.get("token_mask")))
+            if traffic is not None:
+                traffic.lookup(len(a["token_ids"]), hit)
+            got = conn.claim_load(req.args["rid"]) if hit else (0, [], {})
+            if got is None:  # the lookup stays open for retrieve
+                return {"hit": hit, "blocks": None, "tier": None}
+            return {"hit": got[0], "blocks": got[1], "tier": got[2]}
         if req.op == "claim_load":
             got = conn.claim_load(req.args["rid"])
             if got is None:
