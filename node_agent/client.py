@@ -527,6 +527,13 @@ class EngineClient:
             arrays["token_mask"] = bool_array("lookup_claim: token_mask", token_mask)
         return dict(self._call("lookup_claim", {"rid": rid, "rank": self._rank_wire}, arrays))
 
+    def tier(self) -> dict[str, Any] | None:
+        """The shared CPU tier the agent hands this stage's loads out of (its handle,
+        for :func:`node_agent.backend.cpu_tier.map_shared_tier`), or None when it
+        copies every load itself."""
+        result = self._call("tier", {"rank": self._rank_wire})
+        return None if result is None else dict(result)
+
     def claim_load(self, rid: str) -> dict[str, Any] | None:
         """Claim the last ``lookup`` of ``rid`` to copy it here, from the agent's
         shared CPU tier: ``{"hit": tokens, "blocks": [tier block per hit block],

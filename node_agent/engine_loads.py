@@ -57,6 +57,9 @@ class EngineLoads:
         self._reg: RegisteredBuffers = register_buffers(layout, client.rank.tp_rank, buffers)
         self._tier: MappedTier | None = None
         self._copier: BlockCopier | None = None
+        self.unavailable: str | None = None
+        """Why loads are no longer copied here (the tier could not be mapped: this
+        process does not share the agent's ``/dev/shm``); None while they are."""
         self._claims: dict[str, dict[str, Any]] = {}
         """rid -> what its ``lookup_claim`` handed out, until its load or release."""
         self.loads = 0
@@ -64,11 +67,31 @@ class EngineLoads:
         self.misses = 0
         """Claims whose commit answered False (their slots were not loaded)."""
 
+    def prepare(self) -> bool:
+        """Map the agent's tier now, off any load's path (mapping populates every
+        page of it, which takes a while for a large tier); True when mapped. A
+        failure to map turns engine-side loads off, as in :meth:`load`."""
+        if self.unavailable is not None:
+            return False
+        handle = self.client.tier()
+        if handle is None:
+            return False
+        try:
+            self._copier_for(handle)
+        except (OSError, ValueError) as exc:
+            self.unavailable = f"{type(exc).__name__}: {exc}"
+            log.warning("Cannot map the agent's CPU tier; loads are copied by the agent",
+                        extra={"error": self.unavailable})
+            return False
+        return True
+
     def lookup(self, rid: str, token_ids: Any, token_mask: Any = None) -> int:
         """``client.lookup`` that also claims the hit (``lookup_claim``): the hit
         tokens; :meth:`load` then copies them without another claim call. The
         claim's lease runs from now, so load soon; a claim left unused is ended by
         :meth:`release`."""
+        if self.unavailable is not None:
+            return int(self.client.lookup(rid, token_ids, token_mask))
         got = self.client.lookup_claim(rid, token_ids, token_mask)
         self._claims.pop(rid, None)
         if got.get("blocks"):
@@ -87,7 +110,9 @@ class EngineLoads:
         undefined data), or None when the agent cannot hand this load out (the
         lookup stays open: call ``client.retrieve``). Raises ``ValueError`` for a
         bad slot mapping (the claim is ended first: a miss)."""
-        got = self._claims.pop(rid, None) or self.client.claim_load(rid)
+        got = self._claims.pop(rid, None)
+        if got is None and self.unavailable is None:
+            got = self.client.claim_load(rid)
         if got is None:
             return None
         hit, blocks = int(got["hit"]), list(got["blocks"])
@@ -96,11 +121,17 @@ class EngineLoads:
         try:
             slots = launch_slots(slot_mapping, hit, self._reg.num_slots,
                                  "claim_load: slot_mapping")
-            copier = self._copier_for(got["tier"])
+            try:
+                copier = self._copier_for(got["tier"])
+            except (OSError, ValueError) as exc:
+                self.unavailable = f"{type(exc).__name__}: {exc}"
+                log.warning("Cannot map the agent's CPU tier; loads are copied by the agent "
+                            "from now on", extra={"rid": rid, "error": self.unavailable})
+                self._end_claim(rid)
+                return 0  # the claim is over; this load is a miss
             copier.load({self._reg.rank: self._reg}, block_locations(Tier.CPU, blocks), slots)
         except BaseException:
-            with contextlib.suppress(Exception):
-                self.client.commit_load(rid)  # ends the claim; the load is a miss
+            self._end_claim(rid)  # the load is a miss
             raise
         if self.client.commit_load(rid):
             self.loads += 1
@@ -109,6 +140,11 @@ class EngineLoads:
         log.warning("Claimed load ended before its copy did; the load is a miss",
                     extra={"rid": rid, "hit_tokens": hit})
         return 0
+
+    def _end_claim(self, rid: str) -> None:
+        """End ``rid``'s claim after a failed copy (its answer no longer matters)."""
+        with contextlib.suppress(Exception):
+            self.client.commit_load(rid)
 
     def _copier_for(self, handle: Any) -> BlockCopier:
         """The copier over the tier ``handle`` names, mapping it (again, when the

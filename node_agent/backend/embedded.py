@@ -920,15 +920,12 @@ class EmbeddedBackend(ReplicatedBackend):
                     )
                 self._reap_locked(t)
                 return False
+            # Not in the transfer metrics: those time the agent's own copies.
             held = t.status is None
             if held:
                 self._finish_locked(t, KVResponseStatus.SUCCESS, None)
             self._reap_locked(t)
             self._cond.notify_all()
-        if held and self._metrics is not None and t.plan is not None:
-            self._child(self._metrics.transfer_bytes, direction=Direction.LOAD.value,
-                        tier=Tier.CPU.value).inc(
-                len(t.plan.blocks) * self.config.layout.bytes_per_block)
         return held
 
     # -- replication (PP leader) -------------------------------------------------

@@ -373,10 +373,8 @@ class Coordinator:
             return 0, [], {}
         if role is None:
             raise UnknownRequestError(rid, "claim_load", "the group has no leader right now")
-        if not isinstance(role, LeaderRole) or self.cfg.expected_ranks != 1:
-            return None
-        handle = role.backend.tier_handle()
-        if handle is None:
+        handle = _tier_of(role, self.cfg.expected_ranks)
+        if handle is None or not isinstance(role, LeaderRole):
             return None
         got = role.claim_load(rid)
         if got is None:
@@ -388,6 +386,11 @@ class Coordinator:
                 while len(self._claims) > self.cfg.max_pending:
                     self._claims.popitem(last=False)
         return got[0], got[1], handle if got[1] else {}
+
+    def tier_handle(self) -> dict[str, Any] | None:
+        """The shared CPU tier this stage hands loads out of (:meth:`claim_load`), for
+        an engine to map ahead of its first claim; None when it hands none out."""
+        return _tier_of(self._role, self.cfg.expected_ranks)
 
     def commit_load(self, rid: str) -> bool:
         """The engine's copy of ``rid``'s claimed load ended: True when the blocks
@@ -532,6 +535,14 @@ class Coordinator:
             out.update(role.status())
         out["ready"] = self.ready()
         return out
+
+
+def _tier_of(role: Role | None, expected_ranks: int) -> dict[str, Any] | None:
+    """The shared CPU tier ``role`` hands loads out of: a leader without followers,
+    of a stage of one TP rank, whose backend has one."""
+    if not isinstance(role, LeaderRole) or expected_ranks != 1 or role.expected_followers():
+        return None
+    return role.backend.tier_handle()
 
 
 def _registrable(store: StageStore) -> RegistrableStore:

@@ -598,6 +598,11 @@ class LeaderRole:
                 f"{min(STOP_WAIT_SECONDS, self.cfg.transfer_seconds):g}s after its cancel")
         return g.hit if ok else 0
 
+    def expected_followers(self) -> bool:
+        """Whether this leader's group has followers (their stages load their own
+        layers, so its loads are never handed to an engine)."""
+        return bool(self._expected())
+
     def claim_load(self, rid: str) -> tuple[int, list[int]] | None:
         """Hand ``rid``'s looked-up load to the engine to copy itself: ``(hit
         tokens, the CPU tier block of each hit block in token order)``, pinned for

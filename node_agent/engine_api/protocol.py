@@ -92,6 +92,7 @@ OPS: Final[Mapping[str, OpSchema]] = {
         arrays={"token_ids": ("int64", True), "token_mask": ("bool", False)},
     ),
     "claim_load": OpSchema(args={"rid": "str", "rank": "json"}),
+    "tier": OpSchema(args={"rank": "json"}),
     "commit_load": OpSchema(args={"rid": "str", "rank": "json"}),
     "poll_completed": OpSchema(args={"rank": "json"}),
     "wait_completed": OpSchema(args={"rank": "json", "timeoutMs": "int"}),

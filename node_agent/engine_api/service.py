@@ -63,6 +63,7 @@ class Coordinator(Protocol):
     def retrieve(self, rid: str, slot_mapping: Any) -> int: ...
     def claim_load(self, rid: str) -> tuple[int, list[int], dict[str, Any]] | None: ...
     def commit_load(self, rid: str) -> bool: ...
+    def tier_handle(self) -> dict[str, Any] | None: ...
     def release(self, rid: str) -> None: ...
     def poll_completed(self) -> list[str]: ...
     def wait_completed(self, timeout: float) -> list[str]: ...
@@ -96,7 +97,7 @@ def wait_completed(conn: Coordinator, timeout_ms: int) -> list[str]:
 
 
 INLINE_CANDIDATES = frozenset({"lookup", "store_kv", "release", "poll_completed",
-                               "lookup_claim", "claim_load", "commit_load"})
+                               "lookup_claim", "claim_load", "commit_load", "tier"})
 """Operations a stage may let the I/O thread answer (:attr:`Stage.inline_ops`)."""
 
 
@@ -319,6 +320,8 @@ class EngineService:
             if got is None:  # the lookup stays open for retrieve
                 return {"hit": hit, "blocks": None, "tier": None}
             return {"hit": got[0], "blocks": got[1], "tier": got[2]}
+        if req.op == "tier":
+            return conn.tier_handle()
         if req.op == "claim_load":
             got = conn.claim_load(req.args["rid"])
             if got is None:
