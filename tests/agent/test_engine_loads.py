@@ -27,6 +27,7 @@ from node_agent.backend.embedded import EmbeddedBackend
 from node_agent.backend.stage_store import TierStore
 from node_agent.client import EngineAPIError, EngineClient, RankInfo, SharedKVBuffers
 from node_agent.coordinator import Coordinator, CoordinatorConfig
+from node_agent.coordinator.leader import LeaderRole
 from node_agent.engine_loads import EngineLoads
 from node_agent.vocab.layout import KVDtype, KVLayout
 from tests.agent.harness import (
@@ -39,6 +40,7 @@ from tests.agent.harness import (
     stop_process,
 )
 from tests.coordinator.harness import solo_view
+from tests.coordinator.pairs import InProcessGroup
 from tests.support.ports import free_port
 from tests.support.waiting import wait_for, wait_for_async
 
@@ -394,3 +396,93 @@ def test_a_tensor_parallel_stage_hands_out_no_claims(tmp_path: Path) -> None:
     finally:
         conn.close()
         sweep_segments(prefix)
+
+
+def test_a_pipeline_parallel_group_hands_out_no_claims() -> None:
+    """Every stage of a PP group loads its own layers: neither the leader nor a
+    follower hands a load out, and the lookup stays open for the retrieves, which
+    load each stage's own KV."""
+    with InProcessGroup(2) as pp:
+        prompt = np.arange(300, 316, dtype=np.int64)
+        pp.store_everywhere("s", prompt)
+        assert pp.lookup_everywhere("l", prompt) == [16, 16]
+        leader = pp.conns[0]._role
+        assert isinstance(leader, LeaderRole)
+        assert leader.claim_load("l") is None  # followers: before any backend call
+        assert [pp.call(r, lambda c: c.claim_load("l")).result(30) for r in range(2)] \
+            == [None, None]
+        dst = np.arange(400, 416)
+        got = [f.result(30) for f in [pp.retrieve(r, "l", dst) for r in range(2)]]
+        assert got == [16, 16]
+        assert all(pp.loaded_ok(r, prompt, dst, 16) for r in range(2))
+
+
+async def test_loads_racing_evicting_stores_are_the_stored_kv_whenever_reported(
+        work: Path, segments: str) -> None:
+    """Engine-copied loads of one prompt run while another client stores other
+    prompts into a tier too small for all of them (evicting and rewriting blocks,
+    the prompt among them, which is stored again when gone). Every load reported
+    loaded holds the prompt's KV bit for bit; misses (evicted, lease over) may
+    happen, wrong bytes may not."""
+    tier_blocks = 12
+    data = agent_mapping(work, "solo", tiers={"cpu": {
+        "size": tier_blocks * LAYOUT.bytes_per_block, "pinned": False}})
+    cfg = cfg_of(data)
+    bufs = SharedKVBuffers.for_layout(LAYOUT, NUM_SLOTS)
+    async with running_agent(cfg):
+        client = EngineClient(cfg.engine_socket, RANK, timeout=10)
+        storer = EngineClient(cfg.engine_socket, RANK, timeout=10)
+        loads = EngineLoads(client, LAYOUT, bufs.tensors)
+        stop = threading.Event()
+        stored = [0]
+
+        def churn() -> None:
+            rng = np.random.default_rng(1)
+            i = 0
+            while not stop.is_set():
+                other = rng.integers(20_000, 40_000, 16, dtype=np.int64)
+                store_prompt(storer, bufs, f"o{i}", other,
+                             np.arange(160 + 16 * (i % 4), 176 + 16 * (i % 4), dtype=np.int64),
+                             11 + i)
+                stored[0] += 1
+                i += 1
+
+        def engine(rounds: int) -> tuple[int, int, int]:
+            loaded = missed = restored = 0
+            dst = np.arange(64, 96, dtype=np.int64)
+            for r in range(rounds):
+                hit = client.lookup(f"e{r}", PROMPT)
+                if hit < 32:
+                    client.release(f"e{r}")
+                    # Stored again from SRC, unchanged (best effort: -1 when there
+                    # is no room right now, or a store of it is still in flight).
+                    client.store_kv(f"re{r}", PROMPT, SRC)
+                    restored += 1
+                    client.release(f"re{r}")
+                    continue
+                zero_slots(bufs, dst)
+                got = loads.load(f"e{r}", dst)
+                assert got in (0, 32), got
+                if got:
+                    assert equal_slots(bufs, SRC, dst), f"round {r}: wrong KV reported loaded"
+                    loaded += 1
+                else:
+                    missed += 1
+                client.release(f"e{r}")
+            return loaded, missed, restored
+
+        try:
+            await asyncio.to_thread(client.register_kv_buffers, LAYOUT, bufs.handles)
+            await asyncio.to_thread(store_prompt, client, bufs, "s")
+            bg = asyncio.create_task(asyncio.to_thread(churn))
+            try:
+                loaded, missed, restored = await asyncio.to_thread(engine, 150)
+            finally:
+                stop.set()
+                await asyncio.wait_for(bg, 60)
+            assert loaded > 0 and stored[0] > 0, (loaded, missed, restored, stored[0])
+        finally:
+            loads.close()
+            client.close()
+            storer.close()
+    bufs.close()
