@@ -35,7 +35,7 @@ from node_agent.backend.cpu_tier import (
 )
 from node_agent.backend.embedded import EmbeddedBackend
 from node_agent.backend.planes import register_buffers
-from node_agent.backend.shared import Fingerprint, SharedBackends
+from node_agent.backend.shared import Fingerprint, SharedBackends, SharedStageBackend
 from node_agent.backend.transfer import BlockCopier
 from node_agent.vocab.placement import BlockLocation, Tier, block_locations
 from tests.backend.backend_helpers import (
@@ -165,24 +165,36 @@ def test_a_claim_copies_the_stored_bytes_bit_for_bit_and_unlocks_after(shm_name:
         b.shutdown()
 
 
+PROMPT = tokens(4 * TPB)
+SRC = np.arange(4 * TPB, dtype=np.int64)
+
+
+def claim_prompt(b: EmbeddedBackend, lease: float) -> tuple[int, list[int]]:
+    """Store PROMPT's KV from SRC, match it and claim it: (task id, its blocks)."""
+    store(b, PROMPT, SRC)
+    tid, _ = b.get_match(PROMPT)
+    blocks = b.claim_rows(tid, lease=lease)
+    assert blocks is not None and len(blocks) == 4
+    return tid, blocks
+
+
+def cpu_bytes(b: EmbeddedBackend, blocks: Sequence[int]) -> list[bytes]:
+    return [b.store.read_block(BlockLocation(Tier.CPU, k)) for k in blocks]
+
+
 def test_claimed_blocks_survive_a_tier_filled_past_its_watermark(shm_name: str) -> None:
     b, bufs = backend_on(shm_name, cpu_blocks=8)
     try:
-        toks = tokens(4 * TPB)
-        src = np.arange(4 * TPB, dtype=np.int64)
-        store(b, toks, src)
-        tid, _ = b.get_match(toks)
-        blocks = b.claim_rows(tid, lease=60.0)
-        assert blocks is not None
-        before = [b.store.read_block(BlockLocation(Tier.CPU, k)) for k in blocks]
+        tid, blocks = claim_prompt(b, lease=60.0)
+        before = cpu_bytes(b, blocks)
         # Three times the free room in other prompts: every unclaimed block is
         # evicted and rewritten, again and again.
         assert fill(b, 6, 2, seed=100) >= 8
-        assert [b.store.read_block(BlockLocation(Tier.CPU, k)) for k in blocks] == before
+        assert cpu_bytes(b, blocks) == before
         dst = np.arange(200, 200 + 4 * TPB, dtype=np.int64)
         ebufs = engine_copy(b, blocks, dst)
         assert b.end_claim(tid) is True
-        assert same(bufs, src, ebufs, dst)
+        assert same(bufs, SRC, ebufs, dst)
     finally:
         b.shutdown()
 
@@ -191,19 +203,15 @@ def test_an_expired_lease_ends_the_claim_and_frees_its_blocks(shm_name: str) -> 
     now = [0.0]
     b, _ = backend_on(shm_name, cpu_blocks=4, clock=lambda: now[0])
     try:
-        toks = tokens(4 * TPB)
-        store(b, toks, np.arange(4 * TPB, dtype=np.int64))
-        tid, _ = b.get_match(toks)
-        blocks = b.claim_rows(tid, lease=5.0)
-        assert blocks is not None
-        before = [b.store.read_block(BlockLocation(Tier.CPU, k)) for k in blocks]
+        tid, blocks = claim_prompt(b, lease=5.0)
+        before = cpu_bytes(b, blocks)
         assert b.put_match(tokens(4 * TPB, seed=7))[0] == -1  # all 4 pinned by the claim
         now[0] = 5.0
         # The full tier takes another prompt now: the claim no longer pins anything.
         assert fill(b, 1, 4, seed=7) == 4
         assert locked(b) == 0
-        assert b.get_match(toks)[0] == -1
-        assert [b.store.read_block(BlockLocation(Tier.CPU, k)) for k in blocks] != before
+        assert b.get_match(PROMPT)[0] == -1
+        assert cpu_bytes(b, blocks) != before
         assert b.end_claim(tid) is False
     finally:
         b.shutdown()
@@ -216,12 +224,7 @@ def test_a_lease_ending_while_the_engine_copy_is_paused_answers_false(shm_name: 
     now = [0.0]
     b, bufs = backend_on(shm_name, cpu_blocks=4, clock=lambda: now[0])
     try:
-        toks = tokens(4 * TPB)
-        src = np.arange(4 * TPB, dtype=np.int64)
-        store(b, toks, src)
-        tid, _ = b.get_match(toks)
-        blocks = b.claim_rows(tid, lease=5.0)
-        assert blocks is not None
+        tid, blocks = claim_prompt(b, lease=5.0)
         paused, resume = threading.Event(), threading.Event()
         seen = [0]
 
@@ -245,7 +248,7 @@ def test_a_lease_ending_while_the_engine_copy_is_paused_answers_false(shm_name: 
         assert out, "the engine copy did not finish"
         assert b.end_claim(tid) is False
         # What it copied is not (all) the stored KV: reporting it loaded would be wrong.
-        assert not same(bufs, src, out[0], dst)
+        assert not same(bufs, SRC, out[0], dst)
     finally:
         b.shutdown()
 
@@ -257,54 +260,39 @@ def _claimed(b: EmbeddedBackend, toks: np.ndarray) -> int:
     return tid
 
 
-def test_reset_ends_a_claim(shm_name: str) -> None:
+@pytest.mark.parametrize("how", ["reset", "cancel", "shutdown"])
+def test_reset_cancel_and_shutdown_end_a_claim(shm_name: str, how: str) -> None:
     b, _ = backend_on(shm_name)
     try:
-        toks = tokens(2 * TPB)
-        store(b, toks, np.arange(2 * TPB, dtype=np.int64))
-        tid = _claimed(b, toks)
-        b.reset()
+        tid, _ = claim_prompt(b, lease=60.0)
+        if how == "reset":
+            b.reset()
+        elif how == "cancel":
+            b.cancel([tid])
+        else:
+            b.shutdown()
+            assert not os.path.exists(seg_path(shm_name))  # shutdown unlinks the tier
+        if how != "shutdown":
+            assert locked(b) == 0  # unpinned at once: the blocks may be reused
         assert b.end_claim(tid) is False
         assert b.end_claim(tid) is False  # forgotten
-        assert b.get_match(toks)[0] == -1
+        if how != "shutdown":
+            with pytest.raises(TaskNotFoundError):
+                b.claim_rows(tid, lease=60.0)
+            assert (b.get_match(PROMPT)[0] == -1) is (how == "reset")
     finally:
         b.shutdown()
 
 
-def test_cancel_ends_a_claim_and_unpins_at_once(shm_name: str) -> None:
-    b, _ = backend_on(shm_name)
-    try:
-        toks = tokens(2 * TPB)
-        store(b, toks, np.arange(2 * TPB, dtype=np.int64))
-        tid = _claimed(b, toks)
-        b.cancel([tid])
-        assert locked(b) == 0
-        assert b.end_claim(tid) is False
-        assert b.end_claim(tid) is False
-        with pytest.raises(TaskNotFoundError):
-            b.claim_rows(tid, lease=60.0)
-    finally:
-        b.shutdown()
-
-
-def test_shutdown_ends_a_claim_and_unlinks_the_segment(shm_name: str) -> None:
-    b, _ = backend_on(shm_name)
-    toks = tokens(2 * TPB)
-    store(b, toks, np.arange(2 * TPB, dtype=np.int64))
-    tid = _claimed(b, toks)
-    b.shutdown()
-    assert b.end_claim(tid) is False
-    assert not os.path.exists(seg_path(shm_name))
-
-
-@pytest.mark.parametrize("how", ["end_tenant_tasks", "remove_tenant", "stage_reset"])
-def test_a_stage_leaving_a_shared_backend_ends_its_claims(shm_name: str, how: str) -> None:
+def two_stages(name: str) -> tuple[SharedStageBackend, SharedStageBackend, EmbeddedBackend]:
+    """Two replicas' stages on one shared backend (its CPU tier in segment
+    ``name``), with their own buffers; stage ``a`` stored two blocks, published."""
     shared = SharedBackends(lambda: 0)
     fp = Fingerprint("model-x", LAYOUT, 0, 1)
     built: list[EmbeddedBackend] = []
 
     def build() -> EmbeddedBackend:
-        built.append(EmbeddedBackend(config(LAYOUT, 16, cpu_shared_name=shm_name,
+        built.append(EmbeddedBackend(config(LAYOUT, 16, cpu_shared_name=name,
                                             deferred_visibility=True)))
         return built[-1]
 
@@ -312,18 +300,25 @@ def test_a_stage_leaving_a_shared_backend_ends_its_claims(shm_name: str, how: st
     c = shared.join(fp, "rep-c", build)
     a.register_kv_buffers(0, make_buffers(LAYOUT, SLOTS, 1))
     c.register_kv_buffers(0, make_buffers(LAYOUT, SLOTS, 2))
+    tid, _ = a.put_match(TWO_BLOCKS)
+    a.launch([tid], [np.arange(2 * TPB, dtype=np.int64)])
+    assert a.wait([tid], timeout=30, completely=True)[tid].status is S.SUCCESS
+    a.publish(tid)
+    return a, c, built[0]
+
+
+TWO_BLOCKS = tokens(2 * TPB)
+
+
+@pytest.mark.parametrize("how", ["end_tenant_tasks", "remove_tenant", "stage_reset"])
+def test_a_stage_leaving_a_shared_backend_ends_its_claims(shm_name: str, how: str) -> None:
+    a, c, backend = two_stages(shm_name)
     try:
-        toks = tokens(2 * TPB)
-        tid, _ = a.put_match(toks)
-        a.launch([tid], [np.arange(2 * TPB, dtype=np.int64)])
-        assert a.wait([tid], timeout=30, completely=True)[tid].status is S.SUCCESS
-        a.publish(tid)
         assert a.tier_handle() == c.tier_handle() is not None
-        ta, _ = a.get_match(toks)
-        tc, _ = c.get_match(toks)
+        ta, _ = a.get_match(TWO_BLOCKS)
+        tc, _ = c.get_match(TWO_BLOCKS)
         assert a.claim_rows(ta, lease=60.0) is not None
         assert c.claim_rows(tc, lease=60.0) is not None
-        [backend] = built
         if how == "end_tenant_tasks":
             backend.end_tenant_tasks(a.tenant, "test")
         elif how == "remove_tenant":
@@ -341,22 +336,9 @@ def test_a_stage_leaving_a_shared_backend_ends_its_claims(shm_name: str, how: st
 
 
 def test_a_stage_cannot_claim_another_stages_task(shm_name: str) -> None:
-    shared = SharedBackends(lambda: 0)
-    fp = Fingerprint("model-x", LAYOUT, 0, 1)
-
-    def build() -> EmbeddedBackend:
-        return EmbeddedBackend(config(LAYOUT, 16, cpu_shared_name=shm_name))
-
-    a = shared.join(fp, "rep-a", build)
-    c = shared.join(fp, "rep-c", build)
-    a.register_kv_buffers(0, make_buffers(LAYOUT, SLOTS, 1))
-    c.register_kv_buffers(0, make_buffers(LAYOUT, SLOTS, 2))
+    a, c, _ = two_stages(shm_name)
     try:
-        toks = tokens(2 * TPB)
-        tid, _ = a.put_match(toks)
-        a.launch([tid], [np.arange(2 * TPB, dtype=np.int64)])
-        assert a.wait([tid], timeout=30, completely=True)[tid].status is S.SUCCESS
-        ta, _ = a.get_match(toks)
+        ta, _ = a.get_match(TWO_BLOCKS)
         with pytest.raises(TaskNotFoundError):
             c.claim_rows(ta, lease=60.0)
         assert a.claim_rows(ta, lease=60.0) is not None
@@ -420,18 +402,22 @@ def test_a_plan_with_an_ssd_block_is_not_handed_out_and_still_launches(
         b.shutdown()
 
 
+def hands_out_nothing(b: EmbeddedBackend, bufs: list[list[torch.Tensor]]) -> None:
+    """``b`` has no shared tier: no handle, no claims, and its gets launch as always."""
+    assert b.tier_handle() is None
+    store(b, PROMPT, SRC)
+    tid, _ = b.get_match(PROMPT)
+    assert b.claim_rows(tid, lease=60.0) is None
+    dst = np.arange(64, 64 + len(PROMPT), dtype=np.int64)
+    b.launch([tid], [dst])  # still an ordinary, launchable get
+    assert b.wait([tid], timeout=30)[tid].status is S.SUCCESS
+    assert same(bufs, SRC, bufs, dst)
+
+
 def test_a_backend_without_a_shared_tier_hands_out_nothing() -> None:
     b, bufs = backend_on(None)
     try:
-        assert b.tier_handle() is None
-        toks = tokens(2 * TPB)
-        store(b, toks, np.arange(2 * TPB, dtype=np.int64))
-        tid, _ = b.get_match(toks)
-        assert b.claim_rows(tid, lease=60.0) is None
-        dst = np.arange(64, 64 + 2 * TPB, dtype=np.int64)
-        b.launch([tid], [dst])  # still an ordinary, launchable get
-        assert b.wait([tid], timeout=30)[tid].status is S.SUCCESS
-        assert same(bufs, np.arange(2 * TPB), bufs, dst)
+        hands_out_nothing(b, bufs)
     finally:
         b.shutdown()
 
@@ -516,14 +502,9 @@ def test_a_tier_that_cannot_create_its_segment_stays_private(
     tier.close()
     # Through the backend: a name whose file cannot be created (its directory does
     # not exist) leaves the tier private, and claims are not handed out.
-    b, _ = backend_on(shm_name + "/missing-dir")
+    b, bufs = backend_on(shm_name + "/missing-dir")
     try:
-        assert b.tier_handle() is None
-        toks = tokens(2 * TPB)
-        store(b, toks, np.arange(2 * TPB, dtype=np.int64))
-        tid, _ = b.get_match(toks)
-        assert b.claim_rows(tid, lease=60.0) is None
-        b.cancel([tid])
+        hands_out_nothing(b, bufs)
     finally:
         b.shutdown()
 
