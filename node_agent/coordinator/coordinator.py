@@ -107,8 +107,10 @@ class Coordinator:
         self._num_slots: int | None = None
         self._lookups: OrderedDict[str, Role | None] = OrderedDict()
         """rid -> the role that answered its last lookup, until its retrieve."""
-        self._claims: OrderedDict[str, LeaderRole] = OrderedDict()
-        """rid -> the role that handed out its claimed load (:meth:`claim_load`)."""
+        self._claims: OrderedDict[str, LeaderRole | None] = OrderedDict()
+        """rid -> the role that handed out its claimed load (:meth:`claim_load`);
+        None once a release or a new lookup of the rid ended the claim before its
+        commit (which then answers False)."""
         self._server: FanoutServer | None = server
         self._own_server = server is None
         self._leader_rank: int | None = None
@@ -325,6 +327,8 @@ class Coordinator:
         inp = prepare_lookup(token_ids, token_mask, self.cfg.tokens_per_block)
         role = self._role
         with self._lock:
+            if rid in self._claims:
+                self._claims[rid] = None  # the role's lookup ends the claim
             self._lookups[rid] = role
             self._lookups.move_to_end(rid)
             while len(self._lookups) > self.cfg.max_pending:
@@ -383,6 +387,7 @@ class Coordinator:
             self._lookups.pop(rid, None)
             if got[1]:
                 self._claims[rid] = role
+                self._claims.move_to_end(rid)
                 while len(self._claims) > self.cfg.max_pending:
                     self._claims.popitem(last=False)
         return got[0], got[1], handle if got[1] else {}
@@ -396,13 +401,14 @@ class Coordinator:
         """The engine's copy of ``rid``'s claimed load ended: True when the blocks
         it read stayed pinned throughout (the slots hold the cached KV); False when
         the claim ended first or its role did (a miss: the slots hold undefined
-        data). Raises ``UnknownRequestError`` when ``rid`` has no claim."""
+        data), also when a ``release`` or a new ``lookup`` of ``rid`` came first.
+        Raises ``UnknownRequestError`` when ``rid`` has no claim."""
         with self._lock:
-            claimer = self._claims.pop(rid, None)
-        if claimer is None:
+            claimer = self._claims.pop(rid, _ABSENT)
+        if claimer is _ABSENT:
             raise UnknownRequestError(rid, "commit_load", "call claim_load first")
-        if claimer is not self._role:
-            return False  # its backend ended with it
+        if not isinstance(claimer, LeaderRole) or claimer is not self._role:
+            return False  # ended by a release or lookup, or its backend ended with it
         return claimer.commit_load(rid)
 
     def release(self, rid: str) -> None:
@@ -410,7 +416,8 @@ class Coordinator:
         (an un-used lookup, decisions no call took); a reused rid starts clean."""
         with self._lock:
             self._lookups.pop(rid, None)
-            self._claims.pop(rid, None)
+            if rid in self._claims:
+                self._claims[rid] = None  # the role's release ends the claim
         role = self._role
         if role is not None:
             role.release(rid)

@@ -649,9 +649,9 @@ class LeaderRole:
     def commit_load(self, rid: str) -> bool:
         """The engine's copy of ``rid``'s claimed load ended: True when its blocks
         stayed pinned throughout (the engine's slots hold the cached KV), False when
-        the claim ended first (its lease, a flush, a release): the slots hold
-        undefined data, a miss. Raises ``UnknownRequestError`` for a rid with no
-        claim."""
+        the claim ended first (its lease, a flush): the slots hold undefined data,
+        a miss. Raises ``UnknownRequestError`` for a rid with no claim, also one a
+        release or a new lookup ended (the coordinator answers those False)."""
         with self._state:
             g = self._gets.get(rid)
             if g is None or not g.claimed:
