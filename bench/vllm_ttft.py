@@ -16,13 +16,10 @@ the previous request's store to the agent (the connector stores a request's
 blocks after it finished, on its own thread). Rows report the medians over the
 repeats and the ratios ``cold / agent`` (goal >= 5 at 2K) and
 ``agent / vllm_prefix`` (goal <= 1.2).
-With one stage the engine copies its loads itself from the agent's shared CPU
-tier (``engineCopies``, docs/vllm.md "Loads copied by vLLM"); ``--agent-copies``
-turns that off. When the agent copied the loads, a ``load_bandwidth`` row compares
-its load rate into vLLM's blocks (its ``flexkv_agent_transfer_*{direction="load"}``
-metrics over the run: bytes over the time of the load tasks) with a torch copy of
-the same bytes per load in this process, from memory out of cache (goal >= 0.8,
-the zero-copy path).
+A ``load_bandwidth`` row compares the agent's load rate into vLLM's blocks (its
+``flexkv_agent_transfer_*{direction="load"}`` metrics over the run: bytes over the
+time of the load tasks) with a torch copy of the same bytes per load in this
+process, from memory out of cache (goal >= 0.8, the zero-copy path).
 
 With ``--pp 2`` the engine runs ``pipeline_parallel_size=2`` (vLLM's multiprocess
 executor) against two agent processes, one per stage, forming the replica's PP
@@ -136,9 +133,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--pp", type=int, default=1, choices=(1, 2),
                    help="pipeline_parallel_size (2: one agent per stage, a PP group)")
-    p.add_argument("--agent-copies", action="store_true",
-                   help="engineCopies false: the agent copies every load (with one "
-                        "stage the engine otherwise copies them itself)")
     args = p.parse_args(argv)
     if not VLLM_PYTHON.exists():
         raise SystemExit(f"{VLLM_PYTHON} is missing; run bash scripts/bootstrap_vllm.sh")
@@ -157,8 +151,7 @@ def main(argv: list[str] | None = None) -> None:
         urls = start_agents(work, args.pp, agents)
         url = urls[0]
         socket = work / ("engine-{ppRank}.sock" if args.pp > 1 else "engine-0.sock")
-        extra = {"engineCopies": False} if args.agent_copies else {}
-        engine = EngineProcess(model, work / "engine.log", connector_config(socket, **extra),
+        engine = EngineProcess(model, work / "engine.log", connector_config(socket),
                                block_size=BLOCK, max_model_len=max(sizes) + 256, pp=args.pp)
         ready = engine.wait_ready(600)
         if "error" in ready:
@@ -193,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
                 "goal_speedup": 5.0 if n == 2048 else None,
                 "ratio_vs_vllm_prefix": round(med["agent"] / med["vllm_prefix"], 2),
                 "goal_ratio_vs_vllm_prefix": GOAL_RATIO_VS_PREFIX, "repeats": repeats,
-                "pp": args.pp, "engine_copies": not args.agent_copies,
+                "pp": args.pp,
                 "runs_s": {k: [round(t, 3) for t in v] for k, v in times.items()},
                 "loadavg": Path("/proc/loadavg").read_text().split()[:3],
             }), flush=True)

@@ -160,7 +160,7 @@ LAYERS: dict[str, frozenset[str]] = {
     "coordinator": frozenset({"backend", "metrics", "pp", "vocab"}),
     "client": frozenset({"engine_api", "vocab"}),
     "engine_loads": frozenset({"backend", "client", "vocab"}),
-    "integrations": frozenset({"client", "engine_api", "engine_loads", "vocab"}),
+    "integrations": frozenset({"client", "engine_api", "vocab"}),
     "demo": frozenset({"client", "contract", "engine_api", "pp", "vocab"}),
     "assembly": frozenset({"backend", "config", "contract", "coordinator", "engine_api",
                            "events", "metrics", "pp", "vocab"}),

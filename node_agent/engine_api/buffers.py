@@ -22,7 +22,6 @@ import binascii
 import contextlib
 import math
 import mmap
-import os
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
@@ -87,7 +86,7 @@ class OpenedBuffer:
     def close(self) -> None:
         """Drop the agent's mapping. The tensor must not be used afterwards."""
         keep, self._keep = self._keep, None
-        if isinstance(keep, shared_memory.SharedMemory | DirectSegment):
+        if isinstance(keep, shared_memory.SharedMemory):
             # Views into the mapping must be gone before the mmap can close.
             self.tensor = torch.empty(0)
             # A view may still be exported somewhere; the mapping is then freed with it.
@@ -186,42 +185,19 @@ def attach_shm(name: str) -> shared_memory.SharedMemory:
     return shm
 
 
-class DirectSegment:
-    """An existing POSIX shared-memory segment mapped without ``multiprocessing``'s
-    resource tracker: for a process that may share its tracker with the segment's
-    creator (vLLM's engine core and its worker), where attaching through the
-    tracker would drop the creator's own entry. ``/dev/shm`` (Linux)."""
-
-    def __init__(self, name: str) -> None:
-        fd = os.open(os.path.join("/dev/shm", name.lstrip("/")), os.O_RDWR)
-        try:
-            self.size = os.fstat(fd).st_size
-            self._mmap = mmap.mmap(fd, self.size)
-        finally:
-            os.close(fd)
-        self.name = name
-        self.buf = memoryview(self._mmap)
-
-    def close(self) -> None:
-        """Unmap (a view still exported keeps the mapping until it goes)."""
-        self.buf.release()
-        self._mmap.close()
-
-
-def open_buffer(handle: object, tracked: bool = True) -> OpenedBuffer:
-    """Rebuild a tensor from a handle (the agent's single code path for every kind).
-    ``tracked`` False maps an ``shm`` segment as a :class:`DirectSegment`."""
+def open_buffer(handle: object) -> OpenedBuffer:
+    """Rebuild a tensor from a handle (the agent's single code path for every kind)."""
     if not isinstance(handle, dict):
         raise HandleError(f"buffer handle must be an object, got {type(handle).__name__}")
     kind = handle.get("kind")
     if kind == "shm":
-        return _open_shm(handle, tracked)
+        return _open_shm(handle)
     if kind == "cuda_ipc":
         return _open_cuda(handle)
     raise HandleError(f"handle kind {kind!r} is unknown; use 'shm' or 'cuda_ipc'")
 
 
-def _open_shm(h: dict[str, Any], tracked: bool = True) -> OpenedBuffer:
+def _open_shm(h: dict[str, Any]) -> OpenedBuffer:
     name, offset = h.get("name"), h.get("offset", 0)
     if not isinstance(name, str) or not name or len(name) > 255:
         raise HandleError(f"shm handle name {name!r} must be a segment name")
@@ -240,8 +216,7 @@ def _open_shm(h: dict[str, Any], tracked: bool = True) -> OpenedBuffer:
     if nbytes > MAX_BUFFER_BYTES:
         raise HandleError(f"shm handle of {nbytes} bytes exceeds {MAX_BUFFER_BYTES}")
     try:
-        shm: shared_memory.SharedMemory | DirectSegment = (
-            attach_shm(name) if tracked else DirectSegment(name))
+        shm = attach_shm(name)
     except FileNotFoundError:
         raise HandleError(
             f"shared memory segment {name!r} does not exist; the engine must keep it "
@@ -263,8 +238,7 @@ def _open_shm(h: dict[str, Any], tracked: bool = True) -> OpenedBuffer:
 _MADV_POPULATE_WRITE = 23
 
 
-def _populate(shm: shared_memory.SharedMemory | DirectSegment, offset: int,
-              nbytes: int) -> None:
+def _populate(shm: shared_memory.SharedMemory, offset: int, nbytes: int) -> None:
     """Map the handle's pages into this process now, at registration, rather than
     one page fault at a time during the first copies (best effort: older kernels
     refuse the advice and the pages fault in lazily as before)."""

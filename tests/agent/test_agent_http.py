@@ -108,7 +108,7 @@ async def test_single_stage_agent_http_surface(work: Path) -> None:
             [st] = ra.agent.service.stages.values()
             assert st.inline_ops == INLINE_CANDIDATES == {
                 "lookup", "store_kv", "release", "poll_completed", "lookup_claim",
-                "claim_load", "commit_load"}
+                "claim_load", "commit_load", "tier"}
             assert (stage["role"], stage["epoch"]) == ("leader", 0) and stage["seq"] >= 1
             assert any("kv_indices" in e["message"] for e in status["recentErrors"])
 

@@ -20,9 +20,9 @@ def test_defaults_and_every_key() -> None:
     cfg = parse_extra_config({"engineSocket": "ipc:///run/a.sock", "replica": "llama",
                               "requireAgent": False, "callTimeoutSeconds": 20,
                               "lookupTimeoutSeconds": 0.5, "retrySeconds": 3,
-                              "modelSalt": "weights-2", "engineCopies": False})
+                              "modelSalt": "weights-2"})
     assert cfg == AgentConnectorConfig("ipc:///run/a.sock", "llama", False, 20.0, 0.5, 3.0,
-                                       "weights-2", False)
+                                       "weights-2")
 
 
 @pytest.mark.parametrize(("raw", "needle"), [

@@ -47,10 +47,6 @@ class AgentConnectorConfig:
     model_salt: str | None = None
     """Folded into this engine's model identity: engines of one model name and revision
     but other weights must use different salts (docs/vllm.md, model identity)."""
-    engine_copies: bool = True
-    """Copy loads in vLLM's own process from the agent's shared CPU tier where the
-    agent hands them out (one worker in the scheduler's process, a CPU KV cache;
-    docs/vllm.md, "Loads copied by vLLM"); false: the agent copies every load."""
 
     def socket_for(self, pp_rank: int) -> str:
         """The engine socket of PP stage ``pp_rank``: ``engine_socket`` with ``{ppRank}``
@@ -67,7 +63,6 @@ _KEYS: dict[str, tuple[str, type | tuple[type, ...], str]] = {
                              "a number of seconds > 0"),
     "retrySeconds": ("retry_seconds", (int, float), "a number of seconds > 0"),
     "modelSalt": ("model_salt", str, "a string of 1..253 characters, e.g. weights-2024-06"),
-    "engineCopies": ("engine_copies", bool, "true or false"),
 }
 
 

@@ -42,7 +42,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from node_agent.client import RankInfo
-from node_agent.integrations.vllm import local_kv
 from node_agent.integrations.vllm.config import (
     ConnectorConfigError,
     model_identity,
@@ -193,24 +192,19 @@ class FlexKVAgentConnector(KVConnectorBase_V1):
         self.block_size = int(vllm_config.cache_config.block_size)
         self.tp_size = int(parallel.tensor_parallel_size)
         self.pp_size = int(parallel.pipeline_parallel_size)
-        self._engine_id = str(transfer.engine_id)
-        """Shared by this engine's scheduler and workers (names the local_kv file)."""
         self.identity = model_identity(vllm_config.model_config, self.cfg.model_salt)
         self.model_digest = self.identity.digest()
         self._sched: SchedulerSide | None = None
         self._registrar: Registrar | None = None
         self._alloc: SharedKVAllocation | None = None
         self._stage: StageCaller | None = None
-        self._published = False
-        """This worker's KV cache is in :mod:`.local_kv` (for in-process loads)."""
         self._pp_rank = 0
         self._empty_step = False
         """The last step :meth:`build_connector_meta` built scheduled no tokens."""
         if role == KVConnectorRole.SCHEDULER:
             self._check_agent_present()
             self._sched = SchedulerSide(self.cfg, self.block_size, self.tp_size,
-                                        self.model_digest, pp_size=self.pp_size,
-                                        engine_id=self._engine_id)
+                                        self.model_digest, pp_size=self.pp_size)
         else:
             self._head_size = int(vllm_config.model_config.get_head_size())
 
@@ -256,16 +250,6 @@ class FlexKVAgentConnector(KVConnectorBase_V1):
                         model=self.model_digest)
         self._registrar = Registrar(self.cfg, rank, layout, handles, self.block_size,
                                     socket=socket)
-        if not tensors[0].is_cuda and self.pp_size == 1 and self.tp_size == 1 \
-                and self.cfg.engine_copies:
-            # The scheduler side opens the same memory and copies claimed loads
-            # into it itself (docs/vllm.md, "Loads copied by vLLM").
-            try:
-                local_kv.publish(self._engine_id, layout, handles)
-                self._published = True
-            except OSError as exc:
-                log.warning("FlexKV connector: KV cache not published for in-engine loads "
-                            "(the agent copies every load): %s", exc)
         if self._registrar.register(at_start=True):
             log.info("KV cache registered with the FlexKV agent: %s layers, layout %s, "
                      "%s tokens per block, model %s (%s), PP stage %s of %s at %s",
@@ -403,8 +387,6 @@ class FlexKVAgentConnector(KVConnectorBase_V1):
             self._stage.close()
         if self._registrar is not None:
             self._registrar.close()
-        if self._published:
-            local_kv.withdraw(self._engine_id)
         if self._alloc is not None:
             self._alloc.close()
 

@@ -66,8 +66,6 @@ from node_agent.client import (
     SlotsInUseError,
     agent_down,
 )
-from node_agent.engine_loads import EngineLoads
-from node_agent.integrations.vllm import local_kv
 from node_agent.integrations.vllm.config import AgentConnectorConfig
 from node_agent.integrations.vllm.stage_calls import PROBE_RID, StageOp, block_slots
 
@@ -79,8 +77,6 @@ STORE_GIVE_UP_SECONDS = 120.0
 IDLE_WAIT_SECONDS = 0.005
 #: Poll period of the store thread while stores are in flight.
 POLL_SECONDS = 0.005
-#: How often the load thread looks for the worker's published KV cache (``local_kv``).
-LOCAL_KV_RECHECK_SECONDS = 1.0
 #: A waiting request's lookup is answered again without a call for this long; then
 #: the agent is asked again (it keeps a match for ``unlaunchedMatchSeconds``, 30 s
 #: by default).
@@ -149,7 +145,7 @@ class SchedulerSide:
     """Data calls and completion bookkeeping of the scheduler-side connector."""
 
     def __init__(self, cfg: AgentConnectorConfig, block_size: int, tp_size: int,
-                 model: str = "", pp_size: int = 1, engine_id: str | None = None) -> None:
+                 model: str = "", pp_size: int = 1) -> None:
         self.cfg = cfg
         self.block_size = block_size
         self.pp_size = pp_size
@@ -167,14 +163,6 @@ class SchedulerSide:
         self._load_client = EngineClient(socket, rank, timeout=cfg.call_timeout_seconds)
         self._store_client = EngineClient(socket, rank,
                                           timeout=cfg.call_timeout_seconds)
-        self.tp_size = tp_size
-        self.engine_id = engine_id
-        """The engine's ``engine_id``: names the KV cache its worker publishes for
-        loads copied here (:mod:`.local_kv`); None: the agent copies every load."""
-        self._copies: EngineLoads | None = None
-        self._local: local_kv.LocalKV | None = None
-        self._next_find = 0.0
-        self._tier_mapped = False
         self._lock = threading.Lock()
         self._bypassed: set[str] = set()                # rids served without the agent
         self._lookups: dict[str, _Lookup] = {}          # rid -> its last lookup
@@ -476,22 +464,12 @@ class SchedulerSide:
 
     def _load_loop(self) -> None:
         while True:
-            try:
-                # While in-engine loads may still come, idle time prepares them (opens
-                # the worker's KV cache, maps the agent's tier) off any load's path.
-                job = self._loads.get(timeout=LOCAL_KV_RECHECK_SECONDS
-                                      if self._may_copy_here() else None)
-            except queue.Empty:
-                self._prepare_copies()
-                continue
+            job = self._loads.get()
             if job is None or self._closing.is_set():
                 return
             ok = False
             try:
-                loads = self._engine_loads()
-                got = loads.load(job.rid, job.slots) if loads is not None else None
-                loaded = got if got is not None else self._load_client.retrieve(job.rid,
-                                                                                job.slots)
+                loaded = self._load_client.retrieve(job.rid, job.slots)
                 ok = loaded == len(job.slots)
                 self.health.succeeded()
             except SlotsInUseError as exc:
@@ -515,55 +493,6 @@ class SchedulerSide:
                 self._count(loaded_tokens=len(job.slots))
             else:
                 self._count(load_failures=1)
-
-    def _may_copy_here(self) -> bool:
-        """Whether loads may yet be copied here and are not prepared."""
-        return (self.cfg.engine_copies and self.engine_id is not None and self.pp_size == 1
-                and self.tp_size == 1 and self._next_find != float("inf")
-                and (self._copies is None or self._tier_mapped is False))
-
-    def _prepare_copies(self) -> None:
-        """Idle time of the load thread: find the worker's KV cache and map the
-        agent's tier (both take a while the first time). Never raises."""
-        if self.health.down:
-            return
-        try:
-            loads = self._engine_loads()
-            if loads is not None and not self._tier_mapped:
-                self._tier_mapped = loads.prepare()
-                if loads.unavailable is not None:
-                    self._next_find = float("inf")
-        except AGENT_ERRORS as exc:
-            log.debug("FlexKV connector: tier not mapped yet: %s", exc)
-        except Exception as exc:
-            log.warning("FlexKV connector: preparing in-engine loads failed: %s", exc)
-            self._next_find = float("inf")
-
-    def _engine_loads(self) -> EngineLoads | None:
-        """Loads copied here (:class:`~node_agent.engine_loads.EngineLoads`) once the
-        worker published its KV cache (:mod:`.local_kv`; one worker, CPU cache,
-        ``engineCopies`` on); None: the agent copies them (``retrieve``). Looked for
-        at most every :data:`LOCAL_KV_RECHECK_SECONDS`; load thread only."""
-        if self._copies is not None:
-            return self._copies
-        if (not self.cfg.engine_copies or self.engine_id is None or self.pp_size != 1
-                or self.tp_size != 1 or time.monotonic() < self._next_find):
-            return None
-        self._next_find = time.monotonic() + LOCAL_KV_RECHECK_SECONDS
-        try:
-            kv = local_kv.find(self.engine_id)
-            if kv is None:
-                return None
-            self._copies = EngineLoads(self._load_client, kv.layout, [kv.tensors])
-        except (OSError, ValueError) as exc:
-            log.warning("FlexKV connector: the worker's KV cache cannot be opened here; the "
-                        "agent copies every load: %s", exc)
-            self._next_find = float("inf")
-            return None
-        self._local = kv
-        log.info("FlexKV loads are copied in vLLM's engine-core process from the agent's "
-                 "shared CPU tier where the agent hands them out")
-        return self._copies
 
     def _quarantine(self, job: _Load, exc: SlotsInUseError) -> None:
         """The agent's copy of ``job`` did not stop and may still write its blocks:
@@ -702,8 +631,3 @@ class SchedulerSide:
         for c in (self._lookup_client, self._load_client, self._store_client,
                   self._probe_client):
             c.close()
-        if not any(t.is_alive() for t in self._threads):  # else a copy may still use them
-            if self._copies is not None:
-                self._copies.close()
-            if self._local is not None:
-                self._local.close()
