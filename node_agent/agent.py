@@ -35,13 +35,14 @@ from fastapi import FastAPI
 
 from node_agent import __version__
 from node_agent.assembly import SharedFanout, StageBuilder, StageDeps, backend_key
-from node_agent.backend.cpu_tier import segment_prefix, sweep_segments
+from node_agent.backend.cpu_tier import read_only_fd
 from node_agent.backend.remote.join import StorePortInUse, store_ports_problem
 from node_agent.backend.remote.mooncake_client import MooncakeUnavailable, check_available
 from node_agent.backend.remote.settings import RemoteSettings
 from node_agent.backend.remote.tier import RemotePool
 from node_agent.backend.shared import SharedBackends
 from node_agent.backend.ssd_owner import DirectoryOwner, SsdPathInUse
+from node_agent.backend.tier_fds import TierFdServer, tier_socket_path
 from node_agent.config import AgentConfig, ConfigError, load_config
 from node_agent.engine_api.server import EngineServer
 from node_agent.engine_api.service import EngineService, RankRef, Stage, StageKey
@@ -137,6 +138,22 @@ class _Stages:
         await asyncio.to_thread(self._fanout.close)
         if self._owner is not None:  # after every tier closed: the paths are free
             self._owner.close()
+
+
+class _TierFds:
+    """The tier socket as a service: started before the engine socket, stopped
+    after it (no claim names a tier it cannot hand out)."""
+
+    name = "tier_fds"
+
+    def __init__(self, server: TierFdServer) -> None:
+        self._server = server
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self._server.start)
+
+    async def stop(self) -> None:
+        await asyncio.to_thread(self._server.close)
 
 
 class _EpochWatcher:
@@ -249,12 +266,12 @@ class Agent:
         """The backends shared by the single-stage replicas of one model."""
         self.kv_events = build_kv_events(cfg, self.metrics)
         """The KV-event publisher for routers (None unless ``kvEvents`` is set)."""
-        tier_prefix = segment_prefix(cfg.engine_socket)
-        sweep_segments(tier_prefix)  # a killed predecessor's shared CPU tiers
+        self.tier_fds = TierFdServer(tier_socket_path(cfg.engine_socket), read_only_fd)
+        """Hands engines read-only descriptors of shared CPU tiers (engine-side loads)."""
         self.stage_deps = StageDeps(cfg=cfg, metrics=self.metrics, remote_pool=self.remote_pool,
                                     key_epoch=lambda: self.key_epoch, fanout=self.fanout,
                                     shared=self.shared, events=self.kv_events,
-                                    tier_prefix=tier_prefix)
+                                    shared_tiers=True)
         """What the stage builder gets: never the agent itself."""
         if cfg.max_stages > 1:
             self._export_tier_totals()
@@ -375,6 +392,7 @@ class Agent:
             out.insert(0, self.kv_events)
         if self.groups is not None:
             out.append(self.groups)
+        out.append(_TierFds(self.tier_fds))
         out.append(self.engine)
         out.append(self._epoch_watcher)
         if self.heartbeat is not None:

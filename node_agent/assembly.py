@@ -55,7 +55,6 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from node_agent.backend.config import EmbeddedBackendConfig
-from node_agent.backend.cpu_tier import next_segment_name
 from node_agent.backend.embedded import EmbeddedBackend
 from node_agent.backend.flexkv_adapter import start_flexkv_backend
 from node_agent.backend.remote.keys import KeySpace
@@ -135,10 +134,10 @@ class StageDeps:
     has a backend of its own."""
     events: KvEventPublisher | None = field(default=None)
     """The agent's KV-event publisher (``kvEvents``); None: events off."""
-    tier_prefix: str | None = field(default=None)
-    """Name prefix of the shared CPU tiers of single-stage groups, which engines map
-    to copy claimed loads themselves (``cpu_tier.segment_prefix``); None: every
-    CPU tier in private memory."""
+    shared_tiers: bool = field(default=False)
+    """Whether single-stage groups keep their CPU tier in a memory file engines map
+    to copy claimed loads themselves (the agent serves its tier socket,
+    ``node_agent.backend.tier_fds``); False: every CPU tier in private memory."""
 
 
 StageBuilder = Callable[[StageDeps, RankRef, KVLayout], Stage]
@@ -247,8 +246,8 @@ def default_stage_builder(deps: StageDeps, rank: RankRef, layout: KVLayout) -> S
         raise ValueError(f"{exc} (each of the agent's tierShares {cfg.shares} backends gets "
                          "1/tierShares of tiers.cpu.size and tiers.ssd.size; raise the sizes "
                          "or lower tierShares)") from exc
-    if rank.pp_size == 1 and cfg.backend == "embedded" and deps.tier_prefix is not None:
-        bcfg = dataclasses.replace(bcfg, cpu_shared_name=next_segment_name(deps.tier_prefix))
+    if rank.pp_size == 1 and cfg.backend == "embedded" and deps.shared_tiers:
+        bcfg = dataclasses.replace(bcfg, cpu_shared=True)
     remote = cfg.tiers.remote
     object_bytes = layout.bytes_per_block + HEADER_BYTES
     if remote is not None and remote.mooncake.local_buffer_size < 2 * object_bytes:

@@ -34,6 +34,7 @@ from node_agent.backend.remote.settings import (
     MIN_SEGMENT_BYTES,
     store_port_problem,
 )
+from node_agent.backend.tier_fds import TIER_SOCKET_SUFFIX
 from node_agent.contract import files, quantity
 from node_agent.vocab.budget import call_budget
 
@@ -460,10 +461,12 @@ def _check(cfg: AgentConfig) -> None:
             f"eviction.lowWatermark: {ev.low_watermark} is not below highWatermark "
             f"{ev.high_watermark}; use e.g. 0.85 and 0.95"
         )
-    if len(cfg.engine_socket.encode()) > _MAX_SOCKET_PATH:
+    limit = _MAX_SOCKET_PATH - len(TIER_SOCKET_SUFFIX)
+    if len(cfg.engine_socket.encode()) > limit:
         raise ConfigError(
             f"engineSocket: {cfg.engine_socket!r} is {len(cfg.engine_socket.encode())} bytes; "
-            f"Unix socket paths are limited to {_MAX_SOCKET_PATH}: use a shorter path"
+            f"Unix socket paths are limited to {_MAX_SOCKET_PATH}, and the tier socket beside "
+            f"it adds {TIER_SOCKET_SUFFIX!r}, so it may have at most {limit}: use a shorter path"
         )
     if cfg.tier_shares is not None and cfg.tier_shares > cfg.max_stages:
         raise ConfigError(

@@ -1,10 +1,11 @@
 """Loads an engine rank copies itself, from its agent's shared CPU tier.
 
-Where the agent's CPU tier is a shared-memory segment (an unpinned tier of a
+Where the agent's CPU tier is a shared memory file (an unpinned tier of a
 single-stage group, docs/agent.md "Engine-side loads"), an engine on the node
-maps it read-only and copies a hit straight into its own KV buffers, with the
-agent's own copy code (:class:`~node_agent.backend.transfer.BlockCopier`), while
-the agent keeps the index, the pins and the ordering:
+gets a read-only descriptor of it from the agent's tier socket, maps it and
+copies a hit straight into its own KV buffers, with the agent's own copy code
+(:class:`~node_agent.backend.transfer.BlockCopier`), while the agent keeps the
+index, the pins and the ordering:
 
 1. ``lookup`` (as always) matches and pins the hit blocks;
 2. ``claim_load`` hands out the tier block of each hit block; they stay pinned
@@ -25,14 +26,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from node_agent.backend.cpu_tier import MappedTier, map_shared_tier
+from node_agent.backend.cpu_tier import MappedTier, check_tier_handle, map_tier_fd
 from node_agent.backend.planes import RegisteredBuffers, register_buffers
 from node_agent.backend.slots import launch_slots
+from node_agent.backend.tier_fds import receive_tier_fd, tier_socket_path
 from node_agent.backend.transfer import BlockCopier
 from node_agent.client import EngineClient
 from node_agent.vocab.layout import KVLayout
@@ -54,12 +57,15 @@ class EngineLoads:
         self.client = client
         self.layout = layout
         self.lanes = lanes
+        self.tier_socket = tier_socket_path(str(client.socket_path))
+        """The agent's tier socket, where the tier's descriptor is asked for."""
         self._reg: RegisteredBuffers = register_buffers(layout, client.rank.tp_rank, buffers)
         self._tier: MappedTier | None = None
         self._copier: BlockCopier | None = None
         self.unavailable: str | None = None
-        """Why loads are no longer copied here (the tier could not be mapped: this
-        process does not share the agent's ``/dev/shm``); None while they are."""
+        """Why loads are no longer copied here (the tier could not be received or
+        mapped: say, this process cannot reach the agent's tier socket); None while
+        they are."""
         self._claims: dict[str, dict[str, Any]] = {}
         """rid -> what its ``lookup_claim`` handed out, until its load or release."""
         self.loads = 0
@@ -149,10 +155,14 @@ class EngineLoads:
     def _copier_for(self, handle: Any) -> BlockCopier:
         """The copier over the tier ``handle`` names, mapping it (again, when the
         agent's tier changed: a restarted agent or a new stage)."""
-        name = handle.get("name") if isinstance(handle, dict) else None
-        if self._copier is None or self._tier is None or self._tier.name != name:
+        tier_id, _, _ = check_tier_handle(self.layout, handle)
+        if self._copier is None or self._tier is None or self._tier.tier_id != tier_id:
             self.close()
-            self._tier = map_shared_tier(self.layout, handle)
+            fd = receive_tier_fd(self.tier_socket, tier_id)
+            try:
+                self._tier = map_tier_fd(self.layout, handle, fd)
+            finally:
+                os.close(fd)
             self._copier = BlockCopier(self.layout, self._tier.tier, None, self.lanes)
         return self._copier
 

@@ -51,10 +51,10 @@ class EmbeddedBackendConfig:
     (``node_agent.backend.ssd_tier``)."""
     stop_spill_seconds: float = 10.0
     """How long ``shutdown`` may spill the CPU tier to a persistent SSD tier."""
-    cpu_shared_name: str | None = None
-    """Keep an unpinned CPU tier in this shared-memory segment, which engines map
-    read-only to copy claimed loads themselves (``cpu_tier``; None: private memory,
-    no engine-side loads)."""
+    cpu_shared: bool = False
+    """Keep an unpinned CPU tier in a memory file engines map read-only to copy
+    claimed loads themselves (``cpu_tier``, docs/agent.md "Engine-side loads");
+    False: private memory, no engine-side loads."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, KVLayout):

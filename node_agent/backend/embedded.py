@@ -893,7 +893,7 @@ class EmbeddedBackend(ReplicatedBackend):
                     f"task {task_id} is not a live, un-launched get (unknown, expired, "
                     "cancelled, a put or already launched or claimed); match again"
                 )
-            if store is None or store.cpu.shared_name is None \
+            if store is None or store.cpu.tier_id is None \
                     or any(b.tier is not Tier.CPU for b in t.plan.blocks):
                 return None
             try:

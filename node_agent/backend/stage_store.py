@@ -70,7 +70,7 @@ class TierStore(StageStore):
         self._metrics = metrics
         self.layout: KVLayout = config.layout
         self.cpu = CpuTier(config.layout, config.cpu_blocks, config.pinned,
-                           config.cpu_shared_name)
+                           config.cpu_shared)
         self.ssd = (
             SsdTier(config.layout.bytes_per_block, config.ssd_blocks, config.ssd_paths,
                     identity=tier_identity(config) if config.ssd_persist else None,
@@ -361,7 +361,8 @@ class TierStore(StageStore):
         return self.ssd.read_block(location.index)
 
     def close(self) -> None:
-        """Release the SSD files, stop the remote writer and unlink a shared CPU tier."""
+        """Release the SSD files, stop the remote writer and stop handing out a
+        shared CPU tier."""
         self.cpu.close()
         if self.ssd is not None:
             self.ssd.close()
