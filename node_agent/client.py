@@ -520,7 +520,8 @@ class EngineClient:
                      token_mask: npt.ArrayLike | None = None) -> dict[str, Any]:
         """:meth:`lookup` and :meth:`claim_load` in one round trip: ``{"hit",
         "blocks", "tier"}``; ``blocks`` None when the hit cannot be claimed (the
-        lookup stays open: call :meth:`retrieve`)."""
+        lookup stays open: call :meth:`retrieve`), ``tier`` then the stage's shared
+        tier all the same (None: it has none)."""
         arrays: dict[str, Any] = {"token_ids": int64_array("lookup_claim: token_ids",
                                                            token_ids)}
         if token_mask is not None:

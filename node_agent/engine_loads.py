@@ -102,6 +102,11 @@ class EngineLoads:
         self._claims.pop(rid, None)
         if got.get("blocks"):
             self._claims[rid] = got
+        elif not got.get("tier") or (self._tier is not None
+                                     and got["tier"].get("id") != self._tier.tier_id):
+            # The agent has no shared tier, or another one (it restarted): drop the
+            # mapping now, whose memory would otherwise stay with this process.
+            self.close()
         return int(got["hit"])
 
     def release(self, rid: str) -> None:

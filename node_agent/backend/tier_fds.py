@@ -56,6 +56,7 @@ class TierFdServer:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.bind(self.path)
+            os.chmod(self.path, 0o660)  # as the engine socket: the agent's UID or GID
             sock.listen(16)
             sock.settimeout(0.5)
         except OSError:

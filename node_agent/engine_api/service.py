@@ -318,8 +318,9 @@ class EngineService:
                 traffic.lookup(len(a["token_ids"]), hit)
             got = conn.claim_load(req.args["rid"]) if hit else (0, [], {})
             if got is None:  # the lookup stays open for retrieve
-                return {"hit": hit, "blocks": None, "tier": None}
-            return {"hit": got[0], "blocks": got[1], "tier": got[2]}
+                return {"hit": hit, "blocks": None, "tier": conn.tier_handle()}
+            # A miss names the stage's tier as well, so an engine always knows it.
+            return {"hit": got[0], "blocks": got[1], "tier": got[2] or conn.tier_handle()}
         if req.op == "tier":
             return conn.tier_handle()
         if req.op == "claim_load":
