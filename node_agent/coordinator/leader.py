@@ -146,6 +146,9 @@ class LeaderRole:
         self._state = threading.Lock()
         self._puts: dict[int, _Put] = {}
         self._gets: OrderedDict[str, _Get] = OrderedDict()
+        self._claimed: OrderedDict[str, _Get] = OrderedDict()
+        """Gets an engine copies itself, from ``claim_load`` to ``commit_load``: out of
+        ``_gets``, so no later lookup's bound drops their record before the commit."""
         self._completed = CompletedRids(cfg.max_completed, stats.completed_dropped,
                                         on_completed)
         self._calls = DecisionNumbers()
@@ -526,9 +529,9 @@ class LeaderRole:
         answers False)."""
         with self._state:
             g = self._gets.pop(rid, None)
-        if g is not None and g.claimed:
-            self.backend.end_claim(g.task_id)
-            return
+            claimed = self._claimed.pop(rid, None)
+        if claimed is not None:
+            self.backend.end_claim(claimed.task_id)
         if g is not None and g.task_id >= 0 and not g.used:
             with self._decide:
                 self.backend.cancel([g.task_id])
@@ -637,27 +640,32 @@ class LeaderRole:
             self._end_get(rid, g, ok=False)
             self.counters.retrieve_misses += 1
             return 0, []
+        evicted: list[_Get] = []
         with self._state:
             if rows is None:
                 g.used = False
                 self.counters.retrieves -= 1  # counted by the retrieve that follows
                 return None
             g.claimed = True
+            if self._gets.get(rid) is g:
+                del self._gets[rid]
+            self._claimed[rid] = g
+            while len(self._claimed) > self.cfg.max_pending:
+                evicted.append(self._claimed.popitem(last=False)[1])
+        for old in evicted:  # claims never committed: their commits answer False
+            self.backend.end_claim(old.task_id)
         self.counters.claimed_loads += 1
         return g.hit, rows
 
     def commit_load(self, rid: str) -> bool:
         """The engine's copy of ``rid``'s claimed load ended: True when its blocks
         stayed pinned throughout (the engine's slots hold the cached KV), False when
-        the claim ended first (its lease, a flush): the slots hold undefined data,
-        a miss. Raises ``UnknownRequestError`` for a rid with no claim, also one a
-        release or a new lookup ended (the coordinator answers those False)."""
+        the claim ended first (its lease, a flush, a release or new lookup of the
+        rid, more open claims than ``max_pending``): the slots hold undefined data,
+        a miss."""
         with self._state:
-            g = self._gets.get(rid)
-            if g is None or not g.claimed:
-                raise UnknownRequestError(rid, "commit_load", "call claim_load first")
-            del self._gets[rid]
-        ok = self.backend.end_claim(g.task_id)
+            g = self._claimed.pop(rid, None)
+        ok = g is not None and self.backend.end_claim(g.task_id)
         if not ok:
             self.counters.retrieve_misses += 1
             self.counters.claims_expired += 1
