@@ -537,23 +537,29 @@ class LeaderRole:
                 self.backend.cancel([g.task_id])
                 self.stream.broadcast(Op.CANCEL, Cancel(rid, Kind.GET, g.n, g.task_id))
 
+    def _open_get(self, rid: str, op: str) -> _Get:
+        """``rid``'s open lookup, now taken by ``op`` (a lookup that missed is
+        forgotten: its answer is a miss, like every follower's). Raises
+        ``UnknownRequestError`` when there is none or it was already taken."""
+        with self._state:
+            g = self._gets.get(rid)
+            if g is None:
+                raise UnknownRequestError(rid, op, "call lookup first")
+            if g.used:
+                raise UnknownRequestError(rid, op, "its lookup was already retrieved or "
+                                          "claimed; call lookup again")
+            g.used = True
+            if g.task_id < 0:
+                del self._gets[rid]
+        return g
+
     def retrieve(self, rid: str, slot_mapping: object) -> int:
         """Load the looked-up span into ``slot_mapping`` on every stage; the hit
         tokens when every stage loaded, else 0 (a miss, never wrong data).
         Raises :class:`SlotsStillWrittenError` (after the group's verdict, a miss)
         when this stage's copy did not stop after its timeout and cancel: it may
         still write the slots, so the engine must not reuse them."""
-        with self._state:
-            g = self._gets.get(rid)
-            if g is None:
-                raise UnknownRequestError(rid, "retrieve", "call lookup first")
-            if g.used:
-                raise UnknownRequestError(rid, "retrieve", "its lookup was already retrieved; "
-                                          "call lookup again")
-            g.used = True
-            if g.task_id < 0:
-                # The lookup missed: a miss, like every follower answers.
-                del self._gets[rid]
+        g = self._open_get(rid, "retrieve")
         self.counters.retrieves += 1
         if g.task_id < 0:
             return 0
@@ -615,19 +621,10 @@ class LeaderRole:
         the lookup stays open for :meth:`retrieve`."""
         if self._expected():
             return None
-        with self._state:
-            g = self._gets.get(rid)
-            if g is None:
-                raise UnknownRequestError(rid, "claim_load", "call lookup first")
-            if g.used:
-                raise UnknownRequestError(rid, "claim_load", "its lookup was already "
-                                          "retrieved or claimed; call lookup again")
-            if g.task_id < 0:
-                del self._gets[rid]
-                self.counters.retrieves += 1
-                return 0, []
-            g.used = True
+        g = self._open_get(rid, "claim_load")
         self.counters.retrieves += 1
+        if g.task_id < 0:
+            return 0, []
         if self.newer_epoch is not None:
             self._end_get(rid, g, ok=False)
             self.counters.retrieve_misses += 1
