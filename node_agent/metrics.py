@@ -48,6 +48,10 @@ class AgentMetrics:
             "flexkv_agent_transfer_bytes", "KV bytes moved between engine buffers and tiers",
             ["direction", "tier"], registry=r,
         )
+        self.engine_loads = Counter(
+            "flexkv_agent_engine_loads", "Loads an engine copied itself from a shared CPU "
+            "tier, by how its claim ended", ["outcome"], registry=r,
+        )
         self.transfer_seconds = Histogram(
             "flexkv_agent_transfer_seconds", "Duration of one task's transfer", ["direction"],
             buckets=_LATENCY_BUCKETS, registry=r,

@@ -909,23 +909,27 @@ class EmbeddedBackend(ReplicatedBackend):
         """See :meth:`ReplicatedBackend.end_claim`."""
         with self._cond:
             self._expire_locked()
-            t = self._tasks.get(task_id)
-            if t is None:
-                return False
-            if t.state is not TaskState.CLAIMED:
-                if t.status is None:
-                    raise TaskNotFoundError(
-                        f"task {task_id} was not claimed ({t.state.value}); end_claim only "
-                        "ends what claim_rows handed out"
-                    )
-                self._reap_locked(t)
-                return False
-            # Not in the transfer metrics: those time the agent's own copies.
-            held = t.status is None
-            if held:
-                self._finish_locked(t, KVResponseStatus.SUCCESS, None)
-            self._reap_locked(t)
+            held = self._end_claim_locked(task_id)
             self._cond.notify_all()
+        if self._metrics is not None:
+            self._child(self._metrics.engine_loads,
+                        outcome="committed" if held else "ended").inc()
+        return held
+
+    def _end_claim_locked(self, task_id: int) -> bool:
+        t = self._tasks.get(task_id)
+        if t is None:
+            return False
+        if t.state is not TaskState.CLAIMED and t.status is None:
+            raise TaskNotFoundError(
+                f"task {task_id} was not claimed ({t.state.value}); end_claim only "
+                "ends what claim_rows handed out"
+            )
+        # Not in the transfer metrics: those time the agent's own copies.
+        held = t.state is TaskState.CLAIMED and t.status is None
+        if held:
+            self._finish_locked(t, KVResponseStatus.SUCCESS, None)
+        self._reap_locked(t)
         return held
 
     # -- replication (PP leader) -------------------------------------------------
