@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from node_agent.backend.cpu_tier import read_only_fd
+from node_agent.backend.tier_fds import TierFdServer
+
 
 @pytest.fixture()
 def sock_dir() -> Iterator[Path]:
@@ -17,3 +20,13 @@ def sock_dir() -> Iterator[Path]:
     d = Path(tempfile.mkdtemp(prefix="fkv-b-", dir="/tmp"))
     yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture()
+def tier_server(sock_dir: Path) -> Iterator[TierFdServer]:
+    """A started tier socket of this process's shared tiers (what the agent serves
+    at ``<engineSocket>.tier``); closed afterwards."""
+    server = TierFdServer(str(sock_dir / "e.sock.tier"), read_only_fd)
+    server.start()
+    yield server
+    server.close()

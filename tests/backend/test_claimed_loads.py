@@ -19,7 +19,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -422,15 +422,6 @@ def test_a_backend_without_a_shared_tier_hands_out_nothing() -> None:
         hands_out_nothing(b, bufs)
     finally:
         b.shutdown()
-
-
-@pytest.fixture
-def tier_server(sock_dir: Path) -> Iterator[TierFdServer]:
-    """This process's tier socket (what the agent serves at ``<engineSocket>.tier``)."""
-    server = TierFdServer(str(sock_dir / "e.sock.tier"), read_only_fd)
-    server.start()
-    yield server
-    server.close()
 
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -44,11 +44,8 @@ def tier() -> Iterator[CpuTier]:
 
 
 @pytest.fixture
-def server(sock_dir: Path) -> Iterator[TierFdServer]:
-    s = TierFdServer(str(sock_dir / "e.sock.tier"), read_only_fd)
-    s.start()
-    yield s
-    s.close()
+def server(tier_server: TierFdServer) -> TierFdServer:
+    return tier_server
 
 
 def served_fd_reads(server: TierFdServer, tier: CpuTier) -> bytes:
@@ -168,23 +165,23 @@ def test_close_removes_the_socket_and_a_new_server_replaces_a_stale_one(
     assert os.path.exists(path)
     with pytest.raises(OSError):
         receive_tier_fd(path, "a" * 32)  # nobody listens there
+    server = serve_once(path, tier)
+    assert not os.path.exists(path) and not server.alive
+    server.close()  # twice is fine
+    with pytest.raises(OSError):
+        receive_tier_fd(path, "a" * 32)
+    serve_once(path, tier)  # restarted on the same path, it serves again
+
+
+def serve_once(path: str, tier: CpuTier) -> TierFdServer:
+    """Start a server on ``path``, have it hand out ``tier`` once, close it."""
     server = TierFdServer(path, read_only_fd)
     server.start()
     try:
         assert served_fd_reads(server, tier) == b"tierdata"
     finally:
         server.close()
-    assert not os.path.exists(path) and not server.alive
-    server.close()  # twice is fine
-    with pytest.raises(OSError):
-        receive_tier_fd(path, "a" * 32)
-    # Restarted on the same path, it serves again.
-    again = TierFdServer(path, read_only_fd)
-    again.start()
-    try:
-        assert served_fd_reads(again, tier) == b"tierdata"
-    finally:
-        again.close()
+    return server
 
 
 def test_receive_tier_fd_on_a_missing_socket_raises_oserror(sock_dir: Path) -> None:
