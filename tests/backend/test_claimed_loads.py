@@ -429,8 +429,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_a_write_through_the_engines_mapping_faults(tier_server: TierFdServer) -> None:
     """An engine process receives the tier's descriptor over the tier socket and maps
-    it: writing through the mapping kills the writer, and re-opening the descriptor
-    read-write through /proc writes nothing and cannot resize the tier (its seals).
+    it: writing through the mapping kills the writer; re-opening the descriptor
+    read-write through /proc neither writes, resizes nor maps it writable (its
+    seals), and no read-only mapping can be made writable (mprotect).
     The agent's block is unchanged."""
     b, _ = backend_on()
     try:
@@ -440,7 +441,7 @@ def test_a_write_through_the_engines_mapping_faults(tier_server: TierFdServer) -
         handle = b.tier_handle()
         assert handle is not None
         code = textwrap.dedent(f"""
-            import mmap, os
+            import ctypes, mmap, os
             from node_agent.backend.cpu_tier import map_tier_fd
             from node_agent.backend.tier_fds import receive_tier_fd
             from tests.backend.backend_helpers import small_layout
@@ -449,13 +450,27 @@ def test_a_write_through_the_engines_mapping_faults(tier_server: TierFdServer) -
             m = map_tier_fd(small_layout(), handle, fd)
             assert int(m.tier.pool[0]) == {before[0]}
             rw = os.open(f"/proc/self/fd/{{fd}}", os.O_RDWR)
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.mmap.restype = ctypes.c_void_p
+            libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                  ctypes.c_int, ctypes.c_int, ctypes.c_long]
+            libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+            def make_writable(f):
+                addr = libc.mmap(None, 4096, mmap.PROT_READ, mmap.MAP_SHARED, f, 0)
+                assert addr not in (None, ctypes.c_void_p(-1).value)
+                if libc.mprotect(addr, 4096, mmap.PROT_READ | mmap.PROT_WRITE) != 0:
+                    raise PermissionError(ctypes.get_errno(), "mprotect")
+
             for name, attempt in [
                     ("write", lambda: os.pwrite(rw, b"x" * 64, 0)),
                     ("shrink", lambda: os.ftruncate(rw, 0)),
                     ("grow", lambda: os.ftruncate(rw, handle["bytes"] * 2)),
                     ("writable mapping", lambda: mmap.mmap(
                         rw, handle["bytes"], mmap.MAP_SHARED,
-                        mmap.PROT_READ | mmap.PROT_WRITE))]:
+                        mmap.PROT_READ | mmap.PROT_WRITE)),
+                    ("mprotect of a mapping", lambda: make_writable(fd)),
+                    ("mprotect of a re-opened mapping", lambda: make_writable(rw))]:
                 try:
                     attempt()
                 except PermissionError:
