@@ -11,14 +11,17 @@ A *shared* pool is an anonymous memory file (``memfd``): engine processes on the
 node receive a read-only descriptor of it over the agent's tier socket
 (:mod:`.tier_fds`, named by :attr:`CpuTier.tier_id`) and map it to copy the
 blocks of a claimed load themselves (docs/agent.md, "Engine-side loads"). Only
-this process can write it, and it has no name: its memory goes with the last
-descriptor or mapping, so a killed agent leaves nothing behind. A pinned pool
-(CUDA present) is never shared.
+this process can write it: the file is sealed against new writes and size changes
+(``F_SEAL_FUTURE_WRITE``), so even a descriptor an engine re-opens read-write
+through ``/proc`` cannot change or shrink it. It has no name: its memory goes
+with the last descriptor or mapping, so a killed agent leaves nothing behind. A
+pinned pool (CUDA present) is never shared.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import mmap
 import os
@@ -34,6 +37,10 @@ import torch
 from node_agent.vocab.layout import KVLayout
 
 log = logging.getLogger(__name__)
+
+_F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
+"""Linux >= 5.1: no new write or writable mapping; this process's mapping stays writable."""
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | _F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
 
 _tiers: weakref.WeakValueDictionary[str, CpuTier] = weakref.WeakValueDictionary()
 _tiers_lock = threading.Lock()
@@ -51,7 +58,7 @@ def _shared_pool(nbytes: int) -> tuple[torch.Tensor, mmap.mmap, int] | None:
     """A zero-filled ``nbytes`` pool in a new memory file and its descriptor; None
     (logged) when the system cannot give one, so the tier stays in private memory."""
     try:
-        fd = os.memfd_create("flexkv-cpu-tier", os.MFD_CLOEXEC)
+        fd = os.memfd_create("flexkv-cpu-tier", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except (AttributeError, OSError) as exc:
         log.warning("CPU tier kept in private memory: no memory file for engine-side loads",
                     extra={"error": str(exc)})
@@ -65,6 +72,17 @@ def _shared_pool(nbytes: int) -> tuple[torch.Tensor, mmap.mmap, int] | None:
         os.close(fd)
         log.warning("CPU tier kept in private memory: its memory file does not fit",
                     extra={"bytes": nbytes, "error": str(exc)})
+        return None
+    try:
+        # A read-only descriptor can be re-opened read-write through /proc: the
+        # seals, not the descriptor's mode, keep engines from writing or shrinking it.
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+    except OSError as exc:
+        mm.close()
+        os.close(fd)
+        log.warning("CPU tier kept in private memory: its memory file cannot be sealed "
+                    "against engines' writes", extra={"error": str(exc),
+                                                      "fix": "run on Linux 5.1 or later"})
         return None
     return torch.frombuffer(mm, dtype=torch.uint8), mm, fd
 

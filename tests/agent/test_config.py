@@ -113,6 +113,21 @@ def test_invalid_values_name_key_value_and_fix(data: dict[str, object], fragment
     assert fragment in str(err.value)
 
 
+def test_engine_socket_leaves_room_for_the_tier_socket_beside_it() -> None:
+    """The tier socket is the engine socket's path plus '.tier', and both must fit a
+    Unix socket path (107 bytes): 102 bytes are accepted, 103 refused."""
+    ok = "/" + "s" * 101
+    assert len(ok) == 102
+    assert config_from_mapping({"engineSocket": ok}).engine_socket == ok
+    long = ok + "x"
+    with pytest.raises(ConfigError) as err:
+        config_from_mapping({"engineSocket": long})
+    msg = str(err.value)
+    assert f"engineSocket: {long!r} is 103 bytes" in msg
+    assert "the tier socket beside it adds '.tier', so it may have at most 102" in msg
+    assert "use a shorter path" in msg
+
+
 def test_tier_shares_default_to_max_stages() -> None:
     assert config_from_mapping({"maxStages": 4}).shares == 4
     assert config_from_mapping({"maxStages": 4, "tierShares": 1}).shares == 1

@@ -4,8 +4,9 @@ a looked-up load (``claim_load``), copies it from the agent's shared CPU tier wi
 The slots are the stored KV bit for bit, as a ``retrieve`` fills them; whatever
 ends the claim before the commit (a release of the rid, the lease ending while the
 copy is paused) makes the load a miss; calls out of order are refused with named
-errors; a restarted agent removes its predecessor's segment and hands out a new
-one that the engine maps again; a tensor-parallel stage hands out nothing."""
+errors; the tier's descriptor comes from the agent's tier socket beside its
+engine socket; a restarted agent refuses its predecessor's tier id and hands out
+a new tier that the engine maps again; a tensor-parallel stage hands out nothing."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import contextlib
 import os
 import signal
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,9 +25,10 @@ import pytest
 import torch
 
 from node_agent.backend.config import EmbeddedBackendConfig
-from node_agent.backend.cpu_tier import SHM_DIR, next_segment_name, segment_prefix, sweep_segments
+from node_agent.backend.cpu_tier import read_only_fd
 from node_agent.backend.embedded import EmbeddedBackend
 from node_agent.backend.stage_store import TierStore
+from node_agent.backend.tier_fds import receive_tier_fd, tier_socket_path
 from node_agent.client import EngineAPIError, EngineClient, RankInfo, SharedKVBuffers
 from node_agent.coordinator import Coordinator, CoordinatorConfig
 from node_agent.coordinator.leader import LeaderRole
@@ -51,15 +53,6 @@ pytestmark = pytest.mark.timeout(180)
 RANK = RankInfo(replica="solo-0")
 PROMPT = np.arange(5000, 5032, dtype=np.int64)  # 8 blocks
 SRC = np.arange(32, dtype=np.int64)
-
-
-@pytest.fixture()
-def segments(work: Path) -> Iterator[str]:
-    """The segment prefix of the test agent's socket; swept afterwards (a killed
-    agent's leftovers)."""
-    prefix = segment_prefix(str(work / "solo.sock"))
-    yield prefix
-    sweep_segments(prefix)
 
 
 def planes(bufs: SharedKVBuffers) -> list[torch.Tensor]:
@@ -132,12 +125,15 @@ async def solo(work: Path, **extra: Any) -> AsyncIterator[Solo]:
         bufs.close()
 
 
-def _segment_names(prefix: str) -> set[str]:
-    return {n for n in os.listdir(SHM_DIR) if n.startswith(prefix)}
+def _tier_id(ra: Any) -> str:
+    """The id of the shared CPU tier of the agent's only stage."""
+    handle = _backend(ra).tier_handle()
+    assert handle is not None and handle["kind"] == "memfd"
+    return str(handle["id"])
 
 
 async def test_an_engine_copied_load_is_the_stored_kv_like_a_retrieve(
-        work: Path, segments: str) -> None:
+        work: Path) -> None:
     async with solo(work) as e:
         client, bufs, loads = e.client, e.bufs, e.loads
         dst = np.arange(64, 96, dtype=np.int64)
@@ -146,8 +142,12 @@ async def test_an_engine_copied_load_is_the_stored_kv_like_a_retrieve(
         assert await asyncio.to_thread(loads.load, "e", dst) == 32
         assert equal_slots(bufs, SRC, dst)
         assert (loads.loads, loads.misses) == (1, 0)
-        # The tier it mapped is the agent's segment under its socket's prefix.
-        assert loads._tier is not None and loads._tier.name in _segment_names(segments)
+        # The tier it mapped is the agent's, received from the tier socket beside
+        # the engine socket.
+        tier_id = _tier_id(e.ra)
+        assert loads._tier is not None and loads._tier.tier_id == tier_id
+        assert loads.tier_socket == tier_socket_path(e.socket) == e.socket + ".tier"
+        assert os.path.exists(loads.tier_socket)
         # A retrieve of the same prompt fills other slots with the same bytes.
         ret = np.arange(128, 160, dtype=np.int64)
         zero_slots(bufs, ret)
@@ -164,17 +164,19 @@ async def test_an_engine_copied_load_is_the_stored_kv_like_a_retrieve(
         assert _locked(_backend(e.ra)) == 0
         with pytest.raises(EngineAPIError, match="claim_load first"):
             await asyncio.to_thread(client.commit_load, "e")
-    assert not _segment_names(segments)  # the agent's shutdown unlinked its tier
+    # The agent's shutdown closed its tier and removed its tier socket.
+    assert read_only_fd(tier_id) is None
+    assert not os.path.exists(e.socket + ".tier")
 
 
 async def test_release_between_claim_and_commit_makes_the_load_a_miss(
-        work: Path, segments: str) -> None:
+        work: Path) -> None:
     async with solo(work) as e:
         client, backend = e.client, _backend(e.ra)
         assert await asyncio.to_thread(client.lookup, "c", PROMPT) == 32
         got = await asyncio.to_thread(client.claim_load, "c")
         assert got is not None and got["hit"] == 32 and len(got["blocks"]) == 8
-        assert got["tier"]["name"].startswith(segments)
+        assert got["tier"]["kind"] == "memfd" and got["tier"]["id"] == _tier_id(e.ra)
         await asyncio.to_thread(client.release, "c")
         assert _locked(backend) == 0  # the release unpinned the blocks
         assert await asyncio.to_thread(client.commit_load, "c") is False
@@ -192,7 +194,7 @@ async def test_release_between_claim_and_commit_makes_the_load_a_miss(
         assert _locked(backend) == 0
 
 
-async def test_calls_out_of_order_are_refused_by_name(work: Path, segments: str) -> None:
+async def test_calls_out_of_order_are_refused_by_name(work: Path) -> None:
     async with solo(work) as e:
         client, loads = e.client, e.loads
         with pytest.raises(EngineAPIError, match=r"'never-claimed'.*claim_load first"):
@@ -223,7 +225,7 @@ async def test_calls_out_of_order_are_refused_by_name(work: Path, segments: str)
         assert _locked(_backend(e.ra)) == 0
 
 
-async def test_a_bad_slot_mapping_ends_the_claim(work: Path, segments: str) -> None:
+async def test_a_bad_slot_mapping_ends_the_claim(work: Path) -> None:
     async with solo(work) as e:
         client, bufs, loads, backend = e.client, e.bufs, e.loads, _backend(e.ra)
         for bad in (np.arange(64, 80), np.arange(64, 97), np.r_[np.arange(64, 95), -1],
@@ -263,7 +265,7 @@ def tier_of(blocks: int) -> dict[str, Any]:
 
 
 async def test_a_lease_ending_during_a_paused_copy_makes_the_load_a_miss(
-        work: Path, segments: str) -> None:
+        work: Path) -> None:
     """The engine's copy pauses mid-way; the agent's claim lease (its transfer
     budget) ends meanwhile and another store rewrites the claimed blocks. The copy
     then completes, but the commit answers False and the load reports 0 tokens."""
@@ -312,8 +314,8 @@ async def test_a_lease_ending_during_a_paused_copy_makes_the_load_a_miss(
             storer.close()
 
 
-async def test_a_restarted_agent_sweeps_the_old_tier_and_loads_map_the_new_one(
-        work: Path, segments: str) -> None:
+async def test_a_restarted_agent_refuses_the_old_tier_and_loads_map_the_new_one(
+        work: Path) -> None:
     data = agent_mapping(work, "solo")
     agent = await asyncio.to_thread(launch_agent, work, "first", data)
     bufs = SharedKVBuffers.for_layout(LAYOUT, NUM_SLOTS)
@@ -328,40 +330,46 @@ async def test_a_restarted_agent_sweeps_the_old_tier_and_loads_map_the_new_one(
         assert equal_slots(bufs, SRC, dst)
         tier = loads._tier
         assert tier is not None
-        old = tier.name
-        assert old in _segment_names(segments)
+        old = tier.tier_id
+        tier_socket = data["engineSocket"] + ".tier"
+        assert loads.tier_socket == tier_socket and os.path.exists(tier_socket)
+        before = tier.tier.pool.clone()
         agent.proc.send_signal(signal.SIGKILL)
         agent.proc.wait(30)
-        assert old in _segment_names(segments)  # a killed agent leaves it behind
+        # The engine's mapping keeps the dead agent's tier as it was.
+        assert torch.equal(tier.tier.pool, before)
 
         data2 = {**data, "ports": {"http": free_port(), "fanout": free_port()}}
         agent = await asyncio.to_thread(launch_agent, work, "second", data2)
-        assert old not in _segment_names(segments)  # swept at start
+        assert os.path.exists(tier_socket)
+        with pytest.raises(ValueError, match=f"refused tier {old}: no shared CPU tier {old}"):
+            await asyncio.to_thread(receive_tier_fd, tier_socket, old)
         await asyncio.to_thread(client.register_kv_buffers, LAYOUT, bufs.handles)
         await asyncio.to_thread(store_prompt, client, bufs, "s2", PROMPT, SRC, 3)
         zero_slots(bufs, dst)
         assert await asyncio.to_thread(client.lookup, "e2", PROMPT) == 32
         assert await asyncio.to_thread(loads.load, "e2", dst) == 32
         tier = loads._tier
-        assert tier is not None and tier.name != old
-        assert tier.name in _segment_names(segments)
+        assert tier is not None and tier.tier_id != old
         assert equal_slots(bufs, SRC, dst)
+        # The new tier's descriptor is handed out (the id the engine mapped).
+        fd = await asyncio.to_thread(receive_tier_fd, tier_socket, tier.tier_id)
+        os.close(fd)
     finally:
         loads.close()
         client.close()
         await asyncio.to_thread(stop_process, agent.proc)
         bufs.close()
-    assert not _segment_names(segments)  # a clean stop unlinks it
+    assert not os.path.exists(tier_socket)  # a clean stop removes the tier socket
 
 
-def test_a_tensor_parallel_stage_hands_out_no_claims(tmp_path: Path) -> None:
+def test_a_tensor_parallel_stage_hands_out_no_claims() -> None:
     """With two TP ranks every rank loads its own heads: the coordinator answers
     None and the lookup stays open for the retrieve, which loads it."""
     layout = KVLayout(num_layers=2, num_kv_heads=4, head_size=4, kv_dim=2,
                       dtype=KVDtype.FLOAT32, tokens_per_block=4, tp_size=2)
-    prefix = segment_prefix(str(tmp_path / "tp.sock"))
     bcfg = EmbeddedBackendConfig(layout=layout, cpu_bytes=32 * layout.bytes_per_block,
-                                 pinned=False, cpu_shared_name=next_segment_name(prefix))
+                                 pinned=False, cpu_shared=True)
     ccfg = CoordinatorConfig(group=solo_view().view.group, pp_rank=0, layout=layout,
                              fanout_endpoint=None, engine_call_seconds=6.0,
                              fanout_wait_seconds=2.5, transfer_seconds=1.1, expected_ranks=2)
@@ -386,7 +394,6 @@ def test_a_tensor_parallel_stage_hands_out_no_claims(tmp_path: Path) -> None:
                     assert torch.equal(t[32:48], t[:16])
     finally:
         conn.close()
-        sweep_segments(prefix)
 
 
 def test_a_pipeline_parallel_group_hands_out_no_claims() -> None:
@@ -409,7 +416,7 @@ def test_a_pipeline_parallel_group_hands_out_no_claims() -> None:
 
 
 async def test_loads_racing_evicting_stores_are_the_stored_kv_whenever_reported(
-        work: Path, segments: str) -> None:
+        work: Path) -> None:
     """Engine-copied loads of one prompt run while another client stores other
     prompts into a tier too small for all of them (evicting and rewriting blocks,
     the prompt among them, which is stored again when gone). Every load reported

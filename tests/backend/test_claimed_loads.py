@@ -1,14 +1,17 @@
 """Engine-side loads at the backend: an ``EmbeddedBackend`` whose CPU tier lives in a
-shared-memory segment hands an un-launched get to the engine (``claim_rows``), the
-engine copies the blocks from a read-only mapping of the segment with the agent's
+memory file (memfd) hands an un-launched get to the engine (``claim_rows``), the
+engine copies the blocks from a read-only mapping of the file with the agent's
 ``BlockCopier``, and ``end_claim`` answers whether the blocks stayed pinned
 throughout. Whatever ends a claim first (its lease, a reset, a cancel, the stage
-leaving, a shutdown) makes ``end_claim`` answer False; the segment is removed by
-``close`` and by a sweep of its prefix; a tier that cannot get a segment falls back
+leaving, a shutdown) makes ``end_claim`` answer False; ``close`` stops handing the
+tier out while existing mappings keep its bytes; the received descriptor can
+neither write nor resize the tier; a tier that cannot get a memory file falls back
 to private memory and hands out no claims."""
 
 from __future__ import annotations
 
+import errno
+import mmap
 import os
 import signal
 import subprocess
@@ -16,7 +19,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,18 +27,13 @@ import numpy as np
 import pytest
 import torch
 
+from node_agent.backend import cpu_tier
 from node_agent.backend.base import KVResponseStatus, TaskNotFoundError
-from node_agent.backend.cpu_tier import (
-    SHM_DIR,
-    CpuTier,
-    map_shared_tier,
-    next_segment_name,
-    segment_prefix,
-    sweep_segments,
-)
+from node_agent.backend.cpu_tier import CpuTier, MappedTier, map_tier_fd, read_only_fd
 from node_agent.backend.embedded import EmbeddedBackend
 from node_agent.backend.planes import register_buffers
 from node_agent.backend.shared import Fingerprint, SharedBackends, SharedStageBackend
+from node_agent.backend.tier_fds import TierFdServer, receive_tier_fd
 from node_agent.backend.transfer import BlockCopier
 from node_agent.vocab.placement import BlockLocation, Tier, block_locations
 from tests.backend.backend_helpers import (
@@ -55,33 +53,33 @@ SLOTS = 256
 S = KVResponseStatus
 
 
-@pytest.fixture
-def prefix(tmp_path: Path) -> Iterator[str]:
-    """A segment prefix of this test's own (as an agent on a socket in tmp_path
-    would have); every segment under it is removed afterwards."""
-    p = segment_prefix(str(tmp_path / "engine.sock"))
-    yield p
-    sweep_segments(p)
-
-
-@pytest.fixture
-def shm_name(prefix: str) -> str:
-    return next_segment_name(prefix)
-
-
-def backend_on(name: str | None, cpu_blocks: int = 16,
+def backend_on(shared: bool = True, cpu_blocks: int = 16,
                clock: Callable[[], float] = time.monotonic,
                **kw: Any) -> tuple[EmbeddedBackend, list[list[torch.Tensor]]]:
-    """A started backend with a shared CPU tier named ``name`` and its engine buffers."""
-    b = EmbeddedBackend(config(LAYOUT, cpu_blocks, cpu_shared_name=name, **kw), clock=clock)
+    """A started backend (its CPU tier in a memory file when ``shared``) and its
+    engine buffers."""
+    b = EmbeddedBackend(config(LAYOUT, cpu_blocks, cpu_shared=shared, **kw), clock=clock)
     b.start()
     bufs = make_buffers(LAYOUT, SLOTS, 1)
     b.register_kv_buffers(0, bufs)
     return b, bufs
 
 
-def seg_path(name: str) -> str:
-    return os.path.join(SHM_DIR, name)
+def map_handle(handle: Any) -> MappedTier:
+    """An engine's read-only mapping of the tier ``handle`` names, from a descriptor
+    of this process's open tier (what the tier socket hands out)."""
+    fd = read_only_fd(handle["id"])
+    assert fd is not None, f"no open tier {handle['id']}"
+    try:
+        return map_tier_fd(LAYOUT, handle, fd)
+    finally:
+        os.close(fd)
+
+
+def tier_id_of(b: EmbeddedBackend) -> str:
+    handle = b.tier_handle()
+    assert handle is not None
+    return str(handle["id"])
 
 
 def locked(b: EmbeddedBackend) -> int:
@@ -95,7 +93,7 @@ def engine_copy(b: EmbeddedBackend, blocks: Sequence[int], dst: np.ndarray,
                 ) -> list[list[torch.Tensor]]:
     """What an engine does with a claim: map the backend's tier read-only and copy
     ``blocks`` into ``dst`` of fresh (random) engine buffers of its own."""
-    mapped = map_shared_tier(LAYOUT, b.tier_handle())
+    mapped = map_handle(b.tier_handle())
     try:
         ebufs = make_buffers(LAYOUT, SLOTS, 99)
         copier = BlockCopier(LAYOUT, mapped.tier, None)
@@ -125,12 +123,14 @@ def fill(b: EmbeddedBackend, prompts: int, blocks_each: int, seed: int) -> int:
     return stored
 
 
-def test_a_claim_copies_the_stored_bytes_bit_for_bit_and_unlocks_after(shm_name: str) -> None:
-    b, bufs = backend_on(shm_name, cpu_blocks=16)
+def test_a_claim_copies_the_stored_bytes_bit_for_bit_and_unlocks_after() -> None:
+    b, bufs = backend_on(cpu_blocks=16)
     try:
-        assert os.path.exists(seg_path(shm_name))
         handle = b.tier_handle()
-        assert handle is not None and handle["name"] == shm_name
+        assert handle is not None
+        assert handle == {"kind": "memfd", "id": handle["id"], "blocks": 16,
+                          "bytes": 16 * LAYOUT.bytes_per_block}
+        assert len(handle["id"]) == 32 and int(handle["id"], 16) >= 0
         toks = tokens(6 * TPB)
         src = np.arange(6 * TPB, dtype=np.int64)
         # The prompt's blocks are not consecutive: its first two blocks were stored
@@ -145,7 +145,7 @@ def test_a_claim_copies_the_stored_bytes_bit_for_bit_and_unlocks_after(shm_name:
         assert blocks != list(range(blocks[0], blocks[0] + 6))  # not one run
         assert locked(b) == 6
         # Each claimed block is the stored block of that position (token order).
-        mapped = map_shared_tier(LAYOUT, handle)
+        mapped = map_handle(handle)
         try:
             for blk in blocks:
                 assert mapped.tier.read_block(blk) == b.store.read_block(
@@ -182,8 +182,8 @@ def cpu_bytes(b: EmbeddedBackend, blocks: Sequence[int]) -> list[bytes]:
     return [b.store.read_block(BlockLocation(Tier.CPU, k)) for k in blocks]
 
 
-def test_claimed_blocks_survive_a_tier_filled_past_its_watermark(shm_name: str) -> None:
-    b, bufs = backend_on(shm_name, cpu_blocks=8)
+def test_claimed_blocks_survive_a_tier_filled_past_its_watermark() -> None:
+    b, bufs = backend_on(cpu_blocks=8)
     try:
         tid, blocks = claim_prompt(b, lease=60.0)
         before = cpu_bytes(b, blocks)
@@ -199,9 +199,9 @@ def test_claimed_blocks_survive_a_tier_filled_past_its_watermark(shm_name: str) 
         b.shutdown()
 
 
-def test_an_expired_lease_ends_the_claim_and_frees_its_blocks(shm_name: str) -> None:
+def test_an_expired_lease_ends_the_claim_and_frees_its_blocks() -> None:
     now = [0.0]
-    b, _ = backend_on(shm_name, cpu_blocks=4, clock=lambda: now[0])
+    b, _ = backend_on(cpu_blocks=4, clock=lambda: now[0])
     try:
         tid, blocks = claim_prompt(b, lease=5.0)
         before = cpu_bytes(b, blocks)
@@ -217,12 +217,12 @@ def test_an_expired_lease_ends_the_claim_and_frees_its_blocks(shm_name: str) -> 
         b.shutdown()
 
 
-def test_a_lease_ending_while_the_engine_copy_is_paused_answers_false(shm_name: str) -> None:
+def test_a_lease_ending_while_the_engine_copy_is_paused_answers_false() -> None:
     """The engine's copy is paused mid-way; meanwhile the lease ends and another
     store rewrites the claimed blocks. The copy then completes, but end_claim must
     say False: its slots may hold the other prompt's bytes."""
     now = [0.0]
-    b, bufs = backend_on(shm_name, cpu_blocks=4, clock=lambda: now[0])
+    b, bufs = backend_on(cpu_blocks=4, clock=lambda: now[0])
     try:
         tid, blocks = claim_prompt(b, lease=5.0)
         paused, resume = threading.Event(), threading.Event()
@@ -261,8 +261,8 @@ def _claimed(b: EmbeddedBackend, toks: np.ndarray) -> int:
 
 
 @pytest.mark.parametrize("how", ["reset", "cancel", "shutdown"])
-def test_reset_cancel_and_shutdown_end_a_claim(shm_name: str, how: str) -> None:
-    b, _ = backend_on(shm_name)
+def test_reset_cancel_and_shutdown_end_a_claim(how: str) -> None:
+    b, _ = backend_on()
     try:
         tid, _ = claim_prompt(b, lease=60.0)
         if how == "reset":
@@ -270,8 +270,9 @@ def test_reset_cancel_and_shutdown_end_a_claim(shm_name: str, how: str) -> None:
         elif how == "cancel":
             b.cancel([tid])
         else:
+            tier_id = tier_id_of(b)
             b.shutdown()
-            assert not os.path.exists(seg_path(shm_name))  # shutdown unlinks the tier
+            assert read_only_fd(tier_id) is None  # shutdown stops handing the tier out
         if how != "shutdown":
             assert locked(b) == 0  # unpinned at once: the blocks may be reused
         assert b.end_claim(tid) is False
@@ -284,15 +285,15 @@ def test_reset_cancel_and_shutdown_end_a_claim(shm_name: str, how: str) -> None:
         b.shutdown()
 
 
-def two_stages(name: str) -> tuple[SharedStageBackend, SharedStageBackend, EmbeddedBackend]:
-    """Two replicas' stages on one shared backend (its CPU tier in segment
-    ``name``), with their own buffers; stage ``a`` stored two blocks, published."""
+def two_stages() -> tuple[SharedStageBackend, SharedStageBackend, EmbeddedBackend]:
+    """Two replicas' stages on one shared backend (its CPU tier in a memory file),
+    with their own buffers; stage ``a`` stored two blocks, published."""
     shared = SharedBackends(lambda: 0)
     fp = Fingerprint("model-x", LAYOUT, 0, 1)
     built: list[EmbeddedBackend] = []
 
     def build() -> EmbeddedBackend:
-        built.append(EmbeddedBackend(config(LAYOUT, 16, cpu_shared_name=name,
+        built.append(EmbeddedBackend(config(LAYOUT, 16, cpu_shared=True,
                                             deferred_visibility=True)))
         return built[-1]
 
@@ -311,10 +312,11 @@ TWO_BLOCKS = tokens(2 * TPB)
 
 
 @pytest.mark.parametrize("how", ["end_tenant_tasks", "remove_tenant", "stage_reset"])
-def test_a_stage_leaving_a_shared_backend_ends_its_claims(shm_name: str, how: str) -> None:
-    a, c, backend = two_stages(shm_name)
+def test_a_stage_leaving_a_shared_backend_ends_its_claims(how: str) -> None:
+    a, c, backend = two_stages()
     try:
         assert a.tier_handle() == c.tier_handle() is not None
+        tier_id = tier_id_of(backend)
         ta, _ = a.get_match(TWO_BLOCKS)
         tc, _ = c.get_match(TWO_BLOCKS)
         assert a.claim_rows(ta, lease=60.0) is not None
@@ -332,11 +334,11 @@ def test_a_stage_leaving_a_shared_backend_ends_its_claims(shm_name: str, how: st
         if how != "remove_tenant":
             a.shutdown()
         c.shutdown()
-    assert not os.path.exists(seg_path(shm_name))  # the last stage closed the tier
+    assert read_only_fd(tier_id) is None  # the last stage closed the tier
 
 
-def test_a_stage_cannot_claim_another_stages_task(shm_name: str) -> None:
-    a, c, _ = two_stages(shm_name)
+def test_a_stage_cannot_claim_another_stages_task() -> None:
+    a, c, _ = two_stages()
     try:
         ta, _ = a.get_match(TWO_BLOCKS)
         with pytest.raises(TaskNotFoundError):
@@ -348,8 +350,8 @@ def test_a_stage_cannot_claim_another_stages_task(shm_name: str) -> None:
         c.shutdown()
 
 
-def test_claims_of_what_is_not_a_live_unlaunched_get_are_refused(shm_name: str) -> None:
-    b, _ = backend_on(shm_name)
+def test_claims_of_what_is_not_a_live_unlaunched_get_are_refused() -> None:
+    b, _ = backend_on()
     try:
         toks = tokens(2 * TPB)
         slots = np.arange(2 * TPB, dtype=np.int64)
@@ -382,8 +384,8 @@ def test_claims_of_what_is_not_a_live_unlaunched_get_are_refused(shm_name: str) 
 
 
 def test_a_plan_with_an_ssd_block_is_not_handed_out_and_still_launches(
-        shm_name: str, tmp_path: Path) -> None:
-    b, bufs = backend_on(shm_name, cpu_blocks=4, ssd_blocks=32, ssd_dir=tmp_path / "ssd")
+        tmp_path: Path) -> None:
+    b, bufs = backend_on(cpu_blocks=4, ssd_blocks=32, ssd_dir=tmp_path / "ssd")
     try:
         toks = tokens(4 * TPB)
         src = np.arange(4 * TPB, dtype=np.int64)
@@ -415,121 +417,199 @@ def hands_out_nothing(b: EmbeddedBackend, bufs: list[list[torch.Tensor]]) -> Non
 
 
 def test_a_backend_without_a_shared_tier_hands_out_nothing() -> None:
-    b, bufs = backend_on(None)
+    b, bufs = backend_on(False)
     try:
         hands_out_nothing(b, bufs)
     finally:
         b.shutdown()
 
 
-def test_a_write_through_the_engines_mapping_faults(shm_name: str) -> None:
-    """The engine's mapping is read-only: writing through it kills the writer (in a
-    child process), and the agent's block is unchanged."""
-    b, _ = backend_on(shm_name)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_write_through_the_engines_mapping_faults(tier_server: TierFdServer) -> None:
+    """An engine process receives the tier's descriptor over the tier socket and maps
+    it: writing through the mapping kills the writer; re-opening the descriptor
+    read-write through /proc neither writes, resizes nor maps it writable (its
+    seals), and no read-only mapping can be made writable (mprotect).
+    The agent's block is unchanged."""
+    b, _ = backend_on()
     try:
         toks = tokens(2 * TPB)
         store(b, toks, np.arange(2 * TPB, dtype=np.int64))
         before = b.store.read_block(BlockLocation(Tier.CPU, 0))
+        handle = b.tier_handle()
+        assert handle is not None
         code = textwrap.dedent(f"""
-            import sys
-            from node_agent.backend.cpu_tier import map_shared_tier
+            import ctypes, mmap, os
+            from node_agent.backend.cpu_tier import map_tier_fd
+            from node_agent.backend.tier_fds import receive_tier_fd
             from tests.backend.backend_helpers import small_layout
-            m = map_shared_tier(small_layout(), {b.tier_handle()!r})
+            handle = {handle!r}
+            fd = receive_tier_fd({tier_server.path!r}, handle["id"])
+            m = map_tier_fd(small_layout(), handle, fd)
             assert int(m.tier.pool[0]) == {before[0]}
+            rw = os.open(f"/proc/self/fd/{{fd}}", os.O_RDWR)
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.mmap.restype = ctypes.c_void_p
+            libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                  ctypes.c_int, ctypes.c_int, ctypes.c_long]
+            libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+            def make_writable(f):
+                addr = libc.mmap(None, 4096, mmap.PROT_READ, mmap.MAP_SHARED, f, 0)
+                assert addr not in (None, ctypes.c_void_p(-1).value)
+                if libc.mprotect(addr, 4096, mmap.PROT_READ | mmap.PROT_WRITE) != 0:
+                    raise PermissionError(ctypes.get_errno(), "mprotect")
+
+            for name, attempt in [
+                    ("write", lambda: os.pwrite(rw, b"x" * 64, 0)),
+                    ("shrink", lambda: os.ftruncate(rw, 0)),
+                    ("grow", lambda: os.ftruncate(rw, handle["bytes"] * 2)),
+                    ("writable mapping", lambda: mmap.mmap(
+                        rw, handle["bytes"], mmap.MAP_SHARED,
+                        mmap.PROT_READ | mmap.PROT_WRITE)),
+                    ("mprotect of a mapping", lambda: make_writable(fd)),
+                    ("mprotect of a re-opened mapping", lambda: make_writable(rw))]:
+                try:
+                    attempt()
+                except PermissionError:
+                    continue
+                print("changed by", name, flush=True)
+            assert os.fstat(fd).st_size == handle["bytes"]
             print("mapped", flush=True)
             m.tier.pool[0] = {(before[0] + 1) % 256}
             m.tier.pool.fill_(7)
             print("wrote", flush=True)
         """)
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60,
-                           cwd=Path(__file__).resolve().parents[2])
+                           cwd=ROOT)
+        assert b"changed by" not in r.stdout, r.stdout
         assert b"mapped" in r.stdout, r.stderr.decode()
         assert b"wrote" not in r.stdout
         assert r.returncode in (-signal.SIGSEGV, -signal.SIGBUS), (r.returncode, r.stderr)
         assert b.store.read_block(BlockLocation(Tier.CPU, 0)) == before
+        assert tier_server.served == 1
     finally:
         b.shutdown()
 
 
-def test_map_shared_tier_refuses_bad_handles(shm_name: str) -> None:
-    b, _ = backend_on(shm_name)
+def test_the_received_descriptor_is_read_only(tier_server: TierFdServer) -> None:
+    b, _ = backend_on()
+    try:
+        handle = b.tier_handle()
+        assert handle is not None
+        fd = receive_tier_fd(tier_server.path, handle["id"])
+        try:
+            with pytest.raises(PermissionError):
+                mmap.mmap(fd, handle["bytes"], mmap.MAP_SHARED,
+                          mmap.PROT_READ | mmap.PROT_WRITE)
+            with pytest.raises(OSError) as err:
+                os.write(fd, b"x")
+            assert err.value.errno == errno.EBADF
+            with pytest.raises(OSError):
+                os.ftruncate(fd, 0)
+            assert os.fstat(fd).st_size == handle["bytes"]
+            # Readable: it is the tier's memory (zero-filled, nothing stored yet).
+            assert os.pread(fd, 16, 0) == bytes(16)
+        finally:
+            os.close(fd)
+    finally:
+        b.shutdown()
+
+
+def test_map_tier_fd_refuses_bad_handles() -> None:
+    b, _ = backend_on()
     try:
         h = b.tier_handle()
         assert h is not None
-        for bad, fragment in [
-            (None, "not a shared-memory handle"),
-            ({**h, "kind": "cuda"}, "not a shared-memory handle"),
-            ({**h, "name": "../etc/passwd"}, "is not an agent's tier segment"),
-            ({**h, "name": "flexkv-tier-x/../../etc"}, "is not an agent's tier segment"),
-            ({**h, "blocks": 0}, "'blocks' is 0"),
-            ({**h, "bytes": True}, "'bytes' is True"),
-            ({**h, "blocks": h["blocks"] + 1}, "register the same layout"),
-            ({**h, "blocks": h["blocks"] * 2, "bytes": h["bytes"] * 2}, "register again"),
-        ]:
-            with pytest.raises(ValueError, match=fragment):
-                map_shared_tier(LAYOUT, bad)
-        with pytest.raises(FileNotFoundError):
-            map_shared_tier(LAYOUT, {**h, "name": h["name"] + "-gone"})
+        fd = read_only_fd(h["id"])
+        assert fd is not None
+        try:
+            for bad, fragment in [
+                (None, "not a CPU tier handle"),
+                ({**h, "kind": "shm"}, "not a CPU tier handle"),
+                ({**h, "id": "../etc/passwd"}, "is not a tier id"),
+                ({**h, "id": ""}, "is not a tier id"),
+                ({**h, "id": "a" * 65}, "is not a tier id"),
+                ({**h, "id": 7}, "is not a tier id"),
+                ({**h, "blocks": 0}, "'blocks' is 0"),
+                ({**h, "bytes": True}, "'bytes' is True"),
+                ({**h, "blocks": h["blocks"] + 1}, "register the same layout"),
+                ({**h, "blocks": h["blocks"] * 2, "bytes": h["bytes"] * 2},
+                 "ask the agent again"),
+            ]:
+                with pytest.raises(ValueError, match=fragment):
+                    map_tier_fd(LAYOUT, bad, fd)
+        finally:
+            os.close(fd)
+        # An id no open tier of this process has: nothing to hand out.
+        assert read_only_fd("0" * 32) is None
+        assert read_only_fd(h["id"].upper()) is None
     finally:
         b.shutdown()
 
 
-def test_close_unlinks_and_sweep_removes_only_its_prefix(prefix: str, tmp_path: Path) -> None:
-    other_prefix = segment_prefix(str(tmp_path / "other.sock"))
-    assert other_prefix != prefix
-    mine = [CpuTier(LAYOUT, 4, False, next_segment_name(prefix)) for _ in range(3)]
-    decoy = CpuTier(LAYOUT, 4, False, next_segment_name(other_prefix))
+def test_close_stops_handing_out_the_tier_and_mappings_keep_its_bytes() -> None:
+    tiers = [CpuTier(LAYOUT, 4, False, True) for _ in range(2)]
     try:
-        names = [t.shared_name for t in mine]
-        assert all(n is not None and os.path.exists(seg_path(n)) for n in names)
-        mine[0].close()
-        assert not os.path.exists(seg_path(str(names[0])))
-        mine[0].close()  # twice is fine
-        assert sweep_segments(prefix) == 2
-        assert not any(os.path.exists(seg_path(str(n))) for n in names)
-        assert decoy.shared_name is not None and os.path.exists(seg_path(decoy.shared_name))
-        assert sweep_segments(prefix) == 0
+        ids = [t.tier_id for t in tiers]
+        assert all(i is not None for i in ids) and ids[0] != ids[1]
+        tiers[0].pool.copy_(torch.randint(0, 256, tiers[0].pool.shape, dtype=torch.uint8))
+        written = tiers[0].read_block(3)
+        mapped = map_handle(tiers[0].handle())
+        try:
+            tiers[0].close()
+            assert tiers[0].tier_id is None and tiers[0].handle() is None
+            assert read_only_fd(str(ids[0])) is None
+            assert tiers[0].read_only_fd() is None
+            tiers[0].close()  # twice is fine
+            # The engine's mapping still reads what the agent wrote.
+            assert mapped.tier.read_block(3) == written
+            # The other tier is untouched.
+            fd = read_only_fd(str(ids[1]))
+            assert fd is not None
+            os.close(fd)
+        finally:
+            mapped.close()
     finally:
-        decoy.close()
-    assert decoy.shared_name is not None and not os.path.exists(seg_path(decoy.shared_name))
+        for t in tiers:
+            t.close()
 
 
-def test_a_tier_that_cannot_create_its_segment_stays_private(
-        shm_name: str, tmp_path: Path) -> None:
-    tier = CpuTier(LAYOUT, 4, False, shm_name, shm_dir=str(tmp_path / "no-such-dir"))
-    assert tier.shared_name is None and tier.handle() is None
+def test_a_tier_without_a_memory_file_stays_private(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(name: str, flags: int = 0) -> int:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(cpu_tier.os, "memfd_create", refuse)
+    tier = CpuTier(LAYOUT, 4, False, True)
+    assert tier.tier_id is None and tier.handle() is None and tier.read_only_fd() is None
     assert tier.pool.numel() == 4 * LAYOUT.bytes_per_block
     tier.close()
-    # Through the backend: a name whose file cannot be created (its directory does
-    # not exist) leaves the tier private, and claims are not handed out.
-    b, bufs = backend_on(shm_name + "/missing-dir")
+    # Through the backend: no handle, and claims are not handed out.
+    b, bufs = backend_on()
     try:
         hands_out_nothing(b, bufs)
     finally:
         b.shutdown()
 
 
-def test_a_segment_that_does_not_fit_leaves_the_tier_private(tmp_path: Path) -> None:
-    """A full /dev/shm, as a file-size limit in a child process: reserving the
-    segment's pages fails, the segment is removed and the tier is private."""
-    name = next_segment_name(segment_prefix(str(tmp_path / "full.sock")))
-    code = textwrap.dedent(f"""
-        import os, resource, signal
-        from node_agent.backend.cpu_tier import CpuTier, SHM_DIR
+def test_a_memory_file_that_does_not_fit_leaves_the_tier_private() -> None:
+    """A memory limit, as a file-size limit in a child process: reserving the
+    file's pages fails and the tier is in private memory."""
+    code = textwrap.dedent("""
+        import resource, signal
+        from node_agent.backend.cpu_tier import CpuTier
         from tests.backend.backend_helpers import small_layout
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
         layout = small_layout()
-        t = CpuTier(layout, 1024, False, {name!r})
-        assert t.shared_name is None and t.handle() is None, t.shared_name
+        t = CpuTier(layout, 1024, False, True)
+        assert t.tier_id is None and t.handle() is None, t.tier_id
         assert t.pool.numel() == 1024 * layout.bytes_per_block
-        assert not os.path.exists(os.path.join(SHM_DIR, {name!r}))
+        t.pool.fill_(1)
         print("private", flush=True)
     """)
-    try:
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60,
-                           cwd=Path(__file__).resolve().parents[2])
-        assert r.returncode == 0 and b"private" in r.stdout, r.stderr.decode()
-        assert b"does not fit" in r.stderr
-    finally:
-        sweep_segments(name)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 0 and b"private" in r.stdout, r.stderr.decode()
+    assert b"does not fit" in r.stderr
