@@ -530,7 +530,7 @@ class EngineClient:
 
     def tier(self) -> dict[str, Any] | None:
         """The shared CPU tier the agent hands this stage's loads out of (its handle,
-        for :func:`node_agent.backend.cpu_tier.map_shared_tier`), or None when it
+        for :func:`node_agent.backend.cpu_tier.map_tier_fd`), or None when it
         copies every load itself."""
         result = self._call("tier", {"rank": self._rank_wire})
         return None if result is None else dict(result)

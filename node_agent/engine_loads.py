@@ -44,6 +44,10 @@ from node_agent.vocab.placement import Tier, block_locations
 log = logging.getLogger(__name__)
 
 
+class _Unmappable(ValueError):
+    """The agent's tier handle or descriptor cannot be used by this process."""
+
+
 class EngineLoads:
     """One engine rank's loads by its own copy (see module docstring).
 
@@ -85,9 +89,7 @@ class EngineLoads:
         try:
             self._copier_for(handle)
         except (OSError, ValueError) as exc:
-            self.unavailable = f"{type(exc).__name__}: {exc}"
-            log.warning("Cannot map the agent's CPU tier; loads are copied by the agent",
-                        extra={"error": self.unavailable})
+            self._not_mapped(exc, None)
             return False
         return True
 
@@ -135,9 +137,7 @@ class EngineLoads:
             try:
                 copier = self._copier_for(got["tier"])
             except (OSError, ValueError) as exc:
-                self.unavailable = f"{type(exc).__name__}: {exc}"
-                log.warning("Cannot map the agent's CPU tier; loads are copied by the agent "
-                            "from now on", extra={"rid": rid, "error": self.unavailable})
+                self._not_mapped(exc, rid)
                 self._end_claim(rid)
                 return 0  # the claim is over; this load is a miss
             copier.load({self._reg.rank: self._reg}, block_locations(Tier.CPU, blocks), slots)
@@ -152,6 +152,19 @@ class EngineLoads:
                     extra={"rid": rid, "hit_tokens": hit})
         return 0
 
+    def _not_mapped(self, exc: BaseException, rid: str | None) -> None:
+        """The tier could not be received or mapped. When this process cannot reach
+        the tier socket at all (no such file, no permission) or cannot map what it
+        got, engine-side loads stop for good (:attr:`unavailable`); anything else
+        (a busy or restarting agent, a tier id that just changed) costs this load
+        only."""
+        lasting = isinstance(exc, FileNotFoundError | PermissionError | _Unmappable)
+        if lasting:
+            self.unavailable = f"{type(exc).__name__}: {exc}"
+        log.warning("Cannot map the agent's CPU tier" + (
+            "; loads are copied by the agent from now on" if lasting else ", a miss"),
+            extra={"rid": rid, "error": str(exc), "socket": self.tier_socket})
+
     def _end_claim(self, rid: str) -> None:
         """End ``rid``'s claim after a failed copy (its answer no longer matters)."""
         with contextlib.suppress(Exception):
@@ -160,12 +173,17 @@ class EngineLoads:
     def _copier_for(self, handle: Any) -> BlockCopier:
         """The copier over the tier ``handle`` names, mapping it (again, when the
         agent's tier changed: a restarted agent or a new stage)."""
-        tier_id, _, _ = check_tier_handle(self.layout, handle)
+        try:
+            tier_id, _, _ = check_tier_handle(self.layout, handle)
+        except ValueError as exc:
+            raise _Unmappable(str(exc)) from exc
         if self._copier is None or self._tier is None or self._tier.tier_id != tier_id:
             self.close()
             fd = receive_tier_fd(self.tier_socket, tier_id)
             try:
                 self._tier = map_tier_fd(self.layout, handle, fd)
+            except (OSError, ValueError) as exc:
+                raise _Unmappable(f"{type(exc).__name__}: {exc}") from exc
             finally:
                 os.close(fd)
             self._copier = BlockCopier(self.layout, self._tier.tier, None, self.lanes)

@@ -25,6 +25,8 @@ TIER_SOCKET_SUFFIX = ".tier"
 MAX_REQUEST = 80
 #: Bound on one exchange, either side.
 EXCHANGE_SECONDS = 5.0
+#: Exchanges served at once, each on its own thread; more are refused as busy.
+MAX_EXCHANGES = 8
 
 
 def tier_socket_path(engine_socket: str) -> str:
@@ -33,7 +35,8 @@ def tier_socket_path(engine_socket: str) -> str:
 
 
 class TierFdServer:
-    """Serves read-only tier descriptors on ``path`` from one thread.
+    """Serves read-only tier descriptors on ``path``: one accepting thread, each
+    exchange on a thread of its own (at most :data:`MAX_EXCHANGES`).
 
     ``provider(tier_id)`` returns a new descriptor (closed here after sending) or
     None for an unknown tier (``node_agent.backend.cpu_tier.read_only_fd``)."""
@@ -46,6 +49,7 @@ class TierFdServer:
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._slots = threading.BoundedSemaphore(MAX_EXCHANGES)
         self.served = 0
         self.refused = 0
 
@@ -84,11 +88,29 @@ class TierFdServer:
                     return
                 log.exception("Tier socket accept failed", extra={"path": self.path})
                 continue
+            if not self._slots.acquire(blocking=False):
+                # Every exchange thread is taken (clients that send nothing hold one
+                # each for up to EXCHANGE_SECONDS): this one is answered here.
+                self._serve(conn, busy=True)
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="flexkv-tier-fd",
+                             daemon=True).start()
+
+    def _serve(self, conn: socket.socket, busy: bool = False) -> None:
+        """One exchange on its own thread, so a client that sends nothing delays no
+        other engine; ``busy``: refused at once instead (no exchange thread free)."""
+        try:
             with conn:
-                try:
-                    self._answer(conn)
-                except OSError as exc:  # the engine went away mid-exchange
-                    log.debug("Tier descriptor not delivered", extra={"error": str(exc)})
+                if busy:
+                    self.refused += 1
+                    conn.sendall(b"0the tier socket is busy; ask again")
+                    return
+                self._answer(conn)
+        except OSError as exc:  # the engine went away mid-exchange
+            log.debug("Tier descriptor not delivered", extra={"error": str(exc)})
+        finally:
+            if not busy:
+                self._slots.release()
 
     def _answer(self, conn: socket.socket) -> None:
         conn.settimeout(EXCHANGE_SECONDS)
