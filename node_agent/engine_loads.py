@@ -80,7 +80,8 @@ class EngineLoads:
     def prepare(self) -> bool:
         """Map the agent's tier now, off any load's path (mapping populates every
         page of it, which takes a while for a large tier); True when mapped. A
-        failure to map turns engine-side loads off, as in :meth:`load`."""
+        tier this process cannot reach or map turns engine-side loads off, as in
+        :meth:`load`."""
         if self.unavailable is not None:
             return False
         handle = self.client.tier()
