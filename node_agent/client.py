@@ -67,6 +67,8 @@ _NOBLOCK = int(zmq.NOBLOCK)
 _RCVMORE = int(zmq.RCVMORE)
 SOCKET_CHECK_SECONDS = 0.1
 """A connected client checks that the agent's socket file exists at most this often."""
+#: Claim ids a client keeps for ``commit_load`` (the oldest are forgotten first).
+MAX_REMEMBERED_CLAIMS = 4096
 LISTENER_CHECK_SECONDS = 0.25
 """While a call waits for its answer, it checks this often that something still
 listens on the socket: a killed agent leaves its socket file behind, and a call to
@@ -300,6 +302,9 @@ class EngineClient:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._registration: dict[str, Any] | None = None
+        self._claim_ids: dict[str, int] = {}
+        """rid -> the id of the last claim handed to this client (``commit_load``)."""
+        self._claims_lock = threading.Lock()
         self._path_str = str(self.socket_path)
         self._file_seen = -math.inf
         """When the socket file was last seen (monotonic); see _check_socket_file."""
@@ -526,7 +531,10 @@ class EngineClient:
                                                            token_ids)}
         if token_mask is not None:
             arrays["token_mask"] = bool_array("lookup_claim: token_mask", token_mask)
-        return dict(self._call("lookup_claim", {"rid": rid, "rank": self._rank_wire}, arrays))
+        result = dict(self._call("lookup_claim", {"rid": rid, "rank": self._rank_wire},
+                                 arrays))
+        self._remember_claim(rid, result)
+        return result
 
     def tier(self) -> dict[str, Any] | None:
         """The shared CPU tier the agent hands this stage's loads out of (its handle,
@@ -543,13 +551,35 @@ class EngineClient:
         :meth:`retrieve`. :class:`~node_agent.engine_loads.EngineLoads` does the
         whole sequence."""
         result = self._call("claim_load", {"rid": rid, "rank": self._rank_wire})
-        return None if result is None else dict(result)
+        if result is None:
+            return None
+        got = dict(result)
+        self._remember_claim(rid, got)
+        return got
 
-    def commit_load(self, rid: str) -> bool:
+    def commit_load(self, rid: str, claim: int | None = None) -> bool:
         """End ``rid``'s claimed load: True when its blocks stayed pinned until now
         (the copy read the cached KV), False when the claim had ended first (a miss:
-        the copied slots hold undefined data)."""
-        return bool(self._call("commit_load", {"rid": rid, "rank": self._rank_wire}))
+        the copied slots hold undefined data). ``claim``: the ``claim`` id of the
+        reply that handed it out; by default the last one this client received for
+        ``rid`` (a commit naming an older claim of the rid answers False)."""
+        with self._claims_lock:
+            remembered = self._claim_ids.pop(rid, -1)
+        if claim is None:
+            claim = remembered
+        return bool(self._call("commit_load", {"rid": rid, "rank": self._rank_wire,
+                                               "claim": int(claim)}))
+
+    def _remember_claim(self, rid: str, reply: Mapping[str, Any]) -> None:
+        """Keep the claim id a reply handed out, for :meth:`commit_load` (bounded)."""
+        claim = reply.get("claim")
+        if not reply.get("blocks") or not isinstance(claim, int) or claim < 0:
+            return
+        with self._claims_lock:
+            self._claim_ids.pop(rid, None)
+            self._claim_ids[rid] = claim
+            while len(self._claim_ids) > MAX_REMEMBERED_CLAIMS:
+                self._claim_ids.pop(next(iter(self._claim_ids)))
 
     def store_kv(self, rid: str, token_ids: Sequence[int] | npt.ArrayLike,
                  kv_indices: Sequence[int] | npt.ArrayLike) -> int:

@@ -37,7 +37,7 @@ from node_agent.backend.planes import RegisteredBuffers, register_buffers
 from node_agent.backend.slots import launch_slots
 from node_agent.backend.tier_fds import receive_tier_fd, tier_socket_path
 from node_agent.backend.transfer import BlockCopier
-from node_agent.client import EngineClient
+from node_agent.client import EngineAPIError, EngineClient
 from node_agent.vocab.layout import KVLayout
 from node_agent.vocab.placement import Tier, block_locations
 
@@ -129,7 +129,7 @@ class EngineLoads:
             got = self.client.claim_load(rid)
         if got is None:
             return None
-        hit, blocks = int(got["hit"]), list(got["blocks"])
+        hit, blocks, claim = int(got["hit"]), list(got["blocks"]), int(got.get("claim", -1))
         if not blocks:
             return 0
         try:
@@ -139,13 +139,13 @@ class EngineLoads:
                 copier = self._copier_for(got["tier"])
             except (OSError, ValueError) as exc:
                 self._not_mapped(exc, rid)
-                self._end_claim(rid)
+                self._end_claim(rid, claim)
                 return 0  # the claim is over; this load is a miss
             copier.load({self._reg.rank: self._reg}, block_locations(Tier.CPU, blocks), slots)
         except BaseException:
-            self._end_claim(rid)  # the load is a miss
+            self._end_claim(rid, claim)  # the load is a miss
             raise
-        if self.client.commit_load(rid):
+        if self._commit(rid, claim):
             self.loads += 1
             return hit
         self.misses += 1
@@ -166,10 +166,22 @@ class EngineLoads:
             "; loads are copied by the agent from now on" if lasting else ", a miss"),
             extra={"rid": rid, "error": str(exc), "socket": self.tier_socket})
 
-    def _end_claim(self, rid: str) -> None:
+    def _commit(self, rid: str, claim: int) -> bool:
+        """``commit_load``; an agent that no longer knows the claim (it restarted
+        since) answers as for a claim that ended: a miss."""
+        try:
+            return self.client.commit_load(rid, claim)
+        except EngineAPIError as exc:
+            if exc.error_type != "KeyError":
+                raise
+            log.warning("The agent no longer knows the claim; the load is a miss",
+                        extra={"rid": rid, "error": str(exc)})
+            return False
+
+    def _end_claim(self, rid: str, claim: int) -> None:
         """End ``rid``'s claim after a failed copy (its answer no longer matters)."""
         with contextlib.suppress(Exception):
-            self.client.commit_load(rid)
+            self.client.commit_load(rid, claim)
 
     def _copier_for(self, handle: Any) -> BlockCopier:
         """The copier over the tier ``handle`` names, mapping it (again, when the

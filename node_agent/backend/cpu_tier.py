@@ -103,6 +103,7 @@ class CpuTier:
         self.pinned = pin
         self.tier_id: str | None = None
         self._fd: int | None = None
+        self._fd_lock = threading.Lock()
         self._mapping: Any = None
         nbytes = num_blocks * layout.bytes_per_block
         if pool is not None:
@@ -155,13 +156,14 @@ class CpuTier:
         """A new read-only descriptor of the shared pool (the caller closes it): an
         engine given it can map the pool but never write it. None when not shared
         or closed. Linux (``/proc/self/fd``)."""
-        fd = self._fd
-        if fd is None:
-            return None
-        try:
-            return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            return None  # closed meanwhile
+        with self._fd_lock:  # close() may not close the number while it is reopened
+            fd = self._fd
+            if fd is None:
+                return None
+            try:
+                return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                return None
 
     def close(self) -> None:
         """Stop handing the shared pool out (engines' mappings and this process's
@@ -170,9 +172,10 @@ class CpuTier:
         if tier_id is not None:
             with _tiers_lock:
                 _tiers.pop(tier_id, None)
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
+        with self._fd_lock:
+            fd, self._fd = self._fd, None
+            if fd is not None:
+                os.close(fd)
 
 
 @dataclass

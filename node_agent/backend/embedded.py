@@ -905,15 +905,15 @@ class EmbeddedBackend(ReplicatedBackend):
             self._claimed.append(t)
             return [b.index for b in t.plan.blocks]
 
-    def end_claim(self, task_id: int) -> bool:
+    def end_claim(self, task_id: int, committed: bool = True) -> bool:
         """See :meth:`ReplicatedBackend.end_claim`."""
         with self._cond:
             self._expire_locked()
             held = self._end_claim_locked(task_id)
             self._cond.notify_all()
         if self._metrics is not None:
-            self._child(self._metrics.engine_loads,
-                        outcome="committed" if held else "ended").inc()
+            outcome = "released" if not committed else "committed" if held else "ended"
+            self._child(self._metrics.engine_loads, outcome=outcome).inc()
         return held
 
     def _end_claim_locked(self, task_id: int) -> bool:

@@ -167,12 +167,13 @@ class ReplicatedBackend(KVBackend):
         Raises ``TaskNotFoundError`` for a task that is not a live, un-launched get."""
         return None
 
-    def end_claim(self, task_id: int) -> bool:
+    def end_claim(self, task_id: int, committed: bool = True) -> bool:
         """The engine's copy of a claimed get ended: True when the blocks stayed
         pinned for the whole claim (the bytes it read are the cached KV), False when
         the claim had already ended (lease expired, reset, stage left: the blocks
         may have been rewritten, so the engine must treat its slots as not loaded).
-        The task is forgotten either way."""
+        The task is forgotten either way. ``committed`` False: no engine commit ends
+        it (a release, a new lookup of its rid): counted apart in the metrics."""
         return False
 
     def refetch_failed(self, task_id: int) -> None:

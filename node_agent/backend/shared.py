@@ -265,8 +265,8 @@ class SharedStageBackend(ReplicatedBackend):
     def claim_rows(self, task_id: int, lease: float) -> list[int] | None:
         return self.backend.claim_rows(task_id, lease, tenant=self.tenant)
 
-    def end_claim(self, task_id: int) -> bool:
-        return self.backend.end_claim(task_id)
+    def end_claim(self, task_id: int, committed: bool = True) -> bool:
+        return self.backend.end_claim(task_id, committed)
 
     def peek(self, token_ids: TokenArray) -> dict[str, int] | None:
         """The shared index's read-only answer; nothing while the cache epoch moved

@@ -16,6 +16,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
@@ -113,13 +114,18 @@ class TierFdServer:
                 self._slots.release()
 
     def _answer(self, conn: socket.socket) -> None:
-        conn.settimeout(EXCHANGE_SECONDS)
+        deadline = time.monotonic() + EXCHANGE_SECONDS  # for the whole request, not per recv
         request = b""
         while not request.endswith(b"\n") and len(request) <= MAX_REQUEST:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            conn.settimeout(left)
             chunk = conn.recv(MAX_REQUEST + 1 - len(request))
             if not chunk:
                 break
             request += chunk
+        conn.settimeout(EXCHANGE_SECONDS)
         tier_id = request.strip().decode("ascii", "replace")
         fd = self._provider(tier_id) if request.endswith(b"\n") and tier_id.isalnum() else None
         if fd is None:

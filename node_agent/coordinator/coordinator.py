@@ -107,10 +107,13 @@ class Coordinator:
         self._num_slots: int | None = None
         self._lookups: OrderedDict[str, Role | None] = OrderedDict()
         """rid -> the role that answered its last lookup, until its retrieve."""
-        self._claims: OrderedDict[str, LeaderRole | None] = OrderedDict()
-        """rid -> the role that handed out its claimed load (:meth:`claim_load`);
-        None once a release or a new lookup of the rid ended the claim before its
-        commit (which then answers False)."""
+        self._claims: OrderedDict[str, tuple[LeaderRole, int]] = OrderedDict()
+        """rid -> the role that handed out its claimed load and the claim's id
+        (:meth:`claim_load`)."""
+        self._ended: OrderedDict[str, None] = OrderedDict()
+        """Rids whose claim a release or a new lookup ended before the commit (which
+        then answers False); apart from ``_claims``, so they never push a live
+        claim out of its bound."""
         self._server: FanoutServer | None = server
         self._own_server = server is None
         self._leader_rank: int | None = None
@@ -327,8 +330,7 @@ class Coordinator:
         inp = prepare_lookup(token_ids, token_mask, self.cfg.tokens_per_block)
         role = self._role
         with self._lock:
-            if rid in self._claims:
-                self._claims[rid] = None  # the role's lookup ends the claim
+            self._claim_ended(rid)  # the role's lookup ends the claim
             self._lookups[rid] = role
             self._lookups.move_to_end(rid)
             while len(self._lookups) > self.cfg.max_pending:
@@ -359,11 +361,12 @@ class Coordinator:
             raise UnknownRequestError(rid, "retrieve", "the group has no leader right now")
         return role.retrieve(rid, slot_mapping)
 
-    def claim_load(self, rid: str) -> tuple[int, list[int], dict[str, Any]] | None:
+    def claim_load(self, rid: str) -> tuple[int, list[int], dict[str, Any], int] | None:
         """Hand the span found by ``lookup(rid)`` to the engine to copy itself from
         the shared CPU tier: ``(hit tokens, the tier block of each hit block in
-        token order, the tier's handle)``; the blocks stay pinned until
-        :meth:`commit_load` (or ``transfer_seconds``). ``(0, [], {})`` for a miss,
+        token order, the tier's handle, the claim's id)``; the blocks stay pinned
+        until :meth:`commit_load` of that id (or ``transfer_seconds``). ``(0, [],
+        {}, -1)`` for a miss,
         also when the role that answered the lookup ended since. None when this
         stage cannot hand it out (followers, tensor parallelism, a backend without
         a shared tier, a block not on the CPU tier): call :meth:`retrieve`.
@@ -374,7 +377,7 @@ class Coordinator:
         if asked is not _ABSENT and (asked is None or asked is not role):
             with self._lock:
                 self._lookups.pop(rid, None)
-            return 0, [], {}
+            return 0, [], {}, -1
         if role is None:
             raise UnknownRequestError(rid, "claim_load", "the group has no leader right now")
         handle = _tier_of(role, self.cfg.expected_ranks)
@@ -386,38 +389,56 @@ class Coordinator:
         with self._lock:
             self._lookups.pop(rid, None)
             if got[1]:
-                self._claims[rid] = role
+                self._ended.pop(rid, None)
+                self._claims[rid] = (role, got[2])
                 self._claims.move_to_end(rid)
                 while len(self._claims) > self.cfg.max_pending:
                     self._claims.popitem(last=False)
-        return got[0], got[1], handle if got[1] else {}
+        return got[0], got[1], handle if got[1] else {}, got[2]
 
     def tier_handle(self) -> dict[str, Any] | None:
         """The shared CPU tier this stage hands loads out of (:meth:`claim_load`), for
         an engine to map ahead of its first claim; None when it hands none out."""
         return _tier_of(self._role, self.cfg.expected_ranks)
 
-    def commit_load(self, rid: str) -> bool:
+    def commit_load(self, rid: str, claim: int) -> bool:
         """The engine's copy of ``rid``'s claimed load ended: True when the blocks
         it read stayed pinned throughout (the slots hold the cached KV); False when
         the claim ended first or its role did (a miss: the slots hold undefined
-        data), also when a ``release`` or a new ``lookup`` of ``rid`` came first.
-        Raises ``UnknownRequestError`` when ``rid`` has no claim."""
+        data), also when a ``release`` or a new ``lookup`` of ``rid`` came first,
+        or when ``claim`` is not the id of ``rid``'s live claim (an older one).
+        Raises ``UnknownRequestError`` when ``rid`` has no claim (never claimed,
+        already committed, or forgotten: more than ``max_pending`` claims)."""
         with self._lock:
-            claimer = self._claims.pop(rid, _ABSENT)
-        if claimer is _ABSENT:
+            live = self._claims.get(rid)
+            if live is not None and live[1] != claim:
+                return False  # an older claim of the rid: the live one stays
+            if live is not None:
+                del self._claims[rid]
+            ended = self._ended.pop(rid, _ABSENT) is not _ABSENT
+        if live is None:
+            if ended:
+                return False  # a release or new lookup ended it
             raise UnknownRequestError(rid, "commit_load", "call claim_load first")
-        if not isinstance(claimer, LeaderRole) or claimer is not self._role:
-            return False  # ended by a release or lookup, or its backend ended with it
-        return claimer.commit_load(rid)
+        claimer = live[0]
+        if claimer is not self._role:
+            return False  # its backend ended with its role
+        return claimer.commit_load(rid, claim)
+
+    def _claim_ended(self, rid: str) -> None:
+        """``rid``'s claim (if any) was ended by a release or lookup: its commit
+        answers False once. Under ``_lock``."""
+        if self._claims.pop(rid, None) is not None:
+            self._ended[rid] = None
+            while len(self._ended) > self.cfg.max_pending:
+                self._ended.popitem(last=False)
 
     def release(self, rid: str) -> None:
         """The engine is done with ``rid``: ends everything of it on this stage
         (an un-used lookup, decisions no call took); a reused rid starts clean."""
         with self._lock:
             self._lookups.pop(rid, None)
-            if rid in self._claims:
-                self._claims[rid] = None  # the role's release ends the claim
+            self._claim_ended(rid)  # the role's release ends the claim
         role = self._role
         if role is not None:
             role.release(rid)

@@ -531,7 +531,7 @@ class LeaderRole:
             g = self._gets.pop(rid, None)
             claimed = self._claimed.pop(rid, None)
         if claimed is not None:
-            self.backend.end_claim(claimed.task_id)
+            self.backend.end_claim(claimed.task_id, committed=False)
         if g is not None and g.task_id >= 0 and not g.used:
             with self._decide:
                 self.backend.cancel([g.task_id])
@@ -612,10 +612,11 @@ class LeaderRole:
         layers, so its loads are never handed to an engine)."""
         return bool(self._expected())
 
-    def claim_load(self, rid: str) -> tuple[int, list[int]] | None:
+    def claim_load(self, rid: str) -> tuple[int, list[int], int] | None:
         """Hand ``rid``'s looked-up load to the engine to copy itself: ``(hit
-        tokens, the CPU tier block of each hit block in token order)``, pinned for
-        ``transfer_seconds`` or until :meth:`commit_load`; ``(0, [])`` for a miss.
+        tokens, the CPU tier block of each hit block in token order, the claim's
+        id)``, pinned for ``transfer_seconds`` or until :meth:`commit_load` of that
+        id; ``(0, [], -1)`` for a miss.
         None when the engine cannot copy it (a group with followers, whose stages
         each load their own layers; no shared tier; a block not on the CPU tier):
         the lookup stays open for :meth:`retrieve`."""
@@ -624,11 +625,11 @@ class LeaderRole:
         g = self._open_get(rid, "claim_load")
         self.counters.retrieves += 1
         if g.task_id < 0:
-            return 0, []
+            return 0, [], -1
         if self.newer_epoch is not None:
             self._end_get(rid, g, ok=False)
             self.counters.retrieve_misses += 1
-            return 0, []
+            return 0, [], -1
         try:
             rows = self.backend.claim_rows(g.task_id, self.cfg.transfer_seconds)
         except Exception as exc:  # expired or cancelled since the lookup: a miss
@@ -636,32 +637,48 @@ class LeaderRole:
                         extra={"group": self.cfg.group, "rid": rid, "error": str(exc)})
             self._end_get(rid, g, ok=False)
             self.counters.retrieve_misses += 1
-            return 0, []
-        evicted: list[_Get] = []
+            return 0, [], -1
+        ended: list[_Get] = []
         with self._state:
             if rows is None:
                 g.used = False
                 self.counters.retrieves -= 1  # counted by the retrieve that follows
                 return None
-            g.claimed = True
-            if self._gets.get(rid) is g:
+            if self._gets.get(rid) is not g:
+                # A new lookup or a release of the rid came while this claim was
+                # made: it could not end a claim not yet recorded, so it ends here.
+                ended.append(g)
+            else:
+                g.claimed = True
                 del self._gets[rid]
-            self._claimed[rid] = g
-            while len(self._claimed) > self.cfg.max_pending:
-                evicted.append(self._claimed.popitem(last=False)[1])
-        for old in evicted:  # claims never committed: their commits answer False
-            self.backend.end_claim(old.task_id)
+                old = self._claimed.pop(rid, None)
+                if old is not None:
+                    ended.append(old)
+                self._claimed[rid] = g
+                while len(self._claimed) > self.cfg.max_pending:
+                    ended.append(self._claimed.popitem(last=False)[1])
+        for e in ended:  # claims no commit will end: their commits answer False
+            self.backend.end_claim(e.task_id, committed=False)
+        if g in ended:
+            self.counters.retrieve_misses += 1
+            return 0, [], -1
         self.counters.claimed_loads += 1
-        return g.hit, rows
+        return g.hit, rows, g.task_id
 
-    def commit_load(self, rid: str) -> bool:
+    def commit_load(self, rid: str, claim: int) -> bool:
         """The engine's copy of ``rid``'s claimed load ended: True when its blocks
         stayed pinned throughout (the engine's slots hold the cached KV), False when
         the claim ended first (its lease, a flush, a release or new lookup of the
         rid, more open claims than ``max_pending``): the slots hold undefined data,
-        a miss."""
+        a miss. ``claim``: the id :meth:`claim_load` answered; a commit naming
+        another claim of the rid (one that already ended) answers False and leaves
+        the rid's live claim alone."""
         with self._state:
-            g = self._claimed.pop(rid, None)
+            g = self._claimed.get(rid)
+            if g is not None and g.task_id == claim:
+                del self._claimed[rid]
+            else:
+                g = None
         ok = g is not None and self.backend.end_claim(g.task_id)
         if not ok:
             self.counters.retrieve_misses += 1

@@ -93,7 +93,7 @@ OPS: Final[Mapping[str, OpSchema]] = {
     ),
     "claim_load": OpSchema(args={"rid": "str", "rank": "json"}),
     "tier": OpSchema(args={"rank": "json"}),
-    "commit_load": OpSchema(args={"rid": "str", "rank": "json"}),
+    "commit_load": OpSchema(args={"rid": "str", "rank": "json", "claim": "int"}),
     "poll_completed": OpSchema(args={"rank": "json"}),
     "wait_completed": OpSchema(args={"rank": "json", "timeoutMs": "int"}),
     "release": OpSchema(args={"rid": "str", "rank": "json"}),

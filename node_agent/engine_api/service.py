@@ -61,8 +61,8 @@ class Coordinator(Protocol):
     def store_kv(self, rid: str, token_ids: Any, kv_indices: Any) -> int: ...
     def lookup(self, rid: str, token_ids: Any, token_mask: Any = None) -> int: ...
     def retrieve(self, rid: str, slot_mapping: Any) -> int: ...
-    def claim_load(self, rid: str) -> tuple[int, list[int], dict[str, Any]] | None: ...
-    def commit_load(self, rid: str) -> bool: ...
+    def claim_load(self, rid: str) -> tuple[int, list[int], dict[str, Any], int] | None: ...
+    def commit_load(self, rid: str, claim: int) -> bool: ...
     def tier_handle(self) -> dict[str, Any] | None: ...
     def release(self, rid: str) -> None: ...
     def poll_completed(self) -> list[str]: ...
@@ -316,21 +316,22 @@ class EngineService:
             hit = int(conn.lookup(req.args["rid"], a["token_ids"], a.get("token_mask")))
             if traffic is not None:
                 traffic.lookup(len(a["token_ids"]), hit)
-            got = conn.claim_load(req.args["rid"]) if hit else (0, [], {})
+            got = conn.claim_load(req.args["rid"]) if hit else (0, [], {}, -1)
             if got is None:  # the lookup stays open for retrieve
-                return {"hit": hit, "blocks": None, "tier": conn.tier_handle()}
+                return {"hit": hit, "blocks": None, "tier": conn.tier_handle(), "claim": -1}
             # A miss names the stage's tier as well, so an engine always knows it.
-            return {"hit": got[0], "blocks": got[1], "tier": got[2] or conn.tier_handle()}
+            return {"hit": got[0], "blocks": got[1], "tier": got[2] or conn.tier_handle(),
+                    "claim": got[3]}
         if req.op == "tier":
             return conn.tier_handle()
         if req.op == "claim_load":
             got = conn.claim_load(req.args["rid"])
             if got is None:
                 return None
-            hit, blocks, tier = got
-            return {"hit": hit, "blocks": blocks, "tier": tier}
+            hit, blocks, tier, claim = got
+            return {"hit": hit, "blocks": blocks, "tier": tier, "claim": claim}
         if req.op == "commit_load":
-            return bool(conn.commit_load(req.args["rid"]))
+            return bool(conn.commit_load(req.args["rid"], req.args["claim"]))
         if req.op == "store_kv":
             return int(conn.store_kv(req.args["rid"], a["token_ids"], a["kv_indices"]))
         if req.op == "poll_completed":

@@ -217,7 +217,7 @@ async def test_calls_out_of_order_are_refused_by_name(work: Path) -> None:
         other = np.arange(7000, 7016, dtype=np.int64)
         assert await asyncio.to_thread(client.lookup, "m", other) == 0
         assert await asyncio.to_thread(client.claim_load, "m") == {
-            "hit": 0, "blocks": [], "tier": {}}
+            "hit": 0, "blocks": [], "tier": {}, "claim": -1}
         assert await asyncio.to_thread(client.lookup, "m2", other) == 0
         assert await asyncio.to_thread(loads.load, "m2", np.zeros(0, dtype=np.int64)) == 0
         with pytest.raises(EngineAPIError, match="claim_load first"):

@@ -155,6 +155,39 @@ def test_a_silent_client_is_cut_off_and_the_next_one_served(
     wait_for(lambda: server.served == 1, "the descriptor counted", 30)
 
 
+def test_a_client_dripping_its_request_is_cut_off_at_the_exchange_bound(
+        monkeypatch: pytest.MonkeyPatch, server: TierFdServer, tier: CpuTier) -> None:
+    """The bound is on the whole request, not on each receive: a client sending a
+    byte at a time, each within the bound, is still cut off, and a client that is
+    served meanwhile is not held up by it."""
+    monkeypatch.setattr(tier_fds, "EXCHANGE_SECONDS", 0.3)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as slow:
+        slow.settimeout(60)
+        slow.connect(server.path)
+        # Meanwhile another engine is served on a thread of its own.
+        assert served_fd_reads(server, tier) == b"tierdata"
+        request = (tier.tier_id or "").encode() + b"\n"
+        sent = 0
+        reply = b""
+        for byte in request:  # one byte per 0.1 s: each gap is within the bound
+            try:
+                slow.sendall(bytes([byte]))
+            except OSError:  # the server already closed its side
+                break
+            sent += 1
+            slow.settimeout(0.1)
+            try:
+                reply = slow.recv(512)
+            except TimeoutError:
+                continue
+            break
+        # Cut off (a refusal without a descriptor, or end of stream) before the
+        # whole request reached the server.
+        assert sent < len(request)
+        assert not reply.startswith(b"1")
+    assert server.alive
+
+
 def test_close_removes_the_socket_and_a_new_server_replaces_a_stale_one(
         sock_dir: Path, tier: CpuTier) -> None:
     path = str(sock_dir / "e.sock.tier")
