@@ -190,6 +190,16 @@ class StageTraffic:
                     "lookupTokens": self.lookup_tokens, "hitTokens": self.hit_tokens}
 
 
+def _lookup(conn: Coordinator, traffic: StageTraffic | None, req: protocol.Request) -> int:
+    """A ``lookup`` (or ``lookup_claim``'s lookup) of ``req``, counted in the
+    stage's traffic."""
+    a = req.arrays
+    hit = int(conn.lookup(req.args["rid"], a["token_ids"], a.get("token_mask")))
+    if traffic is not None:
+        traffic.lookup(len(a["token_ids"]), hit)
+    return hit
+
+
 @dataclass
 class Stage:
     """One PP stage's connector, its group-view handle and the engine buffers it maps."""
@@ -305,17 +315,12 @@ class EngineService:
         if traffic is not None:
             traffic.call(req.op)
         if req.op == "lookup":
-            hit = int(conn.lookup(req.args["rid"], a["token_ids"], a.get("token_mask")))
-            if traffic is not None:
-                traffic.lookup(len(a["token_ids"]), hit)
-            return hit
+            return _lookup(conn, traffic, req)
         if req.op == "retrieve":
             return int(conn.retrieve(req.args["rid"], a["slot_mapping"]))
         if req.op == "lookup_claim":
             # lookup, then claim_load in the same call (one round trip less)
-            hit = int(conn.lookup(req.args["rid"], a["token_ids"], a.get("token_mask")))
-            if traffic is not None:
-                traffic.lookup(len(a["token_ids"]), hit)
+            hit = _lookup(conn, traffic, req)
             got = conn.claim_load(req.args["rid"]) if hit else (0, [], {}, -1)
             if got is None:  # the lookup stays open for retrieve
                 return {"hit": hit, "blocks": None, "tier": conn.tier_handle(), "claim": -1}
