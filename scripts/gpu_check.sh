@@ -5,7 +5,8 @@
 # GPU_PYTHON (default python3) must have a CUDA build of torch (and SGLang for the
 # second part). The check builds .venv-gpu on top of it (--system-site-packages;
 # the project installed editable with the agent, sglang-plugin and dev extras)
-# and exits 0 with SKIP lines where there is no GPU or no SGLang.
+# and exits 0 with SKIP lines where there is no GPU or no SGLang. Hosts without
+# a package index: PIP_NO_INDEX=1 PIP_FIND_LINKS=<folder of wheels>.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${GPU_PYTHON:-python3}"
@@ -21,6 +22,10 @@ stamp=$venv/.installed-$(cat pyproject.toml scripts/gpu_check.sh | sha1sum | cut
 if [ ! -f "$stamp" ]; then
   rm -rf "$venv"
   "$PY" -m venv --system-site-packages "$venv"
+  # --system-site-packages reaches only the base interpreter's packages; where
+  # GPU_PYTHON is itself a virtual environment, its own site-packages are added.
+  "$PY" -c 'import site; print("\n".join(site.getsitepackages()))' \
+    > "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/gpu-python.pth"
   "$venv/bin/python" -m pip install -q --disable-pip-version-check -e '.[agent,sglang-plugin,dev]'
   touch "$stamp"
 fi

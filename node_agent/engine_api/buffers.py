@@ -20,8 +20,10 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import ctypes
 import math
 import mmap
+import re
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
@@ -123,6 +125,57 @@ def _int_field(h: dict[str, Any], key: str, lo: int = 0, default: int | None = N
     return v
 
 
+#: Bytes of a ``cudaIpcMemHandle_t`` and of a ``cudaIpcEventHandle_t``.
+CUDA_IPC_HANDLE_BYTES = 64
+#: Slots (int64 counters) in the reference-counter file torch shares with a CUDA
+#: tensor (``CUDA_IPC_REF_COUNTER_FILE_SIZE``); the agent decrements slot
+#: ``refCounterOffset`` of that file when it drops the buffer.
+REF_COUNTER_SLOTS = 10_000
+#: torch's storage-sharing handle: a version byte, a kind byte, then the kind's data.
+_KIND_CUDA_MALLOC = ord("c")
+_KIND_EXPANDABLE_SEGMENT = ord("e")
+_REF_COUNTER_NAME = re.compile(rb"/[A-Za-z0-9_.-]{1,250}")
+
+
+def _memory_handle(raw: bytes) -> bytes:
+    """The ``handle`` field's bytes, refused unless they are a handle of a plain
+    ``cudaMalloc`` block, the one kind torch opens without trusting the bytes.
+
+    torch exports either a raw 64-byte ``cudaIpcMemHandle_t`` (older releases) or
+    a version byte and a kind byte followed by the kind's data. Kind ``c`` carries
+    the 64-byte handle; kind ``e`` (an expandable segment) carries a header that
+    torch divides by and file descriptors it takes from the exporting process, so
+    a damaged one can kill the agent (a floating-point exception inside torch)
+    and every engine's cache with it. Only ``c`` and the raw form are opened.
+    """
+    if len(raw) == CUDA_IPC_HANDLE_BYTES:
+        return raw
+    if len(raw) >= 2 and raw[1] == _KIND_EXPANDABLE_SEGMENT:
+        raise HandleError(
+            "cuda_ipc handle field 'handle' is an expandable-segment handle; the agent opens "
+            "only buffers allocated by plain cudaMalloc. Start the engine without "
+            "expandable_segments in PYTORCH_CUDA_ALLOC_CONF, or allocate its KV cache "
+            "outside torch's expandable segments")
+    if len(raw) != CUDA_IPC_HANDLE_BYTES + 2 or raw[1] != _KIND_CUDA_MALLOC or raw[0] == 0:
+        raise HandleError(
+            f"cuda_ipc handle field 'handle' holds {len(raw)} bytes that are not a torch CUDA "
+            f"IPC memory handle ({CUDA_IPC_HANDLE_BYTES} bytes, or a version byte, kind 'c' "
+            f"and {CUDA_IPC_HANDLE_BYTES} bytes); send the handle cuda_handle() exported, "
+            "unchanged")
+    return raw
+
+
+def _ref_counter_name(raw: bytes) -> bytes:
+    """The ``refCounterHandle`` field: the name of torch's shared reference-counter
+    file, such as ``/torch_1234_5678_0``."""
+    if not _REF_COUNTER_NAME.fullmatch(raw):
+        raise HandleError(
+            f"cuda_ipc handle field 'refCounterHandle' is {raw[:64]!r}, not the name of a "
+            "shared-memory file ('/' and up to 250 letters, digits, '_', '.' or '-'); send "
+            "the handle cuda_handle() exported, unchanged")
+    return raw
+
+
 @dataclass(frozen=True)
 class CudaHandleFields:
     """A ``cuda_ipc`` handle's fields, checked (no GPU needed to check them)."""
@@ -156,14 +209,27 @@ def cuda_handle_fields(h: dict[str, Any]) -> CudaHandleFields:
     if not isinstance(sync, bool):
         raise HandleError(f"cuda_ipc handle field 'eventSyncRequired' is {sync!r}; it must be "
                           "true or false")
+    event_bytes = _unb64(event, "eventHandle") if event else b""
+    if sync and len(event_bytes) != CUDA_IPC_HANDLE_BYTES:
+        raise HandleError(
+            f"cuda_ipc handle field 'eventHandle' has {len(event_bytes)} bytes but "
+            f"'eventSyncRequired' is true; a CUDA IPC event handle has "
+            f"{CUDA_IPC_HANDLE_BYTES} bytes (send the handle cuda_handle() exported, unchanged)")
+    ref_counter_offset = _int_field(h, "refCounterOffset")
+    if ref_counter_offset >= REF_COUNTER_SLOTS:
+        raise HandleError(
+            f"cuda_ipc handle field 'refCounterOffset' is {ref_counter_offset}; torch's "
+            f"reference-counter file has {REF_COUNTER_SLOTS} slots, so it must be below that "
+            "(send the handle cuda_handle() exported, unchanged)")
     return CudaHandleFields(
         device=_int_field(h, "device"),
-        handle=_unb64(h.get("handle"), "handle"),
+        handle=_memory_handle(_unb64(h.get("handle"), "handle")),
         storage_size=_int_field(h, "storageSize", lo=1),
         storage_offset_bytes=_int_field(h, "storageOffsetBytes"),
-        ref_counter_handle=_unb64(h.get("refCounterHandle"), "refCounterHandle"),
-        ref_counter_offset=_int_field(h, "refCounterOffset"),
-        event_handle=_unb64(event, "eventHandle") if event else b"",
+        ref_counter_handle=_ref_counter_name(
+            _unb64(h.get("refCounterHandle"), "refCounterHandle")),
+        ref_counter_offset=ref_counter_offset,
+        event_handle=event_bytes,
         event_sync_required=sync,
         dtype=dtype, shape=shape, stride=tuple(stride),
         tensor_offset=_int_field(h, "tensorOffset", default=0),
@@ -270,19 +336,57 @@ def _open_cuda(h: dict[str, Any]) -> OpenedBuffer:
             "cuda_ipc handle received but CUDA is not available to the agent; run the "
             "agent on the GPU node with the NVIDIA runtime, or share CPU buffers (shm)"
         )
+    if f.device >= torch.cuda.device_count():
+        raise HandleError(
+            f"cuda_ipc handle names device {f.device} but the agent sees "
+            f"{torch.cuda.device_count()} CUDA device(s); give the agent every GPU of the node "
+            "and the same CUDA_VISIBLE_DEVICES order as the engine")
     try:
+        # torch opens IPC handles only after its CUDA state is set up (its own
+        # rebuild path does the same); without it a refused handle can crash.
+        torch.cuda.init()
         storage = torch.UntypedStorage._new_shared_cuda(
             f.device, f.handle, f.storage_size, f.storage_offset_bytes,
             f.ref_counter_handle, f.ref_counter_offset, f.event_handle, f.event_sync_required,
         )
+        _check_inside_allocation(storage, f)
         t = torch.empty(0, dtype=f.dtype, device=storage.device)
         t.set_(storage, f.tensor_offset, f.shape, f.stride)
-    except (RuntimeError, ValueError, TypeError) as exc:
+    except HandleError:
+        raise
+    except (RuntimeError, ValueError, TypeError, SystemError) as exc:
         raise HandleError(
             f"cuda_ipc handle for device {f.device} ({f.storage_size} bytes) cannot be opened: "
             f"{exc}; the exporting engine must keep the tensor alive and run on this node"
         ) from exc
     return OpenedBuffer(tensor=t, _keep=storage)
+
+
+def _check_inside_allocation(storage: torch.UntypedStorage, f: CudaHandleFields) -> None:
+    """Refuse a handle whose ``storageOffsetBytes`` + ``storageSize`` reach past the
+    exported allocation: copies through it would read or write memory the engine
+    never shared (another tensor's, or none, which faults the agent's CUDA context).
+    """
+    base, size = _address_range(storage.data_ptr(), f.device)
+    end = storage.data_ptr() + f.storage_size
+    if base is None or end > base + size:
+        held = "no allocation" if base is None else (
+            f"an allocation of {size} bytes at offset {storage.data_ptr() - base}")
+        raise HandleError(
+            f"cuda_ipc handle claims {f.storage_size} bytes at storage offset "
+            f"{f.storage_offset_bytes} on device {f.device}, but the exported memory is "
+            f"{held}; send the handle cuda_handle() exported, unchanged")
+
+
+def _address_range(ptr: int, device: int) -> tuple[int | None, int]:
+    """``(base, size)`` of the device allocation holding ``ptr`` (the driver's
+    ``cuMemGetAddressRange``), or ``(None, 0)`` when ``ptr`` is in none."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    with torch.cuda.device(device):
+        rc = lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
+                                         ctypes.c_uint64(ptr))
+    return (int(base.value), int(size.value)) if rc == 0 else (None, 0)
 
 
 def cuda_handle(t: torch.Tensor) -> dict[str, Any]:

@@ -8,6 +8,7 @@ the agent's real service is exercised in test_agent_process.py.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import re
@@ -346,9 +347,13 @@ def test_bad_handles_are_refused(handle: object, fragment: str) -> None:
         open_buffer(handle)
 
 
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode("ascii")
+
+
 _GOOD_CUDA = {
-    "kind": "cuda_ipc", "device": 0, "handle": "AAAA", "storageSize": 64,
-    "storageOffsetBytes": 0, "refCounterHandle": "AAAA", "refCounterOffset": 0,
+    "kind": "cuda_ipc", "device": 0, "handle": _b64(b"\x02c" + bytes(64)), "storageSize": 64,
+    "storageOffsetBytes": 0, "refCounterHandle": _b64(b"/torch_1_2_0"), "refCounterOffset": 0,
     "eventHandle": "", "eventSyncRequired": False, "dtype": "float16", "shape": [4, 8],
     "stride": [8, 1], "tensorOffset": 0,
 }
@@ -359,13 +364,27 @@ _GOOD_CUDA = {
     ({"device": "0"}, "field 'device' is '0'; it must be an int >= 0"),
     ({"storageSize": 0}, "field 'storageSize' is 0; it must be an int >= 1"),
     ({"refCounterOffset": 1.5}, "field 'refCounterOffset' is 1.5"),
+    ({"refCounterOffset": 10_000}, "'refCounterOffset' is 10000; torch's reference-counter "
+                                   "file has 10000 slots"),
     ({"tensorOffset": True}, "field 'tensorOffset' is True"),
     ({"handle": "not base64!"}, "field 'handle' is not valid base64"),
     ({"handle": 17}, "field 'handle' must be base64 text, got int"),
+    ({"handle": "AAAA"}, "'handle' holds 3 bytes that are not a torch CUDA IPC memory handle"),
+    ({"handle": _b64(b"\x00c" + bytes(64))}, "'handle' holds 66 bytes that are not"),
+    ({"handle": _b64(b"\x02x" + bytes(64))}, "'handle' holds 66 bytes that are not"),
+    ({"handle": _b64(b"\x02c" + bytes(63))}, "'handle' holds 65 bytes that are not"),
+    ({"handle": _b64(b"\x02e" + bytes(64))}, "is an expandable-segment handle; the agent "
+                                             "opens only buffers allocated by plain cudaMalloc"),
+    ({"handle": _b64(b"\x02e")}, "expandable_segments in PYTORCH_CUDA_ALLOC_CONF"),
     ({"refCounterHandle": "ü"}, "field 'refCounterHandle' is not valid base64"),
+    ({"refCounterHandle": "AAAA"}, "'refCounterHandle' is b'\\x00\\x00\\x00', not the name"),
+    ({"refCounterHandle": _b64(b"torch_1")}, "'refCounterHandle' is b'torch_1', not the name"),
+    ({"refCounterHandle": _b64(b"/torch_1\x00x")}, "not the name of a shared-memory file"),
     ({"stride": [8]}, "stride [8] must be a list of ints >= 0, one per dimension"),
     ({"stride": [8, "1"]}, "stride [8, '1'] must be a list"),
     ({"eventSyncRequired": "yes"}, "'eventSyncRequired' is 'yes'; it must be true or false"),
+    ({"eventSyncRequired": True}, "'eventHandle' has 0 bytes but 'eventSyncRequired' is true"),
+    ({"eventSyncRequired": True, "eventHandle": "AAAA"}, "'eventHandle' has 3 bytes but"),
     ({"dtype": "int64"}, "dtype 'int64' is not supported"),
 ])
 def test_bad_cuda_handle_fields_are_named(change: dict[str, Any], fragment: str) -> None:
@@ -381,18 +400,17 @@ def test_bad_cuda_handle_fields_are_named(change: dict[str, Any], fragment: str)
 def test_well_formed_cuda_handle_fields_parse() -> None:
     f = cuda_handle_fields(dict(_GOOD_CUDA))
     assert (f.device, f.storage_size, f.shape, f.stride) == (0, 64, (4, 8), (8, 1))
-    assert f.handle == b"\x00\x00\x00" and f.event_handle == b""
+    assert f.handle == b"\x02c" + bytes(64) and f.event_handle == b""
+    assert f.ref_counter_handle == b"/torch_1_2_0"
+    # The raw 64-byte form older torch releases export, and a synchronised event.
+    legacy = cuda_handle_fields(dict(_GOOD_CUDA, handle=_b64(bytes(range(64))),
+                                     eventSyncRequired=True, eventHandle=_b64(bytes(64))))
+    assert legacy.handle == bytes(range(64)) and legacy.event_handle == bytes(64)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
 def test_cuda_handle_without_cuda_names_the_fix() -> None:
     with pytest.raises(HandleError, match="CUDA is not available to the agent"):
-        open_buffer(dict(_GOOD_CUDA))
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_unopenable_cuda_handle_is_a_handle_error() -> None:
-    with pytest.raises(HandleError, match="cannot be opened"):
         open_buffer(dict(_GOOD_CUDA))
 
 
@@ -403,17 +421,58 @@ def test_handle_larger_than_segment_is_refused() -> None:
             open_buffer(h)
 
 
+# CUDA IPC refuses to open a handle in the exporting process, and a handle torch
+# cannot take can kill the process that opens it: each open runs in a child.
+_OPEN_IN_CHILD = (
+    "import json,sys,torch\n"
+    "from node_agent.engine_api.buffers import HandleError, open_buffer\n"
+    "try:\n"
+    "    b = open_buffer(json.loads(sys.stdin.read()))\n"
+    "    print('SUM', float(b.tensor.sum()))\n"
+    "except HandleError as e:\n"
+    "    print('REFUSED', e)\n"
+)
+
+
+def _open_in_child(handle: dict[str, Any]) -> str:
+    """What ``open_buffer(handle)`` does in a fresh process: ``SUM <sum>`` or
+    ``REFUSED <message>``; a crash of the child fails the test."""
+    done = subprocess.run([sys.executable, "-c", _OPEN_IN_CHILD], input=json.dumps(handle),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"open_buffer crashed ({done.returncode}): {done.stderr}"
+    return done.stdout.strip()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_handle_round_trip_in_process() -> None:
     from node_agent.engine_api.buffers import cuda_handle
 
     t = torch.arange(32, dtype=torch.float16, device="cuda").view(4, 8)
-    # CUDA IPC refuses to open a handle in the exporting process: use a child.
-    code = ("import json,sys,torch;from node_agent.engine_api.buffers import open_buffer;"
-            "b=open_buffer(json.loads(sys.stdin.read()));print(float(b.tensor.sum()))")
-    out = subprocess.run([sys.executable, "-c", code], input=json.dumps(cuda_handle(t)),
-                         capture_output=True, text=True, timeout=60, check=True).stdout
-    assert float(out) == float(t.sum())
+    assert _open_in_child(cuda_handle(t)) == f"SUM {float(t.sum())}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_unopenable_cuda_handles_are_refused_without_a_crash() -> None:
+    from node_agent.engine_api.buffers import cuda_handle
+
+    t = torch.ones(1 << 18, dtype=torch.float32, device="cuda")  # 1 MiB
+    good = cuda_handle(t)
+    one_d = {"shape": [1], "stride": [1]}
+    cases = {
+        # A well-formed handle of memory no process exported.
+        "unknown memory": (dict(_GOOD_CUDA), "cannot be opened"),
+        # A real export whose sizes reach past the allocation the engine shared.
+        "past the allocation": (dict(good, storageSize=good["storageSize"] * 64, **one_d),
+                                "but the exported memory is an allocation of"),
+        "offset past the allocation": (dict(good, storageOffsetBytes=1 << 40, **one_d),
+                                       "but the exported memory is no allocation"),
+        "device the agent lacks": (dict(good, device=torch.cuda.device_count()),
+                                   "CUDA device(s); give the agent every GPU"),
+    }
+    for name, (handle, fragment) in cases.items():
+        out = _open_in_child(handle)
+        assert out.startswith("REFUSED") and fragment in out, (name, out)
+    assert float(t.sum()) == float(1 << 18)  # the exporter's tensor is untouched
 
 
 async def test_calls_beyond_the_inflight_limit_are_refused_at_once(sock_path: Path) -> None:
