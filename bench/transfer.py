@@ -18,6 +18,11 @@ block: 128 KiB per token) on CPU tensors. Rows (one JSON object each):
   single slots (``slots: tokens``, SGLang's page size 1; goal >= 0.8), and
   once with single slots spread over twice as many (``slots: sparse``, a
   fragmented page-size-1 pool: loads become scatters; goal >= 0.8).
+* ``gpu_store`` / ``gpu_load`` (``--engine-device cuda``, a GPU host): the same
+  rounds with the engine's KV buffers on the GPU and the CPU tier in pinned
+  memory, versus one ``copy_`` of the same bytes between a GPU tensor and a
+  pinned host tensor (the copy engine's best case), each followed by a device
+  synchronise.
 * ``ssd_spill``: the ``put_match`` that spills ``--tokens`` tokens of CPU
   blocks to the SSD tier, versus one ``os.pwrite`` of the same bytes to a file
   in the same directory.
@@ -140,11 +145,12 @@ def layout_for(args: argparse.Namespace) -> KVLayout:
                     kv_dim=2, dtype=KVDtype.BFLOAT16, tokens_per_block=args.tokens_per_block)
 
 
-def engine_buffers(layout: KVLayout, num_slots: int) -> list[list[torch.Tensor]]:
+def engine_buffers(layout: KVLayout, num_slots: int,
+                   device: str = "cpu") -> list[list[torch.Tensor]]:
     """SGLang-style k_buffer / v_buffer lists filled with random bf16."""
     shape = (num_slots, layout.heads_per_rank, layout.head_size)
-    return [[torch.randn(shape).to(torch.bfloat16) for _ in range(layout.num_layers)]
-            for _ in range(2)]
+    return [[torch.randn(shape, device=device).to(torch.bfloat16)
+             for _ in range(layout.num_layers)] for _ in range(2)]
 
 
 def slot_mapping(style: str, lo: int, n: int, tpb: int, seed: int) -> np.ndarray:
@@ -162,7 +168,11 @@ def slot_mapping(style: str, lo: int, n: int, tpb: int, seed: int) -> np.ndarray
 
 
 def bench_cpu(args: argparse.Namespace, layout: KVLayout, style: str) -> None:
-    """CPU tier store and load versus a flat torch copy, with ``style`` slot mappings."""
+    """CPU tier store and load versus a flat torch copy, with ``style`` slot mappings
+    (engine buffers on ``args.engine_device``)."""
+    gpu = args.engine_device == "cuda"
+    if gpu and not torch.cuda.is_available():
+        raise SystemExit("--engine-device cuda needs a CUDA build of torch and a GPU")
     n = args.tokens
     nbytes = n * layout.bytes_per_token
     cfg = EmbeddedBackendConfig(layout=layout, cpu_bytes=nbytes * 2, pinned=True,
@@ -170,17 +180,20 @@ def bench_cpu(args: argparse.Namespace, layout: KVLayout, style: str) -> None:
     backend = EmbeddedBackend(cfg)
     backend.start()
     spread = 2 if style == "sparse" else 1  # slots span `spread * n` engine slots
-    bufs = engine_buffers(layout, 2 * spread * n)
+    bufs = engine_buffers(layout, 2 * spread * n, args.engine_device)
     backend.register_kv_buffers(0, bufs)
     tpb = layout.tokens_per_block
     src_slots = slot_mapping(style, 0, n, tpb, 1)
     dst_slots = slot_mapping(style, spread * n, n, tpb, 2)
-    a = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
-    b = torch.empty(nbytes, dtype=torch.uint8).fill_(2)
+    a = torch.empty(nbytes, dtype=torch.uint8, device=args.engine_device).fill_(1)
+    b = torch.empty(nbytes, dtype=torch.uint8, pin_memory=gpu).fill_(2)
     rng = np.random.default_rng(0)
 
     def copy_once() -> Clocked:
-        return _clocked(lambda: b.copy_(a))
+        return _clocked(lambda: _copy(b, a, gpu))
+
+    def copy_back() -> Clocked:
+        return _clocked(lambda: _copy(a, b, gpu))
 
     def store_once() -> Clocked:
         backend.reset()
@@ -193,8 +206,9 @@ def bench_cpu(args: argparse.Namespace, layout: KVLayout, style: str) -> None:
         return _clocked(run)
 
     goal = 0.9 if style == "pages" else 0.8
+    kind = "gpu" if gpu else "cpu"
     store, base = _paired(store_once, copy_once, args.cpu_rounds)
-    _paired_row("cpu_store", nbytes, store, base, goal, tokens=n, slots=style,
+    _paired_row(f"{kind}_store", nbytes, store, base, goal, tokens=n, slots=style,
                 lanes=args.lanes)
     toks = rng.integers(0, 100_000, n, dtype=np.int64)
     backend.reset()
@@ -210,9 +224,21 @@ def bench_cpu(args: argparse.Namespace, layout: KVLayout, style: str) -> None:
             assert backend.wait([w], timeout=120)[w].status.value == "success"
         return _clocked(run)
 
-    load, base = _paired(load_once, copy_once, args.cpu_rounds)
-    _paired_row("cpu_load", nbytes, load, base, goal, tokens=n, slots=style, lanes=args.lanes)
+    load, base = _paired(load_once, copy_back if gpu else copy_once, args.cpu_rounds)
+    src_idx = torch.as_tensor(src_slots, device=args.engine_device)
+    dst_idx = torch.as_tensor(dst_slots, device=args.engine_device)
+    if not all(torch.equal(t[dst_idx], t[src_idx]) for group in bufs for t in group):
+        raise SystemExit(f"{kind}_load ({style}): the loaded slots differ from the stored ones")
+    _paired_row(f"{kind}_load", nbytes, load, base, goal, tokens=n, slots=style,
+                lanes=args.lanes)
     backend.shutdown()
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, gpu: bool) -> None:
+    """``dst.copy_(src)``, finished on the device too when ``gpu``."""
+    dst.copy_(src)
+    if gpu:
+        torch.cuda.synchronize()
 
 
 def bench_ssd(args: argparse.Namespace, layout: KVLayout, directory: Path) -> None:
@@ -286,6 +312,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ssd-dir", default=None,
                    help="directory for the SSD tier (default: a temp dir)")
     p.add_argument("--skip-ssd", action="store_true")
+    p.add_argument("--engine-device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the engine's KV buffers live for the CPU-tier rows (cuda: "
+                        "gpu_store / gpu_load rows, pinned tier)")
     p.add_argument("--slots", default="pages,tokens,sparse",
                    help="slot mapping styles for the CPU rows: pages (shuffled aligned pages, "
                         "as SGLang with page_size == tokens_per_block), tokens (shuffled slots), "

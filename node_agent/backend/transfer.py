@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -76,6 +77,12 @@ MIN_SLICE_ROWS = 16
 LANE_MIN_BYTES = 4 * 1024 * 1024
 #: SSD loads go through a per-thread staging buffer of about this many bytes.
 STAGING_BYTES = 64 * 1024 * 1024
+#: A gather from host rows into device rows moves the span of host rows it reads
+#: to the device in pieces of at most this many bytes and gathers there.
+DEVICE_STAGE_BYTES = 32 * 1024 * 1024
+#: ... when that span holds at most this many times the rows the op reads (else
+#: the host gathers, and the device receives only the rows it needs).
+DEVICE_STAGE_MAX_SPAN = 2
 
 Rows = npt.NDArray[np.int64]
 
@@ -140,6 +147,7 @@ class RowOp:
         "_src_hi",
         "_src_index",
         "_src_np",
+        "_stages",
         "dst_start",
         "kind",
         "length",
@@ -159,6 +167,7 @@ class RowOp:
         self._dst_index = None if self._dst_np is None else torch.from_numpy(self._dst_np)
         self._src_index = None if self._src_np is None else torch.from_numpy(self._src_np)
         self._on: dict[tuple[str, torch.device], torch.Tensor] = {}
+        self._stages: dict[tuple[torch.device, int], list[_Stage] | None] = {}
 
     def index(self, which: str, device: torch.device) -> torch.Tensor:
         """The ``"dst"`` or ``"src"`` row index on ``device``."""
@@ -190,6 +199,10 @@ class RowOp:
                 self._kernel_rows(d_rows, s_rows)
                 return
         d, s, n = self.dst_start, self.src_start, self.length
+        if (kind is OpKind.GATHER or kind is OpKind.GENERAL) and (
+                src.device.type == "cpu" and dst.device.type != "cpu"
+                and self.apply_staged(dst, src)):
+            return
         if kind is OpKind.SLICE:
             dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
         elif kind is OpKind.GATHER:
@@ -204,6 +217,50 @@ class RowOp:
         else:
             rows = src.index_select(0, self.index("src", src.device))
             dst.index_copy_(0, self.index("dst", dst.device), rows.to(dst.device))
+
+    def apply_staged(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
+        """Move this op's rows by copying the span of ``src`` rows it reads to
+        ``dst``'s device in pieces of at most :data:`DEVICE_STAGE_BYTES` (one
+        contiguous transfer each, the copy engine's fast case from pinned memory)
+        and gathering them there; False, moving nothing, when that span holds more
+        than :data:`DEVICE_STAGE_MAX_SPAN` times the rows read.
+
+        What a load of shuffled pages into GPU KV needs: gathering on the host
+        first runs a CPU gather and a transfer from unpinned memory, at a tenth
+        of the copy engine's rate. Transfers are queued on the current stream
+        (the caller synchronises, as every copy does). Fit is checked by
+        :meth:`apply`; called directly, the caller checks it."""
+        row_bytes = src.element_size() * math.prod(src.shape[1:])
+        stages = self._stage_plan(dst.device, max(1, DEVICE_STAGE_BYTES // max(1, row_bytes)))
+        if stages is None:
+            return False
+        for lo, hi, src_rows, dst_rows in stages:
+            staged = src[lo:hi].to(dst.device, non_blocking=True)
+            dst.index_copy_(0, dst_rows, staged.index_select(0, src_rows))
+        return True
+
+    def _stage_plan(self, device: torch.device, cap: int) -> list[_Stage] | None:
+        """The pieces of :meth:`apply_staged` on ``device`` with at most ``cap``
+        rows of span each (built once per device and cap)."""
+        key = (device, cap)
+        if key in self._stages:
+            return self._stages[key]
+        d_rows, s_rows = self.rows()
+        order = np.argsort(s_rows, kind="stable")
+        s, d = s_rows[order], d_rows[order]
+        stages: list[_Stage] | None = None
+        if len(s) and int(s[-1]) - int(s[0]) + 1 <= DEVICE_STAGE_MAX_SPAN * len(s):
+            stages = []
+            i = 0
+            while i < len(s):
+                lo = int(s[i])
+                j = int(np.searchsorted(s, lo + cap, side="left"))
+                stages.append((lo, int(s[j - 1]) + 1,
+                               torch.from_numpy(s[i:j] - lo).to(device),
+                               torch.from_numpy(np.ascontiguousarray(d[i:j])).to(device)))
+                i = j
+        self._stages[key] = stages
+        return stages
 
     def rows(self) -> tuple[Rows, Rows]:
         """``(destination rows, source rows)`` this op moves, one pair per row."""
@@ -233,6 +290,11 @@ class RowOp:
     def __repr__(self) -> str:
         return (f"RowOp({self.kind.value}, dst_start={self.dst_start}, "
                 f"src_start={self.src_start}, length={self.length})")
+
+
+_Stage = tuple[int, int, torch.Tensor, torch.Tensor]
+"""One piece of a staged move: source rows ``[lo, hi)`` sent to the device whole,
+then rows ``src_rows`` (relative to ``lo``) of them put at ``dst_rows``."""
 
 
 def _check_fit(what: object, dst_hi: int, src_hi: int, dst: torch.Tensor,

@@ -99,6 +99,41 @@ def test_random_patterns_move_exactly_the_named_rows(seed: int) -> None:
     assert out.equal(want)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_staged_moves_equal_direct_ones_piece_by_piece(monkeypatch: pytest.MonkeyPatch,
+                                                       seed: int) -> None:
+    """The host-to-device path (span of source rows sent whole, gathered there),
+    run here between CPU tensors: pieces of a few rows, repeated sources, both the
+    gather and the general op give exactly the direct op's rows."""
+    monkeypatch.setattr(transfer, "DEVICE_STAGE_BYTES", 24 * (1 + seed))  # 1..6 rows a piece
+    rng = np.random.default_rng(seed)
+    n = 40
+    src_rows = 2 * rng.permutation(n) + 7  # no two consecutive: no run to slice
+    src_rows[::5] = src_rows[1::5]  # sources may repeat
+    for dst_rows in (np.arange(3, 3 + n), rng.permutation(2 * n)[:n]):
+        g = torch.Generator().manual_seed(seed)
+        src = torch.randint(0, 256, (2 * n + 10, 24), dtype=torch.uint8, generator=g)
+        want = torch.zeros(2 * n + 5, 24, dtype=torch.uint8)
+        got = want.clone()
+        ops = plan_rows(dst_rows, src_rows)
+        assert [op.kind for op in ops] in ([OpKind.GATHER], [OpKind.GENERAL])
+        for op in ops:
+            op.apply(want, src)
+            assert op.apply_staged(got, src)
+        assert got.equal(want)
+        pieces = ops[0]._stage_plan(got.device, 1 + seed)
+        assert pieces is not None and len(pieces) > 1
+        assert all(hi - lo <= 1 + seed for lo, hi, _, _ in pieces)
+        assert sum(len(rows) for _, _, rows, _ in pieces) == n
+
+
+def test_a_staged_move_refuses_a_sparse_span_and_moves_nothing() -> None:
+    [op] = plan_rows(np.arange(4), np.array([0, 900, 17, 400]))
+    dst = torch.zeros(4, 8, dtype=torch.uint8)
+    assert not op.apply_staged(dst, torch.ones(1000, 8, dtype=torch.uint8))
+    assert not dst.any()
+
+
 def test_plan_rows_refuses_unparallel_inputs() -> None:
     with pytest.raises(ValueError, match=r"plan_rows: dst \(3,\) and src \(2,\) must be equal"):
         plan_rows(np.arange(3), np.arange(2))
