@@ -23,6 +23,13 @@ block: 128 KiB per token) on CPU tensors. Rows (one JSON object each):
   memory, versus one ``copy_`` of the same bytes between a GPU tensor and a
   pinned host tensor (the copy engine's best case), each followed by a device
   synchronise.
+* ``--tier-stride K``: ``{cpu,gpu}_store_strided`` / ``..._load_strided`` rows
+  copy through the stage's block copier into and out of every K-th block of the
+  CPU tier (a fragmented tier, where a prompt's blocks are far apart) with
+  shuffled aligned pages on the engine side, against the same flat copies.
+  ``--direct`` runs every row with the plain torch ops instead of the staged
+  host <-> device moves (``transfer.DEVICE_STAGING = False``): the before of
+  those moves, for a same-machine comparison.
 * ``ssd_spill``: the ``put_match`` that spills ``--tokens`` tokens of CPU
   blocks to the SSD tier, versus one ``os.pwrite`` of the same bytes to a file
   in the same directory.
@@ -49,9 +56,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from node_agent.backend import transfer
 from node_agent.backend.config import EmbeddedBackendConfig
+from node_agent.backend.cpu_tier import CpuTier
 from node_agent.backend.embedded import EmbeddedBackend
+from node_agent.backend.planes import register_buffers
+from node_agent.backend.transfer import BlockCopier
 from node_agent.vocab.layout import KVDtype, KVLayout
+from node_agent.vocab.placement import Tier, block_locations
 
 GIB = 1024**3
 
@@ -234,6 +246,36 @@ def bench_cpu(args: argparse.Namespace, layout: KVLayout, style: str) -> None:
     backend.shutdown()
 
 
+def bench_strided(args: argparse.Namespace, layout: KVLayout, stride: int) -> None:
+    """Store into and load from every ``stride``-th CPU tier block through the
+    block copier, against the flat copies of :func:`bench_cpu`."""
+    gpu = args.engine_device == "cuda"
+    n = args.tokens
+    tpb = layout.tokens_per_block
+    nbytes = n * layout.bytes_per_token
+    tier = CpuTier(layout, stride * (n // tpb), pinned=gpu)
+    copier = BlockCopier(layout, tier, None, args.lanes)
+    regs = {0: register_buffers(layout, 0, engine_buffers(layout, 2 * n, args.engine_device))}
+    blocks = list(range(0, stride * (n // tpb), stride))
+    src_slots = torch.as_tensor(slot_mapping("pages", 0, n, tpb, 1))
+    dst_slots = torch.as_tensor(slot_mapping("pages", n, n, tpb, 2))
+    a = torch.empty(nbytes, dtype=torch.uint8, device=args.engine_device).fill_(1)
+    b = torch.empty(nbytes, dtype=torch.uint8, pin_memory=gpu).fill_(2)
+    kind = "gpu" if gpu else "cpu"
+    store, base = _paired(lambda: _clocked(lambda: copier.store(regs, blocks, src_slots)),
+                          lambda: _clocked(lambda: _copy(b, a, gpu)), args.cpu_rounds)
+    _paired_row(f"{kind}_store_strided", nbytes, store, base, 0.8, tokens=n, stride=stride,
+                staged=transfer.DEVICE_STAGING)
+    where = block_locations(Tier.CPU, blocks)
+    load, base = _paired(lambda: _clocked(lambda: copier.load(regs, where, dst_slots)),
+                         lambda: _clocked(lambda: _copy(a, b, gpu)), args.cpu_rounds)
+    _paired_row(f"{kind}_load_strided", nbytes, load, base, 0.8, tokens=n, stride=stride,
+                staged=transfer.DEVICE_STAGING)
+    for plane in regs[0].planes:
+        if not torch.equal(plane[dst_slots.to(plane.device)], plane[src_slots.to(plane.device)]):
+            raise SystemExit(f"{kind}_load_strided: the loaded slots differ from the stored ones")
+
+
 def _copy(dst: torch.Tensor, src: torch.Tensor, gpu: bool) -> None:
     """``dst.copy_(src)``, finished on the device too when ``gpu``."""
     dst.copy_(src)
@@ -312,6 +354,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ssd-dir", default=None,
                    help="directory for the SSD tier (default: a temp dir)")
     p.add_argument("--skip-ssd", action="store_true")
+    p.add_argument("--tier-stride", type=int, default=0,
+                   help="also the *_strided rows: copies into and out of every K-th tier block")
+    p.add_argument("--direct", action="store_true",
+                   help="plain torch ops for host <-> device rows (the staged moves' before)")
     p.add_argument("--engine-device", choices=("cpu", "cuda"), default="cpu",
                    help="where the engine's KV buffers live for the CPU-tier rows (cuda: "
                         "gpu_store / gpu_load rows, pinned tier)")
@@ -321,8 +367,11 @@ def main(argv: list[str] | None = None) -> None:
                         "sparse (shuffled slots spread over twice as many)")
     args = p.parse_args(argv)
     layout = layout_for(args)
-    for style in args.slots.split(","):
+    transfer.DEVICE_STAGING = not args.direct
+    for style in filter(None, args.slots.split(",")):
         bench_cpu(args, layout, style)
+    if args.tier_stride:
+        bench_strided(args, layout, args.tier_stride)
     if not args.skip_ssd:
         with tempfile.TemporaryDirectory(dir=args.ssd_dir, prefix="flexkv-bench-") as d:
             bench_ssd(args, layout, Path(d))

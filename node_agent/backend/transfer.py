@@ -53,7 +53,7 @@ import functools
 import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -83,6 +83,14 @@ DEVICE_STAGE_BYTES = 32 * 1024 * 1024
 #: ... when that span holds at most this many times the rows the op reads (else
 #: the host gathers, and the device receives only the rows it needs).
 DEVICE_STAGE_MAX_SPAN = 2
+#: Pinned host memory each copying thread keeps (allocated at its first use) for
+#: the moves between scattered host rows and a device: two halves, so that one
+#: half is gathered or scattered by the host while the other is in transfer.
+HOST_STAGE_BYTES = 32 * 1024 * 1024
+#: False: host <-> device row ops run plain torch ops instead of the staged moves
+#: (:meth:`RowOp.apply_staged`, :meth:`RowOp.apply_host_gathered`,
+#: :meth:`RowOp.apply_host_scattered`); ``bench/transfer.py --direct`` measures both.
+DEVICE_STAGING = True
 
 Rows = npt.NDArray[np.int64]
 
@@ -144,6 +152,7 @@ class RowOp:
         "_dst_index",
         "_dst_np",
         "_on",
+        "_pieces",
         "_src_hi",
         "_src_index",
         "_src_np",
@@ -168,6 +177,7 @@ class RowOp:
         self._src_index = None if self._src_np is None else torch.from_numpy(self._src_np)
         self._on: dict[tuple[str, torch.device], torch.Tensor] = {}
         self._stages: dict[tuple[torch.device, int], list[_Stage] | None] = {}
+        self._pieces: dict[tuple[str, torch.device, int], list[_Piece]] = {}
 
     def index(self, which: str, device: torch.device) -> torch.Tensor:
         """The ``"dst"`` or ``"src"`` row index on ``device``."""
@@ -189,7 +199,9 @@ class RowOp:
         before any byte moves. Between two CPU tensors of contiguous rows, a
         scatter or general op runs :mod:`.row_kernel` (one GIL-free call, on this
         thread only), and so do a slice and a gather where its streaming-store
-        library is built (``row_kernel.NATIVE``); everything else runs torch ops."""
+        library is built (``row_kernel.NATIVE``). Between host and CUDA memory, a
+        gather or general op into the device and a scatter or general op out of
+        it go through staging (:meth:`_across`); everything else runs torch ops."""
         _check_fit(self, self._dst_hi, self._src_hi, dst, src)
         kind = self.kind
         if kind is OpKind.SCATTER or kind is OpKind.GENERAL or row_kernel.NATIVE:
@@ -199,9 +211,7 @@ class RowOp:
                 self._kernel_rows(d_rows, s_rows)
                 return
         d, s, n = self.dst_start, self.src_start, self.length
-        if (kind is OpKind.GATHER or kind is OpKind.GENERAL) and (
-                src.device.type == "cpu" and dst.device.type != "cpu"
-                and self.apply_staged(dst, src)):
+        if DEVICE_STAGING and src.device.type != dst.device.type and self._across(dst, src):
             return
         if kind is OpKind.SLICE:
             dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
@@ -218,6 +228,19 @@ class RowOp:
             rows = src.index_select(0, self.index("src", src.device))
             dst.index_copy_(0, self.index("dst", dst.device), rows.to(dst.device))
 
+    def _across(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
+        """Move this op's rows between host and CUDA memory through staging where a
+        plain torch op would gather or scatter on the host through unpinned memory;
+        False (nothing moved) where the plain op is the right one."""
+        kind = self.kind
+        if src.device.type == "cpu" and dst.device.type == "cuda":
+            return (kind is OpKind.GATHER or kind is OpKind.GENERAL) and (
+                self.apply_staged(dst, src) or self.apply_host_gathered(dst, src))
+        if src.device.type == "cuda" and dst.device.type == "cpu":
+            return (kind is OpKind.SCATTER or kind is OpKind.GENERAL) and (
+                self.apply_host_scattered(dst, src))
+        return False
+
     def apply_staged(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
         """Move this op's rows by copying the span of ``src`` rows it reads to
         ``dst``'s device in pieces of at most :data:`DEVICE_STAGE_BYTES` (one
@@ -230,14 +253,77 @@ class RowOp:
         of the copy engine's rate. Transfers are queued on the current stream
         (the caller synchronises, as every copy does). Fit is checked by
         :meth:`apply`; called directly, the caller checks it."""
-        row_bytes = src.element_size() * math.prod(src.shape[1:])
-        stages = self._stage_plan(dst.device, max(1, DEVICE_STAGE_BYTES // max(1, row_bytes)))
+        stages = self._stage_plan(dst.device,
+                                  max(1, DEVICE_STAGE_BYTES // _row_bytes(src)))
         if stages is None:
             return False
         for lo, hi, src_rows, dst_rows in stages:
             staged = src[lo:hi].to(dst.device, non_blocking=True)
             dst.index_copy_(0, dst_rows, staged.index_select(0, src_rows))
         return True
+
+    def apply_host_gathered(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
+        """Move this op's host rows ``src`` into ``dst`` (another device) in pieces:
+        the host gathers a piece into one half of this thread's pinned stage
+        (:data:`HOST_STAGE_BYTES`), which goes to the device in one transfer and is
+        put in place there, while the host gathers the next piece into the other
+        half. False, moving nothing, when one row does not fit a half.
+
+        For loads whose tier rows are spread too thinly for :meth:`apply_staged`
+        (a fragmented tier): the alternative, gathering into unpinned memory,
+        transfers at a fraction of the copy engine's rate."""
+        stage = _pinned_stage(dst.device)
+        cap = stage.half // _row_bytes(src)
+        if cap < 1:
+            return False
+        for i, (host_rows, device_rows) in enumerate(self._piece_plan("to", dst.device, cap)):
+            area = stage.area(i % 2, len(host_rows), src)
+            stage.wait(i % 2)  # the half's last transfer has read it
+            torch.index_select(src, 0, torch.from_numpy(host_rows), out=area)
+            moved = area.to(dst.device, non_blocking=True)
+            stage.mark(i % 2, dst.device)
+            dst.index_copy_(0, device_rows, moved)
+        return True
+
+    def apply_host_scattered(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
+        """Move this op's device rows ``src`` into host rows ``dst`` in pieces: the
+        device gathers a piece into one transfer to a half of this thread's pinned
+        stage, and the host scatters it into place while the next piece is in
+        transfer to the other half. False, moving nothing, when one row does not
+        fit a half. For stores into scattered tier blocks (a fragmented tier)."""
+        stage = _pinned_stage(src.device)
+        cap = stage.half // _row_bytes(src)
+        if cap < 1:
+            return False
+        ready: tuple[int, Rows] | None = None
+        for i, (host_rows, device_rows) in enumerate(self._piece_plan("from", src.device, cap)):
+            area = stage.area(i % 2, len(host_rows), src)
+            stage.wait(i % 2)
+            area.copy_(src.index_select(0, device_rows), non_blocking=True)
+            stage.mark(i % 2, src.device)
+            if ready is not None:
+                stage.scatter(ready[0], ready[1], dst)
+            ready = (i % 2, host_rows)
+        if ready is not None:
+            stage.scatter(ready[0], ready[1], dst)
+        return True
+
+    def _piece_plan(self, way: str, device: torch.device, cap: int) -> list[_Piece]:
+        """Pieces of at most ``cap`` rows: ``(host rows, device rows on device)``,
+        in host-row order; ``way`` ``"to"`` the device (host rows are sources) or
+        ``"from"`` it (host rows are destinations). Built once per way, device, cap."""
+        key = (way, device, cap)
+        got = self._pieces.get(key)
+        if got is None:
+            d_rows, s_rows = self.rows()
+            host, dev = (s_rows, d_rows) if way == "to" else (d_rows, s_rows)
+            order = np.argsort(host, kind="stable")
+            host, dev = host[order], dev[order]
+            got = self._pieces[key] = [
+                (np.ascontiguousarray(host[i:i + cap]),
+                 torch.from_numpy(np.ascontiguousarray(dev[i:i + cap])).to(device))
+                for i in range(0, len(host), cap)]
+        return got
 
     def _stage_plan(self, device: torch.device, cap: int) -> list[_Stage] | None:
         """The pieces of :meth:`apply_staged` on ``device`` with at most ``cap``
@@ -295,6 +381,60 @@ class RowOp:
 _Stage = tuple[int, int, torch.Tensor, torch.Tensor]
 """One piece of a staged move: source rows ``[lo, hi)`` sent to the device whole,
 then rows ``src_rows`` (relative to ``lo``) of them put at ``dst_rows``."""
+_Piece = tuple[Rows, torch.Tensor]
+"""One piece of a move through the pinned stage: host rows, device rows (on the device)."""
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    return max(1, t.element_size() * math.prod(t.shape[1:]))
+
+
+class _PinnedStage:
+    """One thread's staging memory for host <-> device row moves: two halves, each
+    with the event of the last transfer that used it (pinned and evented only for
+    CUDA devices; plain memory and no events otherwise, which tests use)."""
+
+    def __init__(self, nbytes: int, cuda: bool) -> None:
+        self.half = nbytes // 2 // 64 * 64
+        self.buf = torch.empty(2 * self.half, dtype=torch.uint8, pin_memory=cuda)
+        self.events: list[Any] = [None, None]
+
+    def area(self, h: int, rows: int, like: torch.Tensor) -> torch.Tensor:
+        """``rows`` rows shaped like ``like``'s at the start of half ``h``."""
+        raw = self.buf[h * self.half:h * self.half + rows * _row_bytes(like)]
+        return raw.view(like.dtype).view(rows, *like.shape[1:])
+
+    def wait(self, h: int) -> None:
+        """Until the last transfer that used half ``h`` has finished."""
+        ev = self.events[h]
+        if ev is not None:
+            ev.synchronize()
+
+    def mark(self, h: int, device: torch.device) -> None:
+        """Half ``h`` is in a transfer just queued on ``device``'s current stream."""
+        if device.type == "cuda":
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(device))
+            self.events[h] = ev
+
+    def scatter(self, h: int, host_rows: Rows, dst: torch.Tensor) -> None:
+        """Put half ``h``'s rows (once their transfer finished) at ``host_rows``."""
+        self.wait(h)
+        dst.index_copy_(0, torch.from_numpy(host_rows), self.area(h, len(host_rows), dst))
+
+
+_stages_local = threading.local()
+
+
+def _pinned_stage(device: torch.device) -> _PinnedStage:
+    """This thread's :class:`_PinnedStage` for moves with ``device``."""
+    cuda = device.type == "cuda"
+    key = "cuda" if cuda else "plain"
+    got: _PinnedStage | None = getattr(_stages_local, key, None)
+    if got is None or got.half != HOST_STAGE_BYTES // 2 // 64 * 64:
+        got = _PinnedStage(HOST_STAGE_BYTES, cuda)
+        setattr(_stages_local, key, got)
+    return got
 
 
 def _check_fit(what: object, dst_hi: int, src_hi: int, dst: torch.Tensor,

@@ -127,6 +127,41 @@ def test_staged_moves_equal_direct_ones_piece_by_piece(monkeypatch: pytest.Monke
         assert sum(len(rows) for _, _, rows, _ in pieces) == n
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_moves_through_the_two_half_stage_equal_direct_ones(
+        monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
+    """The host-gathered (into a device) and host-scattered (out of one) moves, run
+    here between CPU tensors: pieces of a few rows alternate between the stage's
+    two halves, and every kind of op gives exactly the direct op's rows."""
+    monkeypatch.setattr(transfer, "HOST_STAGE_BYTES", 2 * 64 * (1 + seed))  # 2..5 rows a half
+    rng = np.random.default_rng(seed)
+    n = 33
+    patterns = [(np.arange(5, 5 + n), 3 * rng.permutation(n)),  # gather, sparse sources
+                (rng.permutation(3 * n)[:n], np.arange(n)),  # scatters
+                (rng.permutation(3 * n)[:n], 3 * rng.permutation(n))]  # one general op
+    for dst_rows, src_rows in patterns:
+        g = torch.Generator().manual_seed(seed)
+        src = torch.randint(0, 256, (3 * n, 24), dtype=torch.uint8, generator=g)
+        want = torch.zeros(3 * n + 5, 24, dtype=torch.uint8)
+        gathered, scattered = want.clone(), want.clone()
+        for op in plan_rows(dst_rows, src_rows):
+            op.apply(want, src)
+            assert op.apply_host_gathered(gathered, src)
+            assert op.apply_host_scattered(scattered, src)
+        assert gathered.equal(want) and scattered.equal(want)
+
+
+def test_a_row_wider_than_half_the_stage_is_refused_and_moves_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(transfer, "HOST_STAGE_BYTES", 64)
+    [op] = plan_rows(np.arange(4), np.array([3, 0, 2, 1]))
+    dst = torch.zeros(4, 64, dtype=torch.uint8)
+    src = torch.ones(4, 64, dtype=torch.uint8)
+    assert not op.apply_host_gathered(dst, src)
+    assert not op.apply_host_scattered(dst, src)
+    assert not dst.any()
+
+
 def test_a_staged_move_refuses_a_sparse_span_and_moves_nothing() -> None:
     [op] = plan_rows(np.arange(4), np.array([0, 900, 17, 400]))
     dst = torch.zeros(4, 8, dtype=torch.uint8)
