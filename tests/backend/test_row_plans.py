@@ -167,6 +167,13 @@ def test_a_staged_move_refuses_a_sparse_span_and_moves_nothing() -> None:
     dst = torch.zeros(4, 8, dtype=torch.uint8)
     assert not op.apply_staged(dst, torch.ones(1000, 8, dtype=torch.uint8))
     assert not dst.any()
+    # The limit: a span of DEVICE_STAGE_MAX_SPAN times the rows read is taken.
+    n, k = 2, transfer.DEVICE_STAGE_MAX_SPAN
+    [taken] = plan_rows(np.arange(n), np.array([k * n - 1, 0]))
+    [refused] = plan_rows(np.arange(n), np.array([k * n, 0]))
+    src = torch.arange(k * n + 1, dtype=torch.uint8)[:, None].expand(-1, 8).contiguous()
+    assert not refused.apply_staged(dst, src) and not dst.any()
+    assert taken.apply_staged(dst, src) and dst[:n, 0].tolist() == [k * n - 1, 0]
 
 
 def test_plan_rows_refuses_unparallel_inputs() -> None:
