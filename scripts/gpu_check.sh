@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU host check, minutes: the CUDA IPC path and, where SGLang imports, one SGLang
+# GPU host check, minutes: the CUDA IPC path, copies between CUDA planes and a
+# pinned tier, and, where SGLang imports, one SGLang
 # request through the flexkv-agent plugin with a small generated model.
 #   GPU_PYTHON=/path/to/python bash scripts/gpu_check.sh
 # GPU_PYTHON (default python3) must have a CUDA build of torch (and SGLang for the
@@ -30,8 +31,9 @@ if [ ! -f "$stamp" ]; then
   touch "$stamp"
 fi
 
-echo "== CUDA IPC handles (tests/agent/test_engine_transport.py -k cuda)"
-"$venv/bin/python" -m pytest -q -p no:cacheprovider tests/agent/test_engine_transport.py -k cuda
+echo "== CUDA IPC handles and GPU <-> tier copies (-k 'cuda or gpu')"
+"$venv/bin/python" -m pytest -q -p no:cacheprovider tests/agent/test_engine_transport.py \
+  tests/backend/test_row_plans.py -k "cuda or gpu"
 echo "== CUDA KV buffers through the SGLang plugin's connector and a real agent"
 "$venv/bin/python" scripts/gpu_check.py ipc
 if "$venv/bin/python" -c 'import sglang.srt.plugins' 2>/dev/null; then

@@ -236,8 +236,12 @@ class RowOp:
         False (nothing moved) where the plain op is the right one."""
         kind = self.kind
         if src.device.type == "cpu" and dst.device.type == "cuda":
-            return (kind is OpKind.GATHER or kind is OpKind.GENERAL) and (
-                self.apply_staged(dst, src) or self.apply_host_gathered(dst, src))
+            if kind is not OpKind.GATHER and kind is not OpKind.GENERAL:
+                return False
+            # A span from unpinned memory (an engine reading a shared tier) goes
+            # through the driver's own staging: only the rows read are sent then.
+            return bool(src.is_pinned() and self.apply_staged(dst, src)) or (
+                self.apply_host_gathered(dst, src))
         if src.device.type == "cuda" and dst.device.type == "cpu":
             return (kind is OpKind.SCATTER or kind is OpKind.GENERAL) and (
                 self.apply_host_scattered(dst, src))
@@ -247,8 +251,10 @@ class RowOp:
         """Move this op's rows by copying the span of ``src`` rows it reads to
         ``dst``'s device in pieces of at most :data:`DEVICE_STAGE_BYTES` (one
         contiguous transfer each, the copy engine's fast case from pinned memory)
-        and gathering them there; False, moving nothing, when that span holds more
-        than :data:`DEVICE_STAGE_MAX_SPAN` times the rows read.
+        and gathering them there. False when that span holds more than
+        :data:`DEVICE_STAGE_MAX_SPAN` times the rows read (nothing moved), or when
+        the device has no memory for a piece (earlier pieces moved: the caller
+        moves every row again, which rewrites them with the same bytes).
 
         What a load of shuffled pages into GPU KV needs: gathering on the host
         first runs a CPU gather and a transfer from unpinned memory, at a tenth
@@ -259,9 +265,14 @@ class RowOp:
                                   max(1, DEVICE_STAGE_BYTES // _row_bytes(src)))
         if stages is None:
             return False
-        for lo, hi, src_rows, dst_rows in stages:
-            staged = src[lo:hi].to(dst.device, non_blocking=True)
-            dst.index_copy_(0, dst_rows, staged.index_select(0, src_rows))
+        try:
+            for lo, hi, src_rows, dst_rows in stages:
+                staged = src[lo:hi].to(dst.device, non_blocking=True)
+                dst.index_copy_(0, dst_rows, staged.index_select(0, src_rows))
+        except torch.cuda.OutOfMemoryError:
+            # The device could not hold a piece's span: the caller moves the rows
+            # another way (rewriting rows already moved with the same bytes).
+            return False
         return True
 
     def apply_host_gathered(self, dst: torch.Tensor, src: torch.Tensor) -> bool:

@@ -134,7 +134,9 @@ REF_COUNTER_SLOTS = 10_000
 #: torch's storage-sharing handle: a version byte, a kind byte, then the kind's data.
 _KIND_CUDA_MALLOC = ord("c")
 _KIND_EXPANDABLE_SEGMENT = ord("e")
-_REF_COUNTER_NAME = re.compile(rb"/[A-Za-z0-9_.-]{1,250}")
+#: torch names its counter files ``/torch_<pid>_<random>_<n>``; any other name could
+#: be another process's shared memory, which torch would decrement and may unlink.
+_REF_COUNTER_NAME = re.compile(rb"/torch_[0-9]{1,10}_[0-9]{1,20}_[0-9]{1,20}")
 
 
 def _memory_handle(raw: bytes) -> bytes:
@@ -167,12 +169,13 @@ def _memory_handle(raw: bytes) -> bytes:
 
 def _ref_counter_name(raw: bytes) -> bytes:
     """The ``refCounterHandle`` field: the name of torch's shared reference-counter
-    file, such as ``/torch_1234_5678_0``."""
+    file, such as ``/torch_474_3869516404_0``."""
     if not _REF_COUNTER_NAME.fullmatch(raw):
         raise HandleError(
-            f"cuda_ipc handle field 'refCounterHandle' is {raw[:64]!r}, not the name of a "
-            "shared-memory file ('/' and up to 250 letters, digits, '_', '.' or '-'); send "
-            "the handle cuda_handle() exported, unchanged")
+            f"cuda_ipc handle field 'refCounterHandle' is {raw[:64]!r}, not the name of "
+            "torch's reference-counter file (/torch_<pid>_<random>_<n>); the agent would "
+            "decrement a counter in that shared memory when it drops the buffer. Send the "
+            "handle cuda_handle() exported, unchanged")
     return raw
 
 
@@ -364,29 +367,54 @@ def _open_cuda(h: dict[str, Any]) -> OpenedBuffer:
 
 def _check_inside_allocation(storage: torch.UntypedStorage, f: CudaHandleFields) -> None:
     """Refuse a handle whose ``storageOffsetBytes`` + ``storageSize`` reach past the
-    exported allocation: copies through it would read or write memory the engine
-    never shared (another tensor's, or none, which faults the agent's CUDA context).
-    """
-    base, size = _address_range(storage.data_ptr(), f.device)
-    end = storage.data_ptr() + f.storage_size
-    if base is None or end > base + size:
-        held = "no allocation" if base is None else (
-            f"an allocation of {size} bytes at offset {storage.data_ptr() - base}")
+    allocation it exported: copies through it would read or write memory the engine
+    never shared (another tensor's or another engine's, or none, which faults the
+    agent's CUDA context). The allocation is the one torch mapped for the handle,
+    found from the mapped base (the storage's address less its offset), so an
+    offset that lands inside some other allocation of the agent is refused too."""
+    mapped = storage.data_ptr() - f.storage_offset_bytes
+    base, size = _address_range(mapped, f.device)
+    if base != mapped or f.storage_offset_bytes + f.storage_size > size:
+        held = ("no allocation at its mapped base" if base is None else
+                f"an allocation of {size} bytes" if base == mapped else
+                "not the start of an allocation")
         raise HandleError(
             f"cuda_ipc handle claims {f.storage_size} bytes at storage offset "
             f"{f.storage_offset_bytes} on device {f.device}, but the exported memory is "
             f"{held}; send the handle cuda_handle() exported, unchanged")
 
 
+#: ``CUDA_ERROR_NOT_FOUND``: ``cuMemGetAddressRange`` of an address in no allocation.
+_CUDA_ERROR_NOT_FOUND = 500
+_libcuda: ctypes.CDLL | None = None
+
+
 def _address_range(ptr: int, device: int) -> tuple[int | None, int]:
     """``(base, size)`` of the device allocation holding ``ptr`` (the driver's
-    ``cuMemGetAddressRange``), or ``(None, 0)`` when ``ptr`` is in none."""
-    lib = ctypes.CDLL("libcuda.so.1")
+    ``cuMemGetAddressRange``), or ``(None, 0)`` when ``ptr`` is in none.
+    ``HandleError`` when the driver cannot be asked or answers another error."""
+    global _libcuda
+    try:
+        if _libcuda is None:
+            _libcuda = ctypes.CDLL("libcuda.so.1")
+        get_range = _libcuda.cuMemGetAddressRange_v2
+    except (OSError, AttributeError) as exc:
+        raise HandleError(
+            f"cuda_ipc handle cannot be checked: the CUDA driver library is not usable "
+            f"({exc}); run the agent with the NVIDIA runtime") from exc
     base, size = ctypes.c_uint64(), ctypes.c_size_t()
     with torch.cuda.device(device):
-        rc = lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
-                                         ctypes.c_uint64(ptr))
-    return (int(base.value), int(size.value)) if rc == 0 else (None, 0)
+        # A runtime call that needs the device's context binds it to this thread
+        # (a pool thread may have none yet); the driver call below needs it.
+        torch.cuda.current_stream(device).query()
+        rc = int(get_range(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr)))
+    if rc == _CUDA_ERROR_NOT_FOUND:
+        return None, 0
+    if rc != 0:
+        raise HandleError(
+            f"cuda_ipc handle cannot be checked: cuMemGetAddressRange answered CUDA error "
+            f"{rc} on device {device}; the exporting engine must run on this node")
+    return int(base.value), int(size.value)
 
 
 def cuda_handle(t: torch.Tensor) -> dict[str, Any]:

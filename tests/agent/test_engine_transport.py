@@ -18,7 +18,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -379,7 +379,11 @@ _GOOD_CUDA = {
     ({"refCounterHandle": "ü"}, "field 'refCounterHandle' is not valid base64"),
     ({"refCounterHandle": "AAAA"}, "'refCounterHandle' is b'\\x00\\x00\\x00', not the name"),
     ({"refCounterHandle": _b64(b"torch_1")}, "'refCounterHandle' is b'torch_1', not the name"),
-    ({"refCounterHandle": _b64(b"/torch_1\x00x")}, "not the name of a shared-memory file"),
+    ({"refCounterHandle": _b64(b"/torch_1_2_0\x00x")}, "not the name of torch's reference"),
+    # Another process's shared memory: an engine's KV segment, a multiprocessing one.
+    ({"refCounterHandle": _b64(b"/flexkv-4242-ab12")}, "not the name of torch's reference"),
+    ({"refCounterHandle": _b64(b"/psm_1a2b3c")}, "would decrement a counter in that shared"),
+    ({"refCounterHandle": _b64(b"/torch_1_2")}, "(/torch_<pid>_<random>_<n>)"),
     ({"stride": [8]}, "stride [8] must be a list of ints >= 0, one per dimension"),
     ({"stride": [8, "1"]}, "stride [8, '1'] must be a list"),
     ({"eventSyncRequired": "yes"}, "'eventSyncRequired' is 'yes'; it must be true or false"),
@@ -406,6 +410,50 @@ def test_well_formed_cuda_handle_fields_parse() -> None:
     legacy = cuda_handle_fields(dict(_GOOD_CUDA, handle=_b64(bytes(range(64))),
                                      eventSyncRequired=True, eventHandle=_b64(bytes(64))))
     assert legacy.handle == bytes(range(64)) and legacy.event_handle == bytes(64)
+
+
+class _Mapped:
+    """Stands in for the storage torch mapped: only its address is read."""
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+@pytest.mark.parametrize(("offset", "size", "driver", "fragment"), [
+    (4096, 8192, (0x10000, 1 << 20), None),  # inside the export: taken
+    (0, 1 << 20, (0x10000, 1 << 20), None),  # the whole export
+    (4096, 1 << 20, (0x10000, 1 << 20), "is an allocation of 1048576 bytes"),
+    # The offset lands in another allocation: its range starts elsewhere.
+    (1 << 30, 64, (0x10000 + (1 << 30) - 64, 4096), "not the start of an allocation"),
+    (1 << 30, 64, (0x10000, 1 << 20), "is an allocation of 1048576 bytes"),
+    (0, 64, None, "no allocation at its mapped base"),
+])
+def test_cuda_storage_must_lie_inside_the_allocation_it_exported(
+        monkeypatch: pytest.MonkeyPatch, offset: int, size: int,
+        driver: tuple[int, int] | None, fragment: str | None) -> None:
+    """The check's arithmetic, with the driver's answer for the mapped base given
+    (the CUDA driver is the boundary faked here; a GPU host runs the real one in
+    test_unopenable_cuda_handles_are_refused_without_a_crash)."""
+    from node_agent.engine_api import buffers
+
+    asked: list[int] = []
+
+    def address_range(ptr: int, device: int) -> tuple[int | None, int]:
+        asked.append(ptr)
+        return driver if driver is not None else (None, 0)
+
+    monkeypatch.setattr(buffers, "_address_range", address_range)
+    f = cuda_handle_fields(dict(_GOOD_CUDA, storageOffsetBytes=offset, storageSize=size))
+    storage = cast(torch.UntypedStorage, _Mapped(0x10000 + offset))
+    if fragment is None:
+        buffers._check_inside_allocation(storage, f)
+    else:
+        with pytest.raises(HandleError, match=re.escape(fragment)):
+            buffers._check_inside_allocation(storage, f)
+    assert asked == [0x10000]  # the mapped base, not the storage's own address
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
@@ -464,8 +512,10 @@ def test_unopenable_cuda_handles_are_refused_without_a_crash() -> None:
         # A real export whose sizes reach past the allocation the engine shared.
         "past the allocation": (dict(good, storageSize=good["storageSize"] * 64, **one_d),
                                 "but the exported memory is an allocation of"),
+        # The storage would start far outside the export (where another allocation
+        # of the opening process may be): refused from the export's own size.
         "offset past the allocation": (dict(good, storageOffsetBytes=1 << 40, **one_d),
-                                       "but the exported memory is no allocation"),
+                                       "but the exported memory is an allocation of"),
         "device the agent lacks": (dict(good, device=torch.cuda.device_count()),
                                    "CUDA device(s); give the agent every GPU"),
     }

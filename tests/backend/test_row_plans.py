@@ -153,13 +153,16 @@ def test_moves_through_the_two_half_stage_equal_direct_ones(
 
 def test_a_row_wider_than_half_the_stage_is_refused_and_moves_nothing(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(transfer, "HOST_STAGE_BYTES", 64)
+    monkeypatch.setattr(transfer, "HOST_STAGE_BYTES", 256)  # halves of 128 bytes
     [op] = plan_rows(np.arange(4), np.array([3, 0, 2, 1]))
-    dst = torch.zeros(4, 64, dtype=torch.uint8)
-    src = torch.ones(4, 64, dtype=torch.uint8)
+    dst = torch.zeros(4, 256, dtype=torch.uint8)
+    src = torch.ones(4, 256, dtype=torch.uint8)
     assert not op.apply_host_gathered(dst, src)
     assert not op.apply_host_scattered(dst, src)
     assert not dst.any()
+    # Rows of exactly half the stage move, one a piece.
+    narrow_dst, narrow_src = dst[:, :128].contiguous(), src[:, :128].contiguous()
+    assert op.apply_host_gathered(narrow_dst, narrow_src) and narrow_dst.all()
 
 
 def test_a_staged_move_refuses_a_sparse_span_and_moves_nothing() -> None:
@@ -316,3 +319,47 @@ def test_page_size_one_round_trip_and_bad_scattered_slots_write_nothing(
             assert x.equal(y)
     finally:
         b.shutdown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("stride", "pages"), [(1, True), (3, True), (9, True), (9, False)])
+def test_gpu_planes_round_trip_through_a_strided_pinned_tier(
+        monkeypatch: pytest.MonkeyPatch, stride: int, pages: bool) -> None:
+    """CUDA engine planes stored into and loaded from every ``stride``-th block of a
+    pinned tier, with stages of a few rows so that pieces alternate between the
+    pinned halves many times: the loaded slots equal the stored ones bit for bit,
+    through the span transfer (stride 1 and 3) and the pinned stage (stride 9)."""
+    from node_agent.backend.cpu_tier import CpuTier
+    from node_agent.backend.planes import register_buffers
+    from node_agent.backend.transfer import BlockCopier
+    from node_agent.vocab.placement import block_locations
+
+    layout = small_layout()
+    tpb = layout.tokens_per_block
+    n_blocks = 24
+    n = n_blocks * tpb
+    monkeypatch.setattr(transfer, "HOST_STAGE_BYTES", 8 * tpb * layout.row_elems * 2)
+    monkeypatch.setattr(transfer, "DEVICE_STAGE_BYTES", 3 * tpb * layout.row_elems * 2)
+    tier = CpuTier(layout, stride * n_blocks, pinned=True)
+    assert tier.pool.is_pinned()
+    shape = (3 * n, layout.heads_per_rank, layout.head_size)
+    g = torch.Generator(device="cuda").manual_seed(stride)
+    bufs = [[torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16)
+             for _ in range(layout.num_layers)] for _ in range(2)]
+    regs = {0: register_buffers(layout, 0, bufs)}
+    copier = BlockCopier(layout, tier, None)
+    rng = np.random.default_rng(stride)
+    if pages:
+        order = rng.permutation(n_blocks)
+        src = (order[:, None] * tpb + np.arange(tpb)).reshape(-1)
+        dst = ((rng.permutation(2 * n_blocks)[:n_blocks] + n_blocks)[:, None] * tpb
+               + np.arange(tpb)).reshape(-1)
+    else:
+        src, dst = rng.permutation(n), n + rng.permutation(2 * n)[:n]
+    blocks = list(range(0, stride * n_blocks, stride))
+    copier.store(regs, blocks, torch.as_tensor(src))
+    copier.load(regs, block_locations(Tier.CPU, blocks), torch.as_tensor(dst))
+    s_idx, d_idx = torch.as_tensor(src, device="cuda"), torch.as_tensor(dst, device="cuda")
+    for plane in regs[0].planes:
+        assert torch.equal(plane[d_idx], plane[s_idx])
+
