@@ -180,6 +180,8 @@ def test_a_client_dripping_its_request_is_cut_off_at_the_exchange_bound(
                 reply = slow.recv(512)
             except TimeoutError:
                 continue
+            except OSError:  # reset: the server closed with this request unread
+                pass
             break
         # Cut off (a refusal without a descriptor, or end of stream) before the
         # whole request reached the server.
