@@ -156,8 +156,8 @@ def _memory_handle(raw: bytes) -> bytes:
         raise HandleError(
             "cuda_ipc handle field 'handle' is an expandable-segment handle; the agent opens "
             "only buffers allocated by plain cudaMalloc. Start the engine without "
-            "expandable_segments in PYTORCH_CUDA_ALLOC_CONF, or allocate its KV cache "
-            "outside torch's expandable segments")
+            "expandable_segments:True in PYTORCH_CUDA_ALLOC_CONF (or PYTORCH_ALLOC_CONF), "
+            "or allocate its KV cache outside torch's expandable segments")
     if len(raw) != CUDA_IPC_HANDLE_BYTES + 2 or raw[1] != _KIND_CUDA_MALLOC or raw[0] == 0:
         raise HandleError(
             f"cuda_ipc handle field 'handle' holds {len(raw)} bytes that are not a torch CUDA "

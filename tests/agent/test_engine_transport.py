@@ -375,7 +375,7 @@ _GOOD_CUDA = {
     ({"handle": _b64(b"\x02c" + bytes(63))}, "'handle' holds 65 bytes that are not"),
     ({"handle": _b64(b"\x02e" + bytes(64))}, "is an expandable-segment handle; the agent "
                                              "opens only buffers allocated by plain cudaMalloc"),
-    ({"handle": _b64(b"\x02e")}, "expandable_segments in PYTORCH_CUDA_ALLOC_CONF"),
+    ({"handle": _b64(b"\x02e")}, "expandable_segments:True in PYTORCH_CUDA_ALLOC_CONF"),
     ({"refCounterHandle": "ü"}, "field 'refCounterHandle' is not valid base64"),
     ({"refCounterHandle": "AAAA"}, "'refCounterHandle' is b'\\x00\\x00\\x00', not the name"),
     ({"refCounterHandle": _b64(b"torch_1")}, "'refCounterHandle' is b'torch_1', not the name"),
