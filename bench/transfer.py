@@ -183,8 +183,6 @@ def bench_cpu(args: argparse.Namespace, layout: KVLayout, style: str) -> None:
     """CPU tier store and load versus a flat torch copy, with ``style`` slot mappings
     (engine buffers on ``args.engine_device``)."""
     gpu = args.engine_device == "cuda"
-    if gpu and not torch.cuda.is_available():
-        raise SystemExit("--engine-device cuda needs a CUDA build of torch and a GPU")
     n = args.tokens
     nbytes = n * layout.bytes_per_token
     cfg = EmbeddedBackendConfig(layout=layout, cpu_bytes=nbytes * 2, pinned=True,
@@ -197,15 +195,8 @@ def bench_cpu(args: argparse.Namespace, layout: KVLayout, style: str) -> None:
     tpb = layout.tokens_per_block
     src_slots = slot_mapping(style, 0, n, tpb, 1)
     dst_slots = slot_mapping(style, spread * n, n, tpb, 2)
-    a = torch.empty(nbytes, dtype=torch.uint8, device=args.engine_device).fill_(1)
-    b = torch.empty(nbytes, dtype=torch.uint8, pin_memory=gpu).fill_(2)
+    copy_once, copy_back = _flat_copies(nbytes, args.engine_device)
     rng = np.random.default_rng(0)
-
-    def copy_once() -> Clocked:
-        return _clocked(lambda: _copy(b, a, gpu))
-
-    def copy_back() -> Clocked:
-        return _clocked(lambda: _copy(a, b, gpu))
 
     def store_once() -> Clocked:
         backend.reset()
@@ -259,16 +250,15 @@ def bench_strided(args: argparse.Namespace, layout: KVLayout, stride: int) -> No
     blocks = list(range(0, stride * (n // tpb), stride))
     src_slots = torch.as_tensor(slot_mapping("pages", 0, n, tpb, 1))
     dst_slots = torch.as_tensor(slot_mapping("pages", n, n, tpb, 2))
-    a = torch.empty(nbytes, dtype=torch.uint8, device=args.engine_device).fill_(1)
-    b = torch.empty(nbytes, dtype=torch.uint8, pin_memory=gpu).fill_(2)
+    copy_once, copy_back = _flat_copies(nbytes, args.engine_device)
     kind = "gpu" if gpu else "cpu"
     store, base = _paired(lambda: _clocked(lambda: copier.store(regs, blocks, src_slots)),
-                          lambda: _clocked(lambda: _copy(b, a, gpu)), args.cpu_rounds)
+                          copy_once, args.cpu_rounds)
     _paired_row(f"{kind}_store_strided", nbytes, store, base, 0.8, tokens=n, stride=stride,
                 staged=transfer.DEVICE_STAGING)
     where = block_locations(Tier.CPU, blocks)
     load, base = _paired(lambda: _clocked(lambda: copier.load(regs, where, dst_slots)),
-                         lambda: _clocked(lambda: _copy(a, b, gpu)), args.cpu_rounds)
+                         copy_back, args.cpu_rounds)
     _paired_row(f"{kind}_load_strided", nbytes, load, base, 0.8, tokens=n, stride=stride,
                 staged=transfer.DEVICE_STAGING)
     for plane in regs[0].planes:
@@ -276,11 +266,20 @@ def bench_strided(args: argparse.Namespace, layout: KVLayout, stride: int) -> No
             raise SystemExit(f"{kind}_load_strided: the loaded slots differ from the stored ones")
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor, gpu: bool) -> None:
-    """``dst.copy_(src)``, finished on the device too when ``gpu``."""
-    dst.copy_(src)
-    if gpu:
-        torch.cuda.synchronize()
+def _flat_copies(nbytes: int, device: str) -> tuple[Callable[[], Clocked],
+                                                     Callable[[], Clocked]]:
+    """The baselines: one ``copy_`` of ``nbytes`` out of a tensor on ``device`` into
+    host memory (pinned for cuda) and one back, each finished on the device too."""
+    gpu = device == "cuda"
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    b = torch.empty(nbytes, dtype=torch.uint8, pin_memory=gpu).fill_(2)
+
+    def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+        if gpu:
+            torch.cuda.synchronize()
+
+    return (lambda: _clocked(lambda: copy(b, a))), (lambda: _clocked(lambda: copy(a, b)))
 
 
 def bench_ssd(args: argparse.Namespace, layout: KVLayout, directory: Path) -> None:
@@ -366,6 +365,8 @@ def main(argv: list[str] | None = None) -> None:
                         "as SGLang with page_size == tokens_per_block), tokens (shuffled slots), "
                         "sparse (shuffled slots spread over twice as many)")
     args = p.parse_args(argv)
+    if args.engine_device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--engine-device cuda needs a CUDA build of torch and a GPU")
     layout = layout_for(args)
     transfer.DEVICE_STAGING = not args.direct
     for style in filter(None, args.slots.split(",")):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU host check, minutes: the CUDA IPC path, copies between CUDA planes and a
-# pinned tier, and, where SGLang imports, one SGLang
-# request through the flexkv-agent plugin with a small generated model.
+# pinned tier, and, where SGLang imports, one SGLang request through the
+# flexkv-agent plugin with a small generated model.
 #   GPU_PYTHON=/path/to/python bash scripts/gpu_check.sh
 # GPU_PYTHON (default python3) must have a CUDA build of torch (and SGLang for the
 # second part). The check builds .venv-gpu on top of it (--system-site-packages;

@@ -328,10 +328,7 @@ class RowOp:
         key = (way, device, cap)
         got = self._pieces.get(key)
         if got is None:
-            d_rows, s_rows = self.rows()
-            host, dev = (s_rows, d_rows) if way == "to" else (d_rows, s_rows)
-            order = np.argsort(host, kind="stable")
-            host, dev = host[order], dev[order]
+            host, dev = self._sorted_by("src" if way == "to" else "dst")
             got = self._pieces[key] = [
                 (np.ascontiguousarray(host[i:i + cap]),
                  torch.from_numpy(np.ascontiguousarray(dev[i:i + cap])).to(device))
@@ -344,9 +341,7 @@ class RowOp:
         key = (device, cap)
         if key in self._stages:
             return self._stages[key]
-        d_rows, s_rows = self.rows()
-        order = np.argsort(s_rows, kind="stable")
-        s, d = s_rows[order], d_rows[order]
+        s, d = self._sorted_by("src")
         stages: list[_Stage] | None = None
         if len(s) and int(s[-1]) - int(s[0]) + 1 <= DEVICE_STAGE_MAX_SPAN * len(s):
             stages = []
@@ -360,6 +355,14 @@ class RowOp:
                 i = j
         self._stages[key] = stages
         return stages
+
+    def _sorted_by(self, side: str) -> tuple[Rows, Rows]:
+        """``(rows of side, the other side's rows)``, ordered by ``side``'s rows
+        (``"src"`` or ``"dst"``; stable, so repeated sources keep their order)."""
+        d_rows, s_rows = self.rows()
+        key, other = (s_rows, d_rows) if side == "src" else (d_rows, s_rows)
+        order = np.argsort(key, kind="stable")
+        return key[order], other[order]
 
     def rows(self) -> tuple[Rows, Rows]:
         """``(destination rows, source rows)`` this op moves, one pair per row."""
@@ -408,6 +411,7 @@ class _PinnedStage:
     CUDA devices; plain memory and no events otherwise, which tests use)."""
 
     def __init__(self, nbytes: int, cuda: bool) -> None:
+        self.nbytes = nbytes
         self.half = nbytes // 2 // 64 * 64
         self.buf = torch.empty(2 * self.half, dtype=torch.uint8, pin_memory=cuda)
         self.events: list[Any] = [None, None]
@@ -444,7 +448,7 @@ def _pinned_stage(device: torch.device) -> _PinnedStage:
     cuda = device.type == "cuda"
     key = "cuda" if cuda else "plain"
     got: _PinnedStage | None = getattr(_stages_local, key, None)
-    if got is None or got.half != HOST_STAGE_BYTES // 2 // 64 * 64:
+    if got is None or got.nbytes != HOST_STAGE_BYTES:
         got = _PinnedStage(HOST_STAGE_BYTES, cuda)
         setattr(_stages_local, key, got)
     return got

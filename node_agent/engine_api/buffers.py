@@ -21,6 +21,7 @@ import base64
 import binascii
 import contextlib
 import ctypes
+import functools
 import math
 import mmap
 import re
@@ -386,18 +387,20 @@ def _check_inside_allocation(storage: torch.UntypedStorage, f: CudaHandleFields)
 
 #: ``CUDA_ERROR_NOT_FOUND``: ``cuMemGetAddressRange`` of an address in no allocation.
 _CUDA_ERROR_NOT_FOUND = 500
-_libcuda: ctypes.CDLL | None = None
+
+
+@functools.cache
+def _libcuda() -> ctypes.CDLL:
+    """The CUDA driver library, loaded once."""
+    return ctypes.CDLL("libcuda.so.1")
 
 
 def _address_range(ptr: int, device: int) -> tuple[int | None, int]:
     """``(base, size)`` of the device allocation holding ``ptr`` (the driver's
     ``cuMemGetAddressRange``), or ``(None, 0)`` when ``ptr`` is in none.
     ``HandleError`` when the driver cannot be asked or answers another error."""
-    global _libcuda
     try:
-        if _libcuda is None:
-            _libcuda = ctypes.CDLL("libcuda.so.1")
-        get_range = _libcuda.cuMemGetAddressRange_v2
+        get_range = _libcuda().cuMemGetAddressRange_v2
     except (OSError, AttributeError) as exc:
         raise HandleError(
             f"cuda_ipc handle cannot be checked: the CUDA driver library is not usable "
