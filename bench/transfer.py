@@ -349,7 +349,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="rounds per row (SSD rows: best of; CPU rows: interleaved rounds)")
     p.add_argument("--cpu-rounds", type=int, default=15,
                    help="interleaved rounds of ours vs the torch copy per CPU row")
-    p.add_argument("--lanes", type=int, default=2, help="copy lanes (copy_lanes) for CPU rows")
+    p.add_argument("--lanes", type=int, default=2,
+                   help="copy lanes for CPU rows (a pool's tiers.cpu.copyLanes; agents use 2)")
     p.add_argument("--ssd-dir", default=None,
                    help="directory for the SSD tier (default: a temp dir)")
     p.add_argument("--skip-ssd", action="store_true")

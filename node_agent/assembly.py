@@ -175,6 +175,7 @@ def backend_config(cfg: AgentConfig, layout: KVLayout, model: str = "", pp_size:
     ssd = cfg.tiers.ssd
     return EmbeddedBackendConfig(
         layout=layout, cpu_bytes=cfg.tiers.cpu.size, pinned=cfg.tiers.cpu.pinned,
+        copy_lanes=cfg.tiers.cpu.copy_lanes,
         ssd_bytes=ssd.size if ssd else 0, ssd_paths=ssd.paths if ssd else (),
         high_watermark=cfg.eviction.high_watermark, low_watermark=cfg.eviction.low_watermark,
         unlaunched_match_seconds=cfg.timeouts.unlaunched_match_seconds,

@@ -168,6 +168,9 @@ def _quantity(v: object, key: str) -> int:
 class CpuTier:
     size: int = _key("size", _quantity, default=8 * 2**30)
     pinned: bool = _key("pinned", _bool, default=True)
+    # Threads sharing one large copy between the tier and an engine's buffers
+    # (node_agent/backend/lanes.py).
+    copy_lanes: int = _key("copyLanes", _int(1, 64), default=2)
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,9 @@ def agent_config(pool: PoolIdentity, config: PoolConfig) -> dict[str, Any]:
     tiers: dict[str, Any] = {
         "cpu": {"size": raw["tiers"]["cpu"]["size"], "pinned": raw["tiers"]["cpu"]["pinned"]}
     }
+    if config.copy_lanes is not None:
+        # Absent unless set: the agent.yaml (and config hash) of other pools is unchanged.
+        tiers["cpu"]["copyLanes"] = config.copy_lanes
     if config.ssd_paths:
         tiers["ssd"] = {"size": raw["tiers"]["ssd"]["size"], "paths": list(config.ssd_paths),
                         "persist": raw["tiers"]["ssd"].get("persist", True)}

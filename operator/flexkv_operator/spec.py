@@ -107,6 +107,9 @@ class PoolConfig:
     tier_shares: int | None
     """``spec.tierShares``: the even shares each node's tiers are split into, one per
     backend (None: not set, the agents use ``maxStages``)."""
+    copy_lanes: int | None
+    """``spec.tiers.cpu.copyLanes``: threads sharing one large CPU-tier copy in each
+    backend (None: not set, the agents' default)."""
     image: str
     agent_user: int
     agent_group: int
@@ -135,6 +138,7 @@ def parse_pool_spec(
     tokens_per_block = _tokens_per_block(raw, problems)
     tiers = raw.get("tiers") or {}
     cpu_bytes = _cpu_tier(tiers, backend, problems)
+    copy_lanes = _copy_lanes(tiers, backend, problems)
     ssd_bytes, ssd_paths = _ssd_tier(tiers, problems)
     _check_eviction(raw, problems)
     http, fanout = _agent_ports(raw, problems)
@@ -165,6 +169,7 @@ def parse_pool_spec(
         expected_ranks=expected_ranks,
         max_stages=max_stages,
         tier_shares=tier_shares,
+        copy_lanes=copy_lanes,
         image=image,
         agent_user=ids["runAsUser"],
         agent_group=ids["runAsGroup"],
@@ -223,6 +228,27 @@ def _cpu_tier(tiers: dict[str, Any], backend: object, problems: Problems) -> int
             )
         )
     return cpu_bytes
+
+
+def _copy_lanes(tiers: dict[str, Any], backend: object, problems: Problems) -> int | None:
+    """``spec.tiers.cpu.copyLanes`` (1..64; None when not set): the threads that
+    share one large copy between the CPU tier and an engine's buffers (backend
+    embedded only: FlexKV runs its own transfers)."""
+    cpu = tiers.get("cpu")
+    if not isinstance(cpu, dict) or "copyLanes" not in cpu:
+        return None
+    lanes = cpu["copyLanes"]
+    if backend == "flexkv":
+        problems.append(ConfigProblem(
+            "tiers.cpu.copyLanes", "applies to backend embedded (FlexKV runs its own "
+            "transfers); remove copyLanes or use backend: embedded"))
+        return None
+    if not isinstance(lanes, int) or isinstance(lanes, bool) or not 1 <= lanes <= 64:
+        problems.append(ConfigProblem(
+            "tiers.cpu.copyLanes", f"{lanes!r} must be an integer in 1..64 (threads per "
+            "large copy: at most the cores the agent pod may use; leave it out for 2)"))
+        return None
+    return int(lanes)
 
 
 def _ssd_tier(tiers: dict[str, Any], problems: Problems) -> tuple[int, tuple[str, ...]]:

@@ -83,7 +83,10 @@ def test_quantities(text: object, value: int) -> None:
     ({"tiers": {"cpu": {"size": "0.5"}}}, "tiers.cpu.size: '0.5' is not a whole number"),
     ({"tiers": {"cpu": {"size": -1}}}, "tiers.cpu.size: -1 is negative"),
     ({"tiers": {"cpu": {"sizes": 1}}}, "tiers.cpu.sizes: unknown key; allowed keys under "
-                                       "tiers.cpu are pinned, size"),
+                                       "tiers.cpu are copyLanes, pinned, size"),
+    ({"tiers": {"cpu": {"copyLanes": 0}}},
+     "tiers.cpu.copyLanes: 0 is out of range; use a value between 1 and 64"),
+    ({"tiers": {"cpu": {"copyLanes": "all"}}}, "tiers.cpu.copyLanes: 'all' is not an integer"),
     ({"pools": "x"}, "pools: unknown key"),
     ({"backend": "redis"}, "backend: 'redis' is not allowed; use one of embedded, flexkv"),
     ({"ports": {"http": "eighty"}}, "ports.http: 'eighty' is not an integer"),
@@ -126,6 +129,16 @@ def test_engine_socket_leaves_room_for_the_tier_socket_beside_it() -> None:
     assert f"engineSocket: {long!r} is 103 bytes" in msg
     assert "the tier socket beside it adds '.tier', so it may have at most 102" in msg
     assert "use a shorter path" in msg
+
+
+def test_copy_lanes_reach_every_stage_backend() -> None:
+    from node_agent.assembly import backend_config
+    from node_agent.vocab.layout import KVLayout
+
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_size=8)
+    assert backend_config(config_from_mapping({}), layout).copy_lanes == 2
+    wide = config_from_mapping({"tiers": {"cpu": {"copyLanes": 6}}})
+    assert backend_config(wide, layout).copy_lanes == 6
 
 
 def test_tier_shares_default_to_max_stages() -> None:

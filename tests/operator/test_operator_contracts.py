@@ -67,6 +67,20 @@ def test_rendered_agent_yaml_is_accepted_by_the_agent(example: str) -> None:
     assert agent.expected_ranks == config.expected_ranks
 
 
+def test_copy_lanes_are_rendered_only_when_set_and_reach_the_agent() -> None:
+    plain = _agent_yaml({"tiers": {"cpu": {"size": "1Gi"}}})
+    assert "copyLanes" not in plain["tiers"]["cpu"]
+    assert config_from_mapping(plain).tiers.cpu.copy_lanes == 2
+    wide = _agent_yaml({"tiers": {"cpu": {"size": "1Gi", "copyLanes": 8}}})
+    assert wide["tiers"]["cpu"]["copyLanes"] == 8
+    assert config_from_mapping(wide).tiers.cpu.copy_lanes == 8
+    # Setting it rolls that pool's agents; a pool without it keeps its config hash.
+    hashes = {children.config_hash(POOL, parse_pool_spec(spec, "img:1"))
+              for spec in ({"tiers": {"cpu": {"size": "1Gi"}}},
+                           {"tiers": {"cpu": {"size": "1Gi", "copyLanes": 8}}})}
+    assert len(hashes) == 2
+
+
 def _agent_config(node: str) -> AgentConfig:
     """The agent's config from the operator's agent.yaml, with the downward-API node name."""
     doc = _agent_yaml({"tiers": {"cpu": {"size": "1Gi"}}})

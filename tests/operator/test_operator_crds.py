@@ -153,6 +153,8 @@ BAD_BY_SCHEMA = [
     ("ssd without paths", {"tiers": {"cpu": {"size": 1}, "ssd": {"size": "1Gi"}}}),
     ("negative cacheEpoch", {"cacheEpoch": -1}),
     ("watermark above 1", {"eviction": {"highWatermark": 1.5}}),
+    ("no copy lanes", {"tiers": {"cpu": {"size": 1, "copyLanes": 0}}}),
+    ("too many copy lanes", {"tiers": {"cpu": {"size": 1, "copyLanes": 65}}}),
 ]
 
 
@@ -189,6 +191,11 @@ BAD_BY_CEL = [
         "flexkv unpinned",
         {"backend": "flexkv", "tiers": {"cpu": {"size": "1Gi", "pinned": False}}},
         "pinned",
+    ),
+    (
+        "flexkv with copy lanes",
+        {"backend": "flexkv", "tiers": {"cpu": {"size": "1Gi", "copyLanes": 4}}},
+        "copyLanes applies to backend embedded",
     ),
 ]
 

@@ -158,6 +158,11 @@ def test_spec_defaults_from_the_crd() -> None:
         ({"tiers": {"cpu": {"size": 1}}, "maxStages": True}, "maxStages"),
         ({"tiers": {"cpu": {"size": 1}}, "maxStages": 4, "tierShares": 0}, "tierShares"),
         ({"tiers": {"cpu": {"size": 1}}, "maxStages": 4, "tierShares": "1"}, "tierShares"),
+        ({"tiers": {"cpu": {"size": 1, "copyLanes": 0}}}, "tiers.cpu.copyLanes"),
+        ({"tiers": {"cpu": {"size": 1, "copyLanes": 65}}}, "tiers.cpu.copyLanes"),
+        ({"tiers": {"cpu": {"size": 1, "copyLanes": True}}}, "tiers.cpu.copyLanes"),
+        ({"tiers": {"cpu": {"size": 1, "copyLanes": 4}}, "backend": "flexkv"},
+         "tiers.cpu.copyLanes"),
         ({"tiers": {"cpu": {"size": 1}}, "kvEvents": {"port": 0}}, "kvEvents.port"),
         ({"tiers": {"cpu": {"size": 1}}, "kvEvents": {"port": 8080}}, "kvEvents.port"),
         ({"tiers": {"cpu": {"size": 1}}, "kvEvents": {"port": 5558, "blockHash": "md5"}},
@@ -187,6 +192,13 @@ def test_kv_events_are_rendered_only_when_set_and_open_a_named_container_port() 
     # Turning events on changes the agents' config hash (they restart with it); a pool
     # without them keeps the hash it had.
     assert children.config_hash(POOL, on) != children.config_hash(POOL, plain)
+
+
+def test_copy_lanes_with_backend_flexkv_is_refused_naming_the_fix() -> None:
+    with pytest.raises(ConfigInvalid) as info:
+        parse_pool_spec({"backend": "flexkv", "tiers": {"cpu": {"size": 1, "copyLanes": 4}}},
+                        "img:1")
+    assert "remove copyLanes or use backend: embedded" in str(info.value)
 
 
 def test_tier_shares_above_max_stages_is_refused_naming_both_and_the_fix() -> None:
