@@ -1,20 +1,23 @@
 """SizingValid: do the tiers fit the nodes the agents are placed on?
 
 Compares the CPU tier and the remote tier's segment and buffer (plus the agent's
-memory request) with each matching node's allocatable memory, and the SSD tier
-with its allocatable ephemeral storage, where the node reports them. Nodes are matched by the pool's
+memory request) with each matching node's allocatable memory, the SSD tier
+with its allocatable ephemeral storage, and the CPU tier's copy lanes with its
+allocatable CPU, where the node reports them. Nodes are matched by the pool's
 nodeSelector only (affinity and taints are not evaluated here).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 from flexkv_operator.agent_pod import remote_bytes
 from flexkv_operator.conditions import Condition
 from flexkv_operator.quantity import parse_bytes
 from flexkv_operator.spec import PoolConfig
+from node_agent.contract.quantity import parse_quantity
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,11 @@ def _allocatable(node: dict[str, Any], key: str) -> int | None:
         return None
 
 
+def _allocatable_cpu(node: dict[str, Any]) -> Decimal | None:
+    value = ((node.get("status") or {}).get("allocatable") or {}).get("cpu")
+    return None if value is None else parse_quantity(str(value))
+
+
 def fit(node: dict[str, Any], config: PoolConfig) -> NodeFit:
     name = str((node.get("metadata") or {}).get("name"))
     requests = ((config.raw.get("agent") or {}).get("resources") or {}).get("requests") or {}
@@ -65,6 +73,12 @@ def fit(node: dict[str, Any], config: PoolConfig) -> NodeFit:
         problems.append(
             f"ssd tier {config.ssd_bytes} B > allocatable ephemeral-storage {storage} B"
         )
+    cpu = _allocatable_cpu(node)
+    if config.copy_lanes is not None and cpu is not None and config.copy_lanes > cpu:
+        # More lanes than the node has cores only share those cores (and one more
+        # thread per copy costs a little: docs/operator.md).
+        problems.append(
+            f"tiers.cpu.copyLanes {config.copy_lanes} > allocatable cpu {cpu.normalize():f}")
     return NodeFit(name, tuple(problems))
 
 
@@ -92,5 +106,5 @@ def sizing_condition(nodes: list[dict[str, Any]] | None, config: PoolConfig) -> 
         False,
         "TiersTooLarge",
         f"{len(bad)} of {len(matched)} nodes are too small ({shown}); "
-        "lower spec.tiers sizes or select larger nodes",
+        "lower spec.tiers sizes (or tiers.cpu.copyLanes) or select larger nodes",
     )

@@ -572,3 +572,21 @@ def test_sizing_compares_tiers_with_allocatable_memory() -> None:
     )
     assert bad.status is False and "b:" in bad.message and "spec.tiers" in bad.message
     assert sizing_condition(None, config).status is None
+
+
+def test_sizing_compares_copy_lanes_with_allocatable_cpu() -> None:
+    def with_cpu(name: str, cpu: str) -> dict[str, Any]:
+        n = node(name, "64Gi")
+        n["status"]["allocatable"]["cpu"] = cpu
+        return n
+
+    config = _config(tiers={"cpu": {"size": "2Gi", "copyLanes": 8}})
+    assert sizing_condition([with_cpu("big", "16"), with_cpu("eight", "8000m")],
+                            config).status is True
+    bad = sizing_condition([with_cpu("big", "16"), with_cpu("small", "3500m")], config)
+    assert bad.status is False
+    assert bad.message.startswith(
+        "1 of 2 nodes are too small (small: tiers.cpu.copyLanes 8 > allocatable cpu 3.5); ")
+    assert "tiers.cpu.copyLanes" in bad.message.split(";")[-1]  # the fix names it
+    # Without copyLanes the node's CPU is not compared.
+    assert sizing_condition([with_cpu("small", "1")], _config()).status is True
