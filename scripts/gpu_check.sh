@@ -31,9 +31,9 @@ if [ ! -f "$stamp" ]; then
   touch "$stamp"
 fi
 
-echo "== CUDA IPC handles and GPU <-> tier copies (-k 'cuda or gpu')"
+echo "== CUDA IPC handles, GPU <-> tier copies and the GPU row kernel (-k 'cuda or gpu')"
 "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/agent/test_engine_transport.py \
-  tests/backend/test_row_plans.py -k "cuda or gpu"
+  tests/backend/test_row_plans.py tests/backend/test_mapped_rows.py -k "cuda or gpu"
 echo "== CUDA KV buffers through the SGLang plugin's connector and a real agent"
 "$venv/bin/python" scripts/gpu_check.py ipc
 if "$venv/bin/python" -c 'import sglang.srt.plugins' 2>/dev/null; then

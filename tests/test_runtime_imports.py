@@ -33,8 +33,11 @@ REPO = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 OWN = {"node_agent", "flexkv_operator"}
 # Imported by design without being a dependency: `flexkv` is built from source
-# against CUDA and imported only after importlib.util.find_spec finds it.
-OPTIONAL = {"flexkv"}
+# against CUDA and imported only after importlib.util.find_spec finds it; `triton`
+# comes with every CUDA build of torch on Linux and is imported only by
+# node_agent/backend/_mapped_kernel.py, which mapped_rows imports lazily, on a
+# CUDA device, falling back to the staged moves where it fails.
+OPTIONAL = {"flexkv", "triton"}
 PACKAGES = {
     "node_agent": (REPO / "node_agent", "agent"),
     "flexkv_operator": (REPO / "operator" / "flexkv_operator", "operator"),

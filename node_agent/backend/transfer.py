@@ -34,9 +34,11 @@ Otherwise they are indexed by token. Both give the same bytes. Paged layouts
 (vLLM's ``layer_block_head_token_kv``) are copied by page only: their slot
 mappings must be whole, aligned pages.
 
-The same calls work for CUDA engine buffers (the gather happens on the device,
-then one copy crosses to or from the host) and for CPU tensors; a CUDA device is
-synchronised before a copy reports done.
+The same calls work for CUDA engine buffers and for CPU tensors. Between CUDA
+buffers and a pinned tier, rows that are not one run move by one launch of the
+GPU row kernel per plane (:mod:`.mapped_rows`), which reads and writes the
+pinned rows where they are; where it cannot run, through staging (below). A
+CUDA device is synchronised before a copy reports done.
 
 Stopping: ``store`` and ``load`` take an optional ``abort`` event and check it
 before every row op of every plane and every SSD block copy; once it is set
@@ -59,7 +61,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from node_agent.backend import row_kernel
+from node_agent.backend import mapped_rows, row_kernel
 from node_agent.backend.cpu_tier import CpuTier
 from node_agent.backend.lanes import run_items
 from node_agent.backend.planes import RegisteredBuffers
@@ -89,9 +91,10 @@ DEVICE_STAGE_MAX_SPAN = 4
 #: the moves between scattered host rows and a device: two halves, so that one
 #: half is gathered or scattered by the host while the other is in transfer.
 HOST_STAGE_BYTES = 32 * 1024 * 1024
-#: False: host <-> device row ops run plain torch ops instead of the staged moves
-#: (:meth:`RowOp.apply_staged`, :meth:`RowOp.apply_host_gathered`,
-#: :meth:`RowOp.apply_host_scattered`); ``bench/transfer.py --direct`` measures both.
+#: False: host <-> device row ops run plain torch ops instead of the GPU row kernel
+#: (:mod:`.mapped_rows`) and the staged moves (:meth:`RowOp.apply_staged`,
+#: :meth:`RowOp.apply_host_gathered`, :meth:`RowOp.apply_host_scattered`);
+#: ``bench/transfer.py --direct`` measures both.
 DEVICE_STAGING = True
 
 Rows = npt.NDArray[np.int64]
@@ -231,10 +234,13 @@ class RowOp:
             dst.index_copy_(0, self.index("dst", dst.device), rows.to(dst.device))
 
     def _across(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
-        """Move this op's rows between host and CUDA memory through staging where a
-        plain torch op would gather or scatter on the host through unpinned memory;
+        """Move this op's rows between host and CUDA memory by the GPU row kernel
+        (:meth:`apply_mapped`) where it runs, else through staging where a plain
+        torch op would gather or scatter on the host through unpinned memory;
         False (nothing moved) where the plain op is the right one."""
         kind = self.kind
+        if self.apply_mapped(dst, src):
+            return True
         if src.device.type == "cpu" and dst.device.type == "cuda":
             if kind is not OpKind.GATHER and kind is not OpKind.GENERAL:
                 return False
@@ -246,6 +252,22 @@ class RowOp:
             return (kind is OpKind.SCATTER or kind is OpKind.GENERAL) and (
                 self.apply_host_scattered(dst, src))
         return False
+
+    def apply_mapped(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
+        """Move this op's rows between CUDA memory and pinned host memory with one
+        launch of the GPU row kernel (:func:`mapped_rows.move_rows`: the kernel
+        reads and writes the host rows where they are); False, moving nothing,
+        for a slice (one copy-engine transfer is the fast case there) or where
+        the kernel cannot run. Fit is checked by the caller."""
+        if self.kind is OpKind.SLICE:
+            return False
+        cuda = dst.device if dst.device.type == "cuda" else src.device
+        if cuda.type != "cuda":
+            return False
+        return mapped_rows.move_rows(
+            dst, None if self._dst_np is None else self.index("dst", cuda), self.dst_start,
+            src, None if self._src_np is None else self.index("src", cuda), self.src_start,
+            self.length)
 
     def apply_staged(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
         """Move this op's rows by copying the span of ``src`` rows it reads to
@@ -556,23 +578,32 @@ class RowPlan:
     width, before any byte moves (so a plan that does not fit moves nothing, not
     the ops before the one that does not fit)."""
 
-    __slots__ = ("_dst_hi", "_src_hi", "fused", "ops")
+    __slots__ = ("_dst_hi", "_general", "_src_hi", "fused", "ops")
 
     def __init__(self, ops: list[RowOp]) -> None:
         self.ops = ops
         self.fused = _fuse(ops) if row_kernel.NATIVE and len(ops) > 1 else None
+        self._general = self.fused
         self._dst_hi = max((op._dst_hi for op in ops), default=0)
         self._src_hi = max((op._src_hi for op in ops), default=0)
 
     def apply(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Move the plan's rows from ``src`` into ``dst`` (see :meth:`RowOp.apply`;
-        the same errors, raised for the whole plan before any byte moves)."""
+        the same errors, raised for the whole plan before any byte moves). Between
+        CUDA and pinned host memory a plan of several ops is one launch of the GPU
+        row kernel where it runs (a load of scattered whole pages would otherwise
+        be one transfer per page and plane)."""
         _check_fit(self, self._dst_hi, self._src_hi, dst, src)
         fused = self.fused
         if (fused is not None and row_kernel.row_array(dst) is not None
                 and row_kernel.row_array(src) is not None):
             fused.apply(dst, src)
             return
+        if DEVICE_STAGING and len(self.ops) > 1 and dst.device.type != src.device.type:
+            if self._general is None:
+                self._general = _fuse(self.ops)
+            if self._general.apply_mapped(dst, src):
+                return
         for op in self.ops:
             op.apply(dst, src)
 

@@ -322,13 +322,18 @@ def test_page_size_one_round_trip_and_bad_scattered_slots_write_nothing(
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mapped", [True, False])
 @pytest.mark.parametrize(("stride", "pages"), [(1, True), (3, True), (9, True), (9, False)])
 def test_gpu_planes_round_trip_through_a_strided_pinned_tier(
-        monkeypatch: pytest.MonkeyPatch, stride: int, pages: bool) -> None:
+        monkeypatch: pytest.MonkeyPatch, stride: int, pages: bool, mapped: bool) -> None:
     """CUDA engine planes stored into and loaded from every ``stride``-th block of a
-    pinned tier, with stages of a few rows so that pieces alternate between the
-    pinned halves many times: the loaded slots equal the stored ones bit for bit,
-    through the span transfer (stride 1 and 3) and the pinned stage (stride 9)."""
+    pinned tier: the loaded slots equal the stored ones bit for bit, through the GPU
+    row kernel (``mapped``) and, with it off and stages of a few rows so that pieces
+    alternate between the pinned halves many times, through the span transfer
+    (stride 1 and 3) and the pinned stage (stride 9)."""
+    from node_agent.backend import mapped_rows
+
+    monkeypatch.setattr(mapped_rows, "ENABLED", mapped)
     from node_agent.backend.cpu_tier import CpuTier
     from node_agent.backend.planes import register_buffers
     from node_agent.backend.transfer import BlockCopier
