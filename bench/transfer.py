@@ -27,9 +27,11 @@ block: 128 KiB per token) on CPU tensors. Rows (one JSON object each):
   copy through the stage's block copier into and out of every K-th block of the
   CPU tier (a fragmented tier, where a prompt's blocks are far apart) with
   shuffled aligned pages on the engine side, against the same flat copies.
-  ``--direct`` runs every row with the plain torch ops instead of the staged
-  host <-> device moves (``transfer.DEVICE_STAGING = False``): the before of
-  those moves, for a same-machine comparison.
+  ``--direct`` runs every row with the plain torch ops instead of the GPU row
+  kernel and the staged host <-> device moves (``transfer.DEVICE_STAGING =
+  False``), ``--no-mapped`` with the staged moves but not the kernel
+  (``mapped_rows.ENABLED = False``): the befores, for a same-machine
+  comparison. Rows with CUDA engine buffers name the path in ``path``.
 * ``ssd_spill``: the ``put_match`` that spills ``--tokens`` tokens of CPU
   blocks to the SSD tier, versus one ``os.pwrite`` of the same bytes to a file
   in the same directory.
@@ -56,7 +58,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from node_agent.backend import transfer
+from node_agent.backend import mapped_rows, transfer
 from node_agent.backend.config import EmbeddedBackendConfig
 from node_agent.backend.cpu_tier import CpuTier
 from node_agent.backend.embedded import EmbeddedBackend
@@ -212,7 +214,7 @@ def bench_cpu(args: argparse.Namespace, layout: KVLayout, style: str) -> None:
     kind = "gpu" if gpu else "cpu"
     store, base = _paired(store_once, copy_once, args.cpu_rounds)
     _paired_row(f"{kind}_store", nbytes, store, base, goal, tokens=n, slots=style,
-                lanes=args.lanes)
+                lanes=args.lanes, **_path(gpu))
     toks = rng.integers(0, 100_000, n, dtype=np.int64)
     backend.reset()
     tid, mask = backend.put_match(toks)
@@ -233,7 +235,7 @@ def bench_cpu(args: argparse.Namespace, layout: KVLayout, style: str) -> None:
     if not all(torch.equal(t[dst_idx], t[src_idx]) for group in bufs for t in group):
         raise SystemExit(f"{kind}_load ({style}): the loaded slots differ from the stored ones")
     _paired_row(f"{kind}_load", nbytes, load, base, goal, tokens=n, slots=style,
-                lanes=args.lanes)
+                lanes=args.lanes, **_path(gpu))
     backend.shutdown()
 
 
@@ -255,15 +257,24 @@ def bench_strided(args: argparse.Namespace, layout: KVLayout, stride: int) -> No
     store, base = _paired(lambda: _clocked(lambda: copier.store(regs, blocks, src_slots)),
                           copy_once, args.cpu_rounds)
     _paired_row(f"{kind}_store_strided", nbytes, store, base, 0.8, tokens=n, stride=stride,
-                staged=transfer.DEVICE_STAGING)
+                **_path(gpu))
     where = block_locations(Tier.CPU, blocks)
     load, base = _paired(lambda: _clocked(lambda: copier.load(regs, where, dst_slots)),
                          copy_back, args.cpu_rounds)
     _paired_row(f"{kind}_load_strided", nbytes, load, base, 0.8, tokens=n, stride=stride,
-                staged=transfer.DEVICE_STAGING)
+                **_path(gpu))
     for plane in regs[0].planes:
         if not torch.equal(plane[dst_slots.to(plane.device)], plane[src_slots.to(plane.device)]):
             raise SystemExit(f"{kind}_load_strided: the loaded slots differ from the stored ones")
+
+
+def _path(gpu: bool) -> dict[str, str]:
+    """``{"path": ...}``: how host <-> device rows move in this run (CUDA rows only)."""
+    if not gpu:
+        return {}
+    if not transfer.DEVICE_STAGING:
+        return {"path": "direct"}
+    return {"path": "mapped" if mapped_rows.ENABLED else "staged"}
 
 
 def _flat_copies(nbytes: int, device: str) -> tuple[Callable[[], Clocked],
@@ -357,7 +368,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tier-stride", type=int, default=0,
                    help="also the *_strided rows: copies into and out of every K-th tier block")
     p.add_argument("--direct", action="store_true",
-                   help="plain torch ops for host <-> device rows (the staged moves' before)")
+                   help="plain torch ops for host <-> device rows (the kernel's and staged "
+                        "moves' before)")
+    p.add_argument("--no-mapped", action="store_true",
+                   help="the staged host <-> device moves without the GPU row kernel")
     p.add_argument("--engine-device", choices=("cpu", "cuda"), default="cpu",
                    help="where the engine's KV buffers live for the CPU-tier rows (cuda: "
                         "gpu_store / gpu_load rows, pinned tier)")
@@ -370,6 +384,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--engine-device cuda needs a CUDA build of torch and a GPU")
     layout = layout_for(args)
     transfer.DEVICE_STAGING = not args.direct
+    mapped_rows.ENABLED = mapped_rows.ENABLED and not args.no_mapped
     for style in filter(None, args.slots.split(",")):
         bench_cpu(args, layout, style)
     if args.tier_stride:
