@@ -65,6 +65,28 @@ class RegisteredBuffers:
         (:func:`widest_view`), built on first use and kept with the registration."""
         return tuple(widest_view(p) for p in self.planes)
 
+    @functools.cached_property
+    def _page_views(self) -> dict[int, tuple[torch.Tensor | None, ...]]:
+        return {}
+
+    def page_planes(self, tpb: int) -> tuple[torch.Tensor | None, ...]:
+        """``wide_planes`` as rows of ``tpb`` consecutive slots (row ``i``: slots
+        ``i * tpb ..``), or None for a plane whose rows are not dense (its row
+        stride is not its width); built once per ``tpb`` and kept with the
+        registration, so a copy by page builds no views."""
+        got = self._page_views.get(tpb)
+        if got is None:
+            got = self._page_views[tpb] = tuple(_page_view(p, tpb) for p in self.wide_planes)
+        return got
+
+
+def _page_view(plane: torch.Tensor, tpb: int) -> torch.Tensor | None:
+    """``plane`` (2-D) as rows of ``tpb`` of its rows, or None where its rows are not dense."""
+    if plane.stride(0) != plane.shape[1]:
+        return None
+    n = plane.shape[0] // tpb
+    return plane[: n * tpb].view(n, -1)
+
 
 def widest_view(t: torch.Tensor) -> torch.Tensor:
     """``t`` (2-D, unit stride in dim 1) viewed with the widest element that tiles its rows.

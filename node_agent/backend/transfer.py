@@ -125,13 +125,13 @@ def page_index(slots: torch.Tensor, tpb: int) -> torch.Tensor | None:
     """Per-block engine page ids when each block's slots are one aligned page, else None."""
     if tpb == 1 or not len(slots):
         return None
-    per_block = slots.view(-1, tpb)
-    first = per_block[:, :1]
-    if bool((first % tpb != 0).any()):
+    per_block = slots.view(-1, tpb).numpy()
+    first = per_block[:, 0]
+    if (first % tpb).any():
         return None
-    if not bool((per_block - first == torch.arange(tpb, dtype=slots.dtype)).all()):
+    if not (per_block == first[:, None] + np.arange(tpb)).all():
         return None
-    return (first.reshape(-1) // tpb).contiguous()
+    return torch.from_numpy(first // tpb)
 
 
 class OpKind(enum.Enum):
@@ -193,7 +193,7 @@ class RowOp:
         key = (which, device)
         got = self._on.get(key)
         if got is None:
-            got = self._on[key] = t.to(device)
+            got = self._on[key] = _to_device(t, device)
         return got
 
     def apply(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -423,6 +423,16 @@ _Piece = tuple[Rows, torch.Tensor]
 """One piece of a move through the pinned stage: host rows, device rows (on the device)."""
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor ``t`` on ``device``. To a CUDA device through pinned memory and
+    without blocking the host: queued on the device's current stream, ahead of the
+    kernels that read it (torch's pinned allocator keeps the pinned copy until the
+    transfer ended); a pageable copy would stall the host until it lands."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def _row_bytes(t: torch.Tensor) -> int:
     return max(1, t.element_size() * math.prod(t.shape[1:]))
 
@@ -648,16 +658,18 @@ class _Units:
         self.pages = pages.numpy() if pages is not None else None
         self._plans: dict[tuple[str, int], RowPlan] = {}
 
-    def pick(self, plane: torch.Tensor, paged: bool = False,
-             ) -> tuple[torch.Tensor, Rows, int]:
-        """``(plane as rows of one unit, unit index, units per block)`` for ``plane``
-        (``paged``: its rows are pages already)."""
-        if paged:
+    def pick(self, buf: RegisteredBuffers, p: int) -> tuple[torch.Tensor, Rows, int]:
+        """``(plane p of buf as rows of one unit, unit index, units per block)``:
+        pages where the slots are whole pages (and the plane's rows are dense, or
+        its rows are pages already), else tokens."""
+        plane = buf.wide_planes[p]
+        if buf.paged:
             assert self.pages is not None  # checked in BlockCopier._units
             return plane, self.pages, 1
-        if self.pages is not None and plane.stride(0) == plane.shape[1]:
-            n = plane.shape[0] // self.tpb
-            return plane[: n * self.tpb].view(n, -1), self.pages, 1
+        if self.pages is not None:
+            by_page = buf.page_planes(self.tpb)[p]
+            if by_page is not None:
+                return by_page, self.pages, 1
         return plane, self.tokens, self.tpb
 
     def plan(self, key: str, units: int, build: Callable[[], RowPlan]) -> RowPlan:
@@ -715,13 +727,22 @@ class BlockCopier:
             got = self._regions[key] = region.view(self.cpu.num_blocks * units, -1)
         return got
 
-    def _run(self, items: list[Callable[[], None]], devices: set[torch.device],
-             nbytes: int, abort: threading.Event | None) -> None:
-        """Run one item per plane, checking ``abort`` before each; over several lanes
-        when every buffer is a CPU tensor and the copy moves ``LANE_MIN_BYTES`` or more."""
+    def _run(self, count: int, item: Callable[[int], Callable[[], None]],
+             devices: set[torch.device], nbytes: int, abort: threading.Event | None) -> None:
+        """Run ``item(i)()`` for every plane ``i < count``, checking ``abort`` before
+        each; over several lanes when every buffer is a CPU tensor and the copy moves
+        ``LANE_MIN_BYTES`` or more (every item built first, then shared). In one lane
+        each item is built just before it runs: a CUDA copy's first transfer is
+        queued while the host still plans the later planes, not after."""
+        check = functools.partial(self._checkpoint, abort)
         cpu_only = all(d.type == "cpu" for d in devices)
         lanes = self.lanes if cpu_only and nbytes >= LANE_MIN_BYTES else 1
-        run_items(items, lanes, functools.partial(self._checkpoint, abort))
+        if lanes <= 1:
+            for i in range(count):
+                check()
+                item(i)()
+            return
+        run_items([item(i) for i in range(count)], lanes, check)
 
     def store(
         self, buffers: Mapping[int, RegisteredBuffers], blocks: Sequence[int],
@@ -733,17 +754,18 @@ class BlockCopier:
         lay = self.layout
         units = self._units(slots)
         devices = {buffers[r].device for r in range(lay.stored_ranks)}
-        items: list[Callable[[], None]] = []
+        planes = lay.num_planes
+
+        def item(i: int) -> Callable[[], None]:
+            r, p = divmod(i, planes)
+            src, idx, u = units.pick(buffers[r], p)
+            region = self._region(r, p, src.dtype, u)
+            plan = units.plan("store", u, functools.partial(_store_plan, blocks, u, idx))
+            return functools.partial(plan.apply, region, src)
+
         try:
-            for r in range(lay.stored_ranks):
-                buf = buffers[r]
-                wide = buf.wide_planes
-                for p in range(lay.num_planes):
-                    src, idx, u = units.pick(wide[p], buf.paged)
-                    region = self._region(r, p, src.dtype, u)
-                    plan = units.plan("store", u, functools.partial(_store_plan, blocks, u, idx))
-                    items.append(functools.partial(plan.apply, region, src))
-            self._run(items, devices, len(blocks) * lay.bytes_per_block, abort)
+            self._run(lay.stored_ranks * planes, item, devices,
+                      len(blocks) * lay.bytes_per_block, abort)
         finally:
             _synchronize(devices)
 
@@ -759,14 +781,21 @@ class BlockCopier:
 
         Raises :class:`CopyAborted` (slots undefined) once ``abort`` is set; every
         device is synchronised first, so nothing writes the slots afterwards."""
-        cpu_pos = [i for i, loc in enumerate(locations) if loc.tier is Tier.CPU]
-        ssd_pos = [i for i, loc in enumerate(locations) if loc.tier is Tier.SSD]
+        cpu_pos: list[int] = []
+        cpu_blk: list[int] = []
+        ssd_pos: list[int] = []
+        ssd_blk: list[int] = []
+        for i, loc in enumerate(locations):
+            if loc.tier is Tier.CPU:
+                cpu_pos.append(i)
+                cpu_blk.append(loc.index)
+            elif loc.tier is Tier.SSD:
+                ssd_pos.append(i)
+                ssd_blk.append(loc.index)
         units = self._units(slots)
         try:
             if cpu_pos:
-                self._load_cpu(buffers, cpu_pos, [locations[i].index for i in cpu_pos],
-                               units, abort)
-            ssd_blk = [locations[i].index for i in ssd_pos]
+                self._load_cpu(buffers, cpu_pos, cpu_blk, units, abort)
             if ssd_pos and not self._load_ssd_direct(buffers, ssd_pos, ssd_blk, units,
                                                      abort):
                 step = max(1, STAGING_BYTES // self.layout.bytes_per_block)
@@ -785,18 +814,21 @@ class BlockCopier:
         abort: threading.Event | None,
     ) -> None:
         lay = self.layout
-        items: list[Callable[[], None]] = []
-        for rank, buf in buffers.items():
-            sr = 0 if lay.is_mla else rank
-            wide = buf.wide_planes
-            for p in range(lay.num_planes):
-                dst, idx, u = units.pick(wide[p], buf.paged)
-                region = self._region(sr, p, dst.dtype, u)
-                plan = units.plan("load_cpu", u, functools.partial(
-                    _load_plan, idx, blocks, positions, u))
-                items.append(functools.partial(plan.apply, dst, region))
+        ranks = list(buffers.items())
+        planes = lay.num_planes
+
+        def item(i: int) -> Callable[[], None]:
+            k, p = divmod(i, planes)
+            rank, buf = ranks[k]
+            dst, idx, u = units.pick(buf, p)
+            region = self._region(0 if lay.is_mla else rank, p, dst.dtype, u)
+            plan = units.plan("load_cpu", u, functools.partial(
+                _load_plan, idx, blocks, positions, u))
+            return functools.partial(plan.apply, dst, region)
+
         nbytes = len(blocks) * lay.bytes_per_block * (len(buffers) if lay.is_mla else 1)
-        self._run(items, {b.device for b in buffers.values()}, nbytes, abort)
+        self._run(len(ranks) * planes, item, {b.device for b in buffers.values()}, nbytes,
+                  abort)
 
     def _load_ssd_direct(
         self,
@@ -857,9 +889,8 @@ class BlockCopier:
         plans: dict[int, RowPlan] = {}  # this chunk's plans (positions differ per chunk)
         for rank, buf in buffers.items():
             sr = 0 if lay.is_mla else rank
-            wide = buf.wide_planes
             for p in range(lay.num_planes):
-                dst, idx, u = units.pick(wide[p], buf.paged)
+                dst, idx, u = units.pick(buf, p)
                 k = sr * lay.num_planes + p
                 data = staging[k, : len(blocks)].view(dst.dtype).view(len(blocks) * u, -1)
                 if u not in plans:
