@@ -22,6 +22,7 @@ import importlib
 import logging
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,8 +37,8 @@ ENABLED = os.environ.get("FLEXKV_MAPPED_ROWS", "1").strip().lower() not in ("0",
 BLOCK_BYTES = 8192
 WARPS = 4
 
-# Launches are queued on one stream anyway; the lock keeps two copy lanes from
-# compiling the same kernel variant at once on its first use.
+# Launches are queued on one stream anyway; the lock keeps two copying threads
+# (workers of different stages) from compiling the same kernel variant at once.
 _launch_lock = threading.Lock()
 
 
@@ -69,12 +70,17 @@ def _side_ok(t: torch.Tensor, cuda: torch.device) -> bool:
     return t.device.type == "cpu" and t.is_pinned()
 
 
-def move_rows(dst: torch.Tensor, dst_rows: torch.Tensor | None, dst_start: int,
-              src: torch.Tensor, src_rows: torch.Tensor | None, src_start: int,
-              length: int) -> bool:
+Index = torch.Tensor | Callable[[], torch.Tensor] | None
+"""A side's row index: a tensor, a callable giving one (called only once the kernel
+is sure to run, so that no index is uploaded for nothing), or None (rows
+``start + i``)."""
+
+
+def move_rows(dst: torch.Tensor, dst_rows: Index, dst_start: int,
+              src: torch.Tensor, src_rows: Index, src_start: int, length: int) -> bool:
     """Queue ``dst[dst_rows[i]] = src[src_rows[i]]`` for ``i < length`` as one
-    kernel on the CUDA side's current stream; a side without an index tensor
-    uses rows ``start + i``. True when queued; False, moving nothing, when it
+    kernel on the CUDA side's current stream; a side without an index
+    (:data:`Index`) uses rows ``start + i``. True when queued; False, moving nothing, when it
     cannot run here: switched off, no Triton, neither side on a CUDA device,
     the host side not pinned, a tensor that is not 2-D with contiguous rows, or
     rows of different widths.
@@ -98,6 +104,10 @@ def move_rows(dst: torch.Tensor, dst_rows: torch.Tensor | None, dst_start: int,
     row_bytes = d[2]
     if length <= 0 or row_bytes == 0:
         return True
+    if callable(dst_rows):
+        dst_rows = dst_rows()
+    if callable(src_rows):
+        src_rows = src_rows()
     block = min(BLOCK_BYTES, 1 << max(8, (row_bytes - 1).bit_length()))
     grid = (length, -(-row_bytes // block))
     try:

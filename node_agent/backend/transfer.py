@@ -265,9 +265,10 @@ class RowOp:
         if cuda.type != "cuda":
             return False
         return mapped_rows.move_rows(
-            dst, None if self._dst_np is None else self.index("dst", cuda), self.dst_start,
-            src, None if self._src_np is None else self.index("src", cuda), self.src_start,
-            self.length)
+            dst, None if self._dst_np is None else functools.partial(self.index, "dst", cuda),
+            self.dst_start,
+            src, None if self._src_np is None else functools.partial(self.index, "src", cuda),
+            self.src_start, self.length)
 
     def apply_staged(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
         """Move this op's rows by copying the span of ``src`` rows it reads to

@@ -7,6 +7,8 @@ The CUDA cases run on a GPU host (scripts/gpu_check.sh); elsewhere they skip."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -17,19 +19,30 @@ from node_agent.backend.transfer import OpKind, RowOp, RowPlan, plan_rows
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+def _index_never_asked(asked: list[str], which: str) -> Callable[[], torch.Tensor]:
+    def get() -> torch.Tensor:
+        asked.append(which)
+        return torch.arange(3)
+    return get
+
+
 def test_two_host_tensors_are_not_moved_by_the_kernel() -> None:
+    """Nothing moves, and no index is asked for (none is uploaded for nothing)."""
     src = torch.arange(40, dtype=torch.uint8).view(10, 4)
     dst = torch.zeros(10, 4, dtype=torch.uint8)
-    assert not mapped_rows.move_rows(dst, None, 0, src, torch.arange(3), 0, 3)
-    assert int(dst.count_nonzero()) == 0
+    asked: list[str] = []
+    assert not mapped_rows.move_rows(dst, _index_never_asked(asked, "dst"), 0,
+                                     src, _index_never_asked(asked, "src"), 0, 3)
+    assert int(dst.count_nonzero()) == 0 and asked == []
 
 
 def test_switched_off_the_kernel_moves_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(mapped_rows, "ENABLED", False)
     src = torch.ones(4, 8)
     dst = torch.zeros(4, 8)
-    assert not mapped_rows.move_rows(dst, None, 0, src, None, 0, 4)
-    assert int(dst.count_nonzero()) == 0
+    asked: list[str] = []
+    assert not mapped_rows.move_rows(dst, None, 0, src, _index_never_asked(asked, "src"), 0, 4)
+    assert int(dst.count_nonzero()) == 0 and asked == []
 
 
 def test_rows_that_are_not_contiguous_are_refused() -> None:
