@@ -378,6 +378,23 @@ class EngineClient:
                 "(nothing listens on its socket); start the agent again"
             )
 
+    def _send(self, frames: list[protocol.Frame]) -> zmq.Socket[bytes]:
+        """Queue one request without blocking (the client's lock held); returns the
+        socket. :class:`AgentUnavailableError` when the agent takes no messages."""
+        sock = self._socket()
+        try:
+            if len(frames) == 1:
+                sock.send(frames[0], _NOBLOCK)
+            else:
+                sock.send_multipart(frames, flags=_NOBLOCK)
+        except zmq.Again:
+            self._reset_socket()
+            raise AgentUnavailableError(
+                f"agent at ipc://{self.socket_path} does not accept messages; "
+                "check that the agent process is running"
+            ) from None
+        return sock
+
     def _call_once(self, op: str, args: Mapping[str, Any] | None,
                    arrays: Mapping[str, Any] | None, deadline: float, budget: float) -> Any:
         now = time.monotonic()
@@ -390,19 +407,7 @@ class EngineClient:
         self._lock_within(op, deadline, budget)
         try:
             req_id = next(self._ids)
-            frames = protocol.encode_request(req_id, op, args, arrays)
-            sock = self._socket()
-            try:
-                if len(frames) == 1:
-                    sock.send(frames[0], _NOBLOCK)
-                else:
-                    sock.send_multipart(frames, flags=_NOBLOCK)
-            except zmq.Again:
-                self._reset_socket()
-                raise AgentUnavailableError(
-                    f"agent at ipc://{self.socket_path} does not accept messages; "
-                    "check that the agent process is running"
-                ) from None
+            sock = self._send(protocol.encode_request(req_id, op, args, arrays))
             while True:
                 left = deadline - time.monotonic()
                 try:
@@ -569,6 +574,27 @@ class EngineClient:
             claim = remembered
         return bool(self._call("commit_load", {"rid": rid, "rank": self._rank_wire,
                                                "claim": int(claim)}))
+
+    def end_claim_nowait(self, rid: str, claim: int) -> None:
+        """Send ``commit_load`` of ``rid``'s claim ``claim`` without waiting for the
+        answer: for an engine that already knows its copy read only pinned blocks
+        (the claim fence did not move: :class:`~node_agent.engine_loads.EngineLoads`),
+        so only the unpinning is left to the agent. The answer is dropped when the
+        next call reads its own (replies carry their request's id). Raises
+        :class:`AgentUnavailableError` when the agent's socket is gone or full."""
+        with self._claims_lock:
+            if self._claim_ids.get(rid) == claim:
+                del self._claim_ids[rid]
+        self._check_socket_file(time.monotonic())
+        deadline = time.monotonic() + self.timeout
+        self._lock_within("commit_load", deadline, self.timeout)
+        try:
+            frames = protocol.encode_request(
+                next(self._ids), "commit_load",
+                {"rid": rid, "rank": self._rank_wire, "claim": int(claim)}, None)
+            self._send(frames)
+        finally:
+            self._lock.release()
 
     def _remember_claim(self, rid: str, reply: Mapping[str, Any]) -> None:
         """Keep the claim id a reply handed out, for :meth:`commit_load` (bounded)."""

@@ -13,13 +13,18 @@ index, the pins and the ordering:
    (the agent's transfer budget) ends; ``lookup_claim`` makes steps 1 and 2 in
    one round trip (:meth:`EngineLoads.lookup`);
 3. the engine copies;
-4. ``commit_load`` answers whether the claim still held when the copy ended. Only
-   then are the slots the cached KV; on False (lease over, a flush, the agent
-   restarted) they hold undefined data and the load is a miss.
+4. the claim is ended. When the agent's *claim fence* (a counter in the page after
+   the tier's blocks, :mod:`node_agent.backend.cpu_tier`) reads, after the copy,
+   what the agent recorded when it made the claim, no claim ended early in
+   between, so every block the copy read was still pinned: the load is a hit,
+   and ``commit_load`` is sent without waiting for its answer (it only unpins).
+   Otherwise ``commit_load`` answers whether this claim still held when the copy
+   ended. Only then are the slots the cached KV; on False (lease over, a flush,
+   the agent restarted) they hold undefined data and the load is a miss.
 
 The tier mapping is read-only, so an engine can never change a cached block, and
-the fence is the commit: a block can be reused only after its claim ended, and a
-copy that may have read a reused block is never reported as loaded.
+a block can be reused only after its claim ended, which moves the fence first:
+a copy that may have read a reused block is never reported as loaded.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from node_agent.backend.planes import RegisteredBuffers, register_buffers
 from node_agent.backend.slots import launch_slots
 from node_agent.backend.tier_fds import receive_tier_fd, tier_socket_path
 from node_agent.backend.transfer import BlockCopier
-from node_agent.client import EngineAPIError, EngineClient
+from node_agent.client import AgentUnavailableError, EngineAPIError, EngineClient
 from node_agent.vocab.layout import KVLayout
 from node_agent.vocab.placement import Tier, block_locations
 
@@ -76,6 +81,9 @@ class EngineLoads:
         """Loads copied here and committed."""
         self.misses = 0
         """Claims whose commit answered False (their slots were not loaded)."""
+        self.fenced = 0
+        """Loads of :attr:`loads` known to hold by the claim fence alone (their
+        commit sent without waiting)."""
 
     def prepare(self) -> bool:
         """Map the agent's tier now, off any load's path (mapping populates every
@@ -145,6 +153,12 @@ class EngineLoads:
         except BaseException:
             self._end_claim(rid, claim)  # the load is a miss
             raise
+        if self._held_by_fence(got):
+            with contextlib.suppress(AgentUnavailableError):  # gone: nothing to unpin
+                self.client.end_claim_nowait(rid, claim)
+            self.loads += 1
+            self.fenced += 1
+            return hit
         if self._commit(rid, claim):
             self.loads += 1
             return hit
@@ -152,6 +166,16 @@ class EngineLoads:
         log.warning("Claimed load ended before its copy did; the load is a miss",
                     extra={"rid": rid, "hit_tokens": hit})
         return 0
+
+    def _held_by_fence(self, got: dict[str, Any]) -> bool:
+        """Whether the claim fence shows that ``got``'s claim held through the copy
+        just ended: it reads now what the agent recorded at the claim. Read after
+        the copy's threads ended (their reads come first); the agent moves it
+        before any claimed block can be reused."""
+        recorded, tier = got.get("fence"), self._tier
+        if not isinstance(recorded, int) or isinstance(recorded, bool) or tier is None:
+            return False
+        return tier.fence_value() == recorded
 
     def _not_mapped(self, exc: BaseException, rid: str | None) -> None:
         """The tier could not be received or mapped. When this process cannot reach

@@ -16,6 +16,15 @@ this process can write it: the file is sealed against new writes and size change
 through ``/proc`` cannot change or shrink it. It has no name: its memory goes
 with the last descriptor or mapping, so a killed agent leaves nothing behind. A
 pinned pool (CUDA present) is never shared.
+
+A shared pool's file holds one more page after the blocks: the *claim fence*, a
+64-bit little-endian counter at byte offset ``bytes`` (the handle's ``fence``).
+The agent adds one to it, under its backend lock, whenever a claimed load ends
+other than by the engine's own commit (lease over, flush, release, stage gone),
+before any block of that claim can be reused. An engine that reads the same
+value after its copy as the agent recorded when it made the claim knows that no
+claim ended early meanwhile, so no block it read was rewritten
+(docs/agent.md, "Engine-side loads").
 """
 
 from __future__ import annotations
@@ -32,6 +41,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from node_agent.vocab.layout import KVLayout
@@ -41,6 +52,9 @@ log = logging.getLogger(__name__)
 _F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
 """Linux >= 5.1: no new write or writable mapping; this process's mapping stays writable."""
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | _F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
+
+FENCE_BYTES = 4096
+"""The page after a shared pool's blocks that holds the claim fence."""
 
 _tiers: weakref.WeakValueDictionary[str, CpuTier] = weakref.WeakValueDictionary()
 _tiers_lock = threading.Lock()
@@ -54,9 +68,11 @@ def read_only_fd(tier_id: str) -> int | None:
     return None if tier is None else tier.read_only_fd()
 
 
-def _shared_pool(nbytes: int) -> tuple[torch.Tensor, mmap.mmap, int] | None:
-    """A zero-filled ``nbytes`` pool in a new memory file and its descriptor; None
-    (logged) when the system cannot give one, so the tier stays in private memory."""
+def _shared_pool(nbytes: int) -> tuple[torch.Tensor, npt.NDArray[np.uint64], mmap.mmap,
+                                       int] | None:
+    """A zero-filled ``nbytes`` pool in a new memory file, its claim fence (the
+    counter in the page after it) and the file's descriptor; None (logged) when the
+    system cannot give one, so the tier stays in private memory."""
     try:
         fd = os.memfd_create("flexkv-cpu-tier", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except (AttributeError, OSError) as exc:
@@ -66,8 +82,9 @@ def _shared_pool(nbytes: int) -> tuple[torch.Tensor, mmap.mmap, int] | None:
     try:
         # Reserves the pages now: a memory limit fails here, not later as a SIGBUS
         # on first touch.
-        os.posix_fallocate(fd, 0, nbytes)
-        mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        os.posix_fallocate(fd, 0, nbytes + FENCE_BYTES)
+        mm = mmap.mmap(fd, nbytes + FENCE_BYTES, mmap.MAP_SHARED,
+                       mmap.PROT_READ | mmap.PROT_WRITE)
     except OSError as exc:
         os.close(fd)
         log.warning("CPU tier kept in private memory: its memory file does not fit",
@@ -84,7 +101,8 @@ def _shared_pool(nbytes: int) -> tuple[torch.Tensor, mmap.mmap, int] | None:
                     "against engines' writes", extra={"error": str(exc),
                                                       "fix": "run on Linux 5.1 or later"})
         return None
-    return torch.frombuffer(mm, dtype=torch.uint8), mm, fd
+    pool = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
+    return pool, np.frombuffer(mm, dtype="<u8", count=1, offset=nbytes), mm, fd
 
 
 class CpuTier:
@@ -105,6 +123,7 @@ class CpuTier:
         self._fd: int | None = None
         self._fd_lock = threading.Lock()
         self._mapping: Any = None
+        self._fence: npt.NDArray[np.uint64] | None = None
         nbytes = num_blocks * layout.bytes_per_block
         if pool is not None:
             if pool.dtype != torch.uint8 or pool.numel() != nbytes:
@@ -117,7 +136,7 @@ class CpuTier:
         else:
             got = _shared_pool(nbytes) if shared and not pin and nbytes else None
             if got is not None:
-                self.pool, self._mapping, self._fd = got
+                self.pool, self._fence, self._mapping, self._fd = got
                 self.tier_id = secrets.token_hex(16)
                 with _tiers_lock:
                     _tiers[self.tier_id] = self
@@ -149,8 +168,22 @@ class CpuTier:
         """What an engine needs to ask for and map a shared pool (None: not shared)."""
         if self.tier_id is None:
             return None
+        nbytes = int(self.pool.numel())
         return {"kind": "memfd", "id": self.tier_id, "blocks": self.num_blocks,
-                "bytes": int(self.pool.numel())}
+                "bytes": nbytes, "fence": nbytes}
+
+    def fence_value(self) -> int | None:
+        """The claim fence's count (see the module docstring); None when the pool
+        is not shared."""
+        fence = self._fence
+        return None if fence is None else int(fence[0])
+
+    def bump_fence(self) -> None:
+        """Count one claim that ended before its engine's commit. Call it under the
+        lock that orders claims, before any block of that claim may be reused."""
+        fence = self._fence
+        if fence is not None:
+            fence[0] += 1
 
     def read_only_fd(self) -> int | None:
         """A new read-only descriptor of the shared pool (the caller closes it): an
@@ -185,17 +218,27 @@ class MappedTier:
     tier: CpuTier
     tier_id: str
     _mapping: mmap.mmap
+    fence: npt.NDArray[np.uint64] | None = None
+    """The agent's claim fence (read-only), None when its handle names none (an
+    agent from before the fence)."""
+
+    def fence_value(self) -> int | None:
+        """The claim fence's count now; None without one."""
+        fence = self.fence
+        return None if fence is None else int(fence[0])
 
     def close(self) -> None:
         """Drop the mapping (views of it must be gone; one still exported keeps it)."""
         self.tier.pool = torch.empty(0, dtype=torch.uint8)
+        self.fence = None
         with contextlib.suppress(BufferError):
             self._mapping.close()
 
 
 def check_tier_handle(layout: KVLayout, handle: object) -> tuple[str, int, int]:
     """``(tier id, blocks, bytes)`` of a tier handle for ``layout``; ``ValueError``
-    naming the bad field."""
+    naming the bad field. A ``fence``, when present, must be ``bytes`` (the counter
+    in the page after the blocks)."""
     if not isinstance(handle, dict) or handle.get("kind") != "memfd":
         raise ValueError(f"tier handle {handle!r} is not a CPU tier handle "
                          "({'kind': 'memfd', 'id': ..., 'blocks': ..., 'bytes': ...})")
@@ -212,6 +255,10 @@ def check_tier_handle(layout: KVLayout, handle: object) -> tuple[str, int, int]:
             f"tier handle names {blocks} blocks in {nbytes} bytes, but a block of the "
             f"registered layout takes {layout.bytes_per_block}; register the same layout"
         )
+    fence = handle.get("fence", nbytes)
+    if fence != nbytes or isinstance(fence, bool):
+        raise ValueError(f"tier handle field 'fence' is {fence!r}; it must be the handle's "
+                         f"'bytes' ({nbytes}), the counter's offset after the blocks")
     return tier_id, blocks, nbytes
 
 
@@ -220,16 +267,20 @@ def map_tier_fd(layout: KVLayout, handle: object, fd: int) -> MappedTier:
     read-only: a write through it faults, so an engine can never change the agent's
     blocks. Raises ``ValueError`` naming the bad field or size."""
     tier_id, blocks, nbytes = check_tier_handle(layout, handle)
+    assert isinstance(handle, dict)
+    fenced = "fence" in handle
+    want = nbytes + FENCE_BYTES if fenced else nbytes
     size = os.fstat(fd).st_size
-    if size < nbytes:
-        raise ValueError(f"tier {tier_id} holds {size} bytes, its handle names {nbytes}; "
+    if size < want:
+        raise ValueError(f"tier {tier_id} holds {size} bytes, its handle names {want}; "
                          "ask the agent again for its current tier")
     # Populated now: otherwise every first read of a page in a copy takes a page
     # fault, which halves the copy's rate.
     flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-    mm = mmap.mmap(fd, nbytes, flags, mmap.PROT_READ)
+    mm = mmap.mmap(fd, want, flags, mmap.PROT_READ)
     with warnings.catch_warnings():
         # A read-only buffer: torch warns that writes would be undefined; none are made.
         warnings.simplefilter("ignore", UserWarning)
-        pool = torch.frombuffer(mm, dtype=torch.uint8)
-    return MappedTier(CpuTier(layout, blocks, False, pool=pool), tier_id, mm)
+        pool = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
+    fence = np.frombuffer(mm, dtype="<u8", count=1, offset=nbytes) if fenced else None
+    return MappedTier(CpuTier(layout, blocks, False, pool=pool), tier_id, mm, fence)

@@ -902,21 +902,30 @@ class EmbeddedBackend(ReplicatedBackend):
                 return None  # launching it reports why
             t.state = TaskState.CLAIMED
             t.deadline = self._clock() + lease
+            t.fence = store.cpu.fence_value()
             self._claimed.append(t)
             return [b.index for b in t.plan.blocks]
+
+    def claim_fence(self, task_id: int) -> int | None:
+        """See :meth:`ReplicatedBackend.claim_fence`."""
+        with self._lock:
+            t = self._tasks.get(task_id)
+            if t is None or t.state is not TaskState.CLAIMED or t.status is not None:
+                return None
+            return t.fence
 
     def end_claim(self, task_id: int, committed: bool = True) -> bool:
         """See :meth:`ReplicatedBackend.end_claim`."""
         with self._cond:
             self._expire_locked()
-            held = self._end_claim_locked(task_id)
+            held = self._end_claim_locked(task_id, committed)
             self._cond.notify_all()
         if self._metrics is not None:
             outcome = "released" if not committed else "committed" if held else "ended"
             self._child(self._metrics.engine_loads, outcome=outcome).inc()
         return held
 
-    def _end_claim_locked(self, task_id: int) -> bool:
+    def _end_claim_locked(self, task_id: int, committed: bool) -> bool:
         t = self._tasks.get(task_id)
         if t is None:
             return False
@@ -928,7 +937,7 @@ class EmbeddedBackend(ReplicatedBackend):
         # Not in the transfer metrics: those time the agent's own copies.
         held = t.state is TaskState.CLAIMED and t.status is None
         if held:
-            self._finish_locked(t, KVResponseStatus.SUCCESS, None)
+            self._finish_locked(t, KVResponseStatus.SUCCESS, None, committed=committed)
         self._reap_locked(t)
         return held
 
@@ -1244,8 +1253,14 @@ class EmbeddedBackend(ReplicatedBackend):
                                     tier=tier.value).inc(
                             k * bpb)
 
-    def _finish_locked(self, task: Task, status: KVResponseStatus, error: str | None) -> None:
-        """Record a terminal status and release or publish the task's blocks."""
+    def _finish_locked(self, task: Task, status: KVResponseStatus, error: str | None,
+                       committed: bool = False) -> None:
+        """Record a terminal status and release or publish the task's blocks.
+        ``committed``: a claimed get ends by its engine's commit; a claimed get
+        ending any other way moves the claim fence first, before its blocks unpin
+        (:meth:`CpuTier.bump_fence`)."""
+        if task.state is TaskState.CLAIMED and not committed and self._store is not None:
+            self._store.cpu.bump_fence()
         task.status, task.error = status, error
         task.finished_at = self._clock()
         task.state = TaskState.DONE

@@ -167,6 +167,14 @@ class ReplicatedBackend(KVBackend):
         Raises ``TaskNotFoundError`` for a task that is not a live, un-launched get."""
         return None
 
+    def claim_fence(self, task_id: int) -> int | None:
+        """The shared tier's claim fence as it was when task ``task_id`` was claimed
+        (:meth:`claim_rows`; the fence: docs/agent.md, "Engine-side loads"): an
+        engine that reads the same value after its copy read only pinned blocks. None
+        when the task is no longer claimed or the tier has no fence (the engine must
+        then ask :meth:`end_claim`). The default: None."""
+        return None
+
     def end_claim(self, task_id: int, committed: bool = True) -> bool:
         """The engine's copy of a claimed get ended: True when the blocks stayed
         pinned for the whole claim (the bytes it read are the cached KV), False when

@@ -265,6 +265,9 @@ class SharedStageBackend(ReplicatedBackend):
     def claim_rows(self, task_id: int, lease: float) -> list[int] | None:
         return self.backend.claim_rows(task_id, lease, tenant=self.tenant)
 
+    def claim_fence(self, task_id: int) -> int | None:
+        return self.backend.claim_fence(task_id)
+
     def end_claim(self, task_id: int, committed: bool = True) -> bool:
         return self.backend.end_claim(task_id, committed)
 

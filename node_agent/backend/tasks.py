@@ -56,6 +56,9 @@ class Task:
     by several stages, :mod:`node_agent.backend.shared`; 0 for a backend's own)."""
     tokens: TokenArray | None = None
     """A put's tokens of its ``nodes``, in order (kept only when KV events are on)."""
+    fence: int | None = None
+    """A claimed get's CPU tier claim fence when it was claimed (None: not claimed,
+    or a tier without a fence)."""
 
     @property
     def is_put(self) -> bool:

@@ -401,6 +401,17 @@ class Coordinator:
         an engine to map ahead of its first claim; None when it hands none out."""
         return _tier_of(self._role, self.cfg.expected_ranks)
 
+    def claim_fence(self, rid: str, claim: int) -> int | None:
+        """The claim fence recorded when ``rid``'s live claim ``claim`` (the id
+        :meth:`claim_load` answered) was made, from the backend of the role that made
+        it; None when that is not ``rid``'s live claim any more or the tier has no
+        fence (see :meth:`ReplicatedBackend.claim_fence`)."""
+        with self._lock:
+            live = self._claims.get(rid)
+        if live is None or live[1] != claim:
+            return None
+        return live[0].backend.claim_fence(claim)
+
     def commit_load(self, rid: str, claim: int) -> bool:
         """The engine's copy of ``rid``'s claimed load ended: True when the blocks
         it read stayed pinned throughout (the slots hold the cached KV); False when

@@ -180,7 +180,9 @@ class EngineServer:
     answers them itself, without the hop to a worker thread. ``inline(req)``,
     when given, picks further requests to answer there (the service knows
     which calls of which stage wait only for short locks); it must be cheap
-    and must not raise. ``park(req)``, when given, returns a :class:`Parked`
+    and must not raise; those calls are answered in arrival order and never
+    refused as busy (``max_inflight`` bounds calls that take a worker).
+    ``park(req)``, when given, returns a :class:`Parked`
     for requests that wait for an event (None for any other): the I/O thread
     keeps them without a worker and polls them whenever it is woken
     (:meth:`wake`, by whatever makes them answerable) or their time is up; it
@@ -344,9 +346,6 @@ class EngineServer:
         return kept
 
     def _accept(self, ident: bytes, frames: list[bytes]) -> None:
-        if len(self._calls) >= self.max_inflight:
-            self._refuse_busy(ident, frames)
-            return
         start = time.perf_counter()
         try:
             req = protocol.decode_request(frames)
@@ -355,11 +354,17 @@ class EngineServer:
                          *self._error_reply("invalid", protocol.peek_id(frames), exc))
             return
         if req.op in self._inline_ops or (self._inline is not None and self._inline(req)):
+            # Never refused as busy: answered here, it holds no worker and no slot.
+            # An engine may send an inline call without waiting for its answer
+            # (EngineClient.end_claim_nowait), which must not be lost.
             try:
                 reply, outcome = protocol.encode_reply(req.id, self._service(req)), "ok"
             except Exception as exc:
                 reply, outcome = self._error_reply(req.op, req.id, exc)
             self._finish(ident, req.op, req.id, start, reply, outcome)
+            return
+        if len(self._calls) >= self.max_inflight:
+            self._refuse_busy(ident, frames)
             return
         parked = self._park(req) if self._park is not None and \
             len(self._waiting) < self.max_inflight else None

@@ -62,6 +62,7 @@ class Coordinator(Protocol):
     def lookup(self, rid: str, token_ids: Any, token_mask: Any = None) -> int: ...
     def retrieve(self, rid: str, slot_mapping: Any) -> int: ...
     def claim_load(self, rid: str) -> tuple[int, list[int], dict[str, Any], int] | None: ...
+    def claim_fence(self, rid: str, claim: int) -> int | None: ...
     def commit_load(self, rid: str, claim: int) -> bool: ...
     def tier_handle(self) -> dict[str, Any] | None: ...
     def release(self, rid: str) -> None: ...
@@ -200,6 +201,16 @@ def _lookup(conn: Coordinator, traffic: StageTraffic | None, req: protocol.Reque
     return hit
 
 
+def _fence(stage: Stage, rid: str, claim: int) -> int | None:
+    """The claim fence a claim reply hands out (docs/agent.md, "Engine-side
+    loads"), only where ``commit_load`` is answered on the I/O thread: there an
+    engine's commit sent without waiting is handled before its next call (a
+    ``release`` of the rid never overtakes it) and is never refused as busy."""
+    if "commit_load" not in stage.inline_ops:
+        return None
+    return stage.coordinator.claim_fence(rid, claim)
+
+
 @dataclass
 class Stage:
     """One PP stage's connector, its group-view handle and the engine buffers it maps."""
@@ -325,8 +336,9 @@ class EngineService:
             if got is None:  # the lookup stays open for retrieve
                 return {"hit": hit, "blocks": None, "tier": conn.tier_handle(), "claim": -1}
             # A miss names the stage's tier as well, so an engine always knows it.
+            fence = _fence(stage, req.args["rid"], got[3]) if got[1] else None
             return {"hit": got[0], "blocks": got[1], "tier": got[2] or conn.tier_handle(),
-                    "claim": got[3]}
+                    "claim": got[3], "fence": fence}
         if req.op == "tier":
             return conn.tier_handle()
         if req.op == "claim_load":
@@ -334,7 +346,8 @@ class EngineService:
             if got is None:
                 return None
             hit, blocks, tier, claim = got
-            return {"hit": hit, "blocks": blocks, "tier": tier, "claim": claim}
+            return {"hit": hit, "blocks": blocks, "tier": tier, "claim": claim,
+                    "fence": _fence(stage, req.args["rid"], claim) if blocks else None}
         if req.op == "commit_load":
             return bool(conn.commit_load(req.args["rid"], req.args["claim"]))
         if req.op == "store_kv":

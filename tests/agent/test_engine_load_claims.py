@@ -117,8 +117,13 @@ async def test_a_claim_the_agent_forgot_makes_the_load_a_miss_not_an_error(
         stage.coordinator._claims.clear()
         with pytest.raises(EngineAPIError, match="claim_load first"):
             await asyncio.to_thread(client.commit_load, "none-such", 5)
+        # Another claim ends early (a release): the claim fence moves, so the
+        # engine asks the agent, which knows no such claim.
+        assert await asyncio.to_thread(client.lookup, "x", PROMPT) == 32
+        assert await asyncio.to_thread(client.claim_load, "x") is not None
+        await asyncio.to_thread(client.release, "x")
         assert await asyncio.to_thread(loads.load, "r", dst) == 0
-        assert loads.loads == 0
+        assert loads.loads == 0 and loads.fenced == 0
         # The next load of the prompt is copied and committed as usual.
         assert await asyncio.to_thread(loads.lookup, "r2", PROMPT) == 32
         assert await asyncio.to_thread(loads.load, "r2", dst) == 32

@@ -160,6 +160,10 @@ async def test_an_engine_copied_load_is_the_stored_kv_like_a_retrieve(
         part = np.arange(200, 216, dtype=np.int64)
         assert await asyncio.to_thread(loads.load, "p", part) == 16
         assert equal_slots(bufs, SRC[:16], part)
+        # No claim ended early, so the claim fence said both held: their commits
+        # went out without waiting, and a call after them is answered after them.
+        assert loads.fenced == 2
+        await asyncio.to_thread(client.ping)
         # The claims ended: nothing stays pinned, a commit again is refused.
         assert _locked(_backend(e.ra)) == 0
         with pytest.raises(EngineAPIError, match="claim_load first"):
@@ -167,6 +171,28 @@ async def test_an_engine_copied_load_is_the_stored_kv_like_a_retrieve(
     # The agent's shutdown closed its tier and removed its tier socket.
     assert read_only_fd(tier_id) is None
     assert not os.path.exists(e.socket + ".tier")
+
+
+async def test_a_stage_answering_commits_on_workers_hands_out_no_fence(work: Path) -> None:
+    """Where ``commit_load`` takes a worker (a stage whose calls do not run on the
+    I/O thread), a commit sent without waiting could be overtaken by the engine's
+    next call (its release) or refused as busy: no fence is handed out, and every
+    load waits for its commit's answer."""
+    async with solo(work) as e:
+        client, bufs, loads, backend = e.client, e.bufs, e.loads, _backend(e.ra)
+        [stage] = e.ra.agent.service.stages.values()
+        assert "commit_load" in stage.inline_ops
+        stage.inline_ops = stage.inline_ops - {"commit_load"}
+        dst = np.arange(64, 96, dtype=np.int64)
+        zero_slots(bufs, dst)
+        got = await asyncio.to_thread(client.lookup_claim, "w", PROMPT)
+        assert got["hit"] == 32 and got["blocks"] and got["fence"] is None
+        await asyncio.to_thread(client.release, "w")
+        assert await asyncio.to_thread(loads.lookup, "e", PROMPT) == 32
+        assert await asyncio.to_thread(loads.load, "e", dst) == 32
+        assert equal_slots(bufs, SRC, dst)
+        assert (loads.loads, loads.fenced) == (1, 0)
+        assert _locked(backend) == 0  # ended by the answered commit, before load returned
 
 
 async def test_release_between_claim_and_commit_makes_the_load_a_miss(
@@ -217,7 +243,7 @@ async def test_calls_out_of_order_are_refused_by_name(work: Path) -> None:
         other = np.arange(7000, 7016, dtype=np.int64)
         assert await asyncio.to_thread(client.lookup, "m", other) == 0
         assert await asyncio.to_thread(client.claim_load, "m") == {
-            "hit": 0, "blocks": [], "tier": {}, "claim": -1}
+            "hit": 0, "blocks": [], "tier": {}, "claim": -1, "fence": None}
         assert await asyncio.to_thread(client.lookup, "m2", other) == 0
         assert await asyncio.to_thread(loads.load, "m2", np.zeros(0, dtype=np.int64)) == 0
         with pytest.raises(EngineAPIError, match="claim_load first"):

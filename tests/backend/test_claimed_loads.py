@@ -29,7 +29,13 @@ import torch
 
 from node_agent.backend import cpu_tier
 from node_agent.backend.base import KVResponseStatus, TaskNotFoundError
-from node_agent.backend.cpu_tier import CpuTier, MappedTier, map_tier_fd, read_only_fd
+from node_agent.backend.cpu_tier import (
+    FENCE_BYTES,
+    CpuTier,
+    MappedTier,
+    map_tier_fd,
+    read_only_fd,
+)
 from node_agent.backend.embedded import EmbeddedBackend
 from node_agent.backend.planes import register_buffers
 from node_agent.backend.shared import Fingerprint, SharedBackends, SharedStageBackend
@@ -129,7 +135,8 @@ def test_a_claim_copies_the_stored_bytes_bit_for_bit_and_unlocks_after() -> None
         handle = b.tier_handle()
         assert handle is not None
         assert handle == {"kind": "memfd", "id": handle["id"], "blocks": 16,
-                          "bytes": 16 * LAYOUT.bytes_per_block}
+                          "bytes": 16 * LAYOUT.bytes_per_block,
+                          "fence": 16 * LAYOUT.bytes_per_block}
         assert len(handle["id"]) == 32 and int(handle["id"], 16) >= 0
         toks = tokens(6 * TPB)
         src = np.arange(6 * TPB, dtype=np.int64)
@@ -281,6 +288,79 @@ def test_reset_cancel_and_shutdown_end_a_claim(how: str) -> None:
             with pytest.raises(TaskNotFoundError):
                 b.claim_rows(tid, lease=60.0)
             assert (b.get_match(PROMPT)[0] == -1) is (how == "reset")
+    finally:
+        b.shutdown()
+
+
+@pytest.mark.parametrize("how", ["commit", "release", "cancel", "lease", "reset", "shutdown"])
+def test_the_claim_fence_moves_before_an_early_end_unpins_and_never_on_a_commit(
+        how: str) -> None:
+    """What an engine's mapping reads after its copy tells whether any claim ended
+    other than by its commit since the claim was made: the count moves by one,
+    before the blocks unpin, on every such end, and stays on a commit."""
+    now = [0.0]
+    b, _ = backend_on(clock=lambda: now[0])
+    mapped = map_handle(b.tier_handle())
+    try:
+        cpu = b.store.cpu
+        start = cpu.fence_value()
+        assert start is not None and mapped.fence_value() == start
+        tid, _ = claim_prompt(b, lease=5.0)
+        assert b.claim_fence(tid) == start  # recorded when the claim was made
+        seen: list[tuple[int | None, int]] = []
+        unlock = b._index.unlock  # type: ignore[union-attr]
+
+        def spy(nodes: Any) -> None:  # what the fence read when the blocks unpinned
+            seen.append((mapped.fence_value(), int(np.asarray(nodes).size)))
+            unlock(nodes)
+
+        b._index.unlock = spy  # type: ignore[method-assign,union-attr]
+        if how == "commit":
+            assert b.end_claim(tid) is True
+        elif how == "release":
+            assert b.end_claim(tid, committed=False) is True
+        elif how == "cancel":
+            b.cancel([tid])
+        elif how == "lease":
+            now[0] = 6.0
+            assert b.end_claim(tid) is False
+        elif how == "reset":
+            b.reset()
+        else:
+            b.shutdown()
+        moved = 0 if how == "commit" else 1
+        assert mapped.fence_value() == start + moved
+        if how != "reset":  # a reset drops the index whole instead of unpinning
+            assert seen and seen[0] == (start + moved, 4)
+        assert b.claim_fence(tid) is None  # the claim is over
+        # Stores and the next claim's commit leave it alone.
+        if how != "shutdown":
+            store(b, tokens(TPB, seed=3), np.arange(TPB, dtype=np.int64))
+            assert mapped.fence_value() == start + moved
+        if how not in ("reset", "shutdown"):
+            again, _ = claim_prompt(b, lease=60.0)
+            assert b.claim_fence(again) == start + moved
+            assert b.end_claim(again) is True
+            assert mapped.fence_value() == start + moved
+    finally:
+        mapped.close()
+        b.shutdown()
+
+
+def test_a_handle_without_a_fence_maps_without_one() -> None:
+    """An agent from before the claim fence names none: the tier maps all the same
+    and the engine has no fence to read (it then waits for every commit)."""
+    b, _ = backend_on()
+    try:
+        h = b.tier_handle()
+        assert h is not None and h["fence"] == h["bytes"]
+        old = {k: v for k, v in h.items() if k != "fence"}
+        mapped = map_handle(old)
+        try:
+            assert mapped.fence is None and mapped.fence_value() is None
+            assert mapped.tier.pool.numel() == h["bytes"]
+        finally:
+            mapped.close()
     finally:
         b.shutdown()
 
@@ -442,7 +522,7 @@ def test_a_write_through_the_engines_mapping_faults(tier_server: TierFdServer) -
         assert handle is not None
         code = textwrap.dedent(f"""
             import ctypes, mmap, os
-            from node_agent.backend.cpu_tier import map_tier_fd
+            from node_agent.backend.cpu_tier import FENCE_BYTES, map_tier_fd
             from node_agent.backend.tier_fds import receive_tier_fd
             from tests.backend.backend_helpers import small_layout
             handle = {handle!r}
@@ -476,7 +556,7 @@ def test_a_write_through_the_engines_mapping_faults(tier_server: TierFdServer) -
                 except PermissionError:
                     continue
                 print("changed by", name, flush=True)
-            assert os.fstat(fd).st_size == handle["bytes"]
+            assert os.fstat(fd).st_size == handle["bytes"] + FENCE_BYTES
             print("mapped", flush=True)
             m.tier.pool[0] = {(before[0] + 1) % 256}
             m.tier.pool.fill_(7)
@@ -509,7 +589,7 @@ def test_the_received_descriptor_is_read_only(tier_server: TierFdServer) -> None
             assert err.value.errno == errno.EBADF
             with pytest.raises(OSError):
                 os.ftruncate(fd, 0)
-            assert os.fstat(fd).st_size == handle["bytes"]
+            assert os.fstat(fd).st_size == handle["bytes"] + FENCE_BYTES
             # Readable: it is the tier's memory (zero-filled, nothing stored yet).
             assert os.pread(fd, 16, 0) == bytes(16)
         finally:
@@ -536,8 +616,10 @@ def test_map_tier_fd_refuses_bad_handles() -> None:
                 ({**h, "blocks": 0}, "'blocks' is 0"),
                 ({**h, "bytes": True}, "'bytes' is True"),
                 ({**h, "blocks": h["blocks"] + 1}, "register the same layout"),
-                ({**h, "blocks": h["blocks"] * 2, "bytes": h["bytes"] * 2},
-                 "ask the agent again"),
+                ({**h, "blocks": h["blocks"] * 2, "bytes": h["bytes"] * 2,
+                  "fence": h["bytes"] * 2}, "ask the agent again"),
+                ({**h, "fence": 8}, "'fence' is 8; it must be the handle's 'bytes'"),
+                ({**h, "fence": str(h["bytes"])}, "'fence' is '"),
             ]:
                 with pytest.raises(ValueError, match=fragment):
                     map_tier_fd(LAYOUT, bad, fd)
