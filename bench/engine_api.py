@@ -14,9 +14,13 @@ through :class:`node_agent.client.EngineClient` and then measures
 * ``load``: ``lookup`` plus ``retrieve`` of a cached prompt into other slots,
   GB/s; baseline: the plain ``copy_`` of the same bytes back into the planes;
 * ``load_engine_copy``: the same load copied by this process from the agent's
-  shared CPU tier (``lookup_claim``, the copy, ``commit_load``:
-  :class:`node_agent.engine_loads.EngineLoads`), same baseline; the slots it
-  filled are checked bit for bit against the stored ones;
+  shared CPU tier (``lookup_claim``, the copy, the claim fence read, the commit
+  sent without waiting: :class:`node_agent.engine_loads.EngineLoads`), same
+  baseline; the slots it filled are checked bit for bit against the stored ones;
+* ``load_engine_copy_answered``: the same, but every load waits for its
+  ``commit_load`` answer (the fence ignored, as for an agent that hands none
+  out), in the same rounds (which of the two goes first alternates);
+  ``vs_fenced`` is the median per-round ratio of its time to the fenced load's;
 * ``lookup``: p50/p99 of a fully hit ``lookup`` + ``release`` through the
   socket; baseline: the same calls on an in-process connector holding the same
   blocks (what the engine would pay with the connector linked in);
@@ -155,10 +159,28 @@ def bench_bandwidth(client: EngineClient, bufs: SharedKVBuffers, layout: KVLayou
         for st in staging:
             st.fill_(1)  # touch the pages before timing
     warm = ring[0]
-    ours: dict[str, list[float]] = {"store": [], "load": [], "load_engine_copy": []}
-    base: dict[str, list[float]] = {"store": [], "load": [], "load_engine_copy": []}
-    warm_base: dict[str, list[float]] = {"store": [], "load": [], "load_engine_copy": []}
+    names = ("store", "load", "load_engine_copy", "load_engine_copy_answered")
+    ours: dict[str, list[float]] = {n: [] for n in names}
+    base: dict[str, list[float]] = {n: [] for n in names}
+    warm_base: dict[str, list[float]] = {n: [] for n in names}
     loads = EngineLoads(client, layout, bufs.tensors)
+    answered = AnsweredLoads(client, layout, bufs.tensors)
+
+    def engine_load(r: int, ids: np.ndarray, name: str, via: EngineLoads) -> None:
+        t0 = time.perf_counter()
+        hit = via.lookup(f"{name}{r}", ids)
+        copied = via.load(f"{name}{r}", eng[:hit])
+        ours[name].append(time.perf_counter() - t0)
+        if copied != tokens:
+            raise RuntimeError(f"{name} loaded {copied} of {tokens} tokens (None: the "
+                               "agent did not hand the load out)")
+        for p in planes:
+            if not torch.equal(p[eng0:eng0 + tokens], p[src0:src0 + tokens]):
+                raise RuntimeError(f"{name}: the engine copy's slots differ from the stored KV")
+            # Zeroed for the next check; the copies before it evict these lines
+            # again, so the next copy writes memory as cold as this one did.
+            p[eng0:eng0 + tokens].zero_()
+        client.release(f"{name}{r}")
 
     def run_ours(r: int, ids: np.ndarray) -> None:
         t0 = time.perf_counter()
@@ -174,25 +196,16 @@ def bench_bandwidth(client: EngineClient, bufs: SharedKVBuffers, layout: KVLayou
         client.release(f"l{r}")
         if loaded != tokens:
             raise RuntimeError(f"loaded {loaded} of {tokens} tokens")
-        t0 = time.perf_counter()
-        hit = loads.lookup(f"e{r}", ids)
-        copied = loads.load(f"e{r}", eng[:hit])
-        ours["load_engine_copy"].append(time.perf_counter() - t0)
-        if copied != tokens:
-            raise RuntimeError(f"engine copy loaded {copied} of {tokens} tokens (None: the "
-                               "agent did not hand the load out)")
-        for p in planes:
-            if not torch.equal(p[eng0:eng0 + tokens], p[src0:src0 + tokens]):
-                raise RuntimeError("the engine copy's slots differ from the stored KV")
-            # Zeroed for the next round's check; the copies before it evict these
-            # lines again, so the next copy writes memory as cold as this one did.
-            p[eng0:eng0 + tokens].zero_()
+        pair = [("load_engine_copy", loads), ("load_engine_copy_answered", answered)]
+        for name, via in pair if r % 2 == 0 else pair[::-1]:
+            engine_load(r, ids, name, via)
 
     def run_base(r: int) -> None:
         pairs = list(zip(planes, ring[r % COLD_RING], strict=True))
         base["store"].append(timed(lambda: [s.copy_(p[src0:src0 + tokens]) for p, s in pairs]))
         base["load"].append(timed(lambda: [p[dst0:dst0 + tokens].copy_(s) for p, s in pairs]))
         base["load_engine_copy"].append(base["load"][-1])
+        base["load_engine_copy_answered"].append(base["load"][-1])
         wp = list(zip(planes, warm, strict=True))
         warm_base["store"].append(min(
             timed(lambda: [s.copy_(p[src0:src0 + tokens]) for p, s in wp]),
@@ -203,6 +216,7 @@ def bench_bandwidth(client: EngineClient, bufs: SharedKVBuffers, layout: KVLayou
             timed(lambda: [np.copyto(p[dst0:dst0 + tokens].numpy(), s.numpy())
                            for p, s in wp])))
         warm_base["load_engine_copy"].append(warm_base["load"][-1])
+        warm_base["load_engine_copy_answered"].append(warm_base["load"][-1])
 
     for r in range(rounds):
         ids = rng.integers(0, 1 << 30, tokens, dtype=np.int64)
@@ -214,11 +228,19 @@ def bench_bandwidth(client: EngineClient, bufs: SharedKVBuffers, layout: KVLayou
             run_base(r)
     load = [round(x, 2) for x in os.getloadavg()]
     loads.close()
-    for name in ("store", "load", "load_engine_copy"):
+    answered.close()
+    if loads.fenced != rounds or answered.fenced:
+        raise RuntimeError(f"{loads.fenced} of {rounds} loads held by the fence (want all), "
+                           f"{answered.fenced} of the answered ones (want none)")
+    for name in names:
         o, b, w = ours[name], base[name], warm_base[name]
         ratios = sorted(bb / oo for oo, bb in zip(o, b, strict=True))
         ours_gbps = nbytes / statistics.median(o) / 1e9
-        emit(bench="engine_api_bandwidth", direction=name, tokens=tokens, bytes=nbytes,
+        extra: dict[str, Any] = {}
+        if name == "load_engine_copy_answered":
+            extra["vs_fenced"] = round(statistics.median(
+                a / f for a, f in zip(o, ours["load_engine_copy"], strict=True)), 3)
+        emit(bench="engine_api_bandwidth", direction=name, tokens=tokens, bytes=nbytes, **extra,
              rounds=rounds, gbps=round(ours_gbps, 3), baseline="torch_copy_same_bytes",
              goal_ratio=0.8, baseline_gbps=round(nbytes / statistics.median(b) / 1e9, 3),
              ratio=round(statistics.median(ratios), 3),
@@ -226,6 +248,14 @@ def bench_bandwidth(client: EngineClient, bufs: SharedKVBuffers, layout: KVLayou
              warm_baseline_gbps=round(nbytes / statistics.median(w) / 1e9, 3),
              ratio_vs_warm=round(statistics.median(w) / statistics.median(o), 3),
              loadavg=load)
+
+
+class AnsweredLoads(EngineLoads):
+    """Engine-side loads that always wait for their commit's answer, as against an
+    agent that hands out no claim fence (the bench's comparison)."""
+
+    def _held_by_fence(self, got: dict[str, Any]) -> bool:
+        return False
 
 
 def inprocess_connector(layout: KVLayout, cpu_bytes: int) -> Coordinator:

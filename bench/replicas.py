@@ -42,8 +42,9 @@ Every loaded token is checked bit-exactly against the KV the prompt's tokens
 stand for (a function of token id, position and plane, the same for every
 replica of the model). One JSON object per result: ``replicas_load`` (aggregate
 GB/s, ratio against N = 1 in the same run, goal >= 0.8),
-``replicas_load_engine_copy`` (the same for ``load_engine``, and its ratio over
-``replicas_load`` at the same N),
+``replicas_load_engine_copy`` (the same for ``load_engine``, its ratio over
+``replicas_load`` at the same N, and the share of its loads the claim fence
+showed held, whose commits went out without waiting),
 ``replicas_lookup`` (p50/p99 ms during the load phase, ratio against N = 1, goal
 p99 <= 2x), ``replicas_lookup_only`` (the same in the ``lookups`` phase, with the lookups
 per second the agent answered), ``replicas_lookup_paced`` (the same in the
@@ -186,7 +187,7 @@ def engine_main(cfg: dict[str, Any]) -> int:
                     lookup_s=lookups)
             elif phase == "load_engine":
                 # The same loads, each copied by this engine from the agent's shared
-                # CPU tier (lookup_claim, the copy, commit_load).
+                # CPU tier (lookup_claim, the copy, the claim fence or commit_load).
                 loads = EngineLoads(client, layout, bufs.tensors)
                 for p in planes:
                     p[int(dst[0]):].zero_()
@@ -205,7 +206,8 @@ def engine_main(cfg: dict[str, Any]) -> int:
                 t_end = time.monotonic()
                 loads.close()
                 bad += mismatched(prompt(me, prefixes - 1, tokens), dst[:tokens])
-                say(phase="load_engine", start=t_start, end=t_end, loaded_tokens=loaded_tokens)
+                say(phase="load_engine", start=t_start, end=t_end, loaded_tokens=loaded_tokens,
+                    loads=loads.loads, fenced=loads.fenced)
             elif phase == "lookups":
                 lookups = []
                 t_start = time.monotonic()
@@ -392,6 +394,8 @@ def measure(args: argparse.Namespace, n: int) -> dict[str, Any]:
     eloaded = sum(r["loaded_tokens"] for r in engine_loads) * run.bytes_per_token
     return {"gbps": loaded / wall / 1e9, "bytes": loaded, "seconds": wall,
             "engine_gbps": eloaded / ewall / 1e9,
+            "fenced_share": sum(r["fenced"] for r in engine_loads)
+            / max(1, sum(r["loads"] for r in engine_loads)),
             "bytes_per_token": run.bytes_per_token,
             "p50_ms": float(np.percentile(lookups, 50)),
             "p99_ms": float(np.percentile(lookups, 99)), "lookups": len(lookups),
@@ -452,7 +456,8 @@ def main() -> int:
              baseline="1_engine", baseline_gbps=round(base["engine_gbps"], 3),
              ratio=round(got["engine_gbps"] / base["engine_gbps"], 3),
              agent_copy_gbps=round(got["gbps"], 3),
-             over_agent_copy=round(got["engine_gbps"] / got["gbps"], 3), loadavg=load)
+             over_agent_copy=round(got["engine_gbps"] / got["gbps"], 3),
+             held_by_fence=round(got["fenced_share"], 3), loadavg=load)
         for name, pre, count in (("replicas_lookup", "", "lookups"),
                                  ("replicas_lookup_only", "only_", "only_lookups"),
                                  ("replicas_lookup_paced", "paced_", "paced_lookups")):

@@ -31,6 +31,11 @@ def test_quick_run_reports_load_lookups_paced_lookups_and_cross_hits_per_engine_
         assert r["bytes"] == n * 2 * 3 * 64 * r["bytes_per_token"], r
         assert r["gbps"] > 0 and r["baseline_gbps"] == load[1]["gbps"]
     assert load[1]["ratio"] == 1.0
+    # The engine-copied loads: no claim of the run ends early (each is committed,
+    # none released unused), so the claim fence shows every one of them held.
+    engine = {r["engines"]: r for r in rows if r["bench"] == "replicas_load_engine_copy"}
+    assert sorted(engine) == [1, 2]
+    assert all(r["held_by_fence"] == 1.0 and r["gbps"] > 0 for r in engine.values())
     lookup = {(r["engines"], r["percentile"]): r for r in rows if r["bench"] == "replicas_lookup"}
     assert sorted(lookup) == [(1, "p50"), (1, "p99"), (2, "p50"), (2, "p99")]
     assert lookup[2, "p99"]["goal_ratio_max"] == 2.0
