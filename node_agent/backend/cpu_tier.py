@@ -18,7 +18,9 @@ with the last descriptor or mapping, so a killed agent leaves nothing behind. A
 pinned pool (CUDA present) is never shared.
 
 A shared pool's file holds one more page after the blocks: the *claim fence*, a
-64-bit little-endian counter at byte offset ``bytes`` (the handle's ``fence``).
+64-bit little-endian counter at the first page boundary after them
+(:func:`fence_offset`, the handle's ``fence``; aligned, so each read or write of it
+is one access).
 The agent adds one to it, under its backend lock, whenever a claimed load ends
 other than by the engine's own commit (lease over, flush, release, stage gone),
 before any block of that claim can be reused. An engine that reads the same
@@ -56,6 +58,12 @@ _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | _F_SEAL_FUTURE_WRITE | fcntl.
 FENCE_BYTES = 4096
 """The page after a shared pool's blocks that holds the claim fence."""
 
+
+def fence_offset(nbytes: int) -> int:
+    """Where the claim fence of a shared pool of ``nbytes`` bytes lies in its file:
+    the first page boundary at or after the blocks."""
+    return -(-nbytes // FENCE_BYTES) * FENCE_BYTES
+
 _tiers: weakref.WeakValueDictionary[str, CpuTier] = weakref.WeakValueDictionary()
 _tiers_lock = threading.Lock()
 
@@ -82,9 +90,9 @@ def _shared_pool(nbytes: int) -> tuple[torch.Tensor, npt.NDArray[np.uint64], mma
     try:
         # Reserves the pages now: a memory limit fails here, not later as a SIGBUS
         # on first touch.
-        os.posix_fallocate(fd, 0, nbytes + FENCE_BYTES)
-        mm = mmap.mmap(fd, nbytes + FENCE_BYTES, mmap.MAP_SHARED,
-                       mmap.PROT_READ | mmap.PROT_WRITE)
+        size = fence_offset(nbytes) + FENCE_BYTES
+        os.posix_fallocate(fd, 0, size)
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     except OSError as exc:
         os.close(fd)
         log.warning("CPU tier kept in private memory: its memory file does not fit",
@@ -102,7 +110,7 @@ def _shared_pool(nbytes: int) -> tuple[torch.Tensor, npt.NDArray[np.uint64], mma
                                                       "fix": "run on Linux 5.1 or later"})
         return None
     pool = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
-    return pool, np.frombuffer(mm, dtype="<u8", count=1, offset=nbytes), mm, fd
+    return pool, np.frombuffer(mm, dtype="<u8", count=1, offset=fence_offset(nbytes)), mm, fd
 
 
 class CpuTier:
@@ -170,7 +178,7 @@ class CpuTier:
             return None
         nbytes = int(self.pool.numel())
         return {"kind": "memfd", "id": self.tier_id, "blocks": self.num_blocks,
-                "bytes": nbytes, "fence": nbytes}
+                "bytes": nbytes, "fence": fence_offset(nbytes)}
 
     def fence_value(self) -> int | None:
         """The claim fence's count (see the module docstring); None when the pool
@@ -237,8 +245,8 @@ class MappedTier:
 
 def check_tier_handle(layout: KVLayout, handle: object) -> tuple[str, int, int]:
     """``(tier id, blocks, bytes)`` of a tier handle for ``layout``; ``ValueError``
-    naming the bad field. A ``fence``, when present, must be ``bytes`` (the counter
-    in the page after the blocks)."""
+    naming the bad field. A ``fence``, when present, must be :func:`fence_offset`
+    of ``bytes`` (the counter in the page after the blocks)."""
     if not isinstance(handle, dict) or handle.get("kind") != "memfd":
         raise ValueError(f"tier handle {handle!r} is not a CPU tier handle "
                          "({'kind': 'memfd', 'id': ..., 'blocks': ..., 'bytes': ...})")
@@ -255,10 +263,11 @@ def check_tier_handle(layout: KVLayout, handle: object) -> tuple[str, int, int]:
             f"tier handle names {blocks} blocks in {nbytes} bytes, but a block of the "
             f"registered layout takes {layout.bytes_per_block}; register the same layout"
         )
-    fence = handle.get("fence", nbytes)
-    if fence != nbytes or isinstance(fence, bool):
-        raise ValueError(f"tier handle field 'fence' is {fence!r}; it must be the handle's "
-                         f"'bytes' ({nbytes}), the counter's offset after the blocks")
+    fence = handle.get("fence", fence_offset(nbytes))
+    if fence != fence_offset(nbytes) or isinstance(fence, bool):
+        raise ValueError(f"tier handle field 'fence' is {fence!r}; it must be "
+                         f"{fence_offset(nbytes)}, the first page boundary after the "
+                         f"handle's {nbytes} bytes (where the claim fence lies)")
     return tier_id, blocks, nbytes
 
 
@@ -269,7 +278,7 @@ def map_tier_fd(layout: KVLayout, handle: object, fd: int) -> MappedTier:
     tier_id, blocks, nbytes = check_tier_handle(layout, handle)
     assert isinstance(handle, dict)
     fenced = "fence" in handle
-    want = nbytes + FENCE_BYTES if fenced else nbytes
+    want = fence_offset(nbytes) + FENCE_BYTES if fenced else nbytes
     size = os.fstat(fd).st_size
     if size < want:
         raise ValueError(f"tier {tier_id} holds {size} bytes, its handle names {want}; "
@@ -282,5 +291,6 @@ def map_tier_fd(layout: KVLayout, handle: object, fd: int) -> MappedTier:
         # A read-only buffer: torch warns that writes would be undefined; none are made.
         warnings.simplefilter("ignore", UserWarning)
         pool = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
-    fence = np.frombuffer(mm, dtype="<u8", count=1, offset=nbytes) if fenced else None
+    fence = np.frombuffer(mm, dtype="<u8", count=1, offset=fence_offset(nbytes)) \
+        if fenced else None
     return MappedTier(CpuTier(layout, blocks, False, pool=pool), tier_id, mm, fence)

@@ -33,6 +33,7 @@ from node_agent.backend.cpu_tier import (
     FENCE_BYTES,
     CpuTier,
     MappedTier,
+    fence_offset,
     map_tier_fd,
     read_only_fd,
 )
@@ -136,7 +137,7 @@ def test_a_claim_copies_the_stored_bytes_bit_for_bit_and_unlocks_after() -> None
         assert handle is not None
         assert handle == {"kind": "memfd", "id": handle["id"], "blocks": 16,
                           "bytes": 16 * LAYOUT.bytes_per_block,
-                          "fence": 16 * LAYOUT.bytes_per_block}
+                          "fence": fence_offset(16 * LAYOUT.bytes_per_block)}
         assert len(handle["id"]) == 32 and int(handle["id"], 16) >= 0
         toks = tokens(6 * TPB)
         src = np.arange(6 * TPB, dtype=np.int64)
@@ -353,7 +354,8 @@ def test_a_handle_without_a_fence_maps_without_one() -> None:
     b, _ = backend_on()
     try:
         h = b.tier_handle()
-        assert h is not None and h["fence"] == h["bytes"]
+        assert h is not None and h["fence"] == fence_offset(h["bytes"])
+        assert h["fence"] % FENCE_BYTES == 0 and 0 <= h["fence"] - h["bytes"] < FENCE_BYTES
         old = {k: v for k, v in h.items() if k != "fence"}
         mapped = map_handle(old)
         try:
@@ -556,7 +558,7 @@ def test_a_write_through_the_engines_mapping_faults(tier_server: TierFdServer) -
                 except PermissionError:
                     continue
                 print("changed by", name, flush=True)
-            assert os.fstat(fd).st_size == handle["bytes"] + FENCE_BYTES
+            assert os.fstat(fd).st_size == handle["fence"] + FENCE_BYTES
             print("mapped", flush=True)
             m.tier.pool[0] = {(before[0] + 1) % 256}
             m.tier.pool.fill_(7)
@@ -589,7 +591,7 @@ def test_the_received_descriptor_is_read_only(tier_server: TierFdServer) -> None
             assert err.value.errno == errno.EBADF
             with pytest.raises(OSError):
                 os.ftruncate(fd, 0)
-            assert os.fstat(fd).st_size == handle["bytes"] + FENCE_BYTES
+            assert os.fstat(fd).st_size == handle["fence"] + FENCE_BYTES
             # Readable: it is the tier's memory (zero-filled, nothing stored yet).
             assert os.pread(fd, 16, 0) == bytes(16)
         finally:
@@ -617,8 +619,8 @@ def test_map_tier_fd_refuses_bad_handles() -> None:
                 ({**h, "bytes": True}, "'bytes' is True"),
                 ({**h, "blocks": h["blocks"] + 1}, "register the same layout"),
                 ({**h, "blocks": h["blocks"] * 2, "bytes": h["bytes"] * 2,
-                  "fence": h["bytes"] * 2}, "ask the agent again"),
-                ({**h, "fence": 8}, "'fence' is 8; it must be the handle's 'bytes'"),
+                  "fence": fence_offset(h["bytes"] * 2)}, "ask the agent again"),
+                ({**h, "fence": 8}, "'fence' is 8; it must be .* first page boundary"),
                 ({**h, "fence": str(h["bytes"])}, "'fence' is '"),
             ]:
                 with pytest.raises(ValueError, match=fragment):
