@@ -525,7 +525,8 @@ def test_unopenable_cuda_handles_are_refused_without_a_crash() -> None:
     assert float(t.sum()) == float(1 << 18)  # the exporter's tensor is untouched
 
 
-async def test_calls_beyond_the_inflight_limit_are_refused_at_once(sock_path: Path) -> None:
+async def test_worker_calls_past_the_inflight_limit_are_refused_inline_calls_answered(
+        sock_path: Path) -> None:
     gate = threading.Event()
 
     def blocking(req: protocol.Request) -> Any:
@@ -535,7 +536,8 @@ async def test_calls_beyond_the_inflight_limit_are_refused_at_once(sock_path: Pa
 
     metrics = AgentMetrics()
     server = EngineServer(f"ipc://{sock_path}", blocking, metrics, call_timeout=20,
-                          max_workers=1, max_inflight=2)
+                          max_workers=1, max_inflight=2,
+                          inline=lambda req: req.op == "commit_load")
     await server.start()
     ctx = zmq.Context()
     raw = ctx.socket(zmq.DEALER)
@@ -552,6 +554,15 @@ async def test_calls_beyond_the_inflight_limit_are_refused_at_once(sock_path: Pa
         assert "agent busy" in (busy.error_message or "")
         assert server.refused_busy == 1 and server.inflight == 2
         assert metrics.engine_requests.labels(op="busy", outcome="error")._value.get() == 1
+        # A call the I/O thread answers itself holds no worker: it is answered at
+        # the limit too (an engine may send one without waiting for the answer,
+        # end_claim_nowait, so a refusal would go unseen).
+        raw.send_multipart(protocol.encode_request(
+            4, "commit_load", {"rid": "r", "rank": {}, "claim": 1}))
+        assert await asyncio.to_thread(raw.poll, 5000), "the inline call got no answer"
+        inline = protocol.decode_reply(raw.recv_multipart())
+        assert (inline.id, inline.ok, inline.result) == (4, True, "done")
+        assert server.refused_busy == 1 and server.inflight == 2
         gate.set()
         got = set()
         for _ in (1, 2):
@@ -560,47 +571,6 @@ async def test_calls_beyond_the_inflight_limit_are_refused_at_once(sock_path: Pa
             assert reply.ok and reply.result == "done"
             got.add(reply.id)
         assert got == {1, 2}
-    finally:
-        gate.set()
-        raw.close()
-        ctx.term()
-        await server.stop(grace=2.0)
-
-
-async def test_inline_calls_are_answered_at_the_inflight_limit(sock_path: Path) -> None:
-    """A call the I/O thread answers itself holds no worker: it is answered even
-    when the calls waiting for workers reached the limit (an engine may send it
-    without waiting for the answer, so a refusal would go unseen)."""
-    gate = threading.Event()
-
-    def blocking(req: protocol.Request) -> Any:
-        if req.op == "release":
-            gate.wait(10)
-        return req.op
-
-    server = EngineServer(f"ipc://{sock_path}", blocking, AgentMetrics(), call_timeout=20,
-                          max_workers=1, max_inflight=2,
-                          inline=lambda req: req.op == "commit_load")
-    await server.start()
-    ctx = zmq.Context()
-    raw = ctx.socket(zmq.DEALER)
-    raw.setsockopt(zmq.LINGER, 0)
-    raw.connect(f"ipc://{sock_path}")
-    try:
-        for i in (1, 2):
-            raw.send_multipart(protocol.encode_request(i, "release", {"rid": "r", "rank": {}}))
-        await wait_for_async(lambda: server.inflight == 2, "two calls in flight", 5)
-        raw.send_multipart(protocol.encode_request(3, "commit_load",
-                                                 {"rid": "r", "rank": {}, "claim": 1}))
-        raw.send_multipart(protocol.encode_request(4, "release", {"rid": "r", "rank": {}}))
-        replies = {}
-        for _ in (3, 4):
-            assert await asyncio.to_thread(raw.poll, 5000), "a call got no answer"
-            reply = protocol.decode_reply(raw.recv_multipart())
-            replies[reply.id] = reply
-        assert replies[3].ok and replies[3].result == "commit_load"
-        assert (replies[4].ok, replies[4].error_type) == (False, "NotReady")
-        assert server.refused_busy == 1
     finally:
         gate.set()
         raw.close()
