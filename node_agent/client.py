@@ -575,26 +575,32 @@ class EngineClient:
         return bool(self._call("commit_load", {"rid": rid, "rank": self._rank_wire,
                                                "claim": int(claim)}))
 
-    def end_claim_nowait(self, rid: str, claim: int) -> None:
+    def end_claim_nowait(self, rid: str, claim: int) -> bool:
         """Send ``commit_load`` of ``rid``'s claim ``claim`` without waiting for the
         answer: for an engine that already knows its copy read only pinned blocks
         (the claim fence did not move: :class:`~node_agent.engine_loads.EngineLoads`),
         so only the unpinning is left to the agent. The answer is dropped when the
-        next call reads its own (replies carry their request's id). Raises
-        :class:`AgentUnavailableError` when the agent's socket is gone or full."""
+        next call reads its own (replies carry their request's id). False when it
+        could not be sent (the agent's socket gone or full, or another call held
+        this client for its whole timeout): the claim then ends with its lease."""
         with self._claims_lock:
             if self._claim_ids.get(rid) == claim:
                 del self._claim_ids[rid]
-        self._check_socket_file(time.monotonic())
-        deadline = time.monotonic() + self.timeout
-        self._lock_within("commit_load", deadline, self.timeout)
+        try:
+            self._check_socket_file(time.monotonic())
+            self._lock_within("commit_load", time.monotonic() + self.timeout, self.timeout)
+        except (AgentUnavailableError, AgentTimeoutError):
+            return False
         try:
             frames = protocol.encode_request(
                 next(self._ids), "commit_load",
                 {"rid": rid, "rank": self._rank_wire, "claim": int(claim)}, None)
             self._send(frames)
+        except (AgentUnavailableError, zmq.ZMQError):
+            return False
         finally:
             self._lock.release()
+        return True
 
     def _remember_claim(self, rid: str, reply: Mapping[str, Any]) -> None:
         """Keep the claim id a reply handed out, for :meth:`commit_load` (bounded)."""

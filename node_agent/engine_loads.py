@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,11 +43,24 @@ from node_agent.backend.planes import RegisteredBuffers, register_buffers
 from node_agent.backend.slots import launch_slots
 from node_agent.backend.tier_fds import receive_tier_fd, tier_socket_path
 from node_agent.backend.transfer import BlockCopier
-from node_agent.client import AgentUnavailableError, EngineAPIError, EngineClient
+from node_agent.client import EngineAPIError, EngineClient
 from node_agent.vocab.layout import KVLayout
 from node_agent.vocab.placement import Tier, block_locations
 
 log = logging.getLogger(__name__)
+
+
+_ORDER = threading.Lock()
+
+
+def _order_reads() -> None:
+    """Order the copy's reads of tier blocks before the fence read that follows,
+    also on weakly ordered CPUs (a copy on this thread has no join): a lock
+    released and then taken again is a full barrier between them."""
+    with _ORDER:
+        pass
+    with _ORDER:
+        pass
 
 
 class _Unmappable(ValueError):
@@ -154,8 +168,10 @@ class EngineLoads:
             self._end_claim(rid, claim)  # the load is a miss
             raise
         if self._held_by_fence(got):
-            with contextlib.suppress(AgentUnavailableError):  # gone: nothing to unpin
-                self.client.end_claim_nowait(rid, claim)
+            if not self.client.end_claim_nowait(rid, claim):
+                log.warning("Commit of a load the claim fence showed held was not sent; "
+                            "its blocks stay pinned until the claim's lease ends",
+                            extra={"rid": rid, "socket": str(self.client.socket_path)})
             self.loads += 1
             self.fenced += 1
             return hit
@@ -175,6 +191,7 @@ class EngineLoads:
         recorded, tier = got.get("fence"), self._tier
         if not isinstance(recorded, int) or isinstance(recorded, bool) or tier is None:
             return False
+        _order_reads()
         return tier.fence_value() == recorded
 
     def _not_mapped(self, exc: BaseException, rid: str | None) -> None:

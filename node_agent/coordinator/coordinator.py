@@ -13,7 +13,9 @@ endpoint.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -107,9 +109,13 @@ class Coordinator:
         self._num_slots: int | None = None
         self._lookups: OrderedDict[str, Role | None] = OrderedDict()
         """rid -> the role that answered its last lookup, until its retrieve."""
-        self._claims: OrderedDict[str, tuple[LeaderRole, int]] = OrderedDict()
-        """rid -> the role that handed out its claimed load and the claim's id
-        (:meth:`claim_load`)."""
+        self._claims: OrderedDict[str, tuple[LeaderRole, int, int]] = OrderedDict()
+        """rid -> the role that handed out its claimed load, the backend task it
+        claimed and the claim's id (:meth:`claim_load`)."""
+        self._claim_ids = itertools.count(secrets.randbelow(1 << 48) + 1)
+        """Claim ids: unique across this coordinator's roles and backends (whose task
+        ids start again at 1), and unlikely to repeat one of an agent this one
+        replaced, so a late commit can never name a newer claim."""
         self._ended: OrderedDict[str, None] = OrderedDict()
         """Rids whose claim a release or a new lookup ended before the commit (which
         then answers False); apart from ``_claims``, so they never push a live
@@ -386,15 +392,17 @@ class Coordinator:
         got = role.claim_load(rid)
         if got is None:
             return None
+        claim = -1
         with self._lock:
             self._lookups.pop(rid, None)
             if got[1]:
+                claim = next(self._claim_ids)
                 self._ended.pop(rid, None)
-                self._claims[rid] = (role, got[2])
+                self._claims[rid] = (role, got[2], claim)
                 self._claims.move_to_end(rid)
                 while len(self._claims) > self.cfg.max_pending:
                     self._claims.popitem(last=False)
-        return got[0], got[1], handle if got[1] else {}, got[2]
+        return got[0], got[1], handle if got[1] else {}, claim
 
     def tier_handle(self) -> dict[str, Any] | None:
         """The shared CPU tier this stage hands loads out of (:meth:`claim_load`), for
@@ -408,9 +416,9 @@ class Coordinator:
         fence (see :meth:`ReplicatedBackend.claim_fence`)."""
         with self._lock:
             live = self._claims.get(rid)
-        if live is None or live[1] != claim:
+        if live is None or live[2] != claim:
             return None
-        return live[0].backend.claim_fence(claim)
+        return live[0].backend.claim_fence(live[1])
 
     def commit_load(self, rid: str, claim: int) -> bool:
         """The engine's copy of ``rid``'s claimed load ended: True when the blocks
@@ -422,7 +430,7 @@ class Coordinator:
         already committed, or forgotten: more than ``max_pending`` claims)."""
         with self._lock:
             live = self._claims.get(rid)
-            if live is not None and live[1] != claim:
+            if live is not None and live[2] != claim:
                 return False  # an older claim of the rid: the live one stays
             if live is not None:
                 del self._claims[rid]
@@ -434,7 +442,7 @@ class Coordinator:
         claimer = live[0]
         if claimer is not self._role:
             return False  # its backend ended with its role
-        return claimer.commit_load(rid, claim)
+        return claimer.commit_load(rid, live[1])
 
     def _claim_ended(self, rid: str) -> None:
         """``rid``'s claim (if any) was ended by a release or lookup: its commit

@@ -85,3 +85,12 @@ def test_encoder_never_casts_unsafely(bad: Any) -> None:
     with pytest.raises(ValueError, match=r"lookup: token_mask has dtype float64"):
         protocol.encode_request(1, "lookup", {"rid": "r", "rank": {}},
                                 {"token_ids": [1, 2], "token_mask": [0.5, 1.0]})
+
+
+def test_a_commit_not_waited_for_says_when_it_could_not_be_sent(tmp_path: Path) -> None:
+    """``end_claim_nowait`` never raises for a load the fence already showed held:
+    with no agent listening it answers False (the claim then ends with its lease)."""
+    client = _client(tmp_path)
+    assert client.end_claim_nowait("r1", 7) is False
+    with pytest.raises(AgentUnavailableError):  # an answered call still says why
+        client.commit_load("r1", 7)

@@ -42,8 +42,18 @@ async def test_a_commit_naming_an_older_claim_leaves_the_live_claim_alone(
         assert await asyncio.to_thread(client.lookup, "r", PROMPT) == 32
         second = await asyncio.to_thread(client.claim_load, "r")
         assert second is not None and second["claim"] != first["claim"]
+        # The lookup ended the first claim early: the claim fence moved before its
+        # blocks unpinned, so an engine still copying them asks before trusting it.
+        assert second["fence"] == first["fence"] + 1 == backend.store.cpu.fence_value()
         # The first claim's (late) commit is a miss and does not end the second.
         assert await asyncio.to_thread(client.commit_load, "r", first["claim"]) is False
+        assert _locked(backend) == 8
+        # Claim ids are the agent's own, not the backend's task ids (which start
+        # again at 1 in a new backend): a commit naming the task is an older claim.
+        [stage] = e.ra.agent.service.stages.values()
+        [(_, task, claim)] = stage.coordinator._claims.values()
+        assert claim == second["claim"] != task
+        assert await asyncio.to_thread(client.commit_load, "r", task) is False
         assert _locked(backend) == 8
         assert await asyncio.to_thread(client.commit_load, "r", second["claim"]) is True
         assert _locked(backend) == 0
