@@ -52,6 +52,11 @@ class AgentMetrics:
             "flexkv_agent_engine_loads", "Loads an engine copied itself from a shared CPU "
             "tier, by how its claim ended", ["outcome"], registry=r,
         )
+        self.claim_fence_moves = Counter(
+            "flexkv_agent_claim_fence_moves", "Claims of engine-side loads that ended other "
+            "than by their engine's commit; each moves the shared CPU tier's claim fence, "
+            "and engines copying meanwhile wait for their commit's answer", registry=r,
+        )
         self.transfer_seconds = Histogram(
             "flexkv_agent_transfer_seconds", "Duration of one task's transfer", ["direction"],
             buckets=_LATENCY_BUCKETS, registry=r,

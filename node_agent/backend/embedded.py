@@ -1261,6 +1261,8 @@ class EmbeddedBackend(ReplicatedBackend):
         (:meth:`CpuTier.bump_fence`)."""
         if task.state is TaskState.CLAIMED and not committed and self._store is not None:
             self._store.cpu.bump_fence()
+            if self._metrics is not None:
+                self._metrics.claim_fence_moves.inc()
         task.status, task.error = status, error
         task.finished_at = self._clock()
         task.state = TaskState.DONE

@@ -150,6 +150,13 @@ def _outcomes(ra: Any) -> dict[str, float]:
     return out
 
 
+def _fence_moves(ra: Any) -> float:
+    [value] = [s.value for metric in ra.agent.metrics.registry.collect()
+               if metric.name == "flexkv_agent_claim_fence_moves"
+               for s in metric.samples if s.name.endswith("_total")]
+    return float(value)
+
+
 async def test_the_metric_says_how_each_claim_ended(work: Path) -> None:
     async with solo(work) as e:
         client = e.client
@@ -166,3 +173,7 @@ async def test_the_metric_says_how_each_claim_ended(work: Path) -> None:
                 assert await asyncio.to_thread(client.lookup, rid, PROMPT) == 32
                 await asyncio.to_thread(client.release, rid)
         assert _outcomes(e.ra) == {"committed": 1.0, "released": 2.0}
+        # The two claims ended before any commit moved the claim fence; the commit
+        # did not.
+        assert _fence_moves(e.ra) == 2.0
+        assert _backend(e.ra).store.cpu.fence_value() == 2
