@@ -64,6 +64,12 @@ def fence_offset(nbytes: int) -> int:
     the first page boundary at or after the blocks."""
     return -(-nbytes // FENCE_BYTES) * FENCE_BYTES
 
+
+def _fence_view(mapping: mmap.mmap, nbytes: int) -> npt.NDArray[np.uint64]:
+    """The claim fence of a mapped pool file of ``nbytes`` bytes of blocks (writable
+    only where the mapping is)."""
+    return np.frombuffer(mapping, dtype="<u8", count=1, offset=fence_offset(nbytes))
+
 _tiers: weakref.WeakValueDictionary[str, CpuTier] = weakref.WeakValueDictionary()
 _tiers_lock = threading.Lock()
 
@@ -110,7 +116,7 @@ def _shared_pool(nbytes: int) -> tuple[torch.Tensor, npt.NDArray[np.uint64], mma
                                                       "fix": "run on Linux 5.1 or later"})
         return None
     pool = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
-    return pool, np.frombuffer(mm, dtype="<u8", count=1, offset=fence_offset(nbytes)), mm, fd
+    return pool, _fence_view(mm, nbytes), mm, fd
 
 
 class CpuTier:
@@ -263,11 +269,12 @@ def check_tier_handle(layout: KVLayout, handle: object) -> tuple[str, int, int]:
             f"tier handle names {blocks} blocks in {nbytes} bytes, but a block of the "
             f"registered layout takes {layout.bytes_per_block}; register the same layout"
         )
-    fence = handle.get("fence", fence_offset(nbytes))
-    if fence != fence_offset(nbytes) or isinstance(fence, bool):
-        raise ValueError(f"tier handle field 'fence' is {fence!r}; it must be "
-                         f"{fence_offset(nbytes)}, the first page boundary after the "
-                         f"handle's {nbytes} bytes (where the claim fence lies)")
+    want = fence_offset(nbytes)
+    fence = handle.get("fence", want)
+    if fence != want or isinstance(fence, bool):
+        raise ValueError(f"tier handle field 'fence' is {fence!r}; it must be {want}, the "
+                         f"first page boundary after the handle's {nbytes} bytes (where the "
+                         "claim fence lies)")
     return tier_id, blocks, nbytes
 
 
@@ -291,6 +298,5 @@ def map_tier_fd(layout: KVLayout, handle: object, fd: int) -> MappedTier:
         # A read-only buffer: torch warns that writes would be undefined; none are made.
         warnings.simplefilter("ignore", UserWarning)
         pool = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
-    fence = np.frombuffer(mm, dtype="<u8", count=1, offset=fence_offset(nbytes)) \
-        if fenced else None
+    fence = _fence_view(mm, nbytes) if fenced else None
     return MappedTier(CpuTier(layout, blocks, False, pool=pool), tier_id, mm, fence)
