@@ -30,6 +30,11 @@ through :class:`node_agent.client.EngineClient` and then measures
   a thread of this process (one libzmq context for both ends), alternated call
   by call with ours.
 
+This process runs libgomp (torch's OpenMP runtime) with a short spin count
+(``GOMP_SPINCOUNT=2000``) unless the environment names a spin count or a wait
+policy, which then also reaches the agent; the bandwidth rows record it as
+``engine_omp`` (see the comment at the torch import).
+
 Ratios are ours / baseline for bandwidth (higher is better) and baseline / ours
 for latency (the share of the socket round trip's cost; higher is better).
 
@@ -37,6 +42,7 @@ for latency (the share of the socket round trip's cost; higher is better).
     python bench/engine_api.py --quick    # smoke run (seconds)
 """
 
+# ruff: noqa: E402  (torch is imported after the OpenMP spin count is set, below)
 from __future__ import annotations
 
 import argparse
@@ -52,7 +58,25 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
+
+# This process is the engine. Its torch baseline copies run on OpenMP workers
+# that libgomp keeps spinning for ~8 ms after each copy (its default spin count);
+# on two cores that took one from the agent and from the engine's own copy in
+# the timed call that followed. A short spin (set here unless the environment
+# names a spin count or wait policy) ends it within microseconds and leaves the
+# baseline's rate as it was (its planes still run back to back on hot workers;
+# README, "Benchmarks"). The agent this bench starts does not inherit it: the
+# agent sets its own policy (node_agent.openmp).
+_OMP_SET = not (os.environ.get("GOMP_SPINCOUNT") or os.environ.get("OMP_WAIT_POLICY"))
+if _OMP_SET:
+    os.environ["GOMP_SPINCOUNT"] = "2000"
+import torch  # libgomp reads the spin count when torch loads it
+
+ENGINE_OMP = " ".join(f"{k}={os.environ[k]}" for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
+                      if os.environ.get(k))
+"""The engine process's OpenMP settings, as each row records them."""
+if _OMP_SET:
+    del os.environ["GOMP_SPINCOUNT"]
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -148,6 +172,7 @@ def bench_bandwidth(client: EngineClient, bufs: SharedKVBuffers, layout: KVLayou
     ``copyto`` each round into one staging set reused every round (cache-warm).
     """
     planes = planes_of(bufs)
+    np_planes = [p.view(torch.uint8).numpy() for p in planes]
     nbytes = tokens * layout.bytes_per_token
     rng = np.random.default_rng(0)
     src = np.arange(tokens, dtype=np.int64)
@@ -174,12 +199,12 @@ def bench_bandwidth(client: EngineClient, bufs: SharedKVBuffers, layout: KVLayou
         if copied != tokens:
             raise RuntimeError(f"{name} loaded {copied} of {tokens} tokens (None: the "
                                "agent did not hand the load out)")
-        for p in planes:
-            if not torch.equal(p[eng0:eng0 + tokens], p[src0:src0 + tokens]):
+        for p in np_planes:  # numpy: no OpenMP workers left spinning into the next call
+            if not np.array_equal(p[eng0:eng0 + tokens], p[src0:src0 + tokens]):
                 raise RuntimeError(f"{name}: the engine copy's slots differ from the stored KV")
             # Zeroed for the next check; the copies before it evict these lines
             # again, so the next copy writes memory as cold as this one did.
-            p[eng0:eng0 + tokens].zero_()
+            p[eng0:eng0 + tokens] = 0
         client.release(f"{name}{r}")
 
     def run_ours(r: int, ids: np.ndarray) -> None:
@@ -247,7 +272,7 @@ def bench_bandwidth(client: EngineClient, bufs: SharedKVBuffers, layout: KVLayou
              round_ratios=[round(x, 3) for x in ratios],
              warm_baseline_gbps=round(nbytes / statistics.median(w) / 1e9, 3),
              ratio_vs_warm=round(statistics.median(w) / statistics.median(o), 3),
-             loadavg=load)
+             engine_omp=ENGINE_OMP, loadavg=load)
 
 
 class AnsweredLoads(EngineLoads):

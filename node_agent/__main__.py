@@ -20,6 +20,7 @@ from typing import Any
 
 from node_agent.backend.remote.mooncake_client import MooncakeUnavailable
 from node_agent.config import ConfigError, load_config
+from node_agent.openmp import log_policy, sleep_idle_workers
 
 _STD_ATTRS = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
 
@@ -106,8 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``flexkv-agent``."""
+    policy = sleep_idle_workers()  # before anything imports torch (node_agent.openmp)
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
+    log_policy(policy)
     try:
         if args.command == "run":
             return _run(args)

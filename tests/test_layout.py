@@ -150,6 +150,7 @@ LAYERS: dict[str, frozenset[str]] = {
     "contract": frozenset(),
     "vocab": frozenset(),
     "metrics": frozenset(),
+    "openmp": frozenset(),
     "events": frozenset({"metrics"}),
     "http": frozenset({"metrics"}),
     "pp": frozenset({"contract", "metrics", "vocab"}),
@@ -166,7 +167,7 @@ LAYERS: dict[str, frozenset[str]] = {
                            "events", "metrics", "pp", "vocab"}),
     "agent": frozenset({"node_agent", "assembly", "backend", "config", "engine_api", "events",
                         "http", "kube", "metrics", "vocab"}),
-    "__main__": frozenset({"agent", "assembly", "backend", "config", "demo"}),
+    "__main__": frozenset({"agent", "assembly", "backend", "config", "demo", "openmp"}),
     "node_agent": frozenset(),
 }
 
