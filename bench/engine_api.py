@@ -22,8 +22,11 @@ through :class:`node_agent.client.EngineClient` and then measures
   out), in the same rounds (which of the two goes first alternates);
   ``vs_fenced`` is the median per-round ratio of its time to the fenced load's;
 * ``lookup``: p50/p99 of a fully hit ``lookup`` + ``release`` through the
-  socket; baseline: the same calls on an in-process connector holding the same
-  blocks (what the engine would pay with the connector linked in);
+  socket, the release sent without waiting (``release_nowait``, as the
+  engine integrations send it); baseline: the same calls on an in-process
+  connector holding the same blocks (what the engine would pay with the
+  connector linked in); ``waited_ms``: the same with the release's answer
+  waited for, alternated sample by sample with ours;
 * ``ping``: p50/p99 of the agent's ``ping`` (transport, decoding; the agent's
   socket thread answers it itself); baselines: a bare pyzmq DEALER/ROUTER echo
   on an ipc socket in its own process (the engine-to-agent topology) and one in
@@ -312,12 +315,17 @@ def bench_lookup(client: EngineClient, bufs: SharedKVBuffers, layout: KVLayout,
                 raise TimeoutError("in-process store did not complete")
             time.sleep(0.001)
         local.release("lk")
-        ours, base = [], []
+        ours, waited, base = [], [], []
         for i in range(samples):
-            t0 = time.perf_counter()
-            assert client.lookup(f"q{i}", ids) == tokens
-            client.release(f"q{i}")
-            ours.append(time.perf_counter() - t0)
+            nowait_first = i % 2 == 0
+            for nowait in (nowait_first, not nowait_first):
+                t0 = time.perf_counter()
+                assert client.lookup(f"q{i}{nowait}", ids) == tokens
+                if nowait:
+                    client.release_nowait(f"q{i}{nowait}")
+                else:
+                    client.release(f"q{i}{nowait}")
+                (ours if nowait else waited).append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             assert local.lookup(f"q{i}", ids) == tokens
             local.release(f"q{i}")
@@ -330,6 +338,7 @@ def bench_lookup(client: EngineClient, bufs: SharedKVBuffers, layout: KVLayout,
         emit(bench="engine_api_lookup", percentile=f"p{q}", tokens=tokens, samples=samples,
              ms=round(o, 4), baseline="in_process_connector", baseline_ms=round(b, 4),
              ratio=round(b / o, 3), goal_ms=1.0 if q == 99 else None,
+             release="nowait", waited_ms=round(pct(waited, q) * 1e3, 4),
              loadavg=round(os.getloadavg()[0], 2))
 
 

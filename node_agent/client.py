@@ -302,6 +302,10 @@ class EngineClient:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._registration: dict[str, Any] | None = None
+        self._in_order: frozenset[str] = frozenset()
+        """Ops the agent answers in arrival order on its engine socket's I/O thread
+        (the ``inOrder`` of the last ``register`` reply): only these are ever sent
+        without waiting (:meth:`release_nowait`)."""
         self._claim_ids: dict[str, int] = {}
         """rid -> the id of the last claim handed to this client (``commit_load``)."""
         self._claims_lock = threading.Lock()
@@ -338,7 +342,8 @@ class EngineClient:
             if (exc.error_type != "NotReady" or self._registration is None
                     or op == "register" or "has not registered" not in str(exc)):
                 raise
-            self._call_once("register", self._registration, None, deadline, budget)
+            self._registered(self._call_once("register", self._registration, None,
+                                             deadline, budget))
             return self._call_once(op, args, arrays, deadline, budget)
 
     def _lock_within(self, op: str, deadline: float, budget: float) -> None:
@@ -490,8 +495,15 @@ class EngineClient:
         args = {"rank": self.rank.to_wire(), "layout": wire_layout, "buffers": handles}
         result: dict[str, Any] = self._call("register", args)
         self._registration = args
+        self._registered(result)
         self._check_timeout(result.get("callSeconds"))
         return result
+
+    def _registered(self, reply: Mapping[str, Any]) -> None:
+        """Keep what a ``register`` reply says about the agent's ordering."""
+        ops = reply.get("inOrder") if isinstance(reply, Mapping) else None
+        self._in_order = frozenset(o for o in ops if isinstance(o, str)) \
+            if isinstance(ops, list) else frozenset()
 
     def _check_timeout(self, agent_seconds: object) -> None:
         """Warn when the client timeout is not above the agent's last-resort answer
@@ -587,20 +599,42 @@ class EngineClient:
             if self._claim_ids.get(rid) == claim:
                 del self._claim_ids[rid]
         try:
-            self._check_socket_file(time.monotonic())
-            self._lock_within("commit_load", time.monotonic() + self.timeout, self.timeout)
+            self._send_nowait("commit_load", {"rid": rid, "rank": self._rank_wire,
+                                              "claim": int(claim)})
         except (AgentUnavailableError, AgentTimeoutError):
             return False
+        return True
+
+    def _send_nowait(self, op: str, args: Mapping[str, Any]) -> None:
+        """Queue one request whose answer nobody waits for (the next call drops it).
+        :class:`AgentUnavailableError` when the agent's socket is gone or full,
+        :class:`AgentTimeoutError` when another call held this client too long."""
+        self._check_socket_file(time.monotonic())
+        self._lock_within(op, time.monotonic() + self.timeout, self.timeout)
         try:
-            frames = protocol.encode_request(
-                next(self._ids), "commit_load",
-                {"rid": rid, "rank": self._rank_wire, "claim": int(claim)}, None)
-            self._send(frames)
-        except (AgentUnavailableError, zmq.ZMQError):
-            return False
+            self._drop_answers()
+            self._send(protocol.encode_request(next(self._ids), op, args, None))
+        except zmq.ZMQError as exc:
+            self._reset_socket()
+            raise AgentUnavailableError(
+                f"{op}: could not send to the agent at ipc://{self.socket_path} ({exc}); "
+                "check that the agent process is running") from None
         finally:
             self._lock.release()
-        return True
+
+    def _drop_answers(self) -> None:
+        """Discard the answers already queued (the client's lock held: no waited
+        call is in flight, so each is the answer of a request sent without
+        waiting). Keeps them from filling the socket's queue, where the agent
+        would drop the answer of a later waited call."""
+        sock = self._sock
+        if sock is None:
+            return
+        while True:
+            try:
+                sock.recv(_NOBLOCK)
+            except zmq.Again:
+                return
 
     def _remember_claim(self, rid: str, reply: Mapping[str, Any]) -> None:
         """Keep the claim id a reply handed out, for :meth:`commit_load` (bounded)."""
@@ -659,6 +693,20 @@ class EngineClient:
     def release(self, rid: str) -> None:
         """Forget ``rid``'s pending lookup (cancels an un-launched load)."""
         self._call("release", {"rid": rid, "rank": self._rank_wire})
+
+    def release_nowait(self, rid: str) -> None:
+        """:meth:`release` without waiting for the answer, where the agent answers
+        ``release`` in arrival order (its ``register`` reply lists it ``inOrder``:
+        a single-stage group on the embedded backend), so the engine's next call is
+        handled after it: a release then costs a send, not a round trip, and its
+        answer is dropped by that next call. Elsewhere (a PP group, a remote tier,
+        FlexKV, before registering, an agent that does not say) this is
+        :meth:`release`. Raises what :meth:`release` raises, except errors in
+        the dropped answer (the agent has nothing of a rid it does not know)."""
+        if "release" not in self._in_order:
+            self.release(rid)
+            return
+        self._send_nowait("release", {"rid": rid, "rank": self._rank_wire})
 
     def status(self) -> dict[str, Any]:
         """The agent's status (the same document as HTTP ``/status``)."""

@@ -473,7 +473,10 @@ class EngineService:
             "buffers": len(opened), "again": stage.registrations > 1})
         reply: dict[str, Any] = {"stage": f"{rank.replica}/pp{rank.pp_rank}",
                                  "registrations": stage.registrations,
-                                 "tokensPerBlock": layout.tokens_per_block}
+                                 "tokensPerBlock": layout.tokens_per_block,
+                                 # Answered in arrival order on the I/O thread: an
+                                 # engine may send these without waiting.
+                                 "inOrder": sorted(stage.inline_ops)}
         if self.call_seconds is not None:
             reply["callSeconds"] = self.call_seconds
         return reply

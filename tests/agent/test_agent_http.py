@@ -76,7 +76,10 @@ async def test_single_stage_agent_http_surface(work: Path) -> None:
         bufs = SharedKVBuffers.for_layout(LAYOUT, NUM_SLOTS)
         client = EngineClient(cfg.engine_socket, RankInfo(replica="solo-0"), timeout=5)
         try:
-            await asyncio.to_thread(client.register_kv_buffers, LAYOUT, bufs.handles)
+            registered = await asyncio.to_thread(client.register_kv_buffers, LAYOUT,
+                                                 bufs.handles)
+            # What it answers on the I/O thread, in arrival order (release_nowait).
+            assert registered["inOrder"] == sorted(INLINE_CANDIDATES)
             ready = await wait_http(ra, "/readyz", 200, 10)
             assert all(c["ready"] for c in ready.json()["components"].values())
 
@@ -151,7 +154,8 @@ async def test_pp_group_readiness_follows_registration_and_peer_loss(work: Path)
                     assert body["components"]["ranks"]["ready"] is False
                     assert body["components"]["group_view"]["known"] == ["rep"]
                 for c, b in zip(clients, bufs, strict=True):
-                    await asyncio.to_thread(c.register_kv_buffers, LAYOUT, b.handles)
+                    got = await asyncio.to_thread(c.register_kv_buffers, LAYOUT, b.handles)
+                    assert got["inOrder"] == []  # nothing may be sent without waiting
                 ready = await wait_http(lead, "/readyz", 200, 15)
                 fan = ready.json()["components"]["fanout"]["stages"]["rep/pp0"]
                 assert fan["role"] == "leader" and fan["peersConnected"] == 1

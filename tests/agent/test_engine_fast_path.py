@@ -138,6 +138,61 @@ async def test_calls_the_service_picks_inline_are_answered_by_the_io_thread(
         await server.stop(grace=2.0)
 
 
+async def test_release_is_sent_without_waiting_only_where_the_agent_answers_it_in_order(
+        sock_path: Path) -> None:
+    """``release_nowait`` waits for the answer (and raises its error) until a
+    registration says the agent answers ``release`` in arrival order; then it only
+    sends, every release is handled in order before the next call, and the next
+    call gets its own answer however many unanswered releases came first (more
+    than the socket's queue holds)."""
+    handled: list[str] = []
+    in_order: list[str] = []
+
+    def service(req: protocol.Request) -> Any:
+        handled.append(req.args.get("rid", req.op))
+        if req.op == "register":
+            return {"stage": "r0/pp0", "inOrder": list(in_order)}
+        if req.op == "release" and req.args["rid"] == "bad":
+            raise ValueError("release: bad rid 'bad'; use another")
+        return int(req.arrays["token_ids"].sum()) if req.op == "lookup" else None
+
+    metrics = AgentMetrics()
+    server = EngineServer(f"ipc://{sock_path}", service, metrics, call_timeout=20,
+                          max_workers=1, inline_ops=frozenset({"ping", "release", "lookup"}))
+    await server.start()
+    client = EngineClient(sock_path, RANK, timeout=15)
+    try:
+        # Not registered: a waited release, whose error reaches the caller.
+        with pytest.raises(ValueError, match="bad rid 'bad'"):
+            await asyncio.to_thread(client.release_nowait, "bad")
+        # An agent that does not say (an older one): still waited.
+        await asyncio.to_thread(client.register_kv_buffers, {"layout": 1}, [])
+        with pytest.raises(ValueError, match="bad rid 'bad'"):
+            await asyncio.to_thread(client.release_nowait, "bad")
+        in_order.append("release")
+        await asyncio.to_thread(client.register_kv_buffers, {"layout": 1}, [])
+        handled.clear()
+
+        def burst() -> int:
+            client.release_nowait("bad")  # its error answer is dropped
+            for i in range(3000):
+                client.release_nowait(f"n{i}")
+            return client.lookup("q", [1, 2, 3])
+
+        assert await asyncio.to_thread(burst) == 6
+        assert handled == ["bad", *(f"n{i}" for i in range(3000)), "q"]
+        assert metrics.engine_requests.labels(
+            op="release", outcome="error")._value.get() == 3
+        # A re-registration that no longer lists it makes releases waited again.
+        in_order.clear()
+        await asyncio.to_thread(client.register_kv_buffers, {"layout": 1}, [])
+        with pytest.raises(ValueError, match="bad rid 'bad'"):
+            await asyncio.to_thread(client.release_nowait, "bad")
+    finally:
+        client.close()
+        await server.stop(grace=2.0)
+
+
 async def test_parked_calls_are_answered_on_wake_or_expiry_without_a_worker(
         sock_path: Path) -> None:
     """``park`` keeps a waiting call on the I/O thread: it is answered when a

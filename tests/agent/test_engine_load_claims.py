@@ -177,3 +177,33 @@ async def test_the_metric_says_how_each_claim_ended(work: Path) -> None:
         # did not.
         assert _fence_moves(e.ra) == 2.0
         assert _backend(e.ra).store.cpu.fence_value() == 2
+
+
+async def test_a_release_sent_without_waiting_lands_before_the_next_call(
+        work: Path) -> None:
+    """A single-stage agent answers ``release`` in arrival order, so the client
+    sends it without waiting: the call right after it already finds the rid's
+    lookup and claim ended, and its pins dropped."""
+    async with solo(work) as e:
+        client, backend = e.client, _backend(e.ra)
+        dst = np.arange(64, 96, dtype=np.int64)
+        assert await asyncio.to_thread(client.lookup, "r", PROMPT) == 32
+        assert _locked(backend) == 8
+
+        def release_then_retrieve() -> None:
+            client.release_nowait("r")
+            client.retrieve("r", dst)
+
+        with pytest.raises(EngineAPIError, match="retrieve: unknown request id 'r'"):
+            await asyncio.to_thread(release_then_retrieve)
+        assert _locked(backend) == 0
+        got = await asyncio.to_thread(client.lookup_claim, "c", PROMPT)
+        assert got["blocks"] is not None and _locked(backend) == 8
+
+        def release_then_commit() -> bool:
+            client.release_nowait("c")
+            return client.commit_load("c", got["claim"])
+
+        assert await asyncio.to_thread(release_then_commit) is False
+        assert _locked(backend) == 0
+        assert _outcomes(e.ra) == {"released": 1.0}

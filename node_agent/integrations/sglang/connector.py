@@ -88,6 +88,7 @@ class AgentClient(Protocol):
     def store_kv(self, rid: str, token_ids: Any, kv_indices: Any) -> int: ...
     def poll_completed(self) -> list[str]: ...
     def release(self, rid: str) -> None: ...
+    def release_nowait(self, rid: str) -> None: ...
     def close(self) -> None: ...
 
 
@@ -386,7 +387,8 @@ class AgentKVConnector:
 
     def _release(self, rid: str) -> None:
         try:
-            self.client.release(rid)
+            # No answer to wait for where the agent handles releases in order.
+            self.client.release_nowait(rid)
         except (ValueError, *AGENT_ERRORS) as exc:
             log.debug("Release not delivered", extra={"rid": rid, "error": str(exc)})
 

@@ -592,7 +592,9 @@ class SchedulerSide:
         if not self.health.should_call():
             return
         try:
-            (client or self._store_client).release(rid)
+            # In the scheduler's step: no answer to wait for where the agent
+            # handles releases in order (a single-stage group).
+            (client or self._store_client).release_nowait(rid)
         except AGENT_ERRORS as exc:
             if agent_down(exc):
                 self.health.failed("release", exc)
