@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from node_agent.backend.lanes import PIN_VARIABLE, keep_lanes_apart
 from node_agent.backend.remote.mooncake_client import MooncakeUnavailable
 from node_agent.config import ConfigError, load_config
 from node_agent.openmp import log_policy, sleep_idle_workers
@@ -73,6 +74,11 @@ def _run(args: argparse.Namespace) -> int:
         )
     from node_agent.agent import Agent
     from node_agent.assembly import default_stage_builder
+
+    apart = keep_lanes_apart(os.environ.get(PIN_VARIABLE, "1") != "0")
+    logging.getLogger(__name__).info(
+        "Copy lanes kept on separate CPUs where they are as many as the agent's CPUs"
+        if apart else "Copy lanes not pinned", extra={"variable": PIN_VARIABLE})
 
     agent = Agent(cfg, default_stage_builder, kube_api=_kube_api(cfg.kubernetes),
                   config_path=args.config)

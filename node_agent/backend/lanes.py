@@ -13,12 +13,27 @@ every item (the copy's abort checkpoint) and stops at the first exception of
 any lane; :func:`run_items` returns or raises only after every lane has
 stopped, so nothing a copy started still writes afterwards. The first
 exception is re-raised in the caller.
+
+Where a process keeps its lanes apart (:func:`keep_lanes_apart`, the agent) and
+a copy has at least as many lanes as the calling thread may use CPUs (two lanes
+on a two-core node or pod), each lane keeps to its own CPU for the copy: the
+caller's lane to the CPU it started on, the helpers to the others; every
+thread's own affinity is restored when its lane ends. Otherwise the lanes stack
+on one CPU while another idles: a lane waiting for the GIL between items sleeps,
+the lane that releases it wakes it, and the scheduler places a woken thread on
+the waker's CPU when no CPU is idle at that instant (a socket thread answering,
+say); its balancer moves it back only at a later tick, milliseconds on, when
+the copy is nearly done (docs/agent.md, "Copy lanes on two cores"). With spare
+CPUs nothing is pinned.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 _pool_lock = threading.Lock()
@@ -39,6 +54,78 @@ def _helpers(n: int) -> ThreadPoolExecutor:
             if old is not None:
                 old.shutdown(wait=False)
         return _pool
+
+
+def _cpu_reader() -> Callable[[], int] | None:
+    """libc's ``sched_getcpu`` (the CPU the calling thread runs on), or None where
+    it or thread affinity is missing (the lanes then are never pinned)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    try:
+        fn = ctypes.CDLL(None).sched_getcpu
+    except (OSError, AttributeError):
+        return None
+    fn.restype, fn.argtypes = ctypes.c_int, []
+    return fn
+
+
+_current_cpu = _cpu_reader()
+_apart = False
+"""Whether copies keep their lanes on separate CPUs (:func:`keep_lanes_apart`)."""
+
+PIN_VARIABLE = "FLEXKV_PIN_COPY_LANES"
+"""``0`` turns :func:`keep_lanes_apart` off in the agent (``flexkv-agent``)."""
+
+
+def keep_lanes_apart(on: bool = True) -> bool:
+    """From now on, copies in this process keep each lane on its own CPU where the
+    lanes are as many as the caller's CPUs (module docstring); returns whether
+    that is on (never where the CPU or the thread affinity cannot be read or
+    set). Only the agent turns it on: its copy lanes and transfer threads are
+    its own, while in an engine process (:mod:`node_agent.engine_loads`) the
+    caller is the engine's thread. A torch operation that starts OpenMP workers
+    inside a lane gives them that lane's CPU for good (a thread inherits its
+    creator's affinity); the agent's lanes run the row kernel, not torch,
+    wherever its library is built (:mod:`.row_kernel`)."""
+    global _apart
+    _apart = on and _current_cpu is not None
+    return _apart
+
+
+def _home_cpu(lanes: int) -> int | None:
+    """The CPU the caller's lane keeps to, or None when the lanes stay unpinned
+    (not kept apart, fewer lanes than the caller's CPUs, one CPU, or no way to tell)."""
+    if not _apart or _current_cpu is None:
+        return None
+    allowed = os.sched_getaffinity(0)
+    cpu = _current_cpu()
+    if len(allowed) < 2 or len(allowed) > lanes or cpu not in allowed:
+        return None
+    return cpu
+
+
+@contextlib.contextmanager
+def _kept_to(cpus: Callable[[set[int]], set[int]] | None) -> Iterator[None]:
+    """Run the calling thread on ``cpus(its allowed CPUs)`` meanwhile (nothing when
+    ``cpus`` is None or leaves none), then give it back its own affinity."""
+    if cpus is None:
+        yield
+        return
+    own = os.sched_getaffinity(0)
+    narrowed = cpus(set(own))
+    try:
+        if narrowed and narrowed != own:
+            os.sched_setaffinity(0, narrowed)
+        else:
+            own = set()
+    except OSError:  # a CPU gone offline or a cpuset changed since: run anywhere
+        own = set()
+    try:
+        yield
+    finally:
+        if own:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(0, own)
 
 
 def run_items(items: Sequence[Callable[[], None]], lanes: int,
@@ -68,10 +155,17 @@ def run_items(items: Sequence[Callable[[], None]], lanes: int,
                     failed.append(exc)
                 return
 
+    def helper(cpus: Callable[[set[int]], set[int]] | None) -> None:
+        with _kept_to(cpus):
+            lane()
+
     n = min(lanes, len(items))
+    home = _home_cpu(n)
+    others = None if home is None else (lambda own: own - {home})
     pool = _helpers(n - 1)
-    futures: list[Future[None]] = [pool.submit(lane) for _ in range(n - 1)]
-    lane()
+    futures: list[Future[None]] = [pool.submit(helper, others) for _ in range(n - 1)]
+    with _kept_to(None if home is None else (lambda own: {home})):
+        lane()
     for f in futures:
         f.result()
     if failed:

@@ -150,6 +150,8 @@ def test_agent_process_lifecycle(work: Path) -> None:
         assert not Path(sock_path).exists()
         text = log.read_text()
         assert "Engine API closed" in text and 'service="stages"' in text
+        # flexkv-agent keeps its copy lanes apart (node_agent.backend.lanes).
+        assert "Copy lanes kept on separate CPUs" in text
 
         # 5. Agent restart: the cache is gone (index in memory), the engine's next call
         #    re-registers transparently.

@@ -1,0 +1,135 @@
+"""Copy lanes kept on separate CPUs (:func:`node_agent.backend.lanes.keep_lanes_apart`):
+where a copy has as many lanes as its caller's CPUs, the caller's lane runs only
+on the CPU it started on and every helper only elsewhere; each thread gets its
+own affinity back when its lane ends, also when an item fails; with spare CPUs,
+or with the switch off, nothing is pinned."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from node_agent.backend import lanes
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or lanes._current_cpu is None
+    or len(os.sched_getaffinity(0)) < 2,
+    reason="needs thread affinity, sched_getcpu and two CPUs")
+
+
+@pytest.fixture()
+def two_cpus() -> Iterator[set[int]]:
+    """The calling thread on two of its CPUs (lanes apart), restored afterwards."""
+    own = os.sched_getaffinity(0)
+    pair = set(sorted(own)[:2])
+    os.sched_setaffinity(0, pair)
+    was = lanes._apart
+    assert lanes.keep_lanes_apart(True)
+    try:
+        yield pair
+    finally:
+        lanes.keep_lanes_apart(was)
+        os.sched_setaffinity(0, own)
+
+
+def _recorder(seen: list[tuple[int, frozenset[int]]]) -> Callable[[], None]:
+    lock = threading.Lock()
+
+    def item() -> None:
+        with lock:
+            seen.append((threading.get_native_id(), frozenset(os.sched_getaffinity(0))))
+
+    return item
+
+
+def _helper_affinity() -> set[int]:
+    """The affinity of the helper lanes' pool thread, read on that thread."""
+    return lanes._helpers(1).submit(lambda: os.sched_getaffinity(0)).result()
+
+
+def test_each_lane_keeps_to_its_own_cpu_and_gets_its_affinity_back(
+        two_cpus: set[int]) -> None:
+    helper_own = _helper_affinity()
+    caller = threading.get_native_id()
+    seen: list[tuple[int, frozenset[int]]] = []
+    item = _recorder(seen)
+    ran: set[int] = set()
+    # Enough items, each long enough, that both lanes take some.
+    gate = threading.Barrier(2, timeout=10)
+
+    def first() -> None:
+        item()
+        ran.add(threading.get_native_id())
+        gate.wait()
+
+    lanes.run_items([first, first] + [item] * 30, 2, lambda: None)
+    assert len(seen) == 32 and len(ran) == 2  # the barrier: both lanes ran an item
+    homes = {aff for tid, aff in seen if tid == caller}
+    others = {aff for tid, aff in seen if tid != caller}
+    [home] = homes
+    assert len(home) == 1 and home < two_cpus
+    assert others and all(not (aff & home) for aff in others)
+    # Every thread has its own affinity again.
+    assert os.sched_getaffinity(0) == two_cpus
+    assert _helper_affinity() == helper_own
+
+
+def test_a_failing_item_still_gives_every_lane_its_affinity_back(two_cpus: set[int]) -> None:
+    helper_own = _helper_affinity()
+    gate = threading.Barrier(2, timeout=10)
+
+    def meet() -> None:
+        gate.wait()
+
+    def bad() -> None:
+        raise RuntimeError("plane 3 failed")
+
+    with pytest.raises(RuntimeError, match="plane 3 failed"):
+        lanes.run_items([meet, meet, bad] + [lambda: None] * 5, 2, lambda: None)
+    assert os.sched_getaffinity(0) == two_cpus
+    assert _helper_affinity() == helper_own
+
+
+def _unpinned_items(allowed: set[int]) -> None:
+    """Two lanes on a caller allowed ``allowed``: every item runs with it as is."""
+    seen: list[tuple[int, frozenset[int]]] = []
+    lanes.run_items([_recorder(seen)] * 8, 2, lambda: None)
+    callers = {aff for tid, aff in seen if tid == threading.get_native_id()}
+    assert callers <= {frozenset(allowed)}
+    assert os.sched_getaffinity(0) == allowed
+
+
+def test_lanes_are_not_pinned_when_switched_off(two_cpus: set[int]) -> None:
+    lanes.keep_lanes_apart(False)
+    assert lanes._home_cpu(2) is None
+    _unpinned_items(two_cpus)
+
+
+def test_lanes_are_not_pinned_with_a_spare_cpu() -> None:
+    own = os.sched_getaffinity(0)
+    if len(own) < 3:
+        pytest.skip("needs three CPUs")
+    three = set(sorted(own)[:3])
+    was = lanes._apart
+    os.sched_setaffinity(0, three)
+    try:
+        lanes.keep_lanes_apart(True)
+        assert lanes._home_cpu(2) is None and lanes._home_cpu(3) is not None
+        _unpinned_items(three)
+    finally:
+        lanes.keep_lanes_apart(was)
+        os.sched_setaffinity(0, own)
+
+
+def test_without_sched_getcpu_lanes_are_never_kept_apart(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lanes, "_current_cpu", None)
+    was = lanes._apart
+    try:
+        assert lanes.keep_lanes_apart(True) is False
+        assert lanes._home_cpu(2) is None
+    finally:
+        lanes._apart = was
