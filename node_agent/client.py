@@ -593,8 +593,9 @@ class EngineClient:
         (the claim fence did not move: :class:`~node_agent.engine_loads.EngineLoads`),
         so only the unpinning is left to the agent. The answer is dropped when the
         next call reads its own (replies carry their request's id). False when it
-        could not be sent (the agent's socket gone or full, or another call held
-        this client for its whole timeout): the claim then ends with its lease."""
+        could not be sent (the agent's socket gone, or no room in its queue or
+        another call holding this client for the whole client timeout): the
+        claim then ends with its lease."""
         with self._claims_lock:
             if self._claim_ids.get(rid) == claim:
                 del self._claim_ids[rid]
@@ -607,13 +608,35 @@ class EngineClient:
 
     def _send_nowait(self, op: str, args: Mapping[str, Any]) -> None:
         """Queue one request whose answer nobody waits for (the next call drops it).
-        :class:`AgentUnavailableError` when the agent's socket is gone or full,
-        :class:`AgentTimeoutError` when another call held this client too long."""
+
+        Calls sent without waiting can outrun the agent: a full queue then means
+        a backlog, not a gone agent, so the send waits (up to the client's
+        timeout) for room, dropping the answers that arrive meanwhile.
+        :class:`AgentUnavailableError` when nothing listens on the socket any
+        more or no room came within the timeout, :class:`AgentTimeoutError`
+        when another call held this client too long."""
         self._check_socket_file(time.monotonic())
-        self._lock_within(op, time.monotonic() + self.timeout, self.timeout)
+        deadline = time.monotonic() + self.timeout
+        self._lock_within(op, deadline, self.timeout)
         try:
-            self._drop_answers()
-            self._send(protocol.encode_request(next(self._ids), op, args, None))
+            frames = protocol.encode_request(next(self._ids), op, args, None)
+            sock = self._socket()
+            while True:
+                self._drop_answers()
+                try:
+                    sock.send_multipart(frames, flags=_NOBLOCK)
+                    return
+                except zmq.Again:
+                    pass
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._reset_socket()
+                    raise AgentUnavailableError(
+                        f"{op}: the agent at ipc://{self.socket_path} took no message for "
+                        f"{self.timeout}s; check the agent's /healthz")
+                self._check_listener(op)
+                sock.poll(int(min(left, LISTENER_CHECK_SECONDS) * 1000) + 1,
+                          zmq.POLLIN | zmq.POLLOUT)
         except zmq.ZMQError as exc:
             self._reset_socket()
             raise AgentUnavailableError(
