@@ -24,7 +24,8 @@ the lane that releases it wakes it, and the scheduler places a woken thread on
 the waker's CPU when no CPU is idle at that instant (a socket thread answering,
 say); its balancer moves it back only at a later tick, milliseconds on, when
 the copy is nearly done (docs/agent.md, "Copy lanes on two cores"). With spare
-CPUs nothing is pinned.
+CPUs, and for a copy that starts while another one is pinned, nothing is
+pinned.
 """
 
 from __future__ import annotations
@@ -92,16 +93,35 @@ def keep_lanes_apart(on: bool = True) -> bool:
     return _apart
 
 
+_pinned_lock = threading.Lock()
+_pinned = 0
+"""Copies running with their lanes pinned (at most one: :func:`_home_cpu`)."""
+
+
 def _home_cpu(lanes: int) -> int | None:
     """The CPU the caller's lane keeps to, or None when the lanes stay unpinned
-    (not kept apart, fewer lanes than the caller's CPUs, one CPU, or no way to tell)."""
+    (not kept apart, fewer lanes than the caller's CPUs, one CPU, no way to tell,
+    or another copy of the process pinned: two copies started on one CPU would
+    otherwise both keep their caller's lane there). A CPU returned counts as a
+    pinned copy until :func:`_unpin`."""
+    global _pinned
     if not _apart or _current_cpu is None:
         return None
     allowed = os.sched_getaffinity(0)
     cpu = _current_cpu()
     if len(allowed) < 2 or len(allowed) > lanes or cpu not in allowed:
         return None
+    with _pinned_lock:
+        if _pinned:
+            return None
+        _pinned += 1
     return cpu
+
+
+def _unpin() -> None:
+    global _pinned
+    with _pinned_lock:
+        _pinned -= 1
 
 
 @contextlib.contextmanager
@@ -162,11 +182,15 @@ def run_items(items: Sequence[Callable[[], None]], lanes: int,
     n = min(lanes, len(items))
     home = _home_cpu(n)
     others = None if home is None else (lambda own: own - {home})
-    pool = _helpers(n - 1)
-    futures: list[Future[None]] = [pool.submit(helper, others) for _ in range(n - 1)]
-    with _kept_to(None if home is None else (lambda own: {home})):
-        lane()
-    for f in futures:
-        f.result()
+    try:
+        pool = _helpers(n - 1)
+        futures: list[Future[None]] = [pool.submit(helper, others) for _ in range(n - 1)]
+        with _kept_to(None if home is None else (lambda own: {home})):
+            lane()
+        for f in futures:
+            f.result()
+    finally:
+        if home is not None:
+            _unpin()
     if failed:
         raise failed[0]

@@ -124,6 +124,31 @@ def test_lanes_are_not_pinned_with_a_spare_cpu() -> None:
         os.sched_setaffinity(0, own)
 
 
+def test_a_copy_started_while_another_is_pinned_stays_unpinned(two_cpus: set[int]) -> None:
+    """Two copies that start on one CPU must not both keep their caller's lane
+    there: only the first pins."""
+    inside = threading.Event()
+    leave = threading.Event()
+
+    def hold() -> None:
+        inside.set()
+        assert leave.wait(10)
+
+    first = threading.Thread(target=lanes.run_items,
+                             args=([hold, lambda: None], 2, lambda: None))
+    os.sched_setaffinity(0, two_cpus)
+    first.start()
+    try:
+        assert inside.wait(10)
+        assert lanes._pinned == 1
+        assert lanes._home_cpu(2) is None  # the first copy holds the pin
+    finally:
+        leave.set()
+        first.join(10)
+    assert lanes._pinned == 0 and lanes._home_cpu(2) is not None
+    lanes._unpin()
+
+
 def test_without_sched_getcpu_lanes_are_never_kept_apart(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(lanes, "_current_cpu", None)
