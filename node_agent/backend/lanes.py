@@ -23,9 +23,11 @@ on one CPU while another idles: a lane waiting for the GIL between items sleeps,
 the lane that releases it wakes it, and the scheduler places a woken thread on
 the waker's CPU when no CPU is idle at that instant (a socket thread answering,
 say); its balancer moves it back only at a later tick, milliseconds on, when
-the copy is nearly done (docs/agent.md, "Copy lanes on two cores"). With spare
-CPUs, and for a copy that starts while another one is pinned, nothing is
-pinned.
+the copy is nearly done (docs/agent.md, "Copy lanes on two cores"). Only a
+copy that runs alone is pinned: one that starts while another runs is not, and
+the lanes of a pinned copy give their affinity back at their next item once
+another copy started (the scheduler then balances the threads of both). With
+spare CPUs nothing is pinned.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import contextlib
 import ctypes
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 _pool_lock = threading.Lock()
@@ -93,56 +95,49 @@ def keep_lanes_apart(on: bool = True) -> bool:
     return _apart
 
 
-_pinned_lock = threading.Lock()
-_pinned = 0
-"""Copies running with their lanes pinned (at most one: :func:`_home_cpu`)."""
+_copies_lock = threading.Lock()
+_copies = 0
+"""Copies of this process running over several lanes now."""
 
 
 def _home_cpu(lanes: int) -> int | None:
     """The CPU the caller's lane keeps to, or None when the lanes stay unpinned
     (not kept apart, fewer lanes than the caller's CPUs, one CPU, no way to tell,
-    or another copy of the process pinned: two copies started on one CPU would
-    otherwise both keep their caller's lane there). A CPU returned counts as a
-    pinned copy until :func:`_unpin`."""
-    global _pinned
-    if not _apart or _current_cpu is None:
+    or another copy running: lanes of two copies share the CPUs anyway, and two
+    copies started on one CPU would both keep their caller's lane there)."""
+    if not _apart or _current_cpu is None or _copies > 1:
         return None
     allowed = os.sched_getaffinity(0)
     cpu = _current_cpu()
     if len(allowed) < 2 or len(allowed) > lanes or cpu not in allowed:
         return None
-    with _pinned_lock:
-        if _pinned:
-            return None
-        _pinned += 1
     return cpu
 
 
-def _unpin() -> None:
-    global _pinned
-    with _pinned_lock:
-        _pinned -= 1
+class _Affinity:
+    """One lane thread's narrowed affinity, given back by :meth:`restore` (at
+    most once; also when another copy starts, :meth:`restore_if_shared`)."""
 
-
-@contextlib.contextmanager
-def _kept_to(cpus: Callable[[set[int]], set[int]] | None) -> Iterator[None]:
-    """Run the calling thread on ``cpus(its allowed CPUs)`` meanwhile (nothing when
-    ``cpus`` is None or leaves none), then give it back its own affinity."""
-    if cpus is None:
-        yield
-        return
-    own = os.sched_getaffinity(0)
-    narrowed = cpus(set(own))
-    try:
-        if narrowed and narrowed != own:
+    def __init__(self, cpus: Callable[[set[int]], set[int]] | None) -> None:
+        self._own: set[int] = set()
+        if cpus is None:
+            return
+        own = os.sched_getaffinity(0)
+        narrowed = cpus(set(own))
+        if not narrowed or narrowed == own:
+            return
+        try:
             os.sched_setaffinity(0, narrowed)
-        else:
-            own = set()
-    except OSError:  # a CPU gone offline or a cpuset changed since: run anywhere
-        own = set()
-    try:
-        yield
-    finally:
+        except OSError:  # a CPU gone offline or a cpuset changed since: run anywhere
+            return
+        self._own = own
+
+    def restore_if_shared(self) -> None:
+        if self._own and _copies > 1:
+            self.restore()
+
+    def restore(self) -> None:
+        own, self._own = self._own, set()
         if own:
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(0, own)
@@ -160,37 +155,41 @@ def run_items(items: Sequence[Callable[[], None]], lanes: int,
     state = {"next": 0}
     failed: list[BaseException] = []
 
-    def lane() -> None:
-        while True:
-            with lock:
-                i = state["next"]
-                if failed or i >= len(items):
-                    return
-                state["next"] = i + 1
-            try:
-                before_item()
-                items[i]()
-            except BaseException as exc:  # handed to the caller below
+    def lane(cpus: Callable[[set[int]], set[int]] | None) -> None:
+        pinned = _Affinity(cpus)
+        try:
+            while True:
                 with lock:
-                    failed.append(exc)
-                return
+                    i = state["next"]
+                    if failed or i >= len(items):
+                        return
+                    state["next"] = i + 1
+                try:
+                    before_item()
+                    items[i]()
+                except BaseException as exc:  # handed to the caller below
+                    with lock:
+                        failed.append(exc)
+                    return
+                pinned.restore_if_shared()
+        finally:
+            pinned.restore()
 
-    def helper(cpus: Callable[[set[int]], set[int]] | None) -> None:
-        with _kept_to(cpus):
-            lane()
-
+    global _copies
     n = min(lanes, len(items))
-    home = _home_cpu(n)
-    others = None if home is None else (lambda own: own - {home})
+    with _copies_lock:
+        _copies += 1
     try:
+        home = _home_cpu(n)
         pool = _helpers(n - 1)
-        futures: list[Future[None]] = [pool.submit(helper, others) for _ in range(n - 1)]
-        with _kept_to(None if home is None else (lambda own: {home})):
-            lane()
+        futures: list[Future[None]] = [
+            pool.submit(lane, None if home is None else (lambda own: own - {home}))
+            for _ in range(n - 1)]
+        lane(None if home is None else (lambda own: {home}))
         for f in futures:
             f.result()
     finally:
-        if home is not None:
-            _unpin()
+        with _copies_lock:
+            _copies -= 1
     if failed:
         raise failed[0]

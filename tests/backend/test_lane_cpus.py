@@ -124,29 +124,54 @@ def test_lanes_are_not_pinned_with_a_spare_cpu() -> None:
         os.sched_setaffinity(0, own)
 
 
-def test_a_copy_started_while_another_is_pinned_stays_unpinned(two_cpus: set[int]) -> None:
-    """Two copies that start on one CPU must not both keep their caller's lane
-    there: only the first pins."""
-    inside = threading.Event()
-    leave = threading.Event()
+def test_only_a_copy_running_alone_is_pinned(two_cpus: set[int]) -> None:
+    """A copy that starts while another runs is not pinned, and the running
+    copy's lanes give their affinity back at their next item."""
+    lanes._helpers(3)  # room for both copies' helpers
+    a_in = threading.Barrier(3, timeout=10)  # both lanes of A, and this thread
+    b_running = threading.Event()
+    a_after = threading.Event()
+    seen_a: list[tuple[str, int, frozenset[int]]] = []
+    seen_b: list[tuple[int, frozenset[int]]] = []
+    lock = threading.Lock()
 
-    def hold() -> None:
-        inside.set()
-        assert leave.wait(10)
+    def note(phase: str) -> None:
+        with lock:
+            seen_a.append((phase, threading.get_native_id(),
+                           frozenset(os.sched_getaffinity(0))))
+
+    def gate() -> None:
+        note("alone")
+        a_in.wait()
+        assert b_running.wait(10)
+
+    def after() -> None:
+        note("shared")
+        if sum(1 for p, _, _ in seen_a if p == "shared") >= 2:
+            a_after.set()
+
+    def b_item() -> None:
+        b_running.set()
+        with lock:
+            seen_b.append((threading.get_native_id(), frozenset(os.sched_getaffinity(0))))
+        assert a_after.wait(10)
 
     first = threading.Thread(target=lanes.run_items,
-                             args=([hold, lambda: None], 2, lambda: None))
-    os.sched_setaffinity(0, two_cpus)
+                             args=([gate, gate] + [after] * 6, 2, lambda: None))
     first.start()
-    try:
-        assert inside.wait(10)
-        assert lanes._pinned == 1
-        assert lanes._home_cpu(2) is None  # the first copy holds the pin
-    finally:
-        leave.set()
-        first.join(10)
-    assert lanes._pinned == 0 and lanes._home_cpu(2) is not None
-    lanes._unpin()
+    a_in.wait()  # A runs alone, pinned
+    second = threading.Thread(target=lanes.run_items, args=([b_item] * 4, 2, lambda: None))
+    second.start()
+    second.join(20)
+    first.join(20)
+    assert not first.is_alive() and not second.is_alive()
+    alone = {aff for p, _, aff in seen_a if p == "alone"}
+    assert len(alone) == 2 and any(len(aff) == 1 for aff in alone)  # A was pinned
+    # B never was, and A's lanes ran unpinned once B ran.
+    assert len(seen_b) == 4 and all(len(aff) > 1 for _, aff in seen_b)
+    shared = [aff for p, _, aff in seen_a if p == "shared"]
+    assert len(shared) == 6 and all(len(aff) > 1 for aff in shared)
+    assert lanes._copies == 0
 
 
 def test_without_sched_getcpu_lanes_are_never_kept_apart(
