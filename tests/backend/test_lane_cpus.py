@@ -45,14 +45,27 @@ def _recorder(seen: list[tuple[int, frozenset[int]]]) -> Callable[[], None]:
     return item
 
 
-def _helper_affinity() -> set[int]:
-    """The affinity of the helper lanes' pool thread, read on that thread."""
-    return lanes._helpers(1).submit(lambda: os.sched_getaffinity(0)).result()
+def _affinities() -> dict[int, frozenset[int]]:
+    """Every thread of this process (the helper pool's included) -> its affinity."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            out[int(tid)] = frozenset(os.sched_getaffinity(int(tid)))
+        except OSError:  # the thread ended meanwhile
+            pass
+    return out
+
+
+def _same_affinities(before: dict[int, frozenset[int]]) -> bool:
+    """Every thread that existed before has its affinity of then again."""
+    after = _affinities()
+    return all(after[t] == a for t, a in before.items() if t in after)
 
 
 def test_each_lane_keeps_to_its_own_cpu_and_gets_its_affinity_back(
         two_cpus: set[int]) -> None:
-    helper_own = _helper_affinity()
+    lanes._helpers(1).submit(lambda: None).result()  # the helper thread exists now
+    before = _affinities()
     caller = threading.get_native_id()
     seen: list[tuple[int, frozenset[int]]] = []
     item = _recorder(seen)
@@ -74,11 +87,12 @@ def test_each_lane_keeps_to_its_own_cpu_and_gets_its_affinity_back(
     assert others and all(not (aff & home) for aff in others)
     # Every thread has its own affinity again.
     assert os.sched_getaffinity(0) == two_cpus
-    assert _helper_affinity() == helper_own
+    assert _same_affinities(before)
 
 
 def test_a_failing_item_still_gives_every_lane_its_affinity_back(two_cpus: set[int]) -> None:
-    helper_own = _helper_affinity()
+    lanes._helpers(1).submit(lambda: None).result()
+    before = _affinities()
     gate = threading.Barrier(2, timeout=10)
 
     def meet() -> None:
@@ -90,7 +104,7 @@ def test_a_failing_item_still_gives_every_lane_its_affinity_back(two_cpus: set[i
     with pytest.raises(RuntimeError, match="plane 3 failed"):
         lanes.run_items([meet, meet, bad] + [lambda: None] * 5, 2, lambda: None)
     assert os.sched_getaffinity(0) == two_cpus
-    assert _helper_affinity() == helper_own
+    assert _same_affinities(before)
 
 
 def _unpinned_items(allowed: set[int]) -> None:
