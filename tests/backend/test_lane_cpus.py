@@ -6,6 +6,7 @@ or with the switch off, nothing is pinned."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -49,10 +50,8 @@ def _affinities() -> dict[int, frozenset[int]]:
     """Every thread of this process (the helper pool's included) -> its affinity."""
     out = {}
     for tid in os.listdir("/proc/self/task"):
-        try:
+        with contextlib.suppress(OSError):  # the thread ended meanwhile
             out[int(tid)] = frozenset(os.sched_getaffinity(int(tid)))
-        except OSError:  # the thread ended meanwhile
-            pass
     return out
 
 
