@@ -26,8 +26,12 @@ def mooncake_importable() -> None:
 
 
 @pytest.fixture
-def master(tmp_path: Path) -> Iterator[Master]:
-    m = start_master(tmp_path / "master.log")
+def master(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Master]:
+    """A master for this test alone. ``@pytest.mark.master_lease_ms(N)`` on a test
+    that removes objects it read gives them an N ms read lease instead of
+    Mooncake's 10 s, so the removal does not wait that long."""
+    lease = request.node.get_closest_marker("master_lease_ms")
+    m = start_master(tmp_path / "master.log", lease_ms=None if lease is None else lease.args[0])
     try:
         yield m
     finally:

@@ -48,9 +48,12 @@ def master_binary() -> str:
 class Master:
     """One ``mooncake_master`` process; ``kill`` and ``start`` reuse the same ports."""
 
-    def __init__(self, log: Path) -> None:
+    def __init__(self, log: Path, lease_ms: int | None = None) -> None:
         self.rpc, self.http, self.metrics = free_port(), free_port(), free_port()
         self.log = log
+        self.lease_ms = lease_ms
+        """The objects' read lease (``--default_kv_lease_ttl``): a removal waits until
+        the last get's lease ended. None: Mooncake's default (10 s)."""
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -68,7 +71,9 @@ class Master:
                 [master_binary(), f"--rpc_port={self.rpc}", "--rpc_address=127.0.0.1",
                  "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
                  f"--http_metadata_server_port={self.http}", "--metrics_host=127.0.0.1",
-                 f"--metrics_port={self.metrics}"],
+                 f"--metrics_port={self.metrics}",
+                 *([] if self.lease_ms is None else
+                   [f"--default_kv_lease_ttl={self.lease_ms}"])],
                 stdout=out, stderr=subprocess.STDOUT)
         finally:
             out.close()
@@ -91,12 +96,12 @@ class Master:
             self.proc.wait(timeout=10)
 
 
-def start_master(log: Path, tries: int = 3) -> Master:
+def start_master(log: Path, tries: int = 3, lease_ms: int | None = None) -> Master:
     """A started master on fresh free ports. A port handed out by :func:`free_port`
     can be taken by another process before the master binds it (the master then
     exits at once): such a start is retried on new ports, ``tries`` times at most."""
     for attempt in range(tries):
-        m = Master(log)
+        m = Master(log, lease_ms)
         try:
             m.start()
             return m

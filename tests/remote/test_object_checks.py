@@ -70,6 +70,7 @@ CORRUPTIONS: dict[str, Callable[[list[bytes], int], bytes]] = {
 }
 
 
+@pytest.mark.master_lease_ms(500)  # replace_object waits out the reads' leases
 @pytest.mark.parametrize("reason", sorted(CORRUPTIONS))
 def test_an_object_replaced_under_its_key_in_the_pool_is_never_loaded(
         master: Master, reason: str) -> None:

@@ -318,6 +318,7 @@ def test_a_remote_fetch_never_holds_up_another_requests_lookup(
         c.release("q")
 
 
+@pytest.mark.master_lease_ms(500)  # the removals below wait out the gets' leases
 def test_blocks_a_follower_could_not_fetch_are_fetched_again_once_its_objects_return(
         groups: tuple[Group, Group, list[Node]]) -> None:
     """Stage 1's objects are missing while B's leader fetches the prompt: the group

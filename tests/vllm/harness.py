@@ -13,6 +13,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -126,19 +127,41 @@ class EngineProcess:
         return self.log.read_text(errors="replace")[-n:]
 
     def stop(self, timeout: float = 60.0) -> int:
+        """Ask the engine to quit, wait up to ``timeout`` for it, then kill it;
+        its exit code."""
+        self.ask_to_quit()
+        return self.wait_stopped(timeout)
+
+    def ask_to_quit(self) -> None:
+        """Send the driver its ``quit`` without waiting (see :func:`stop_all`)."""
         if self.proc.poll() is None and self.proc.stdin is not None:
             try:
                 self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
                 self.proc.stdin.flush()
             except (BrokenPipeError, OSError):
                 pass
+
+    def wait_stopped(self, timeout: float) -> int:
+        """Wait up to ``timeout`` for the engine to exit, then kill it; its exit code."""
         try:
-            rc = self.proc.wait(timeout=timeout)
+            rc = self.proc.wait(timeout=max(0.0, timeout))
         except subprocess.TimeoutExpired:
             self.proc.kill()
             rc = self.proc.wait(timeout=30)
         self._log.close()
         return rc
+
+
+def stop_all(engines: Iterable[EngineProcess], timeout: float = 30.0) -> None:
+    """Stop ``engines`` at once: every one is asked to quit before any is waited
+    for (each shuts down in its own process), and those still running ``timeout``
+    seconds later are killed."""
+    engines = list(engines)
+    for e in engines:
+        e.ask_to_quit()
+    deadline = time.monotonic() + timeout
+    for e in engines:
+        e.wait_stopped(deadline - time.monotonic())
 
 
 def wait_metric(engine: EngineProcess, name: str, minimum: float, timeout: float = 30.0,

@@ -45,6 +45,7 @@ from tests.vllm.harness import (
     TinyModels,
     connector_config,
     require_vllm,
+    stop_all,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -82,8 +83,7 @@ class World:
         self.engines[name] = EngineProcess(model, self.work / f"engine-{name}.log", kv, **kw)
 
     def close(self) -> None:
-        for e in self.engines.values():
-            e.stop(timeout=30)
+        stop_all(self.engines.values(), timeout=30)
         stop_process(self.agent.proc)
 
 

@@ -58,6 +58,7 @@ from tests.vllm.harness import (
     TinyModels,
     connector_config,
     require_vllm,
+    stop_all,
     wait_metric,
 )
 
@@ -107,8 +108,7 @@ class World:
         return e
 
     def close(self) -> None:
-        for e in self.engines.values():
-            e.stop(timeout=30)
+        stop_all(self.engines.values(), timeout=30)
         self.listener.close()
         stop_process(self.agent.proc)
 
@@ -287,8 +287,7 @@ def test_agent_killed_mid_workload_then_restarted(world: World) -> None:
 
 
 def test_misconfiguration_fails_at_start_up_naming_the_setting(world: World) -> None:
-    for e in list(world.engines.values()):
-        e.stop(timeout=30)
+    stop_all(world.engines.values(), timeout=30)
     missing = world.work / "no-agent" / "engine.sock"
     no_agent = world.engine("no-agent", connector_config(missing))
     wrong_block = world.engine("wrong-block", connector_config(world.agent.socket),

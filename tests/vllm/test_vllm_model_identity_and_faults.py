@@ -43,6 +43,7 @@ from tests.vllm.harness import (
     TinyModels,
     connector_config,
     require_vllm,
+    stop_all,
     wait_metric,
 )
 
@@ -79,8 +80,7 @@ class World:
         return e
 
     def close(self) -> None:
-        for e in self.engines.values():
-            e.stop(timeout=30)
+        stop_all(self.engines.values(), timeout=30)
         stop_process(self.agent.proc)
 
 
