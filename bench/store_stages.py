@@ -10,7 +10,10 @@ prints one JSON object: the median time from the engine sending ``store_kv``
 to each stage (ms), and the median total. A profiling aid for docs/agent.md
 ("The store path, stage by stage"), not a benchmark with a baseline.
 
-    python bench/store_stages.py [--rounds 30] [--tokens 2048] [--layers 8]
+    python bench/store_stages.py [--rounds 30] [--tokens 2048] [--layers 8] [--evict]
+
+``--evict`` copies 64 MiB in the engine before each store, so the agent's work
+runs as cache-cold as between the rounds of ``bench/engine_api.py``.
 """
 
 from __future__ import annotations
@@ -165,8 +168,15 @@ def _engine(args: argparse.Namespace) -> None:
                 t.copy_(torch.randn(t.shape).to(t.dtype))
         rng = np.random.default_rng(0)
         src = np.arange(n, dtype=np.int64)
+        # --evict: 64 MiB copied in the engine before each store (numpy: no OpenMP
+        # workers left spinning into the timed store), as bench/engine_api.py's
+        # baseline copies and checks leave the caches before its stores.
+        evict = (np.ones(64 << 20, dtype=np.uint8), np.empty(64 << 20, dtype=np.uint8)) \
+            if args.evict else None
         for r in range(args.rounds):
             ids = rng.integers(0, 1 << 30, n, dtype=np.int64)
+            if evict is not None:
+                np.copyto(evict[1], evict[0])
             t0 = time.perf_counter()
             client.store_kv(f"s{r}", ids, src)
             while f"s{r}" not in client.wait_completed(1.0):
@@ -205,6 +215,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--evict", action="store_true",
+                   help="copy 64 MiB in the engine before each store (as bench/engine_api.py's "
+                        "baseline copies leave the caches)")
     _engine(p.parse_args())
     return 0
 

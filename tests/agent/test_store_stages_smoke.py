@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_store_stages_reports_every_stage_in_order(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, str(REPO / "bench" / "store_stages.py"), "--rounds", "3",
-         "--tokens", "64", "--layers", "1"],
+         "--tokens", "64", "--layers", "1", "--evict"],
         cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True,
         text=True, timeout=120, check=True,
     ).stdout
